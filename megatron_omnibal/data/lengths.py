@@ -1,0 +1,291 @@
+"""Per-sample length statistics: reading, validating, caching and writing them.
+
+Balancing needs two numbers per sample: image tiles the vision encoder sees (`vit_num`) and tokens
+the LLM sees (`token_num`), plus `image_flags`, the real (non-dummy) tiles. They arrive as the
+OmniBal JSON list, as a meta JSON naming one such file per dataset, as JSONL, or as our compact
+`.npz`. Every record is checked, and an error names the file and the record index, because a
+silently wrong length becomes a silently unbalanced (or crashing) training job days later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_VERSION = 1
+FIELDS = ("vit_num", "token_num", "image_flags")
+
+
+class LengthsError(ValueError):
+    """Bad length statistics: the message names the file and, where known, the record index."""
+
+
+@dataclass(frozen=True)
+class LengthStats:
+    """Length statistics of a dataset, one entry per sample, in sample-index order.
+
+    `dataset[i]` indexes `names`: the dataset (meta-file entry) sample i came from.
+    """
+
+    vit: np.ndarray
+    tokens: np.ndarray
+    image_flags: np.ndarray
+    dataset: np.ndarray
+    names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.vit)
+        for field in ("tokens", "image_flags", "dataset"):
+            if len(getattr(self, field)) != n:
+                raise LengthsError(f"length statistics: '{field}' has {len(getattr(self, field))} "
+                                   f"entries, 'vit' has {n}")
+
+    def __len__(self) -> int:
+        return len(self.vit)
+
+    def subset(self, index: np.ndarray) -> LengthStats:
+        """The statistics of the samples `index`, in that order."""
+        return LengthStats(self.vit[index], self.tokens[index], self.image_flags[index],
+                           self.dataset[index], self.names)
+
+    def repeat(self, times: int) -> LengthStats:
+        """The data concatenated `times` times (for timing at scale, never for quality)."""
+        return LengthStats(np.tile(self.vit, times), np.tile(self.tokens, times),
+                           np.tile(self.image_flags, times), np.tile(self.dataset, times),
+                           self.names)
+
+
+def from_arrays(vit: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
+                image_flags: Sequence[int] | np.ndarray | None = None,
+                dataset: Sequence[int] | np.ndarray | None = None,
+                names: Sequence[str] = ("data",), source: str = "<arrays>") -> LengthStats:
+    """Build validated statistics from arrays (image_flags default to vit, dataset to 0)."""
+    vit_a = np.asarray(vit, dtype=np.int64)
+    tok_a = np.asarray(tokens, dtype=np.int64)
+    flags_a = vit_a.copy() if image_flags is None else np.asarray(image_flags, dtype=np.int64)
+    ds_a = np.zeros(len(vit_a), np.int32) if dataset is None else np.asarray(dataset, np.int32)
+    stats = LengthStats(vit_a, tok_a, flags_a, ds_a, tuple(names))
+    _check_values(stats, source)
+    return stats
+
+
+def concat(parts: Iterable[LengthStats]) -> LengthStats:
+    """Concatenate statistics, keeping each part's dataset names distinct."""
+    parts = list(parts)
+    names: list[str] = []
+    datasets = []
+    for part in parts:
+        datasets.append(part.dataset + len(names))
+        names.extend(part.names)
+    return LengthStats(
+        np.concatenate([p.vit for p in parts]).astype(np.int64),
+        np.concatenate([p.tokens for p in parts]).astype(np.int64),
+        np.concatenate([p.image_flags for p in parts]).astype(np.int64),
+        np.concatenate(datasets).astype(np.int32),
+        tuple(names),
+    )
+
+
+def load_lengths(path: str | os.PathLike, cache: bool = True) -> LengthStats:
+    """Read length statistics from `.npz`, a JSON list, a meta JSON or JSONL.
+
+    With `cache`, parsed JSON is kept as `.npz` under $OMNIBAL_CACHE_DIR (default
+    ~/.cache/omnibal), keyed by the file's path, size and mtime, so a 1.2M-record file parses
+    once; the cache is never written next to the input (it may be read-only).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise LengthsError(f"{path}: no such length-statistics file")
+    if path.suffix == ".npz":
+        return _load_npz(path)
+    cache_file = _cache_path(path) if cache else None
+    if cache_file is not None and cache_file.is_file():
+        try:
+            return _load_npz(cache_file)
+        except LengthsError:
+            cache_file.unlink(missing_ok=True)
+    stats = _load_text(path)
+    if cache_file is not None:
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(f".{os.getpid()}.tmp.npz")
+            save_lengths(stats, tmp)
+            tmp.replace(cache_file)
+        except OSError:
+            pass  # a cache that cannot be written only costs the next parse
+    return stats
+
+
+def save_lengths(stats: LengthStats, path: str | os.PathLike) -> None:
+    """Write statistics as `.npz` (compact), `.jsonl` or a `.json` list, chosen by suffix."""
+    path = Path(path)
+    if path.suffix == ".npz":
+        np.savez_compressed(
+            path,
+            vit=stats.vit.astype(_smallest_uint(stats.vit)),
+            tokens=stats.tokens.astype(_smallest_uint(stats.tokens)),
+            image_flags=stats.image_flags.astype(_smallest_uint(stats.image_flags)),
+            dataset=stats.dataset.astype(_smallest_uint(stats.dataset)),
+            names=np.array(json.dumps(list(stats.names))),
+            version=np.array(FORMAT_VERSION),
+        )
+        return
+    records = [{"vit_num": int(v), "token_num": int(t), "image_flags": int(f)}
+               for v, t, f in zip(stats.vit, stats.tokens, stats.image_flags, strict=True)]
+    with open(path, "w") as fh:
+        if path.suffix == ".jsonl":
+            fh.writelines(json.dumps(r) + "\n" for r in records)
+        else:
+            json.dump(records, fh)
+
+
+def _load_npz(path: Path) -> LengthStats:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if int(z["version"]) != FORMAT_VERSION:
+                raise LengthsError(f"{path}: length cache format {int(z['version'])}, "
+                                   f"expected {FORMAT_VERSION}")
+            stats = LengthStats(z["vit"].astype(np.int64), z["tokens"].astype(np.int64),
+                                z["image_flags"].astype(np.int64), z["dataset"].astype(np.int32),
+                                tuple(json.loads(str(z["names"]))))
+    except (OSError, KeyError, ValueError) as exc:
+        if isinstance(exc, LengthsError):
+            raise
+        raise LengthsError(f"{path}: not a length-statistics .npz ({exc})") from exc
+    _check_values(stats, str(path))
+    return stats
+
+
+def _load_text(path: Path) -> LengthStats:
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LengthsError(f"{path}: cannot read ({exc})") from exc
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        return _parse_list(_json_loads(text, path), path)
+    if stripped.startswith("{"):
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError:
+            return _parse_jsonl(text, path)  # several objects, one per line
+        if isinstance(doc, dict) and _is_record(doc):
+            return _parse_jsonl(text, path)  # a JSONL file holding one record
+        return _parse_meta(doc, path)
+    raise LengthsError(f"{path}: expected a JSON list of records, a meta JSON object or JSONL")
+
+
+def _json_loads(text: str, path: Path) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LengthsError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: "
+                           f"{exc.msg}") from exc
+
+
+def _is_record(doc: dict) -> bool:
+    return "vit_num" in doc or "token_num" in doc
+
+
+def _parse_jsonl(text: str, path: Path) -> LengthStats:
+    records = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise LengthsError(f"{path}: line {lineno} (record {len(records)}): invalid JSON: "
+                               f"{exc.msg}") from exc
+    return _parse_list(records, path)
+
+
+def _parse_meta(doc: object, path: Path) -> LengthStats:
+    if not isinstance(doc, dict) or not doc:
+        raise LengthsError(f"{path}: a meta file must map dataset names to "
+                           "{'token_lengths': path}")
+    parts = []
+    for name, entry in doc.items():
+        if not isinstance(entry, dict) or "token_lengths" not in entry:
+            raise LengthsError(f"{path}: dataset '{name}' has no 'token_lengths' entry")
+        child = (path.parent / str(entry["token_lengths"])).resolve()
+        if not child.is_file():
+            raise LengthsError(f"{path}: dataset '{name}': token_lengths file {child} not found")
+        part = _load_npz(child) if child.suffix == ".npz" else _load_text(child)
+        parts.append(LengthStats(part.vit, part.tokens, part.image_flags,
+                                 np.zeros(len(part), np.int32), (str(name),)))
+    return concat(parts)
+
+
+def _parse_list(records: object, path: Path) -> LengthStats:
+    if not isinstance(records, list):
+        raise LengthsError(f"{path}: expected a list of records")
+    n = len(records)
+    vit = np.empty(n, np.int64)
+    tokens = np.empty(n, np.int64)
+    flags = np.empty(n, np.int64)
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict):
+            raise LengthsError(f"{path}: record {i}: expected an object, got {type(rec).__name__}")
+        flag_key = "image_flags" if "image_flags" in rec else "image_flag"
+        vit[i] = _integer(rec, "vit_num", path, i)
+        tokens[i] = _integer(rec, "token_num", path, i)
+        flags[i] = _integer(rec, flag_key, path, i)
+    stats = LengthStats(vit, tokens, flags, np.zeros(n, np.int32), (path.stem,))
+    _check_values(stats, str(path))
+    return stats
+
+
+def _integer(rec: dict, key: str, path: Path, index: int) -> int:
+    if key not in rec:
+        wanted = "image_flags' or 'image_flag" if key == "image_flag" else key
+        raise LengthsError(f"{path}: record {index}: missing field '{wanted}'")
+    value = rec[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise LengthsError(f"{path}: record {index}: '{key}' must be an integer, got {value!r}")
+    if isinstance(value, float) and not value.is_integer():
+        raise LengthsError(f"{path}: record {index}: '{key}' must be an integer, got {value!r}")
+    return int(value)
+
+
+def _check_values(stats: LengthStats, source: str) -> None:
+    """Vectorised range checks; the first offending record is named."""
+    checks = (
+        (stats.vit < 0, "'vit_num' is negative"),
+        (stats.tokens <= 0, "'token_num' must be positive"),
+        (stats.image_flags < 0, "'image_flags' is negative"),
+        (stats.image_flags > stats.vit, "'image_flags' exceeds 'vit_num' (real tiles > tiles)"),
+    )
+    for bad, what in checks:
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise LengthsError(f"{source}: record {i}: {what} (vit_num={int(stats.vit[i])}, "
+                               f"token_num={int(stats.tokens[i])}, "
+                               f"image_flags={int(stats.image_flags[i])}); "
+                               f"{int(bad.sum())} such record(s)")
+    if len(stats.names) == 0 or (len(stats) and int(stats.dataset.max()) >= len(stats.names)):
+        raise LengthsError(f"{source}: dataset index out of range of {len(stats.names)} names")
+
+
+def _smallest_uint(values: np.ndarray) -> type:
+    top = int(values.max()) if len(values) else 0
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if top <= np.iinfo(dtype).max:
+            return dtype
+    return np.int64
+
+
+def _cache_path(path: Path) -> Path | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    root = Path(os.environ.get("OMNIBAL_CACHE_DIR", Path.home() / ".cache" / "omnibal"))
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{FORMAT_VERSION}"
+    return root / f"lengths-{hashlib.sha1(key.encode()).hexdigest()[:16]}.npz"

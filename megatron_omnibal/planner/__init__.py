@@ -1,0 +1,1 @@
+"""Planner: cost model, pipeline simulator, partition search, memory and recompute, plan.json."""
