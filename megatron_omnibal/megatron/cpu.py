@@ -1,0 +1,314 @@
+"""Run real Megatron-Core on a CPU-only torch with gloo.
+
+Why: the tests, the demo and users' dry runs of a plan need megatron-core's real pipeline
+schedules, transformer blocks, DDP and optimizer without a GPU. Megatron-Core assumes CUDA in
+about 250 places (``device="cuda"`` factories, ``Tensor.cuda()``, ``torch.cuda.*`` streams,
+events, RNG state). This module redirects those to the CPU and fixes the internals that go wrong
+there. It is the ONLY place in the project that patches torch or Megatron; every patch names the
+Megatron site it serves. It does nothing when CUDA is present.
+
+A ``TorchFunctionMode`` would not reach code run inside ``autograd.backward`` (the recompute
+forward of ``CheckpointFunction``), so the factory functions themselves are wrapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import typing
+from typing import Any
+
+import torch
+
+_ENABLED = False
+
+# Tensor factories that Megatron calls with device="cuda" / torch.cuda.current_device():
+# tensor_parallel/layers.py (weights), pipeline_parallel/p2p_communication.py (receive buffers),
+# transformer/* (masks, rotary), distributed/param_and_grad_buffer.py (grad buffers),
+# optimizer/* (found-inf flags, grad norms), parallel_state.py (global memory buffer).
+_FACTORIES = (
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "arange",
+    "linspace",
+    "eye",
+    "tensor",
+    "as_tensor",
+    "empty_strided",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+)
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _cpu_device(device: Any) -> Any:
+    return torch.device("cpu") if _is_cuda_device(device) else device
+
+
+def _wrap_factory(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return fn(*args, **kwargs)
+
+    factory.__omnibal_cpu__ = True  # type: ignore[attr-defined]
+    return factory
+
+
+def _map_to_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if "device" in kwargs:
+        kwargs["device"] = _cpu_device(kwargs["device"])
+    if args and _is_cuda_device(args[0]):
+        args = (torch.device("cpu"), *args[1:])
+    return args, kwargs
+
+
+class _Stream:
+    """CPU stand-in for torch.cuda.Stream: work is synchronous, so every wait is a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _Event:
+        return event if event is not None else _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        return (0, 0)
+
+
+class _Event:
+    """CPU stand-in for torch.cuda.Event (timers and overlap code record and wait on events)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import time
+
+        self._time = time.perf_counter
+        self._t = 0.0
+
+    def record(self, stream: Any = None) -> None:
+        self._t = self._time()
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: _Event) -> float:
+        return (end._t - self._t) * 1000.0
+
+
+def _patch_typing_override() -> None:
+    # megatron/training/models/hybrid.py does `from typing import override` (Python >= 3.12);
+    # on 3.11 the same decorator lives in typing_extensions.
+    if not hasattr(typing, "override"):
+        from typing_extensions import override
+
+        typing.override = override  # type: ignore[attr-defined]
+
+
+def _patch_torch() -> None:
+    for name in _FACTORIES:
+        fn = getattr(torch, name)
+        if not getattr(fn, "__omnibal_cpu__", False):
+            setattr(torch, name, _wrap_factory(fn))
+
+    # Tensor.cuda(): pipeline_parallel/schedules.py, training/utils.py (loss reduction buffers).
+    def tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self
+
+    torch.Tensor.cuda = tensor_cuda  # type: ignore[method-assign]
+
+    # Tensor.to(torch.cuda.current_device()) / .to("cuda"): optimizer/*, training/checkpointing.py.
+    orig_to = torch.Tensor.to
+
+    def tensor_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        args, kwargs = _map_to_args(args, kwargs)
+        return orig_to(self, *args, **kwargs)
+
+    torch.Tensor.to = tensor_to  # type: ignore[method-assign]
+
+    # Tensor.pin_memory(): dist_checkpointing and offloading copy through pinned buffers.
+    torch.Tensor.pin_memory = lambda self, *a, **k: self  # type: ignore[method-assign]
+
+    # Module.cuda(): training/training.py get_model() moves the model with model_module.cuda().
+    torch.nn.Module.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    orig_module_to = torch.nn.Module.to
+
+    def module_to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        args, kwargs = _map_to_args(args, kwargs)
+        return orig_module_to(self, *args, **kwargs)
+
+    torch.nn.Module.to = module_to  # type: ignore[method-assign]
+
+    cuda = torch.cuda
+    # device="cuda"/current_device() sites all over core (tensor_parallel/layers.py, p2p).
+    cuda.current_device = lambda: 0
+    # training/initialize.py sets up model-parallel groups only when device_count() > 0.
+    cuda.device_count = lambda: 1
+    cuda.set_device = lambda *a, **k: None
+    # Synchronisation and cache control: training/training.py, timers.py, optimizer.
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    # Streams and events: distributed/param_and_grad_buffer.py, pipeline_parallel/*, timers.py.
+    cuda.Stream = _Stream  # type: ignore[misc, assignment]
+    cuda.Event = _Event  # type: ignore[misc, assignment]
+    _default_stream = _Stream()
+    cuda.current_stream = lambda *a, **k: _default_stream
+    cuda.default_stream = lambda *a, **k: _default_stream
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.set_stream = lambda *a, **k: None
+    cuda.is_current_stream_capturing = lambda: False
+    # Memory reports: training/theoretical_memory_usage and report_memory in training/utils.py.
+    for name in (
+        "memory_allocated",
+        "max_memory_allocated",
+        "memory_reserved",
+        "max_memory_reserved",
+    ):
+        setattr(cuda, name, lambda *a, **k: 0)
+    cuda.memory_stats = lambda *a, **k: {}
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+    # nvtx ranges: core/utils.py nvtx_range_push/pop around forward/backward steps.
+    cuda.nvtx.range_push = lambda *a, **k: None
+    cuda.nvtx.range_pop = lambda *a, **k: None
+    cuda.nvtx.range = lambda *a, **k: contextlib.nullcontext()
+    # CUDA RNG == the CPU generator, which is what dropout uses on CPU:
+    # tensor_parallel/random.py CudaRNGStatesTracker.add / model_parallel_cuda_manual_seed.
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+    # (torch.manual_seed itself calls cuda.manual_seed_all, so that one stays as it is.)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+
+
+class _SameGeneratorFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import random as mp_random
+
+    # tensor_parallel/random.py: _set_cuda_rng_state queues the set with torch.cuda._lazy_call,
+    # which never runs on a CPU build, so CudaRNGStatesTracker.fork() and CheckpointFunction's
+    # recompute silently use the wrong RNG stream (dropout masks differ -> wrong gradients).
+    def get_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+        state = torch.get_rng_state()
+        return state.clone() if kwargs.get("clone") else state
+
+    def set_cuda_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        torch.set_rng_state(new_state)
+
+    mp_random._get_cuda_rng_state = get_cuda_rng_state
+    mp_random._set_cuda_rng_state = set_cuda_rng_state
+    # CudaRNGStatesTracker.fork() warns when the CPU RNG moved inside a fork; on CPU the tracked
+    # "cuda" stream IS the CPU generator, so every dropout would warn. Filter that one message.
+    logging.getLogger(mp_random.__name__).addFilter(_SameGeneratorFilter())
+
+    # models/vision/clip_vit_model.py: without TE its NORM_IMPL is torch.nn.LayerNorm, which
+    # build_module calls with config=...; give it Megatron's own torch norm, which takes config.
+    from megatron.core.models.vision import clip_vit_model
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if clip_vit_model.NORM_IMPL is torch.nn.LayerNorm:
+        clip_vit_model.NORM_IMPL = WrappedTorchNorm
+        defaults = list(clip_vit_model.CLIPViTModel.__init__.__defaults__ or ())
+        clip_vit_model.CLIPViTModel.__init__.__defaults__ = tuple(
+            WrappedTorchNorm if d is torch.nn.LayerNorm else d for d in defaults
+        )
+
+    _patch_megatron_training()
+
+
+def _patch_megatron_training() -> None:
+    # megatron/training/initialize.py initialize_megatron asserts torch.cuda.is_available()
+    # unless allow_no_cuda=True; training/training.py pretrain() calls it without that flag.
+    try:
+        from megatron.training import initialize, training
+    except ImportError:
+        return
+    orig = initialize.initialize_megatron
+    if getattr(orig, "__omnibal_cpu__", False):
+        return
+
+    @functools.wraps(orig)
+    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_no_cuda"] = True
+        return orig(*args, **kwargs)
+
+    initialize_megatron.__omnibal_cpu__ = True  # type: ignore[attr-defined]
+    initialize.initialize_megatron = initialize_megatron
+    training.initialize_megatron = initialize_megatron
+
+
+def enable_cpu_megatron() -> bool:
+    """Make megatron-core run on this CPU-only torch; True if the patches are (now) active.
+
+    Call before building models or process groups. Idempotent. Returns False and changes
+    nothing when CUDA is available.
+    """
+    global _ENABLED
+    if _ENABLED:
+        return True
+    if torch.cuda.is_available():
+        return False
+    _patch_typing_override()
+    _patch_torch()
+    _patch_megatron()
+    _ENABLED = True
+    return True
+
+
+def cpu_megatron_enabled() -> bool:
+    """Whether enable_cpu_megatron() has patched this process."""
+    return _ENABLED
+
+
+__all__ = ["enable_cpu_megatron", "cpu_megatron_enabled"]
