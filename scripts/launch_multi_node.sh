@@ -14,7 +14,8 @@ megatron_omnibal.pretrain_vlm` (or FILE, e.g. a Megatron-LM checkout's pretrain_
 by scripts/apply_megatron_patch.sh; then pass --omnibal) with every other flag, in order.
 
   --nnodes N           number of nodes (default: $NNODES, else $SLURM_NNODES)
-  --node-rank R        this node's rank, 0..N-1 (default: $NODE_RANK, else $SLURM_NODEID)
+  --node-rank R        this node's rank, 0..N-1 (default: $NODE_RANK, else $SLURM_NODEID;
+                       0 when N is 1)
   --cpu                CPU processes: gloo (adds --distributed-backend gloo), OMP_NUM_THREADS=1,
                        no GPU visible, TORCHDYNAMO_DISABLE=1
   --nproc-per-node N   processes per node (default: $GPUS_PER_NODE, else one per GPU;
@@ -39,6 +40,7 @@ nnodes=${nnodes:-${NNODES:-${SLURM_NNODES:-}}}
 node_rank=${node_rank:-${NODE_RANK:-${SLURM_NODEID:-}}}
 [[ -n $nnodes ]] || launch_die "number of nodes unknown: pass --nnodes or set NNODES"
 launch_check_count "--nnodes (or NNODES)" "$nnodes" 1
+((10#$nnodes > 1)) || node_rank=${node_rank:-0}
 backend=${RDZV_BACKEND:-static}
 case "$backend" in
     static)
