@@ -1,0 +1,155 @@
+"""Reading VLM annotation files, keeping each record's line number for error reports.
+
+Inputs: a LLaVA-style JSON list, a JSONL file (one record per line), or an InternVL meta JSON
+{"name": {"root": image folder, "annotation": file.jsonl, "repeat_time"?, "max_dynamic_patch"?,
+...}} naming several such files. Relative paths in a meta file are resolved against the meta
+file's folder (InternVL resolves them against the working directory; absolute paths, the usual
+case, mean the same in both).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """One annotation file and how the training loader uses it."""
+
+    name: str
+    annotation: Path
+    image_root: Path
+    repeat_time: float = 1.0
+    max_tiles: int | None = None  # InternVL's per-dataset max_dynamic_patch
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """A record before parsing: JSON text (JSONL) or an already parsed object (JSON list)."""
+
+    index: int  # position in the annotation file (0-based)
+    line: int  # 1-based line where the record starts
+    data: str | object
+
+
+def read_inputs(path: str | os.PathLike, image_root: str | os.PathLike | None = None
+                ) -> tuple[list[DatasetSpec], bool]:
+    """The datasets an input names, and whether it was a meta file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such dataset file")
+    if path.suffix == ".jsonl":
+        return [DatasetSpec(path.stem, path, Path(image_root or path.parent))], False
+    with open(path, "rb") as fh:
+        first = fh.read(4096).lstrip()[:1]
+    if first == b"[":
+        return [DatasetSpec(path.stem, path, Path(image_root or path.parent))], False
+    if first != b"{":
+        raise ValueError(f"{path}: expected a JSON list of samples, JSONL or an InternVL meta "
+                         "JSON object")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
+    if image_root is not None:
+        raise ValueError(f"{path}: --image-root does not apply to a meta file (each entry has "
+                         "its own 'root')")
+    return [_meta_entry(path, name, entry) for name, entry in meta.items()], True
+
+
+def _meta_entry(path: Path, name: str, entry: object) -> DatasetSpec:
+    if not isinstance(entry, dict) or "annotation" not in entry or "root" not in entry:
+        raise ValueError(f"{path}: dataset '{name}' needs 'root' and 'annotation'")
+    root, annotation = str(entry["root"]), str(entry["annotation"])
+    for key, value in (("root", root), ("annotation", annotation)):
+        if "://" in value:
+            raise ValueError(f"{path}: dataset '{name}': remote {key} {value!r} is not "
+                             "supported (only local files)")
+    repeat = entry.get("repeat_time", 1)
+    if isinstance(repeat, bool) or not isinstance(repeat, int | float) or repeat <= 0 or (
+            repeat > 1 and not float(repeat).is_integer()):
+        raise ValueError(f"{path}: dataset '{name}': repeat_time must be a fraction in (0, 1] "
+                         f"or a whole number, got {repeat!r}")
+    max_tiles = entry.get("max_dynamic_patch")
+    if max_tiles is not None and (isinstance(max_tiles, bool) or not isinstance(max_tiles, int)
+                                  or max_tiles < 1):
+        raise ValueError(f"{path}: dataset '{name}': max_dynamic_patch must be a positive "
+                         f"integer, got {max_tiles!r}")
+    base = path.parent
+    ann = Path(annotation) if os.path.isabs(annotation) else base / annotation
+    if not ann.is_file():
+        raise FileNotFoundError(f"{path}: dataset '{name}': annotation {ann} not found")
+    return DatasetSpec(str(name), ann, Path(root) if os.path.isabs(root) else base / root,
+                       float(repeat), max_tiles)
+
+
+def read_records(spec: DatasetSpec) -> list[RawRecord]:
+    """All records of a dataset in file order (a fractional repeat_time keeps the first part)."""
+    if spec.annotation.suffix == ".jsonl":
+        records = _jsonl_records(spec.annotation)
+    else:
+        records = _json_list_records(spec.annotation)
+    if spec.repeat_time < 1:
+        records = records[:int(len(records) * spec.repeat_time)]
+    return records
+
+
+def chunks(records: list[RawRecord], size: int) -> Iterator[list[RawRecord]]:
+    for start in range(0, len(records), size):
+        yield records[start:start + size]
+
+
+def _jsonl_records(path: Path) -> list[RawRecord]:
+    with open(path, encoding="utf-8") as fh:
+        return [RawRecord(i, i + 1, line) for i, line in enumerate(fh)]
+
+
+def _json_list_records(path: Path) -> list[RawRecord]:
+    """Decode the list element by element so each record keeps its starting line."""
+    text = path.read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    newlines = _newline_offsets(text)
+    pos = _skip_ws(text, 0)
+    if pos >= len(text) or text[pos] != "[":
+        raise ValueError(f"{path}: expected a JSON list of samples")
+    pos = _skip_ws(text, pos + 1)
+    records: list[RawRecord] = []
+    if pos < len(text) and text[pos] == "]":
+        return records
+    while True:
+        line = bisect.bisect_left(newlines, pos) + 1
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: line {exc.lineno}: invalid JSON in record "
+                             f"{len(records)}: {exc.msg}") from exc
+        records.append(RawRecord(len(records), line, obj))
+        pos = _skip_ws(text, pos)
+        if pos < len(text) and text[pos] == ",":
+            pos = _skip_ws(text, pos + 1)
+            continue
+        if pos < len(text) and text[pos] == "]":
+            return records
+        line = bisect.bisect_left(newlines, pos) + 1
+        raise ValueError(f"{path}: line {line}: expected ',' or ']' after record "
+                         f"{len(records) - 1}")
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    n = len(text)
+    while pos < n and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _newline_offsets(text: str) -> list[int]:
+    out, pos = [], text.find("\n")
+    while pos >= 0:
+        out.append(pos)
+        pos = text.find("\n", pos + 1)
+    return out

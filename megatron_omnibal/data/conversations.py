@@ -1,0 +1,149 @@
+"""One dataset record -> its images and the text pieces the LLM tokenizer will see.
+
+Records are LLaVA/InternVL style: {"id", "image": path | [paths] (optional), "conversations":
+[{"from": "system"|"human"|"gpt", "value"}...]}. The k-th `<image>` placeholder in the human
+turns stands for the k-th image; a single image without a placeholder gets one in front of the
+first human turn (as InternVL's loader does). Each placeholder becomes the model's image tokens.
+
+Image tokens are counted, not spelled out: a placeholder is rendered with ONE image-context
+token and `extra` carries the other n - 1. That is exact because the context token is an added
+special token (checked when the tokenizer loads, see tokenization.py), and it keeps a sample with
+12 tiles from costing a 3,000-token string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+IMAGE_PLACEHOLDER = "<image>"
+ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+INTERNVL_SYSTEM = ("你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位"
+                   "联合开发的多模态大语言模型。")
+VICUNA_SYSTEM = ("A chat between a curious human and an artificial intelligence assistant. "
+                 "The assistant gives helpful, detailed, and polite answers to the human's "
+                 "questions.")
+TEMPLATES = ("internvl2_5", "vicuna_v1", "hf")
+
+
+class SampleError(ValueError):
+    """A record that cannot be turned into a training sample (the message says why)."""
+
+
+@dataclass(frozen=True)
+class ImageStyle:
+    """How an image appears in the LLM input: `start` + `context` * n + `end`."""
+
+    start: str
+    context: str
+    end: str
+
+    def compact(self) -> str:
+        return f"{self.start}{self.context}{self.end}"
+
+    def expanded(self, tokens: int) -> str:
+        return f"{self.start}{self.context * tokens}{self.end}"
+
+
+INTERNVL_IMAGE = ImageStyle("<img>", "<IMG_CONTEXT>", "</img>")
+LLAVA_IMAGE = ImageStyle("", "<image>", "")
+
+
+def sample_images(record: dict) -> list[str]:
+    """The record's image paths, in order ([] for a text-only sample)."""
+    image = record.get("image")
+    if image is None or image == "" or image == []:
+        return []
+    if isinstance(image, str):
+        return [image]
+    if isinstance(image, list) and all(isinstance(p, str) and p for p in image):
+        return list(image)
+    raise SampleError(f"'image' must be a path or a list of paths, got {image!r:.80}")
+
+
+def sample_turns(record: dict) -> list[tuple[str, str]]:
+    """(role, text) turns, checked: optional system first, then human/gpt alternating."""
+    conv = record.get("conversations")
+    if not isinstance(conv, list) or not conv:
+        raise SampleError("'conversations' must be a non-empty list")
+    turns = []
+    for k, msg in enumerate(conv):
+        if not isinstance(msg, dict) or not isinstance(msg.get("value"), str):
+            raise SampleError(f"conversation turn {k} must be {{'from', 'value': str}}")
+        role = msg.get("from")
+        if role not in ROLES:
+            raise SampleError(f"conversation turn {k}: unknown role {role!r} "
+                              "(expected human, gpt or system)")
+        turns.append((role, msg["value"]))
+    first = 1 if turns[0][0] == "system" else 0
+    for k in range(first, len(turns)):
+        expected = "human" if (k - first) % 2 == 0 else "gpt"
+        if turns[k][0] != expected:
+            raise SampleError(f"conversation turn {k}: expected '{expected}', "
+                              f"got '{turns[k][0]}'")
+    if first == len(turns):
+        raise SampleError("conversation has no human turn")
+    return turns
+
+
+def place_images(turns: list[tuple[str, str]], n_images: int,
+                 single_path: bool) -> list[tuple[str, str]]:
+    """Check that placeholders match images; add the missing one of a single-image sample."""
+    found = sum(text.count(IMAGE_PLACEHOLDER) for role, text in turns if role == "human")
+    if found == 0 and n_images == 1 and single_path:
+        k = next(i for i, (role, _) in enumerate(turns) if role == "human")
+        turns = list(turns)
+        turns[k] = ("human", f"{IMAGE_PLACEHOLDER}\n{turns[k][1]}")
+        found = 1
+    if found != n_images:
+        raise SampleError(f"{n_images} image(s) but {found} '{IMAGE_PLACEHOLDER}' "
+                          "placeholder(s) in the human turns")
+    if any(IMAGE_PLACEHOLDER in text for role, text in turns if role != "human"):
+        raise SampleError(f"'{IMAGE_PLACEHOLDER}' placeholder outside a human turn")
+    return turns
+
+
+def expand_images(turns: list[tuple[str, str]], image_text: Sequence[str]) -> list[tuple[str, str]]:
+    """Replace the k-th placeholder (in human turns) by image_text[k]."""
+    out, k = [], 0
+    for role, text in turns:
+        if role == "human" and IMAGE_PLACEHOLDER in text:
+            parts = text.split(IMAGE_PLACEHOLDER)
+            pieces = [parts[0]]
+            for part in parts[1:]:
+                pieces.append(image_text[k])
+                pieces.append(part)
+                k += 1
+            text = "".join(pieces)
+        out.append((role, text))
+    return out
+
+
+def render(turns: list[tuple[str, str]], template: str, system: str | None) -> list[str]:
+    """The text pieces the tokenizer encodes separately, for the built-in templates.
+
+    internvl2_5 tokenizes every turn on its own (as InternVL's training loader does), so it
+    returns one piece per turn; vicuna_v1 (LLaVA-1.5) returns the whole prompt as one piece.
+    The `hf` template is rendered by the tokenizer itself (tokenization.py).
+    """
+    if template == "internvl2_5":
+        pieces = []
+        if turns[0][0] == "system":
+            system, turns = turns[0][1], turns[1:]
+        elif system is None:
+            system = INTERNVL_SYSTEM
+        if system is not None:
+            pieces.append(f"<|im_start|>system\n{system}<|im_end|>\n")
+        for role, text in turns:
+            pieces.append(f"<|im_start|>{ROLES[role]}\n{text}<|im_end|>\n")
+        return pieces
+    if template == "vicuna_v1":
+        if turns[0][0] == "system":
+            system, turns = turns[0][1], turns[1:]
+        elif system is None:
+            system = VICUNA_SYSTEM
+        text = system + " "
+        for role, value in turns:
+            text += f"USER: {value} " if role == "human" else f"ASSISTANT: {value}</s>"
+        return [text]
+    raise ValueError(f"unknown template {template!r} (choose from {', '.join(TEMPLATES)})")
