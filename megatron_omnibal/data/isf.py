@@ -1,0 +1,273 @@
+"""The balancer: pack samples so every micro-batch carries the same vision and language work.
+
+Two packers over the C++ core (csrc/isf_core.cpp; isf_reference.py is its pure-Python mirror):
+
+- `isf`: OmniBal's Iterative Sampling and Filtering, faithfully: shuffle, fill packs in order
+  until the next sample would exceed a budget, keep the full packs (tiles == tile budget or
+  tokens >= threshold), re-shuffle and re-pack the others, for `rounds` rounds, keeping the last
+  round as it is. Unlike the reference it never drops a sample: oversize samples follow the
+  oversize policy and the last open pack is kept.
+- `default` (fill-and-complete): the number of packs is fixed up front to a multiple of
+  dp * micro_batches, and each pack aims at the running mean of what is left (tiles and
+  weight). A pack is filled from a random stream and finished by the unused sample (or stream
+  sample + unused sample) that hits both targets, found in sorted buckets per tile count.
+
+`balance()` ties packer, oversize policy and layout together into a `BalancePlan`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_omnibal.data import isf_reference
+from megatron_omnibal.data.lengths import LengthStats
+from megatron_omnibal.data.plan_io import BalancePlan
+
+try:
+    from megatron_omnibal import _isf_core as _core
+except ImportError:  # not built: the reference runs (slowly), balance() still works
+    _core = None
+
+ALGORITHMS = ("default", "isf")
+OVERSIZE = ("error", "solo", "skip")
+VERSION = 1
+SCAN_LIMIT = 32          # stream samples a pack may reject before it settles for best effort
+TOLERANCE_DIV = 500      # a pack's weight may miss its target by target / 500 (0.2 %)
+RATIO_QUANTILES = (5.0, 95.0)  # weight per tile a pack's remainder must keep while filling
+MAX_RETRIES = 64
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-sample cost a*tiles + b*tokens + c*tokens^2 (attention), balanced instead of tokens."""
+
+    per_tile: float = 0.0
+    per_token: float = 1.0
+    per_token_sq: float = 0.0
+
+    def cost(self, vit: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        t = tokens.astype(np.float64)
+        return self.per_tile * vit + self.per_token * t + self.per_token_sq * t * t
+
+    @classmethod
+    def parse(cls, text: str) -> CostModel:
+        """'a,b,c' -> CostModel(a, b, c)."""
+        parts = text.split(",")
+        if len(parts) != 3:
+            raise ValueError(f"cost model '{text}': expected three numbers 'a,b,c'")
+        try:
+            a, b, c = (float(p) for p in parts)
+        except ValueError as exc:
+            raise ValueError(f"cost model '{text}': {exc}") from exc
+        if min(a, b, c) < 0 or a + b + c <= 0:
+            raise ValueError(f"cost model '{text}': coefficients must be >= 0, not all zero")
+        return cls(a, b, c)
+
+
+def _backend(reference: bool):
+    return isf_reference if reference or _core is None else _core
+
+
+def permutation(n: int, seed: int, *, reference: bool = False) -> np.ndarray:
+    """Fisher-Yates permutation of range(n) driven by splitmix64(seed)."""
+    return np.asarray(_backend(reference).permutation(int(n), _u64(seed)), np.int64)
+
+
+def _u64(seed: int) -> int:
+    return int(seed) & ((1 << 64) - 1)
+
+
+def pack_isf(vit: np.ndarray, tokens: np.ndarray, vit_budget: int, token_budget: int, *,
+             token_threshold: int | None = None, rounds: int = 10, seed: int = 0,
+             reference: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """OmniBal ISF over positions of `vit`/`tokens`: (samples, pack_ptr).
+
+    `token_threshold` defaults to token_budget - 128 (the reference's argument search).
+    """
+    thresh = token_budget - 128 if token_threshold is None else int(token_threshold)
+    if rounds < 1:
+        raise ValueError(f"isf: rounds must be >= 1, got {rounds}")
+    samples, ptr = _backend(reference).isf(
+        np.asarray(vit, np.int64), np.asarray(tokens, np.int64), int(vit_budget),
+        int(token_budget), thresh, int(rounds), _u64(seed))
+    return np.asarray(samples, np.int64), np.asarray(ptr, np.int64)
+
+
+def ratio_bounds(vit: np.ndarray, weight: np.ndarray) -> tuple[int, int]:
+    """Weight-per-tile band (x1024, integer) that a pack's unfilled remainder keeps while it is
+    filled from the stream, so its last one or two samples can still hit both targets."""
+    has = vit > 0
+    if not has.any():
+        return 0, 1 << 40
+    lo, hi = np.percentile(weight[has] / vit[has], RATIO_QUANTILES)
+    return int(math.floor(lo * 1024)), int(math.ceil(hi * 1024))
+
+
+def pack_fill(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_budget: int,
+              token_budget: int, packs: int, *, seed: int = 0, weight_cap: int | None = None,
+              reference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fill-and-complete into exactly `packs` packs: (samples, pack_ptr, leftover)."""
+    vit, weight, tokens = (np.asarray(a, np.int64) for a in (vit, weight, tokens))
+    lo, hi = ratio_bounds(vit, weight)
+    cap = token_budget if weight_cap is None else int(weight_cap)
+    out = _backend(reference).fill_complete(
+        vit, weight, tokens, int(vit_budget), int(token_budget), cap, int(packs), _u64(seed),
+        SCAN_LIMIT, TOLERANCE_DIV, lo, hi)
+    return tuple(np.asarray(a, np.int64) for a in out)
+
+
+def _weights(lengths: LengthStats, cost: CostModel | None) -> tuple[np.ndarray, int | None]:
+    """Integer weights balanced besides tiles: tokens, or the cost scaled to ~1e4 per sample."""
+    if cost is None:
+        return lengths.tokens.astype(np.int64), None
+    c = cost.cost(lengths.vit, lengths.tokens)
+    scale = 1e4 / max(float(c.mean()), 1e-12) if len(c) else 1.0
+    return np.maximum(np.rint(c * scale), 1).astype(np.int64), 1 << 62
+
+
+def _oversize(lengths: LengthStats, vit_budget: int, token_budget: int, policy: str
+              ) -> np.ndarray:
+    over = (lengths.vit > vit_budget) | (lengths.tokens > token_budget)
+    if policy == "error" and over.any():
+        i = int(np.flatnonzero(over)[0])
+        raise ValueError(
+            f"sample {i} (vit_num={int(lengths.vit[i])}, token_num={int(lengths.tokens[i])}) "
+            f"exceeds the budgets (vit {vit_budget}, tokens {token_budget}); {int(over.sum())} "
+            "such sample(s). Raise the budgets or pass --oversize solo|skip")
+    return over
+
+
+def _split_to_multiple(packs: list[np.ndarray], per_step: int, tokens: np.ndarray
+                       ) -> list[np.ndarray]:
+    """Split the heaviest multi-sample packs in two until the count is a multiple of
+    per_step (ISF makes any number of packs); empty packs only if nothing can be split."""
+    packs = list(packs)
+    while len(packs) % per_step:
+        sizes = np.array([tokens[p].sum() if len(p) > 1 else -1 for p in packs])
+        if len(sizes) == 0 or sizes.max() < 0:
+            packs.append(np.zeros(0, np.int64))
+            continue
+        p = int(np.argmax(sizes))
+        ids = packs[p]
+        packs[p:p + 1] = [ids[: len(ids) // 2], ids[len(ids) // 2:]]
+    return packs
+
+
+def _regular_packs(lengths: LengthStats, regular: np.ndarray, weight: np.ndarray,
+                   weight_cap: int | None, solo: int, per_step: int, vit_budget: int,
+                   token_budget: int, seed: int, algorithm: str, isf_rounds: int,
+                   isf_threshold: int | None, reference: bool) -> list[np.ndarray]:
+    v, t, w = lengths.vit[regular], lengths.tokens[regular], weight[regular]
+    if algorithm == "isf":
+        samples, ptr = pack_isf(v, t, vit_budget, token_budget, token_threshold=isf_threshold,
+                                rounds=isf_rounds, seed=seed, reference=reference)
+        return [regular[samples[a:b]] for a, b in zip(ptr[:-1], ptr[1:], strict=True)]
+    need = max(v.sum() / vit_budget if vit_budget else 0.0, t.sum() / token_budget, 1.0)
+    steps = max(1, math.ceil((math.ceil(need) + solo) / per_step))
+    for _ in range(MAX_RETRIES):
+        packs = steps * per_step - solo
+        samples, ptr, leftover = pack_fill(v, w, t, vit_budget, token_budget, packs,
+                                           seed=seed, weight_cap=weight_cap,
+                                           reference=reference)
+        placed = _place_leftover(samples, ptr, leftover, v, w, t, vit_budget, token_budget)
+        if placed is not None:
+            return [regular[p] for p in placed]
+        # Too few packs: grow by the leftover's share (at least one step) and pack again.
+        grow = math.ceil(len(leftover) / max(len(regular), 1) * packs / per_step)
+        steps += max(1, grow)
+    raise RuntimeError(f"balance: could not place all samples after {MAX_RETRIES} attempts")
+
+
+def _place_leftover(samples: np.ndarray, ptr: np.ndarray, leftover: np.ndarray, v: np.ndarray,
+                    w: np.ndarray, t: np.ndarray, vit_budget: int, token_budget: int
+                    ) -> list[np.ndarray] | None:
+    """Put each sample the packer could not place (largest first) into the lightest pack that
+    still has room for it; None if one fits nowhere (the caller then adds a step)."""
+    packs = [samples[a:b] for a, b in zip(ptr[:-1], ptr[1:], strict=True)]
+    if len(leftover) == 0:
+        return packs
+    pid = np.repeat(np.arange(len(packs)), np.diff(ptr))
+    pv = np.bincount(pid, v[samples], len(packs)).astype(np.int64)
+    pt = np.bincount(pid, t[samples], len(packs)).astype(np.int64)
+    pw = np.bincount(pid, w[samples], len(packs))
+    mv, mw = max(float(v.sum()) / len(packs), 1e-9), max(float(w.sum()) / len(packs), 1e-9)
+    extra: list[list[int]] = [[] for _ in packs]
+    for i in leftover[np.lexsort((-t[leftover], -v[leftover]))]:
+        room = (pv + v[i] <= vit_budget) & (pt + t[i] <= token_budget)
+        if not room.any():
+            return None
+        load = np.where(room, (pv + v[i]) / mv + (pw + w[i]) / mw, np.inf)
+        p = int(np.argmin(load))
+        extra[p].append(int(i))
+        pv[p] += v[i]
+        pt[p] += t[i]
+        pw[p] += w[i]
+    return [np.concatenate([pk, np.array(e, np.int64)]) if e else pk
+            for pk, e in zip(packs, extra, strict=True)]
+
+
+def balance(lengths: LengthStats, *, dp_size: int, micro_batches: int = 1, vit_budget: int,
+            token_budget: int, seed: int = 0, mode: str = "random", algorithm: str = "default",
+            oversize: str = "error", cost: CostModel | None = None, isf_rounds: int = 10,
+            isf_threshold: int | None = None, reference: bool = False) -> BalancePlan:
+    """Balance one epoch: packs of samples laid out over (step, dp rank, micro-batch).
+
+    Deterministic for its arguments, so every DP rank can compute the same plan on its own.
+    Every sample appears exactly once in `samples`, or (only with oversize='skip') `skipped`.
+    """
+    from megatron_omnibal.data import pack_layout
+
+    _check_args(dp_size, micro_batches, vit_budget, token_budget, seed, mode, algorithm,
+                oversize)
+    per_step = dp_size * micro_batches
+    over = _oversize(lengths, vit_budget, token_budget, oversize)
+    regular = np.flatnonzero(~over)
+    solo = [np.array([i], np.int64) for i in np.flatnonzero(over)] if oversize == "solo" else []
+    skipped = np.flatnonzero(over) if oversize == "skip" else np.zeros(0, np.int64)
+    weight, weight_cap = _weights(lengths, cost)
+    packs = _regular_packs(lengths, regular, weight, weight_cap, len(solo), per_step,
+                           vit_budget, token_budget, seed, algorithm, isf_rounds, isf_threshold,
+                           reference)
+    packs = _split_to_multiple(packs + solo, per_step, lengths.tokens)
+    sizes = np.array([len(p) for p in packs], np.int64)
+    ptr = np.zeros(len(packs) + 1, np.int64)
+    ptr[1:] = np.cumsum(sizes)
+    samples = np.concatenate(packs).astype(np.int64) if packs else np.zeros(0, np.int64)
+    pack_id = np.repeat(np.arange(len(packs)), sizes)
+    pack_vit = np.bincount(pack_id, lengths.vit[samples], len(packs)).astype(np.int64)
+    pack_w = np.bincount(pack_id, weight[samples], len(packs))
+    step, rank, micro = pack_layout.layout(pack_vit, pack_w, dp_size, micro_batches, mode, seed)
+    order = np.lexsort((micro, rank, step))
+    samples = np.concatenate([packs[p] for p in order]).astype(np.int64) if packs else samples
+    ptr[1:] = np.cumsum(sizes[order])
+    meta = {"vit_budget": int(vit_budget), "token_budget": int(token_budget),
+            "dp": int(dp_size), "micro_batches": int(micro_batches), "seed": int(seed),
+            "mode": mode, "algorithm": algorithm, "oversize": oversize,
+            "num_samples": len(lengths), "version": VERSION,
+            "cost": None if cost is None else [cost.per_tile, cost.per_token, cost.per_token_sq]}
+    if algorithm == "isf":
+        meta.update(isf_rounds=int(isf_rounds),
+                    isf_threshold=int(token_budget - 128 if isf_threshold is None
+                                      else isf_threshold))
+    return BalancePlan(samples, ptr, step[order], rank[order], micro[order],
+                       skipped.astype(np.int64), json.loads(json.dumps(meta)))
+
+
+def _check_args(dp_size: int, micro_batches: int, vit_budget: int, token_budget: int,
+                seed: int, mode: str, algorithm: str, oversize: str) -> None:
+    from megatron_omnibal.data.pack_layout import MODES
+
+    for name, value, low in (("dp_size", dp_size, 1), ("micro_batches", micro_batches, 1),
+                             ("vit_budget", vit_budget, 0), ("token_budget", token_budget, 1),
+                             ("seed", seed, 0)):
+        if int(value) != value or value < low:
+            raise ValueError(f"balance: {name} must be an integer >= {low}, got {value!r}")
+    for name, value, allowed in (("mode", mode, MODES), ("algorithm", algorithm, ALGORITHMS),
+                                 ("oversize", oversize, OVERSIZE)):
+        if value not in allowed:
+            raise ValueError(f"balance: unknown {name} '{value}' "
+                             f"(choose from {', '.join(allowed)})")
