@@ -1,0 +1,257 @@
+"""Which part of the VLM lives on which pipeline stage.
+
+Why a separate module: the layout comes from a plan.json or from two flags, and every way of
+getting it wrong (layers that don't add up, a plan for another PP size, recompute above the layer
+count) must stop with a clear message BEFORE any process group exists, where a wrong layout would
+otherwise hang a pipeline. Pure Python: no torch, no Megatron.
+
+Model order is [patch embedding, ViT layers, projector, LLM embedding, LLM layers, head]. Layer
+ranges are half-open and use GLOBAL layer numbering per tower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class LayoutError(ValueError):
+    """A pipeline layout that cannot build the model; the message says what and where."""
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """One pipeline stage's slice of the VLM (half-open global layer ranges per tower)."""
+
+    vit_layers: tuple[int, int]
+    llm_layers: tuple[int, int]
+    patch_embed: bool
+    projector: bool
+    llm_embed: bool
+    head: bool
+    vit_recompute: int = 0
+    llm_recompute: int = 0
+
+    @property
+    def num_vit_layers(self) -> int:
+        return self.vit_layers[1] - self.vit_layers[0]
+
+    @property
+    def num_llm_layers(self) -> int:
+        return self.llm_layers[1] - self.llm_layers[0]
+
+    @property
+    def has_vision(self) -> bool:
+        """Whether this stage sees the ViT hidden states (input or produced)."""
+        return self.patch_embed or self.num_vit_layers > 0 or self.projector
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["vit_layers"] = list(self.vit_layers)
+        d["llm_layers"] = list(self.llm_layers)
+        return d
+
+
+def _pair(value: Any, where: str) -> tuple[int, int]:
+    if (
+        not isinstance(value, Sequence)
+        or isinstance(value, str)
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        raise LayoutError(f"{where}: expected a [first, end) pair of integers, got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def validate_layout(
+    layouts: Sequence[StageLayout], vit_layers: int | None = None, llm_layers: int | None = None
+) -> None:
+    """Raise LayoutError unless `layouts` is a complete, ordered, buildable split of the model.
+
+    `vit_layers` / `llm_layers` are the model's layer counts; None skips that check (the totals
+    are then whatever the layout covers).
+    """
+    if not layouts:
+        raise LayoutError("pipeline layout: no stages")
+    for tower, total in (("vit", vit_layers), ("llm", llm_layers)):
+        pos = 0
+        for r, st in enumerate(layouts):
+            first, end = getattr(st, f"{tower}_layers")
+            if first < 0 or end < first:
+                raise LayoutError(
+                    f"stage {r}: {tower}_layers [{first}, {end}) is not a range "
+                    "(negative or reversed)"
+                )
+            if end > first and first != pos:
+                raise LayoutError(
+                    f"stage {r}: {tower}_layers [{first}, {end}) does not continue where the "
+                    f"previous stages ended ({pos}); ranges must be contiguous and in order"
+                )
+            pos = max(pos, end)
+            rec = getattr(st, f"{tower}_recompute")
+            if rec < 0 or rec > end - first:
+                raise LayoutError(
+                    f"stage {r}: {tower}_recompute={rec} but the stage holds {end - first} "
+                    f"{tower} layers"
+                )
+        if total is not None and pos != total:
+            raise LayoutError(
+                f"pipeline layout: {tower} layers add up to {pos} over {len(layouts)} stages, "
+                f"the model has {total}"
+            )
+    for flag in ("patch_embed", "projector", "llm_embed", "head"):
+        owners = [r for r, st in enumerate(layouts) if getattr(st, flag)]
+        if len(owners) != 1:
+            raise LayoutError(
+                f"pipeline layout: '{flag}' must be on exactly one stage, is on {owners or 'none'}"
+            )
+    pe, pj, emb, hd = (
+        next(r for r, st in enumerate(layouts) if getattr(st, f))
+        for f in ("patch_embed", "projector", "llm_embed", "head")
+    )
+    if pe != 0:
+        raise LayoutError(f"pipeline layout: patch_embed is on stage {pe}, must be on stage 0")
+    if hd != len(layouts) - 1:
+        raise LayoutError(
+            f"pipeline layout: head is on stage {hd}, must be on the last stage {len(layouts) - 1}"
+        )
+    if emb != pj:
+        raise LayoutError(
+            f"pipeline layout: llm_embed (stage {emb}) must be on the projector's stage ({pj})"
+        )
+    vit_stages = [r for r, st in enumerate(layouts) if st.num_vit_layers > 0]
+    llm_stages = [r for r, st in enumerate(layouts) if st.num_llm_layers > 0]
+    last_vit = vit_stages[-1] if vit_stages else 0
+    if pj < last_vit:
+        raise LayoutError(
+            f"pipeline layout: projector on stage {pj} comes before the last ViT layer "
+            f"(stage {last_vit})"
+        )
+    if llm_stages and pj > llm_stages[0]:
+        raise LayoutError(
+            f"pipeline layout: projector on stage {pj} comes after the first LLM layer "
+            f"(stage {llm_stages[0]})"
+        )
+    for r, st in enumerate(layouts):
+        empty = (
+            st.num_vit_layers == 0
+            and st.num_llm_layers == 0
+            and not (st.patch_embed or st.projector or st.llm_embed or st.head)
+        )
+        if empty:
+            raise LayoutError(f"stage {r}: holds nothing (no layers, embedding, projector or head)")
+
+
+def layout_from_plan(
+    plan: dict[str, Any],
+    pp_size: int,
+    vit_layers: int | None = None,
+    llm_layers: int | None = None,
+) -> list[StageLayout]:
+    """The stages of a plan.json (planner output), checked against the run's PP size.
+
+    Model layer counts default to plan["model_spec"] when present.
+    """
+    if not isinstance(plan, dict) or "stages" not in plan:
+        raise LayoutError("plan: no 'stages' list (is this a plan.json from `omnibal plan`?)")
+    stages = plan["stages"]
+    if not isinstance(stages, list):
+        raise LayoutError("plan: 'stages' must be a list")
+    plan_pp = plan.get("parallel", {}).get("pp", len(stages))
+    if plan_pp != len(stages):
+        raise LayoutError(f"plan: parallel.pp={plan_pp} but it lists {len(stages)} stages")
+    if len(stages) != pp_size:
+        raise LayoutError(
+            f"plan is for pipeline size {len(stages)}, this run has "
+            f"--pipeline-model-parallel-size {pp_size}"
+        )
+    spec = plan.get("model_spec", {})
+    if vit_layers is None and "vit" in spec:
+        vit_layers = int(spec["vit"]["num_layers"])
+    if llm_layers is None and "llm" in spec:
+        llm_layers = int(spec["llm"]["num_layers"])
+    out = []
+    for r, s in enumerate(stages):
+        where = f"plan stage {r}"
+        if not isinstance(s, dict):
+            raise LayoutError(f"{where}: expected an object")
+        if s.get("stage", r) != r:
+            raise LayoutError(f"{where}: says 'stage': {s['stage']}; stages must be in order")
+        try:
+            out.append(
+                StageLayout(
+                    vit_layers=_pair(s["vit_layers"], f"{where} vit_layers"),
+                    llm_layers=_pair(s["llm_layers"], f"{where} llm_layers"),
+                    patch_embed=bool(s["patch_embed"]),
+                    projector=bool(s["projector"]),
+                    llm_embed=bool(s["llm_embed"]),
+                    head=bool(s["head"]),
+                    vit_recompute=int(s.get("vit_recompute", 0)),
+                    llm_recompute=int(s.get("llm_recompute", 0)),
+                )
+            )
+        except KeyError as e:
+            raise LayoutError(f"{where}: missing field {e.args[0]!r}") from None
+    validate_layout(out, vit_layers, llm_layers)
+    return out
+
+
+def parse_counts(text: str, flag: str) -> list[int]:
+    """'30,15,0,0' -> [30, 15, 0, 0], with an error naming the flag."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise LayoutError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+
+
+def layout_from_counts(
+    vit_counts: Sequence[int],
+    llm_counts: Sequence[int],
+    vit_recompute: Sequence[int] | None = None,
+    llm_recompute: Sequence[int] | None = None,
+    vit_layers: int | None = None,
+    llm_layers: int | None = None,
+) -> list[StageLayout]:
+    """Stages from per-stage layer counts (`--omnibal-vit-pp-layers 30,15,0,0` and friends).
+
+    The projector and LLM embedding go on the stage of the last ViT layer (stage 0 when the ViT
+    has no layers), the head on the last stage.
+    """
+    pp = len(vit_counts)
+    if len(llm_counts) != pp:
+        raise LayoutError(
+            f"--omnibal-vit-pp-layers has {pp} stages, --omnibal-llm-pp-layers {len(llm_counts)}"
+        )
+    vit_rec = list(vit_recompute) if vit_recompute is not None else [0] * pp
+    llm_rec = list(llm_recompute) if llm_recompute is not None else [0] * pp
+    for name, seq in (("vit recompute", vit_rec), ("llm recompute", llm_rec)):
+        if len(seq) != pp:
+            raise LayoutError(f"{name}: {len(seq)} values for {pp} stages")
+    for name, seq in (
+        ("--omnibal-vit-pp-layers", vit_counts),
+        ("--omnibal-llm-pp-layers", llm_counts),
+    ):
+        bad = [(r, c) for r, c in enumerate(seq) if c < 0]
+        if bad:
+            raise LayoutError(f"{name}: stage {bad[0][0]} has a negative count {bad[0][1]}")
+    vit_stages = [r for r, c in enumerate(vit_counts) if c > 0]
+    proj = vit_stages[-1] if vit_stages else 0
+    out, v, t = [], 0, 0
+    for r in range(pp):
+        out.append(
+            StageLayout(
+                vit_layers=(v, v + vit_counts[r]),
+                llm_layers=(t, t + llm_counts[r]),
+                patch_embed=r == 0,
+                projector=r == proj,
+                llm_embed=r == proj,
+                head=r == pp - 1,
+                vit_recompute=vit_rec[r],
+                llm_recompute=llm_rec[r],
+            )
+        )
+        v += vit_counts[r]
+        t += llm_counts[r]
+    validate_layout(out, vit_layers, llm_layers)
+    return out

@@ -1,0 +1,40 @@
+"""Model provider: build this pipeline rank's VLM stage from a spec and a layout.
+
+Why: megatron.training.pretrain (and any driver using parallel_state) asks a provider for "the
+model of this rank"; the layout (from plan.json or --omnibal-*-pp-layers) says what that is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron.core import parallel_state
+
+from megatron_omnibal.megatron.layout import LayoutError, StageLayout
+from megatron_omnibal.megatron.model import VLMSpec, VLMStage, stage_configs
+
+
+def vlm_model_provider(
+    spec: VLMSpec,
+    layouts: list[StageLayout],
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    config_overrides: dict[str, Any] | None = None,
+) -> VLMStage:
+    """This rank's stage. pre_process/post_process are accepted for megatron.training's
+    signature and checked against the layout (the layout decides what the stage holds)."""
+    if vp_stage is not None:
+        raise LayoutError("virtual pipeline stages are not supported by the VLM stage module")
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if len(layouts) != pp:
+        raise LayoutError(f"layout has {len(layouts)} stages, the pipeline has {pp}")
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    if pre_process != (rank == 0) or post_process != (rank == pp - 1):
+        raise LayoutError(
+            f"pipeline rank {rank}/{pp}: pre_process={pre_process}, post_process={post_process} "
+            "disagree with its position in the pipeline"
+        )
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    configs = stage_configs(spec, layouts, rank, tp, config_overrides)
+    return VLMStage(spec, layouts, rank, configs)

@@ -1,0 +1,153 @@
+"""torchrun worker: run VLM pipeline cases on real megatron-core (CPU, gloo) and save, per
+pipeline stage, the per-micro-batch losses and every gradient under its global name.
+
+Usage: torchrun --nproc-per-node N model_worker.py CASES.json OUT_DIR
+CASES.json: {"spec": <model_spec dict>, "seed": s, "batches": [[[vit, tokens, flags], ...], ...],
+             "cases": [{"name", "tp", "pp", "vit", "llm", "vit_recompute"?, "llm_recompute"?,
+                        "dropout"?}, ...]}
+One process group serves every case (model-parallel groups are rebuilt per case), so the
+expensive start-up is paid once. Tests compare the saved results across cases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_omnibal.megatron.cpu import enable_cpu_megatron
+
+enable_cpu_megatron()
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
+
+from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
+from megatron_omnibal.megatron.batch import collate, synthetic_sample  # noqa: E402
+from megatron_omnibal.megatron.layout import layout_from_counts  # noqa: E402
+from megatron_omnibal.megatron.model import VLMSpec, global_named_parameters  # noqa: E402
+from megatron_omnibal.megatron.provider import vlm_model_provider  # noqa: E402
+from megatron_omnibal.megatron.step import forward_step  # noqa: E402
+
+
+def is_gated_fc1(name: str) -> bool:
+    return name.startswith("llm.layers.") and "mlp.linear_fc1" in name
+
+
+def shard(full: torch.Tensor, p: torch.nn.Parameter, name: str, r: int, tp: int) -> torch.Tensor:
+    """This TP rank's piece of a full (TP=1) tensor, as megatron-core lays it out."""
+    if not getattr(p, "tensor_model_parallel", False) or tp == 1:
+        return full
+    d = p.partition_dim
+    if is_gated_fc1(name):  # [gate; up] -> [gate_r; up_r]
+        gate, up = full.chunk(2, d)
+        return torch.cat([gate.chunk(tp, d)[r], up.chunk(tp, d)[r]], d)
+    return full.chunk(tp, d)[r]
+
+
+def unshard(part: torch.Tensor, p: torch.nn.Parameter, name: str) -> torch.Tensor:
+    """The full tensor from every TP rank's piece (inverse of shard)."""
+    tp = ps.get_tensor_model_parallel_world_size()
+    if not getattr(p, "tensor_model_parallel", False) or tp == 1:
+        return part
+    parts = [torch.empty_like(part) for _ in range(tp)]
+    dist.all_gather(parts, part.contiguous(), group=ps.get_tensor_model_parallel_group())
+    d = p.partition_dim
+    if is_gated_fc1(name):
+        gates = [x.chunk(2, d)[0] for x in parts]
+        ups = [x.chunk(2, d)[1] for x in parts]
+        return torch.cat(gates + ups, d)
+    return torch.cat(parts, d)
+
+
+def build(spec: VLMSpec, case: dict, seed: int) -> torch.nn.Module:
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(case["tp"], case["pp"])
+    model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    layouts = layout_from_counts(
+        case["vit"], case["llm"], case.get("vit_recompute"), case.get("llm_recompute"),
+        spec.vit.num_layers, spec.llm.num_layers,
+    )
+    p = case.get("dropout", 0.0)
+    overrides = {"hidden_dropout": p, "attention_dropout": p}
+    pp_rank, pp = ps.get_pipeline_model_parallel_rank(), case["pp"]
+    return vlm_model_provider(spec, layouts, pp_rank == 0, pp_rank == pp - 1,
+                              config_overrides=overrides)
+
+
+def reference_weights(spec: VLMSpec, seed: int) -> dict[str, torch.Tensor]:
+    """Full TP=1 weights, perturbed so that no norm weight is a trivial 1 or bias a 0."""
+    model = build(spec, {"tp": 1, "pp": 1, "vit": [spec.vit.num_layers],
+                         "llm": [spec.llm.num_layers]}, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return {
+        n: (p.detach() + 0.05 * torch.randn(p.shape, generator=g)).clone()
+        for n, p in sorted(global_named_parameters(model).items())
+    }
+
+
+def run_case(spec: VLMSpec, case: dict, weights: dict, batches: list, seed: int, out: Path):
+    model = build(spec, case, seed)
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    named = global_named_parameters(model)
+    with torch.no_grad():
+        for n, p in named.items():
+            p.copy_(shard(weights[n], p, n, tp_rank, tp))
+    model.train()
+    # Fresh RNG per case, the same on every rank: dropout masks depend only on the seed.
+    model_parallel_cuda_manual_seed(seed + 7)
+    torch.manual_seed(seed + 7)
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=len(batches),
+        seq_length=max(b.tokens.shape[1] for b in batches),
+        micro_batch_size=1,
+    )
+    grads = {}
+    for n, p in named.items():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        grads[n] = unshard(g.detach(), p, n)
+    if ps.get_data_parallel_rank() == 0 and tp_rank == 0:
+        result = {
+            "losses": [x["lm loss"].tolist() for x in losses] if losses else [],
+            "grads": grads,
+        }
+        torch.save(result, out / f"{case['name']}.stage{ps.get_pipeline_model_parallel_rank()}.pt")
+
+
+def main() -> None:
+    cfg = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    spec = VLMSpec.from_dict(cfg["spec"])
+    seed = cfg["seed"]
+    records = [r for mb in cfg["batches"] for r in mb]
+    lengths = from_arrays([r[0] for r in records], [r[1] for r in records],
+                          [r[2] for r in records])
+    batches, i = [], 0
+    for mb in cfg["batches"]:
+        batches.append(collate([synthetic_sample(i + k, lengths, spec, seed) for k in range(len(mb))]))
+        i += len(mb)
+    weights = reference_weights(spec, seed)
+    for case in cfg["cases"]:
+        if case["tp"] * case["pp"] > dist.get_world_size():
+            raise ValueError(f"case {case['name']}: needs {case['tp'] * case['pp']} ranks")
+        run_case(spec, case, weights, batches, seed, out)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            print(f"case {case['name']} done", flush=True)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
