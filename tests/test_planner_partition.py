@@ -1,0 +1,129 @@
+"""Partition search against brute force over every contiguous partition and recompute choice."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from megatron_omnibal.planner.costs import LayerCosts
+from megatron_omnibal.planner.memory import inflight_1f1b, stage_memory_mib, stage_time_ms
+from megatron_omnibal.planner.partition import (
+    NoFeasiblePartition,
+    Problem,
+    bmp,
+    megatron_default,
+    objective_candidates,
+    search,
+)
+from megatron_omnibal.planner.simulate import simulate
+
+
+def random_costs(rng, units, groups=(0, 1), uniform=False):
+    """Random two-tower profile: a run of group-0 units, one projector (-1), then group-1."""
+    n0 = int(rng.integers(1, units - 1))
+    group = np.array([0] * n0 + [-1] + [1] * (units - n0 - 1))
+    if uniform:
+        fwd = np.where(group == 0, rng.uniform(1, 3), rng.uniform(1, 3))
+    else:
+        fwd = rng.uniform(0.5, 3.0, units)
+    act = rng.uniform(50, 300, units)
+    return LayerCosts(
+        tuple(f"u{i}" for i in range(units)), fwd, fwd * rng.uniform(1.5, 2.5, units),
+        np.where(group >= 0, fwd, 0.0), act, np.where(group >= 0, act * 0.1, act),
+        rng.uniform(1, 5, units), rng.uniform(100, 400, units), group)
+
+
+def brute(problem, pp):
+    """Every boundary choice x every recompute count pair per stage; objective and sim step."""
+    c, u = problem.costs, problem.units
+    best_obj, best_step = np.inf, np.inf
+    for cuts in itertools.combinations(range(1, u), pp - 1):
+        bounds = (0, *cuts, u)
+        fwd, bwd, ok = [], [], True
+        for s, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+            n = inflight_1f1b(s, pp, problem.m)
+            groups = sorted({int(g) for g in c.group[lo:hi] if g >= 0})
+            sizes = [int(np.sum(c.group[lo:hi] == g)) for g in groups]
+            opts = []
+            for combo in itertools.product(*[range(k + 1) for k in sizes]):
+                cnt = dict(zip(groups, combo, strict=True))
+                if stage_memory_mib(c, lo, hi, cnt, n) <= problem.budget + 1e-6:
+                    opts.append(stage_time_ms(c, lo, hi, cnt))
+            if not opts:
+                ok = False
+                break
+            f, b = min(opts, key=sum)
+            fwd.append(f)
+            bwd.append(b)
+        if not ok:
+            continue
+        t = np.array(fwd) + np.array(bwd)
+        best_obj = min(best_obj, problem.objective(t, bounds))
+        p2p = problem.p2p[list(cuts)][:, None] if pp > 1 else 0.0
+        m = problem.m
+        step = simulate(np.repeat(np.array(fwd)[:, None], m, 1),
+                        np.repeat(np.array(bwd)[:, None], m, 1), pp, 1, p2p).makespan_ms
+        best_step = min(best_step, step)
+    return best_obj, best_step
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_search_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    units = int(rng.integers(4, 9))
+    pp = int(rng.integers(1, min(units, 5) + 1))
+    costs = random_costs(rng, units)
+    m = int(rng.integers(pp, 4 * pp + 1))
+    # a budget between "everything recomputed fits" and "nothing needed", so recompute matters
+    total = float(costs.static_mib.sum() + costs.activation_mib.sum() * pp)
+    budget = total / pp * rng.uniform(0.6, 1.4)
+    problem = Problem(costs, m, budget, rng.uniform(0, 0.5, units + 1))
+    want_obj, want_step = brute(problem, pp)
+    if not np.isfinite(want_obj):
+        with pytest.raises(NoFeasiblePartition):
+            search(problem, pp)
+        return
+    assert min(objective_candidates(problem, pp).values()) == pytest.approx(want_obj, rel=1e-9)
+    got = search(problem, pp)
+    assert problem.fits(got)
+    assert got.step_ms <= want_step * 1.005
+    assert got.lower_bound_ms <= want_step * (1 + 1e-9)
+
+
+def test_infeasible_names_stage_and_shortfall():
+    costs = LayerCosts(("a", "b", "c"), np.ones(3), np.ones(3), np.ones(3), np.full(3, 100.0),
+                       np.full(3, 10.0), np.zeros(3), np.array([500.0, 10.0, 10.0]),
+                       np.zeros(3, int))
+    problem = Problem(costs, 4, 300.0)
+    with pytest.raises(NoFeasiblePartition, match=r"stage 0 \(a \.\. a\) 0\.\d+ GiB short"):
+        search(problem, 3)
+    # stage 0 alone holds 500 MiB static + 3 in flight x 10 MiB checkpoints = 530: 230 over
+    with pytest.raises(NoFeasiblePartition, match=r"0\.22 GiB short"):
+        search(problem, 3)
+
+
+def test_pp_larger_than_units_is_an_error():
+    rng = np.random.default_rng(0)
+    problem = Problem(random_costs(rng, 5), 4)
+    with pytest.raises(ValueError, match="pipeline size 6 is larger than the 5 partition units"):
+        search(problem, 6)
+
+
+def test_megatron_default_layout():
+    group = np.array([0] * 6 + [-1] + [1] * 10)
+    n = len(group)
+    costs = LayerCosts(tuple(map(str, range(n))), np.ones(n), np.ones(n), np.ones(n),
+                       np.ones(n), np.zeros(n), np.zeros(n), np.ones(n), group)
+    part = megatron_default(Problem(costs, 8), 4)
+    assert part.bounds == (0, 7 + 2, 9 + 2, 11 + 3, 17)
+    assert part.recompute[0] == {0: 6, 1: 2}  # everything recomputed on every stage
+    assert part.recompute[3] == {1: 3}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bmp_never_beats_the_exact_objective(seed):
+    rng = np.random.default_rng(100 + seed)
+    problem = Problem(random_costs(rng, 12), 8)
+    heuristic = bmp(problem, 4)
+    assert heuristic.objective_ms >= min(objective_candidates(problem, 4).values()) - 1e-9
+    assert heuristic.step_ms >= search(problem, 4).lower_bound_ms
