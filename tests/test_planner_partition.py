@@ -15,6 +15,7 @@ from megatron_omnibal.planner.partition import (
     objective_candidates,
     search,
 )
+from megatron_omnibal.planner.recompute import cheapest_recompute
 from megatron_omnibal.planner.simulate import simulate
 
 
@@ -22,11 +23,12 @@ def random_costs(rng, units, groups=(0, 1), uniform=False):
     """Random two-tower profile: a run of group-0 units, one projector (-1), then group-1."""
     n0 = int(rng.integers(1, units - 1))
     group = np.array([0] * n0 + [-1] + [1] * (units - n0 - 1))
-    if uniform:
+    if uniform:  # identical layers per tower, like the analytic model (closed-form path)
         fwd = np.where(group == 0, rng.uniform(1, 3), rng.uniform(1, 3))
+        act = np.where(group == 0, rng.uniform(50, 300), rng.uniform(50, 300))
     else:
         fwd = rng.uniform(0.5, 3.0, units)
-    act = rng.uniform(50, 300, units)
+        act = rng.uniform(50, 300, units)
     return LayerCosts(
         tuple(f"u{i}" for i in range(units)), fwd, fwd * rng.uniform(1.5, 2.5, units),
         np.where(group >= 0, fwd, 0.0), act, np.where(group >= 0, act * 0.1, act),
@@ -67,12 +69,31 @@ def brute(problem, pp):
     return best_obj, best_step
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("uniform", [False, True])
+def test_stage_times_and_choice_match_enumeration(uniform):
+    rng = np.random.default_rng(7)
+    costs = random_costs(rng, 7, uniform=uniform)
+    for n in (1, 3):
+        for budget in (800.0, 1500.0, 3000.0):
+            problem = Problem(costs, 4, budget)
+            table = problem.frontier.stage_times(n, budget)
+            for lo, hi in itertools.combinations(range(8), 2):
+                want = cheapest_recompute(costs, lo, hi, n, budget)
+                got = problem.frontier.choice(lo, hi, n, budget)
+                if want is None:
+                    assert got is None and table[lo, hi] == np.inf
+                else:
+                    assert table[lo, hi] == pytest.approx(want[1])
+                    assert sum(stage_time_ms(costs, lo, hi, got)) == pytest.approx(want[1])
+                    assert stage_memory_mib(costs, lo, hi, got, n) <= budget + 1e-6
+
+
+@pytest.mark.parametrize("seed", range(60))
 def test_search_matches_brute_force(seed):
     rng = np.random.default_rng(seed)
     units = int(rng.integers(4, 9))
     pp = int(rng.integers(1, min(units, 5) + 1))
-    costs = random_costs(rng, units)
+    costs = random_costs(rng, units, uniform=seed % 2 == 1)
     m = int(rng.integers(pp, 4 * pp + 1))
     # a budget between "everything recomputed fits" and "nothing needed", so recompute matters
     total = float(costs.static_mib.sum() + costs.activation_mib.sum() * pp)

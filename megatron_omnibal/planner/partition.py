@@ -13,6 +13,7 @@ Megatron's default split and OmniBal's BMP are here as comparison modes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass, field, replace
 
@@ -109,7 +110,7 @@ def _with_step(problem: Problem, part: Partition) -> Partition:
     fwd = np.repeat(part.forward_ms[:, None], m, axis=1)
     bwd = np.repeat(part.backward_ms[:, None], m, axis=1)
     p2p = problem.p2p[list(part.bounds[1:-1])][:, None] if pp > 1 else 0.0
-    step = simulate(fwd, bwd, pp, 1, p2p).makespan_ms
+    step = simulate(fwd, bwd, pp, 1, p2p, keep_ops=False).makespan_ms
     return replace(part, step_ms=step)
 
 
@@ -204,7 +205,7 @@ def objective_candidates(problem: Problem, pp: int) -> dict[tuple[int, ...], flo
     return found
 
 
-def search(problem: Problem, pp: int, refine: int = 8, max_evaluations: int = 200) -> Partition:
+def search(problem: Problem, pp: int, refine: int = 8, max_evaluations: int = 64) -> Partition:
     """The fastest partition under the exact 1F1B simulation, found through two exact DPs.
 
     Candidates: the best `refine` of the exact (m - 1) max + sum search and the exact minimiser
@@ -217,6 +218,8 @@ def search(problem: Problem, pp: int, refine: int = 8, max_evaluations: int = 20
     ranked = sorted(found, key=found.get)[:refine]
     lower, lb_bounds = _min_lower_bound(tables, problem.m, problem.p2p)
     ranked.append(tuple(lb_bounds))
+    with contextlib.suppress(NoFeasiblePartition):
+        ranked.append(bmp(problem, pp).bounds)
     best_part = min((problem.evaluate(b) for b in ranked), key=lambda p: p.step_ms)
     best_part = _polish(problem, tables, best_part, max_evaluations)
     return replace(best_part, lower_bound_ms=lower)

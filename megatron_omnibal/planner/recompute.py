@@ -40,15 +40,13 @@ def _frontier(prefixes: list) -> tuple[np.ndarray, np.ndarray, list[tuple[int, .
     for _, s, c in prefixes:
         saved = (saved[:, None] + s[None, :]).ravel()
         cost = (cost[:, None] + c[None, :]).ravel()
-    combos = list(itertools.product(*[range(len(s)) for _, s, _ in prefixes]))
     order = np.lexsort((cost, -saved))  # by saved descending, then cost ascending
-    keep, best = [], np.inf
-    for i in order:  # walking down in saved, keep points strictly cheaper than all above
-        if cost[i] < best:
-            best = cost[i]
-            keep.append(i)
-    keep = keep[::-1]
-    return saved[keep], cost[keep], [combos[i] for i in keep]
+    sorted_cost = cost[order]
+    cheaper_above = np.concatenate([[np.inf], np.minimum.accumulate(sorted_cost)[:-1]])
+    keep = order[sorted_cost < cheaper_above][::-1]  # points cheaper than all saving more
+    shape = tuple(len(s) for _, s, _ in prefixes)
+    combos = list(zip(*(k.tolist() for k in np.unravel_index(keep, shape)), strict=True))
+    return saved[keep], cost[keep], combos
 
 
 class SegmentFrontier:
@@ -72,18 +70,33 @@ class SegmentFrontier:
         self.base_time = (fwd[None, :] - fwd[:, None]) + (bwd[None, :] - bwd[:, None])
         self.base_time[0, :] += float(costs.first.forward_ms) + float(costs.first.backward_ms)
         self.base_time[:, u] += float(costs.last.forward_ms) + float(costs.last.backward_ms)
-        self.fronts: dict[tuple[int, int], tuple] = {}
         lo_idx, hi_idx = np.triu_indices(u + 1, 1)
         self.lo, self.hi = lo_idx, hi_idx
+        group = np.asarray(costs.group)
+        self.groups = [int(g) for g in np.unique(group[group >= 0])]
+        self.count = {g: np.concatenate([[0], np.cumsum(group == g)]) for g in self.groups}
+        # identical layers within each tower (the analytic model): closed-form queries
+        self.uniform = len(self.groups) <= 2 and all(
+            np.ptp(np.asarray(arr)[group == g]) == 0 for g in self.groups
+            for arr in (costs.activation_mib, costs.checkpoint_mib, costs.recompute_ms))
+        if self.uniform:
+            first = {g: int(np.flatnonzero(group == g)[0]) for g in self.groups}
+            self.unit_saved = {g: float(costs.activation_mib[i] - costs.checkpoint_mib[i])
+                               for g, i in first.items()}
+            self.unit_cost = {g: float(costs.recompute_ms[i]) for g, i in first.items()}
+            self.n = {g: (c[hi_idx] - c[lo_idx]) for g, c in self.count.items()}
+        else:
+            self._build_fronts()
+        self._times: dict[tuple[int, float], np.ndarray] = {}
+
+    def _build_fronts(self) -> None:
+        """Pareto fronts per segment (general profiles: layers of a tower may differ)."""
+        self.fronts: dict[tuple[int, int], tuple] = {}
         lengths, saved_rows, cost_rows = [], [], []
-        cache: dict[bytes, tuple] = {}
-        for lo, hi in zip(lo_idx.tolist(), hi_idx.tolist(), strict=True):
-            prefixes = _group_prefixes(costs, lo, hi)
-            key = b"".join(np.asarray(x).tobytes() + b"|" for p in prefixes for x in p)
-            if key not in cache:
-                cache[key] = (_frontier(prefixes), [g for g, _, _ in prefixes])
-            (saved, cost, combos), groups = cache[key]
-            self.fronts[(lo, hi)] = (saved, cost, combos, groups)
+        for lo, hi in zip(self.lo.tolist(), self.hi.tolist(), strict=True):
+            prefixes = _group_prefixes(self.costs, lo, hi)
+            saved, cost, combos = _frontier(prefixes)
+            self.fronts[(lo, hi)] = (saved, cost, combos, [g for g, _, _ in prefixes])
             lengths.append(len(saved))
             saved_rows.append(saved)
             cost_rows.append(cost)
@@ -93,17 +106,49 @@ class SegmentFrontier:
         for i, (s, c) in enumerate(zip(saved_rows, cost_rows, strict=True)):
             self.saved[i, :len(s)] = s
             self.cost[i, :len(c)] = c
-        self._times: dict[tuple[int, float], np.ndarray] = {}
+
+    def _need(self, inflight: int, budget_mib: float) -> np.ndarray:
+        """Activation MiB per micro-batch each segment must save to fit."""
+        return self.act_full[self.lo, self.hi] - (budget_mib - self.static[self.lo, self.hi]) \
+            / inflight
+
+    def _uniform_query(self, need: np.ndarray, seg: np.ndarray | slice = slice(None)
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Least recompute ms for `need` (per segment), with the counts of the first and
+        second group; inf where even everything recomputed saves too little."""
+        need = need - 1e-9
+        gs = self.groups
+        if not gs:
+            rec = np.where(need <= 0, 0.0, np.inf)
+            zero = np.zeros(len(rec), int)
+            return rec, zero, zero
+        n0 = self.n[gs[0]][seg]
+        s0, c0 = self.unit_saved[gs[0]], self.unit_cost[gs[0]]
+        if len(gs) == 1:
+            k0 = _count(need, s0)
+            ok = k0 <= n0
+            return np.where(ok, k0 * c0, np.inf), np.where(ok, k0, 0), np.zeros(len(k0), int)
+        n1 = self.n[gs[1]][seg]
+        s1, c1 = self.unit_saved[gs[1]], self.unit_cost[gs[1]]
+        k0 = np.arange(int(n0.max()) + 1)[None, :]
+        k1 = _count(need[:, None] - k0 * max(s0, 0.0), s1)
+        ok = (k0 <= n0[:, None]) & (k1 <= n1[:, None])
+        total = np.where(ok, k0 * c0 + k1 * c1, np.inf)
+        best = total.argmin(axis=1)
+        rows = np.arange(len(best))
+        return total[rows, best], best, k1[rows, best]
 
     def stage_times(self, inflight: int, budget_mib: float) -> np.ndarray:
         """(U+1, U+1) matrix: least fwd+bwd+recompute ms of segment [lo, hi), inf if none fits."""
         key = (inflight, budget_mib)
         if key not in self._times:
-            need = self.act_full[self.lo, self.hi] - (budget_mib - self.static[self.lo, self.hi]) \
-                / inflight
-            idx = (self.saved < need[:, None] - 1e-9).sum(axis=1)
-            padded = np.concatenate([self.cost, np.full((len(idx), 1), np.inf)], axis=1)
-            rec = padded[np.arange(len(idx)), idx]
+            need = self._need(inflight, budget_mib)
+            if self.uniform:
+                rec = self._uniform_query(need)[0]
+            else:
+                idx = (self.saved < need[:, None] - 1e-9).sum(axis=1)
+                padded = np.concatenate([self.cost, np.full((len(idx), 1), np.inf)], axis=1)
+                rec = padded[np.arange(len(idx)), idx]
             out = np.full((self.units + 1, self.units + 1), np.inf)
             out[self.lo, self.hi] = self.base_time[self.lo, self.hi] + rec
             self._times[key] = out
@@ -111,8 +156,16 @@ class SegmentFrontier:
 
     def choice(self, lo: int, hi: int, inflight: int, budget_mib: float) -> dict[int, int] | None:
         """The recompute counts per group behind `stage_times` for one segment (None: no fit)."""
-        saved, cost, combos, groups = self.fronts[(lo, hi)]
         need = self.act_full[lo, hi] - (budget_mib - self.static[lo, hi]) / inflight
+        if self.uniform:
+            seg = np.array([int(np.flatnonzero((self.lo == lo) & (self.hi == hi))[0])])
+            rec, k0, k1 = self._uniform_query(np.array([need]), seg)
+            if not np.isfinite(rec[0]):
+                return None
+            present = [g for g in self.groups if self.n[g][seg[0]] > 0]
+            counts = dict(zip(self.groups, (int(k0[0]), int(k1[0])), strict=False))
+            return {g: counts[g] for g in present}
+        saved, cost, combos, groups = self.fronts[(lo, hi)]
         i = int((saved < need - 1e-9).sum())
         if i == len(saved):
             return None
@@ -121,11 +174,23 @@ class SegmentFrontier:
     def min_memory_mib(self, inflight: int) -> np.ndarray:
         """(U+1, U+1): memory of each segment with everything recomputable recomputed."""
         most = np.full((self.units + 1, self.units + 1), np.inf)
-        most[self.lo, self.hi] = self.saved.max(axis=1, where=np.isfinite(self.saved),
-                                                initial=0.0)
+        if self.uniform:
+            most[self.lo, self.hi] = sum(np.maximum(self.unit_saved[g], 0.0) * self.n[g]
+                                         for g in self.groups) if self.groups else 0.0
+        else:
+            most[self.lo, self.hi] = self.saved.max(axis=1, where=np.isfinite(self.saved),
+                                                    initial=0.0)
         out = self.static + inflight * (self.act_full - most)
         out[~np.isfinite(most)] = np.inf
         return out
+
+
+def _count(need: np.ndarray, per_layer: float) -> np.ndarray:
+    """Layers needed to save `need` at `per_layer` each (0 if nothing is needed)."""
+    need = np.asarray(need, np.float64)
+    if per_layer <= 0:
+        return np.where(need <= 0, 0, np.iinfo(np.int32).max)
+    return np.maximum(np.ceil(need / per_layer), 0).astype(np.int64)
 
 
 def cheapest_recompute(costs: LayerCosts, lo: int, hi: int, inflight: int,

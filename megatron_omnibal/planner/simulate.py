@@ -71,13 +71,14 @@ def order_interleaved(rank: int, pp: int, vpp: int, m: int) -> list[tuple[str, i
 
 
 def simulate(forward_ms: np.ndarray, backward_ms: np.ndarray, pp: int, vpp: int = 1,
-             p2p_ms: np.ndarray | float = 0.0) -> Timeline:
+             p2p_ms: np.ndarray | float = 0.0, keep_ops: bool = True) -> Timeline:
     """Simulate one replica's step.
 
     `forward_ms`, `backward_ms`: (pp * vpp, m) per virtual stage (chunk c of rank r is virtual
     stage c * pp + r) and micro-batch; backward includes recompute. `p2p_ms`: scalar or
     (pp * vpp - 1, m), the transfer time from virtual stage v to v + 1 (and of its gradient
-    back), charged only between different ranks.
+    back), charged only between different ranks. Without `keep_ops` (search loops), the
+    timeline holds no operations, only makespan and busy time.
     """
     fwd = np.asarray(forward_ms, np.float64)
     bwd = np.asarray(backward_ms, np.float64)
@@ -91,44 +92,57 @@ def simulate(forward_ms: np.ndarray, backward_ms: np.ndarray, pp: int, vpp: int 
         else np.zeros((0, m))
     orders = [order_1f1b(r, pp, m) if vpp == 1 else order_interleaved(r, pp, vpp, m)
               for r in range(pp)]
-    f_end = np.full((nv, m), np.nan)
-    b_end = np.full((nv, m), np.nan)
-    free = np.zeros(pp)
+    fl, bl = fwd.tolist(), bwd.tolist()
+    pl = (p2p if pp > 1 else np.zeros_like(p2p)).tolist()
+    f_end: list[list[float | None]] = [[None] * m for _ in range(nv)]
+    b_end: list[list[float | None]] = [[None] * m for _ in range(nv)]
+    free = [0.0] * pp
     pos = [0] * pp
     ops: list[Op] = []
+    last = 0.0
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for r in range(pp):
-            while pos[r] < len(orders[r]):
-                kind, chunk, j = orders[r][pos[r]]
+            order, i, t_free = orders[r], pos[r], free[r]
+            while i < len(order):
+                kind, chunk, j = order[i]
                 v = chunk * pp + r
                 if kind == "F":
-                    ready = 0.0 if v == 0 else f_end[v - 1, j] + (p2p[v - 1, j] if pp > 1 else 0)
-                    dur = fwd[v, j]
-                else:
-                    if v == nv - 1:
-                        ready = f_end[v, j]
+                    if v == 0:
+                        ready = 0.0
                     else:
-                        ready = b_end[v + 1, j] + (p2p[v, j] if pp > 1 else 0)
-                    ready = max(ready, f_end[v, j])
-                    dur = bwd[v, j]
-                if np.isnan(ready):
-                    break
-                start = max(free[r], ready)
-                end = start + dur
-                (f_end if kind == "F" else b_end)[v, j] = end
-                free[r] = end
-                ops.append(Op(r, chunk, j, kind, float(start), float(end)))
-                pos[r] += 1
+                        prev = f_end[v - 1][j]
+                        if prev is None:
+                            break
+                        ready = prev + pl[v - 1][j]
+                    end = max(t_free, ready) + fl[v][j]
+                    f_end[v][j] = end
+                else:
+                    mine = f_end[v][j]
+                    if v == nv - 1:
+                        nxt = mine
+                    else:
+                        nxt = b_end[v + 1][j]
+                        if nxt is not None:
+                            nxt += pl[v][j]
+                    if nxt is None or mine is None:
+                        break
+                    end = max(t_free, nxt, mine) + bl[v][j]
+                    b_end[v][j] = end
+                if keep_ops:
+                    dur = fl[v][j] if kind == "F" else bl[v][j]
+                    ops.append(Op(r, chunk, j, kind, end - dur, end))
+                last = max(last, end)
+                t_free = end
+                i += 1
                 remaining -= 1
                 progressed = True
+            pos[r], free[r] = i, t_free
         if not progressed:
             raise RuntimeError("pipeline schedule deadlocked (inconsistent operation order)")
-    busy = np.zeros(pp)
-    for op in ops:
-        busy[op.rank] += op.end - op.start
-    return Timeline(tuple(ops), float(np.nanmax(b_end)), busy, pp, vpp)
+    busy = np.array([fwd[r::pp].sum() + bwd[r::pp].sum() for r in range(pp)])
+    return Timeline(tuple(ops), last, busy, pp, vpp)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,56 @@
+"""Micro-batch workloads drawn from length statistics: balanced (budgets) or fixed-size.
+
+The planner predicts a step from real sample lengths, so it needs micro-batches like the ones
+training will see. Balanced ones are modelled by a longest-first greedy fill of dp x m bins
+towards both budgets (a stand-in for the ISF balancer, which does at least this well); the
+baseline takes the same samples in random order, a fixed number per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from megatron_omnibal.data.lengths import LengthStats
+from megatron_omnibal.planner.costs import workload_features
+
+
+def choose_budgets(stats: LengthStats, samples_per_replica: int, micro_batches: int,
+                   slack: float = 1.05) -> tuple[int, int]:
+    """(vit_budget tiles, token_budget tokens) per micro-batch: the mean share plus `slack`,
+    never below the largest sample (it must fit somewhere), tokens rounded up to 64."""
+    share = samples_per_replica / micro_batches
+    vit = max(int(stats.vit.max()), math.ceil(float(stats.vit.mean()) * share * slack))
+    tok = max(int(stats.tokens.max()), math.ceil(float(stats.tokens.mean()) * share * slack))
+    return vit, int(math.ceil(tok / 64) * 64)
+
+
+def draw_samples(stats: LengthStats, count: int, rng: np.random.Generator) -> np.ndarray:
+    """`count` sample indices drawn without replacement (with, if the data is smaller)."""
+    return rng.choice(len(stats), size=count, replace=count > len(stats))
+
+
+def balanced_features(stats: LengthStats, index: np.ndarray, bins: int, vit_budget: int,
+                      token_budget: int) -> np.ndarray:
+    """Features (bins, 4) of a greedy balanced split of samples `index` into `bins`."""
+    vit = stats.vit[index].astype(np.float64)
+    tok = stats.tokens[index].astype(np.float64)
+    load = np.zeros(bins)
+    tiles, tokens, sumsq = np.zeros(bins), np.zeros(bins), np.zeros(bins)
+    order = np.argsort(-(tok / token_budget + vit / vit_budget), kind="stable")
+    for i in order:
+        b = int(np.argmin(load))
+        load[b] += tok[i] / token_budget + vit[i] / vit_budget
+        tiles[b] += vit[i]
+        tokens[b] += tok[i]
+        sumsq[b] += tok[i] ** 2
+    return workload_features(tiles, tokens, sumsq)
+
+
+def fixed_size_features(stats: LengthStats, index: np.ndarray, bins: int) -> np.ndarray:
+    """Features (bins, 4) of the samples in their (random) order, equal counts per bin."""
+    parts = np.array_split(index, bins)
+    vit, tok = stats.vit.astype(np.float64), stats.tokens.astype(np.float64)
+    return workload_features([vit[p].sum() for p in parts], [tok[p].sum() for p in parts],
+                             [(tok[p] ** 2).sum() for p in parts])
