@@ -1,0 +1,373 @@
+"""The `--omnibal*` flags and their validation against Megatron's own arguments.
+
+Everything here runs right after Megatron parses its arguments and BEFORE any process group
+exists: a layout whose layers do not add up, a plan made for another pipeline size or a length
+file that does not match the dataset must stop every rank with a message that says what is
+wrong, not hang a 1000-GPU job in its first collective. Nothing here imports torch or Megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from megatron_omnibal.data.isf import CostModel
+from megatron_omnibal.data.lengths import LengthsError, LengthStats, load_lengths
+from megatron_omnibal.megatron.layout import (
+    LayoutError,
+    StageLayout,
+    layout_from_counts,
+    layout_from_plan,
+    validate_layout,
+)
+
+MODES = ("random", "grouped")
+ALGORITHMS = ("default", "isf")
+DATA_SOURCES = ("synthetic",)
+OVERSIZE = ("error", "solo", "skip")
+
+
+class OmnibalArgsError(ValueError):
+    """A bad --omnibal* flag or a combination Megatron cannot run; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class OmnibalSettings:
+    """The validated OmniBal configuration of one run (identical on every rank)."""
+
+    layouts: tuple[StageLayout, ...]
+    vit_budget: int
+    token_budget: int
+    micro_batches: int
+    dp_size: int
+    mode: str
+    algorithm: str
+    oversize: str
+    data: str
+    lengths: LengthStats  # as the model sees them (image tokens per tile, text scale)
+    plan: dict | None
+    cost: CostModel | None
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.layouts)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 30,15,0,0, got '{text}'"
+        ) from exc
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"layer counts must be >= 0, got '{text}'")
+    return values
+
+
+def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the --omnibal* flags (usable as megatron.training's `extra_args_provider`)."""
+    g = parser.add_argument_group("omnibal", "balanced VLM training (megatron-omnibal)")
+    g.add_argument(
+        "--omnibal",
+        action="store_true",
+        help="train the VLM with balanced data, a planned split and planned recompute",
+    )
+    g.add_argument(
+        "--omnibal-plan",
+        metavar="PLAN.json",
+        default=None,
+        help="plan from `omnibal plan`: stage layout, recompute and data budgets",
+    )
+    g.add_argument(
+        "--omnibal-lengths",
+        metavar="FILE",
+        default=None,
+        help="per-sample length statistics of the training data (vit_num, token_num)",
+    )
+    g.add_argument(
+        "--omnibal-vit-pp-layers",
+        type=_int_list,
+        default=None,
+        metavar="N,N,..",
+        help="ViT layers per pipeline stage, e.g. 30,15,0,0 (instead of a plan)",
+    )
+    g.add_argument(
+        "--omnibal-llm-pp-layers",
+        type=_int_list,
+        default=None,
+        metavar="N,N,..",
+        help="LLM layers per pipeline stage, e.g. 0,10,19,19 (instead of a plan)",
+    )
+    g.add_argument(
+        "--omnibal-vit-recompute",
+        type=_int_list,
+        default=None,
+        metavar="N,N,..",
+        help="ViT layers to recompute per stage (default: the plan's, else none)",
+    )
+    g.add_argument(
+        "--omnibal-llm-recompute",
+        type=_int_list,
+        default=None,
+        metavar="N,N,..",
+        help="LLM layers to recompute per stage (default: the plan's, else none)",
+    )
+    g.add_argument(
+        "--omnibal-vit-budget",
+        type=int,
+        default=None,
+        help="image tiles per micro-batch the balancer aims at (default: the plan's)",
+    )
+    g.add_argument(
+        "--omnibal-token-budget",
+        type=int,
+        default=None,
+        help="LLM tokens per micro-batch the balancer aims at (default: the plan's)",
+    )
+    g.add_argument(
+        "--omnibal-mode",
+        choices=MODES,
+        default="random",
+        help="random: shuffle samples each epoch; grouped: keep dataset groups together",
+    )
+    g.add_argument(
+        "--omnibal-algorithm",
+        choices=ALGORITHMS,
+        default="default",
+        help="balancer: fill-and-complete (default) or OmniBal's ISF",
+    )
+    g.add_argument(
+        "--omnibal-oversize",
+        choices=OVERSIZE,
+        default="error",
+        help="a sample above a budget: error, a micro-batch of its own, or skip it",
+    )
+    g.add_argument(
+        "--omnibal-cost",
+        default=None,
+        metavar="A,B,C",
+        help="balance a*tiles + b*tokens + c*tokens^2 instead of tokens",
+    )
+    g.add_argument(
+        "--omnibal-model",
+        default=None,
+        metavar="NAME|FILE",
+        help="model dimensions: a preset (tiny, small, or a planner preset) or a "
+        "model_spec JSON/YAML file (default: the plan's model_spec)",
+    )
+    g.add_argument(
+        "--omnibal-data",
+        choices=DATA_SOURCES,
+        default="synthetic",
+        help="sample source: deterministic random samples shaped like the lengths",
+    )
+    g.add_argument(
+        "--omnibal-data-tokens-per-tile",
+        type=int,
+        default=256,
+        help="image tokens per real tile counted in the length file's token_num "
+        "(InternVL: 256); the model's own count replaces them",
+    )
+    g.add_argument(
+        "--omnibal-text-scale",
+        type=int,
+        default=1,
+        help="divide each sample's text tokens by this (CPU dry runs of long data)",
+    )
+    return parser
+
+
+def validate_omnibal_args(
+    args: argparse.Namespace, vit_layers: int | None = None, tokens_per_tile: int | None = None
+) -> OmnibalSettings:
+    """Check the --omnibal* flags against Megatron's parsed (and validated) arguments.
+
+    `vit_layers` is the model's ViT depth (None: whatever the layout covers); `tokens_per_tile`
+    the model's image tokens per tile, to turn the length file into the lengths the model sees
+    (None: keep them as they are). Call before megatron.training.pretrain: it creates no process
+    group and raises OmnibalArgsError naming the offending flag.
+    """
+    if not getattr(args, "omnibal", False):
+        raise OmnibalArgsError("--omnibal is not set")
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        raise OmnibalArgsError(
+            "--omnibal does not support virtual pipeline stages "
+            "(--num-layers-per-virtual-pipeline-stage)"
+        )
+    plan = load_plan(args.omnibal_plan) if args.omnibal_plan else None
+    try:
+        layouts = _layouts(args, plan, vit_layers)
+    except LayoutError as exc:
+        raise OmnibalArgsError(str(exc)) from exc
+    if args.micro_batch_size != 1:
+        raise OmnibalArgsError(
+            f"--omnibal packs each micro-batch itself: use --micro-batch-size 1"
+            f" (got {args.micro_batch_size})"
+        )
+    dp = args.data_parallel_size
+    if args.global_batch_size % dp:
+        raise OmnibalArgsError(
+            f"--global-batch-size {args.global_batch_size} is not a multiple "
+            f"of the data-parallel size {dp}"
+        )
+    micro = args.global_batch_size // dp
+    if plan is not None:
+        _check_plan_sizes(plan, args, micro)
+    vit_budget, token_budget = _budgets(args, plan)
+    lengths = _load_lengths(args, plan, tokens_per_tile)
+    cost = _cost(args.omnibal_cost)
+    return OmnibalSettings(
+        tuple(layouts),
+        vit_budget,
+        token_budget,
+        micro,
+        dp,
+        args.omnibal_mode,
+        args.omnibal_algorithm,
+        args.omnibal_oversize,
+        args.omnibal_data,
+        lengths,
+        plan,
+        cost,
+    )
+
+
+def load_plan(path: str) -> dict:
+    """plan.json as a dict (its path under '_path' for messages)."""
+    try:
+        plan = json.loads(Path(path).read_text())
+    except FileNotFoundError as exc:
+        raise OmnibalArgsError(f"--omnibal-plan {path}: no such file") from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise OmnibalArgsError(f"--omnibal-plan {path}: not a JSON plan ({exc})") from exc
+    if not isinstance(plan, dict):
+        raise OmnibalArgsError(f"--omnibal-plan {path}: expected a JSON object")
+    plan["_path"] = str(path)
+    return plan
+
+
+def _layouts(
+    args: argparse.Namespace, plan: dict | None, vit_total: int | None
+) -> list[StageLayout]:
+    """The stage layouts: from the two count flags, else from the plan (recompute flags win)."""
+    pp, llm_total = args.pipeline_model_parallel_size, args.num_layers
+    vit_rc, llm_rc = args.omnibal_vit_recompute, args.omnibal_llm_recompute
+    if args.omnibal_vit_pp_layers is not None or args.omnibal_llm_pp_layers is not None:
+        if args.omnibal_vit_pp_layers is None or args.omnibal_llm_pp_layers is None:
+            raise OmnibalArgsError(
+                "give both --omnibal-vit-pp-layers and --omnibal-llm-pp-layers"
+                " (or neither, and --omnibal-plan)"
+            )
+        vit, llm = args.omnibal_vit_pp_layers, args.omnibal_llm_pp_layers
+        if len(vit) != pp:
+            raise OmnibalArgsError(
+                f"--omnibal-vit-pp-layers {_fmt(vit)} has {len(vit)} stages, "
+                f"--pipeline-model-parallel-size is {pp}"
+            )
+        layouts = layout_from_counts(vit, llm, vit_rc, llm_rc, vit_total, llm_total)
+    elif plan is not None:
+        try:
+            layouts = layout_from_plan(plan, pp, vit_total, llm_total)
+        except LayoutError as exc:
+            raise OmnibalArgsError(f"--omnibal-plan {plan['_path']}: {exc}") from exc
+        for flag, counts in (
+            ("--omnibal-vit-recompute", vit_rc),
+            ("--omnibal-llm-recompute", llm_rc),
+        ):
+            if counts is not None and len(counts) != pp:
+                raise OmnibalArgsError(
+                    f"{flag} {_fmt(counts)} has {len(counts)} stages, "
+                    f"--pipeline-model-parallel-size is {pp}"
+                )
+        layouts = [
+            replace(
+                st,
+                vit_recompute=st.vit_recompute if vit_rc is None else vit_rc[r],
+                llm_recompute=st.llm_recompute if llm_rc is None else llm_rc[r],
+            )
+            for r, st in enumerate(layouts)
+        ]
+        validate_layout(layouts, vit_total, llm_total)
+    else:
+        raise OmnibalArgsError(
+            "--omnibal needs --omnibal-plan, or --omnibal-vit-pp-layers and --omnibal-llm-pp-layers"
+        )
+    return layouts
+
+
+def _fmt(counts: tuple[int, ...]) -> str:
+    return ",".join(str(c) for c in counts)
+
+
+def _budgets(args: argparse.Namespace, plan: dict | None) -> tuple[int, int]:
+    data = (plan or {}).get("data", {}) or {}
+    vit = args.omnibal_vit_budget if args.omnibal_vit_budget is not None else data.get("vit_budget")
+    tok = (
+        args.omnibal_token_budget
+        if args.omnibal_token_budget is not None
+        else data.get("token_budget")
+    )
+    for flag, value in (("--omnibal-vit-budget", vit), ("--omnibal-token-budget", tok)):
+        if value is None:
+            raise OmnibalArgsError(f"{flag} is needed (the plan gives none)")
+        if int(value) <= 0:
+            raise OmnibalArgsError(f"{flag} must be > 0, got {value}")
+    return int(vit), int(tok)
+
+
+def _check_plan_sizes(plan: dict, args: argparse.Namespace, micro: int) -> None:
+    where = f"--omnibal-plan {plan['_path']}"
+    par = plan.get("parallel", {}) or {}
+    for key, value in (
+        ("tp", args.tensor_model_parallel_size),
+        ("pp", args.pipeline_model_parallel_size),
+        ("dp", args.data_parallel_size),
+        ("micro_batches", micro),
+    ):
+        planned = par.get(key, plan.get(key))
+        if planned is not None and int(planned) != value:
+            raise OmnibalArgsError(
+                f"{where} was made for {key}={planned}, this run has {key}={value}"
+            )
+
+
+def _load_lengths(
+    args: argparse.Namespace, plan: dict | None, tokens_per_tile: int | None
+) -> LengthStats:
+    if args.omnibal_lengths is None:
+        raise OmnibalArgsError(
+            "--omnibal needs --omnibal-lengths FILE (per-sample vit_num and token_num of the "
+            "training data)"
+        )
+    try:
+        lengths = load_lengths(args.omnibal_lengths)
+    except LengthsError as exc:
+        raise OmnibalArgsError(f"--omnibal-lengths: {exc}") from exc
+    planned = ((plan or {}).get("data") or {}).get("num_samples")
+    if planned is not None and int(planned) != len(lengths):
+        raise OmnibalArgsError(
+            f"--omnibal-lengths {args.omnibal_lengths} has {len(lengths)} samples, but "
+            f"--omnibal-plan {plan['_path']} was made for a dataset of {planned}"
+        )
+    if tokens_per_tile is None:
+        return lengths
+    from megatron_omnibal.megatron.data import model_lengths
+
+    try:
+        return model_lengths(
+            lengths, args.omnibal_data_tokens_per_tile, tokens_per_tile, args.omnibal_text_scale
+        )
+    except (LengthsError, ValueError) as exc:
+        raise OmnibalArgsError(f"--omnibal-lengths {args.omnibal_lengths}: {exc}") from exc
+
+
+def _cost(text: str | None) -> CostModel | None:
+    if text is None:
+        return None
+    try:
+        return CostModel.parse(text)
+    except ValueError as exc:
+        raise OmnibalArgsError(f"--omnibal-cost {text}: {exc}") from exc

@@ -1,0 +1,285 @@
+"""Entry point on megatron.training.pretrain for balanced VLM training.
+
+`python -m megatron_omnibal.pretrain_vlm <Megatron flags> --omnibal ...` (and the patched
+Megatron-LM pretrain_vlm.py, which calls `main()`): Megatron's own flags drive training
+(optimizer, schedule, checkpoints, logging, parallel sizes); the --omnibal* flags choose the model
+dimensions (a plan's model_spec or --omnibal-model), the stage layout and per-stage recompute
+(plan or flags) and the balanced data. Everything is validated before Megatron creates a process
+group. On a CPU-only torch it runs through enable_cpu_megatron() with gloo; on GPUs unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+from megatron_omnibal.megatron.args import (
+    OmnibalArgsError,
+    OmnibalSettings,
+    add_omnibal_args,
+    validate_omnibal_args,
+)
+from megatron_omnibal.megatron.cpu import enable_cpu_megatron
+
+ForwardStep = Callable[[Any, Any], Any]
+
+
+def main(argv: Sequence[str] | None = None, forward_step_func: ForwardStep | None = None) -> int:
+    """Parse Megatron's and the --omnibal* flags, validate them, train. Returns the exit status.
+
+    `forward_step_func` replaces the package's forward step (tests wrap it to record losses).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cpu = enable_cpu_megatron()
+    _skip_runtime_helper_build()
+    try:
+        spec = resolve_spec(_preparse(argv))
+    except (OmnibalArgsError, ValueError) as exc:
+        return _fail(exc)
+    if cpu and not any(a.split("=")[0] == "--distributed-backend" for a in argv):
+        argv += ["--distributed-backend", "gloo"]
+    from megatron.training.arguments import parse_and_validate_args
+
+    sys.argv = [sys.argv[0], *argv]  # Megatron's parser reads sys.argv
+    args = parse_and_validate_args(
+        extra_args_provider=add_omnibal_args, args_defaults=megatron_defaults(spec)
+    )
+    try:
+        settings = validate_omnibal_args(
+            args, vit_layers=spec.vit.num_layers, tokens_per_tile=spec.tokens_per_tile
+        )
+        check_model_args(args, spec)
+    except (OmnibalArgsError, ValueError) as exc:
+        return _fail(exc)
+    train(args, settings, spec, forward_step_func)
+    return 0
+
+
+def _fail(exc: Exception) -> int:
+    print(f"pretrain_vlm: error: {exc}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _preparse(argv: list[str]) -> argparse.Namespace:
+    """The --omnibal* flags alone, to learn the model before Megatron's parser needs its size."""
+    parser = add_omnibal_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    pre, _ = parser.parse_known_args(argv)
+    if not pre.omnibal:
+        raise OmnibalArgsError("this entry point trains with --omnibal; pass --omnibal")
+    return pre
+
+
+def resolve_spec(pre: argparse.Namespace) -> Any:
+    """The VLMSpec: --omnibal-model (a preset or a model_spec file), else the plan's model_spec."""
+    from megatron_omnibal.megatron.model import PRESETS, VLMSpec
+
+    from_plan = None
+    if pre.omnibal_plan:
+        from megatron_omnibal.megatron.args import load_plan
+
+        plan = load_plan(pre.omnibal_plan)
+        if "model_spec" in plan:
+            from_plan = VLMSpec.from_plan(plan)
+    if pre.omnibal_model is None:
+        if from_plan is None:
+            raise OmnibalArgsError(
+                "no model: give --omnibal-model NAME|FILE or a --omnibal-plan with a model_spec"
+            )
+        return from_plan
+    name = pre.omnibal_model
+    if name in PRESETS:
+        spec = PRESETS[name]
+    else:
+        from megatron_omnibal.planner.config_files import resolve_model
+
+        try:
+            spec = VLMSpec.from_dict(resolve_model(name).spec_dict())
+        except ValueError as exc:
+            raise OmnibalArgsError(
+                f"--omnibal-model {name}: {exc} (Megatron-side presets: {', '.join(PRESETS)})"
+            ) from exc
+    if from_plan is not None and from_plan != spec:
+        raise OmnibalArgsError(
+            f"--omnibal-model {name} differs from the model_spec of --omnibal-plan "
+            f"{pre.omnibal_plan}; the plan was made for another model"
+        )
+    return spec
+
+
+def megatron_defaults(spec: Any) -> dict[str, Any]:
+    """Megatron arguments the model spec already determines (explicit flags must agree)."""
+    llm = spec.llm
+    return {
+        "num_layers": llm.num_layers,
+        "hidden_size": llm.hidden_size,
+        "ffn_hidden_size": llm.ffn_hidden_size,
+        "num_attention_heads": llm.num_attention_heads,
+        "max_position_embeddings": llm.max_position_embeddings,
+        "seq_length": llm.max_position_embeddings,
+        "tokenizer_type": "NullTokenizer",
+        "vocab_size": llm.vocab_size,
+        "dataloader_type": "external",
+        "eval_interval": 1000,
+    }
+
+
+def check_model_args(args: argparse.Namespace, spec: Any) -> None:
+    """Megatron's model flags must describe the spec's LLM; its own recompute flags are unused."""
+    for flag, name in (
+        ("--num-layers", "num_layers"),
+        ("--hidden-size", "hidden_size"),
+        ("--ffn-hidden-size", "ffn_hidden_size"),
+        ("--num-attention-heads", "num_attention_heads"),
+    ):
+        if getattr(args, name) != getattr(spec.llm, name):
+            raise OmnibalArgsError(
+                f"{flag} {getattr(args, name)} but the model's LLM has "
+                f"{name}={getattr(spec.llm, name)} (drop the flag or fix the model)"
+            )
+    if args.dataloader_type != "external":
+        raise OmnibalArgsError(
+            f"--dataloader-type {args.dataloader_type}: --omnibal brings its own iterator "
+            "(external)"
+        )
+    if args.recompute_granularity is not None:
+        raise OmnibalArgsError(
+            "--recompute-granularity: with --omnibal, recompute is per stage "
+            "(--omnibal-vit-recompute / --omnibal-llm-recompute or the plan)"
+        )
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """TransformerConfig fields every tower takes from Megatron's flags."""
+    return {
+        "params_dtype": args.params_dtype,
+        "pipeline_dtype": args.params_dtype,
+        "bf16": args.bf16,
+        "fp16": args.fp16,
+        "hidden_dropout": args.hidden_dropout,
+        "attention_dropout": args.attention_dropout,
+        "init_method_std": args.init_method_std,
+        "use_cpu_initialization": args.use_cpu_initialization,
+        "deallocate_pipeline_outputs": True,
+    }
+
+
+def train(
+    args: argparse.Namespace,
+    settings: OmnibalSettings,
+    spec: Any,
+    forward_step_func: ForwardStep | None = None,
+) -> None:
+    """megatron.training.pretrain with the VLM stage provider and the balanced iterator."""
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    from megatron_omnibal.megatron.step import forward_step
+
+    args.calculate_per_token_loss = True  # losses are token sums; Megatron divides globally
+    args.variable_seq_lengths = True  # balanced micro-batches differ in shape
+    args.eval_iters = 0  # the balanced stream is for training; there is no validation split
+    cfg = pretrain_cfg_container_from_args(args)
+    data_provider = partial(build_data_iterators, settings, spec)
+    # Every rank builds its own iterator: no broadcast from TP rank 0 (training.py reads this).
+    data_provider.is_distributed = True  # type: ignore[attr-defined]
+    pretrain(
+        cfg,
+        data_provider,
+        ModelType.encoder_or_decoder,
+        forward_step_func or forward_step,
+        model_provider=partial(_model_provider, settings, spec, config_overrides(args)),
+        # Word embedding and output head are separate weights (not tied), so no embedding group
+        # spans stages; a one-rank group makes finalize_model_grads skip that all-reduce.
+        get_embedding_ranks=_first_rank,
+        get_position_embedding_ranks=_first_rank,
+    )
+
+
+def _first_rank(pp_ranks: list[int]) -> list[int]:
+    return list(pp_ranks[:1])
+
+
+def _model_provider(
+    settings: OmnibalSettings,
+    spec: Any,
+    overrides: dict[str, Any],
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    pg_collection: Any = None,
+    **_: Any,
+) -> Any:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_omnibal.megatron.provider import vlm_model_provider
+
+    model = vlm_model_provider(
+        spec,
+        list(settings.layouts),
+        pre_process,
+        post_process,
+        vp_stage,
+        config_overrides=overrides,
+    )
+    if getattr(model, "pg_collection", None) is None:
+        # training.py train() reads the model's process groups (as GPTModel keeps them).
+        model.pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    return model
+
+
+def build_data_iterators(
+    settings: OmnibalSettings, spec: Any, _num_samples: Any = None
+) -> tuple[Any, None, None]:
+    """(train iterator, no validation, no test) for this rank, at Megatron's iteration."""
+    from megatron.core import parallel_state
+    from megatron.training import get_args
+
+    from megatron_omnibal.data.sampler import BalancedBatchSampler
+    from megatron_omnibal.megatron.batch import collate, synthetic_sample
+    from megatron_omnibal.megatron.data import BalancedDataIterator
+
+    args = get_args()
+    sampler = BalancedBatchSampler(
+        settings.lengths,
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        micro_batches=settings.micro_batches,
+        vit_budget=settings.vit_budget,
+        token_budget=settings.token_budget,
+        seed=args.seed,
+        mode=settings.mode,
+        algorithm=settings.algorithm,
+        oversize=settings.oversize,
+        cost=settings.cost,
+    )
+    make_sample = partial(synthetic_sample, lengths=settings.lengths, spec=spec, seed=args.seed)
+    iterator = BalancedDataIterator(
+        sampler, settings.micro_batches, make_sample, collate, start_step=args.iteration
+    )
+    return iterator, None, None
+
+
+def _skip_runtime_helper_build() -> None:
+    # megatron/training/initialize.py _compile_dependencies() runs `make` in
+    # megatron/core/datasets (core/datasets/utils.py compile_helpers). The megatron-core wheel
+    # ships that extension prebuilt (helpers_cpp) but no Makefile, so `make` fails and the run
+    # exits, on GPUs as on CPUs. Skip the build when the built module imports (a Megatron-LM
+    # checkout with its Makefile keeps building as before). This run uses no Megatron dataset.
+    from megatron.core.datasets import utils
+
+    if getattr(utils.compile_helpers, "__omnibal__", False):
+        return
+    orig = utils.compile_helpers
+
+    def compile_helpers() -> None:
+        try:
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+        except ImportError:
+            orig()
+
+    compile_helpers.__omnibal__ = True  # type: ignore[attr-defined]
+    utils.compile_helpers = compile_helpers

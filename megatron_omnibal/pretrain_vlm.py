@@ -1,0 +1,8 @@
+"""`python -m megatron_omnibal.pretrain_vlm <Megatron flags> --omnibal ...` (see megatron/)."""
+
+import sys
+
+from megatron_omnibal.megatron.pretrain_vlm import main
+
+if __name__ == "__main__":
+    sys.exit(main())
