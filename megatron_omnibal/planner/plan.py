@@ -107,30 +107,38 @@ class Setting:
             worst = max(worst, (self.dp - 1) / self.dp * params * 6 / (bw * 1e9) * 1e3)
         return worst
 
+    def stage_times(self, part: Partition, features: np.ndarray) -> tuple[np.ndarray,
+                                                                          np.ndarray]:
+        """(pp, m) forward and backward (+ recompute) ms per stage for one replica's batches."""
+        costs = self.model.at(features)  # arrays (U, m)
+        fwd, bwd = [], []
+        for s, (lo, hi) in enumerate(part.stages):
+            mask = np.zeros(hi - lo, bool)
+            group = np.asarray(costs.group[lo:hi])
+            for g, k in part.recompute[s].items():
+                mask[np.flatnonzero(group == g)[:k]] = True
+            f = costs.forward_ms[lo:hi].sum(axis=0)
+            b = costs.backward_ms[lo:hi].sum(axis=0) + costs.recompute_ms[lo:hi][mask].sum(0)
+            if lo == 0:
+                f, b = f + costs.first.forward_ms, b + costs.first.backward_ms
+            if hi == len(costs):
+                f, b = f + costs.last.forward_ms, b + costs.last.backward_ms
+            fwd.append(f)
+            bwd.append(b)
+        return np.array(fwd), np.array(bwd)
+
+    def stage_p2p(self, part: Partition, features: np.ndarray) -> np.ndarray | float:
+        """(pp - 1, m) transfer ms across each stage boundary for one replica's batches."""
+        if self.pp == 1:
+            return 0.0
+        return self.p2p_ms(self.model.at(features).output_mib)[list(part.bounds[1:-1])]
+
     def predict(self, part: Partition, features: np.ndarray) -> StepResult:
         """Simulate every replica's own micro-batches (features (dp, m, 4)) through `part`."""
-        replicas, p2ps = [], []
-        costs = self.model.at(features[0])
-        for r in range(self.dp):
-            costs = self.model.at(features[r])  # arrays (U, m)
-            p2p_all = self.p2p_ms(costs.output_mib)  # (U + 1, m)
-            fwd, bwd = [], []
-            for s, (lo, hi) in enumerate(part.stages):
-                mask = np.zeros(hi - lo, bool)
-                group = np.asarray(costs.group[lo:hi])
-                for g, k in part.recompute[s].items():
-                    mask[np.flatnonzero(group == g)[:k]] = True
-                f = costs.forward_ms[lo:hi].sum(axis=0)
-                b = costs.backward_ms[lo:hi].sum(axis=0) + costs.recompute_ms[lo:hi][mask].sum(0)
-                if lo == 0:
-                    f, b = f + costs.first.forward_ms, b + costs.first.backward_ms
-                if hi == len(costs):
-                    f, b = f + costs.last.forward_ms, b + costs.last.backward_ms
-                fwd.append(f)
-                bwd.append(b)
-            replicas.append((np.array(fwd), np.array(bwd)))
-            p2ps.append(p2p_all[list(part.bounds[1:-1])] if self.pp > 1 else 0.0)
-        return simulate_step(replicas, self.pp, 1, p2ps, self.sync_ms(part, costs))
+        replicas = [self.stage_times(part, features[r]) for r in range(self.dp)]
+        p2ps = [self.stage_p2p(part, features[r]) for r in range(self.dp)]
+        return simulate_step(replicas, self.pp, 1, p2ps,
+                             self.sync_ms(part, self.model.at(features[0])))
 
 
 def heads_divisible(model: ModelSpec, tp: int) -> bool:
@@ -140,14 +148,18 @@ def heads_divisible(model: ModelSpec, tp: int) -> bool:
 
 
 def make_setting(model: ModelSpec, hw: Hardware, stats: LengthStats, tp: int, pp: int, dp: int,
-                 m: int, global_batch: int, seed: int = 0) -> Setting:
-    """Draw one global batch of real samples; split it balanced and fixed-size into dp x m."""
+                 m: int, global_batch: int, seed: int = 0,
+                 budgets: tuple[int, int] | None = None) -> Setting:
+    """Draw one global batch of real samples; split it balanced and fixed-size into dp x m.
+
+    `budgets` (vit, token) default to `choose_budgets` for this batch size.
+    """
     if global_batch < dp * m:
         raise ValueError(f"global batch of {global_batch} samples is too small for dp={dp} x "
                          f"{m} micro-batches (at least one sample per micro-batch)")
     rng = np.random.default_rng(seed)
     index = draw_samples(stats, global_batch, rng)
-    vit_b, tok_b = choose_budgets(stats, global_batch // dp, m)
+    vit_b, tok_b = budgets or choose_budgets(stats, global_batch // dp, m)
     balanced = balanced_features(stats, index, dp * m, vit_b, tok_b)
     fixed = fixed_size_features(stats, index, dp * m)
     return Setting(tp, pp, dp, m, vit_b, tok_b, balanced.reshape(dp, m, 4),
@@ -338,9 +350,10 @@ def make_plan(model: ModelSpec, hw: Hardware, stats: LengthStats, gpus: int,
         "parallel": {"tp": st.tp, "pp": st.pp, "dp": st.dp, "vpp": 1, "micro_batches": st.m,
                      "gpus": gpus},
         "model_spec": model.spec_dict(),
+        "hardware_spec": hw.to_dict(),
         "stages": stage_entries(model, best.part),
         "data": {"vit_budget": st.vit_budget, "token_budget": st.token_budget,
-                 "micro_batches": st.m, "global_batch_samples": global_batch},
+                 "micro_batches": st.m, "global_batch_samples": global_batch, "seed": seed},
         "predicted": {
             "step_ms": round(best.result.step_ms, 3),
             "baseline_step_ms": round(base.step_ms, 3),
@@ -429,3 +442,22 @@ def validate_plan(plan: dict, where: str = "plan") -> None:
          "layers")
     need(sum(bool(st["projector"]) for st in stages) == 1, "exactly one stage holds the projector")
     need(isinstance(plan["megatron_flags"], list), "megatron_flags must be a list")
+
+
+def partition_from_plan(plan: dict, model: ModelSpec) -> tuple[tuple[int, ...],
+                                                              list[dict[int, int]]]:
+    """Unit boundaries and recompute counts of a (validated) plan's stages."""
+    bounds, recompute = [0], []
+    for st in plan["stages"]:
+        units = (st["vit_layers"][1] - st["vit_layers"][0] + int(st["projector"])
+                 + st["llm_layers"][1] - st["llm_layers"][0])
+        if units == 0:
+            raise ValueError(f"plan: stage {st['stage']} holds no layers")
+        bounds.append(bounds[-1] + units)
+        rec = {}
+        if st["vit_layers"][1] > st["vit_layers"][0]:
+            rec[GROUP_VIT] = st["vit_recompute"]
+        if st["llm_layers"][1] > st["llm_layers"][0]:
+            rec[GROUP_LLM] = st["llm_recompute"]
+        recompute.append(rec)
+    return tuple(bounds), recompute
