@@ -59,7 +59,8 @@ class BalancedDataIterator:
         self._collate = collate
         self._consumed = 0
         self._indices = self._seek(start_step)
-        self._start = start_step
+        self.start_step = start_step
+        self.last_indices: list[int] = []  # the sample indices of the last micro-batch drawn
 
     def _seek(self, step: int) -> Iterator[list[int]]:
         """Position the sampler at global training step `step` (epochs differ in length)."""
@@ -83,7 +84,7 @@ class BalancedDataIterator:
     @property
     def step(self) -> float:
         """Training steps consumed since step 0 (fractional inside a step)."""
-        return self._start + self._consumed / self._micro
+        return self.start_step + self._consumed / self._micro
 
     def next_indices(self) -> list[int]:
         """The sample indices of the next micro-batch (advances the iterator, builds nothing)."""
@@ -95,7 +96,8 @@ class BalancedDataIterator:
                 f"{self.step:g}; it must continue into later epochs"
             ) from None
         self._consumed += 1
-        return list(indices)
+        self.last_indices = list(indices)
+        return self.last_indices
 
     def __iter__(self) -> BalancedDataIterator:
         return self

@@ -1,0 +1,64 @@
+"""torchrun worker: train through megatron_omnibal's real entry point and record, per micro-batch,
+the sample indices this rank read and (last pipeline stage) the loss sum and token count.
+
+Usage: torchrun --nproc-per-node N train_record.py OUT_DIR <Megatron and --omnibal flags>
+Writes OUT_DIR/rank{R}.json: {"rank", "pp_rank", "dp_rank", "start", "micro": [{"indices",
+"loss"?, "tokens"?}, ...]} in the order Megatron's schedule drew the micro-batches, and exits
+with main()'s status (2 on a bad flag, before any process group). A stop by --exit-interval
+(Megatron's sys.exit after its checkpoint) still writes the records.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from megatron_omnibal.megatron.pretrain_vlm import main
+from megatron_omnibal.megatron.step import forward_step
+
+RECORDS: list[dict] = []
+STATE: dict = {}
+
+
+def recording_forward_step(data_iterator, model):
+    source = getattr(data_iterator, "iterable", data_iterator)  # Megatron's RerunDataIterator
+    output, loss_func = forward_step(data_iterator, model)
+    record = {"indices": source.last_indices}
+    RECORDS.append(record)
+    STATE["start"] = source.start_step
+
+    def recorded_loss(output_tensor):
+        loss_sum, tokens, report = loss_func(output_tensor)
+        record["loss"] = float(loss_sum.detach())
+        record["tokens"] = int(tokens)
+        return loss_sum, tokens, report
+
+    return output, recorded_loss
+
+
+def run() -> int:
+    out = Path(sys.argv[1])
+    try:
+        status = main(sys.argv[2:], forward_step_func=recording_forward_step)
+    except SystemExit as stop:  # --exit-interval: Megatron saves, then sys.exit()s
+        status = stop.code or 0
+    if status != 0:
+        return status
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "rank": dist.get_rank(),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(),
+        "start": STATE.get("start"),
+        "micro": RECORDS,
+    }
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())

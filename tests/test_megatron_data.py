@@ -1,0 +1,134 @@
+"""The balanced Megatron data iterator: exactly-once per epoch across DP ranks, resume positions
+equal to an uninterrupted stream, collated micro-batches holding exactly the drawn samples, and
+the model-side lengths (no Megatron process group needed)."""
+
+from collections import Counter
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_omnibal.data.lengths import LengthsError, from_arrays, load_lengths
+from megatron_omnibal.data.sampler import BalancedBatchSampler
+from megatron_omnibal.megatron.batch import collate, synthetic_sample
+from megatron_omnibal.megatron.data import BalancedDataIterator, model_lengths
+from megatron_omnibal.megatron.model import PRESETS
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "internvl_subset.npz"
+SPEC = PRESETS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def lengths():
+    """300 real records of the example data, as the tiny model sees them."""
+    real = load_lengths(EXAMPLE)
+    pick = np.random.default_rng(0).choice(len(real), 300, replace=False)
+    return model_lengths(real.subset(np.sort(pick)), 256, SPEC.tokens_per_tile, 16)
+
+
+def _sampler(lengths, dp, rank, micro=2, **kw):
+    return BalancedBatchSampler(
+        lengths,
+        dp_size=dp,
+        dp_rank=rank,
+        micro_batches=micro,
+        vit_budget=24,
+        token_budget=256,
+        seed=5,
+        **kw,
+    )
+
+
+def _iterator(lengths, dp, rank, start=0, micro=2, **kw):
+    return BalancedDataIterator(
+        _sampler(lengths, dp, rank, micro, **kw),
+        micro,
+        lambda i: synthetic_sample(i, lengths, SPEC, seed=3),
+        collate,
+        start_step=start,
+    )
+
+
+def _epoch_steps(lengths, dp, epoch, **kw):
+    sampler = _sampler(lengths, dp, 0, **kw)
+    sampler.set_epoch(epoch)
+    return sampler.steps_per_epoch
+
+
+@pytest.mark.parametrize("dp", [1, 3])
+def test_each_sample_exactly_once_per_epoch_across_dp_ranks(lengths, dp):
+    """One stream per rank, read across two epochs: each epoch covers every sample once."""
+    steps = [_epoch_steps(lengths, dp, e) for e in range(2)]
+    epochs = [Counter(), Counter()]
+    for r in range(dp):
+        it = _iterator(lengths, dp, r)
+        for e in range(2):
+            for _ in range(steps[e] * 2):
+                epochs[e].update(it.next_indices())
+    for e, seen in enumerate(epochs):
+        assert sorted(seen) == list(range(len(lengths))), f"epoch {e}: samples lost"
+        assert max(seen.values()) == 1, f"epoch {e}: samples repeated"
+
+
+def test_skipped_samples_are_the_only_ones_missing(lengths):
+    big = int(np.argmax(lengths.tokens))
+    tokens = lengths.tokens.copy()
+    tokens[big] = 10_000  # above the token budget
+    data = from_arrays(lengths.vit, tokens, lengths.image_flags)
+    steps = _epoch_steps(data, 2, 0, oversize="skip")
+    seen = Counter()
+    for rank in range(2):
+        it = BalancedDataIterator(
+            _sampler(data, 2, rank, oversize="skip"), 2, lambda i: i, lambda s: s
+        )
+        for _ in range(steps * 2):
+            seen.update(it.next_indices())
+    assert sorted(seen) == sorted(set(range(len(data))) - {big})
+    assert max(seen.values()) == 1
+
+
+@pytest.mark.parametrize("start", [0, 1, 7, 13, 40])
+def test_resumed_iterator_continues_the_uninterrupted_stream(lengths, start):
+    """Seeking to step k (across epochs of different lengths) == drawing k steps and going on."""
+    for rank in range(2):
+        whole = _iterator(lengths, 2, rank)
+        expected = [whole.next_indices() for _ in range((start + 6) * 2)][start * 2 :]
+        resumed = _iterator(lengths, 2, rank, start=start)
+        assert [resumed.next_indices() for _ in range(12)] == expected
+
+
+def test_collated_batch_holds_exactly_the_drawn_samples(lengths):
+    it = _iterator(lengths, 2, 1)
+    for batch in islice(it, 5):
+        idx = it.last_indices
+        want = [synthetic_sample(i, lengths, SPEC, seed=3) for i in idx]
+        cu = batch.cu_seqlens.tolist()
+        assert np.diff(cu).tolist() == [int(lengths.tokens[i]) for i in idx]
+        assert torch.equal(batch.tokens[0], torch.cat([s.tokens for s in want]))
+        assert torch.equal(batch.labels[0], torch.cat([s.labels for s in want]))
+        assert batch.images.shape[0] == int(lengths.vit[idx].sum())
+        assert int(batch.image_flags.sum()) == int(lengths.image_flags[idx].sum())
+
+
+def test_micro_batches_respect_the_budgets(lengths):
+    it = _iterator(lengths, 1, 0)
+    for _ in range(40):
+        idx = it.next_indices()
+        assert lengths.vit[idx].sum() <= 24 and lengths.tokens[idx].sum() <= 256
+
+
+def test_model_lengths_recount_image_tokens_and_scale_text():
+    data = from_arrays([1, 3, 2], [300, 800, 520], [1, 2, 2])
+    got = model_lengths(data, 256, 4, 8)
+    # text = tokens - 256 * real tiles -> 44, 288, 8; ceil(/8) -> 6, 36, 1 -> at least 2.
+    want = [6 + 1 * 4, 36 + 2 * 4, 2 + 2 * 4]
+    assert got.tokens.tolist() == want
+    assert got.vit.tolist() == [1, 3, 2] and got.image_flags.tolist() == [1, 2, 2]
+
+
+def test_model_lengths_reject_records_without_room_for_their_images():
+    data = from_arrays([1, 2], [300, 400], [1, 2])
+    with pytest.raises(LengthsError, match="length record 1: token_num 400"):
+        model_lengths(data, 256, 4, 1)
