@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     part = problem.evaluate(bounds, recompute)
     features = setting.fixed if args.baseline else setting.balanced
     result = setting.predict(part, features)
-    print(f"step {result.step_ms:.1f} ms = slowest replica's pipeline {result.pipeline_ms:.1f} ms "
-          f"+ gradient sync {result.sync_ms:.1f} ms; bubble {result.bubble_fraction:.1%}; "
+    print(f"step {result.step_ms:.3f} ms = slowest replica's pipeline {result.pipeline_ms:.3f} ms "
+          f"+ gradient sync {result.sync_ms:.3f} ms; bubble {result.bubble_fraction:.1%}; "
           f"replicas {result.replica_ms.min():.1f} .. {result.replica_ms.max():.1f} ms (modeled)")
     print(f"{'stage':>5} {'busy ms':>10} {'idle ms':>10}")
     for s in range(par["pp"]):
