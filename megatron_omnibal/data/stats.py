@@ -115,10 +115,22 @@ def compute_stats(path: str | os.PathLike, config: StatsConfig,
         raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
     start = time.perf_counter()
     specs, is_meta = read_inputs(path, image_root)
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
     if workers > 1:
         # Worker processes are the parallelism; the tokenizer's own thread pool would not
-        # survive the fork (and would oversubscribe the cores).
+        # survive the fork (and would oversubscribe the cores). Restored when done.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        return _compute(specs, is_meta, config, on_error, workers, chunk_size, progress, start)
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+
+def _compute(specs: list[DatasetSpec], is_meta: bool, config: StatsConfig, on_error: str,
+             workers: int, chunk_size: int, progress: bool, start: float) -> StatsResult:
     counter = TokenCounter(config.tokenizer, config.image_style)
     _STATE.update(config=config, counter=counter)
     if config.template == "hf":

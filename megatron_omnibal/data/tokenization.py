@@ -14,6 +14,9 @@ from pathlib import Path
 
 from megatron_omnibal.data.conversations import ROLES, ImageStyle
 
+_CACHE_TEXT_CHARS = 512  # remember counts of pieces up to this long
+_CACHE_ENTRIES = 1 << 18
+
 
 class TokenCounter:
     """Counts the tokens of text pieces; `specials` is what the tokenizer adds per sequence."""
@@ -22,6 +25,7 @@ class TokenCounter:
         path = Path(path)
         self.path = path
         self.hf = None
+        self._cache: dict[str, int] = {}
         if path.is_file():
             from tokenizers import Tokenizer
 
@@ -47,14 +51,29 @@ class TokenCounter:
             self.specials = self.hf.num_special_tokens_to_add(pair=False)
 
     def count(self, texts: Sequence[str]) -> list[int]:
-        """Tokens of each text, without the tokenizer's per-sequence special tokens."""
+        """Tokens of each text, without the tokenizer's per-sequence special tokens.
+
+        Short pieces repeat across a dataset (the system turn, templated questions, "Yes."), so
+        their counts are remembered; every distinct text is still encoded once.
+        """
+        cache = self._cache
+        todo = list(dict.fromkeys(t for t in texts if t not in cache))
+        fresh = dict(zip(todo, self._encode_lengths(todo), strict=True))
+        counts = [fresh[t] if t in fresh else cache[t] for t in texts]
+        for text, n in fresh.items():
+            if len(text) <= _CACHE_TEXT_CHARS:
+                if len(cache) >= _CACHE_ENTRIES:
+                    cache.clear()
+                cache[text] = n
+        return counts
+
+    def _encode_lengths(self, texts: list[str]) -> list[int]:
         if not texts:
             return []
         if self.backend is not None:
             return [len(e.ids) for e in
-                    self.backend.encode_batch_fast(list(texts), add_special_tokens=False)]
-        ids = self.hf(list(texts), add_special_tokens=False)["input_ids"]
-        return [len(x) for x in ids]
+                    self.backend.encode_batch_fast(texts, add_special_tokens=False)]
+        return [len(x) for x in self.hf(texts, add_special_tokens=False)["input_ids"]]
 
     def render_chat(self, turns: list[tuple[str, str]], system: str | None) -> str:
         """The conversation rendered by the tokenizer's own chat template (the `hf` template)."""
