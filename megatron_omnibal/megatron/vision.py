@@ -39,5 +39,5 @@ class PatchEmbedding(MegatronModule):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.conv(images.to(self.conv.weight.dtype))  # [n, C, g, g]
-        x = x.flatten(2).permute(2, 0, 1)  # [P, n, C]
+        x = x.flatten(2).permute(2, 0, 1).contiguous()  # [P, n, C]; p2p sends need contiguous
         return x + self.position_embeddings[:, None, :]

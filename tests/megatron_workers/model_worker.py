@@ -2,9 +2,10 @@
 pipeline stage, the per-micro-batch losses and every gradient under its global name.
 
 Usage: torchrun --nproc-per-node N model_worker.py CASES.json OUT_DIR
-CASES.json: {"spec": <model_spec dict>, "seed": s, "batches": [[[vit, tokens, flags], ...], ...],
+CASES.json: {"spec": <model_spec dict>, "seed": s,
+             "batches": [[[vit_num, token_num, image_flags] per sample] per micro-batch],
              "cases": [{"name", "tp", "pp", "vit", "llm", "vit_recompute"?, "llm_recompute"?,
-                        "dropout"?}, ...]}
+                        "dropout"?, "split_samples"?}, ...]}
 One process group serves every case (model-parallel groups are rebuilt per case), so the
 expensive start-up is paid once. Tests compare the saved results across cases.
 """
@@ -71,20 +72,26 @@ def build(spec: VLMSpec, case: dict, seed: int) -> torch.nn.Module:
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     layouts = layout_from_counts(
-        case["vit"], case["llm"], case.get("vit_recompute"), case.get("llm_recompute"),
-        spec.vit.num_layers, spec.llm.num_layers,
+        case["vit"],
+        case["llm"],
+        case.get("vit_recompute"),
+        case.get("llm_recompute"),
+        spec.vit.num_layers,
+        spec.llm.num_layers,
     )
     p = case.get("dropout", 0.0)
     overrides = {"hidden_dropout": p, "attention_dropout": p}
     pp_rank, pp = ps.get_pipeline_model_parallel_rank(), case["pp"]
-    return vlm_model_provider(spec, layouts, pp_rank == 0, pp_rank == pp - 1,
-                              config_overrides=overrides)
+    return vlm_model_provider(
+        spec, layouts, pp_rank == 0, pp_rank == pp - 1, config_overrides=overrides
+    )
 
 
 def reference_weights(spec: VLMSpec, seed: int) -> dict[str, torch.Tensor]:
     """Full TP=1 weights, perturbed so that no norm weight is a trivial 1 or bias a 0."""
-    model = build(spec, {"tp": 1, "pp": 1, "vit": [spec.vit.num_layers],
-                         "llm": [spec.llm.num_layers]}, seed)
+    model = build(
+        spec, {"tp": 1, "pp": 1, "vit": [spec.vit.num_layers], "llm": [spec.llm.num_layers]}, seed
+    )
     g = torch.Generator().manual_seed(seed + 1)
     return {
         n: (p.detach() + 0.05 * torch.randn(p.shape, generator=g)).clone()
@@ -130,16 +137,19 @@ def main() -> None:
     spec = VLMSpec.from_dict(cfg["spec"])
     seed = cfg["seed"]
     records = [r for mb in cfg["batches"] for r in mb]
-    lengths = from_arrays([r[0] for r in records], [r[1] for r in records],
-                          [r[2] for r in records])
-    batches, i = [], 0
+    lengths = from_arrays([r[0] for r in records], [r[1] for r in records], [r[2] for r in records])
+    samples, packed, i = [], [], 0
     for mb in cfg["batches"]:
-        batches.append(collate([synthetic_sample(i + k, lengths, spec, seed) for k in range(len(mb))]))
+        samples.append([synthetic_sample(i + k, lengths, spec, seed) for k in range(len(mb))])
+        packed.append(collate(samples[-1]))
         i += len(mb)
+    # The same samples, one per micro-batch: packing must not change any loss or gradient.
+    split = [collate([s]) for mb in samples for s in mb]
     weights = reference_weights(spec, seed)
     for case in cfg["cases"]:
         if case["tp"] * case["pp"] > dist.get_world_size():
             raise ValueError(f"case {case['name']}: needs {case['tp'] * case['pp']} ranks")
+        batches = split if case.get("split_samples") else packed
         run_case(spec, case, weights, batches, seed, out)
         dist.barrier()
         if dist.get_rank() == 0:
