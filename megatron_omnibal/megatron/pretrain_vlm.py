@@ -48,10 +48,10 @@ def main(argv: Sequence[str] | None = None, forward_step_func: ForwardStep | Non
         extra_args_provider=add_omnibal_args, args_defaults=megatron_defaults(spec)
     )
     try:
+        check_model_args(args, spec)
         settings = validate_omnibal_args(
             args, vit_layers=spec.vit.num_layers, tokens_per_tile=spec.tokens_per_tile
         )
-        check_model_args(args, spec)
     except (OmnibalArgsError, ValueError) as exc:
         return _fail(exc)
     train(args, settings, spec, forward_step_func)
@@ -144,9 +144,20 @@ def check_model_args(args: argparse.Namespace, spec: Any) -> None:
             f"--dataloader-type {args.dataloader_type}: --omnibal brings its own iterator "
             "(external)"
         )
-    if args.recompute_granularity is not None:
+    # Per-stage recompute is full recompute of a block of layers (the plan's flags say so too);
+    # anything else would be silently ignored, so it is refused.
+    if args.recompute_granularity not in (None, "full") or args.recompute_method not in (
+        None,
+        "block",
+    ):
         raise OmnibalArgsError(
-            "--recompute-granularity: with --omnibal, recompute is per stage "
+            f"--recompute-granularity {args.recompute_granularity} --recompute-method "
+            f"{args.recompute_method}: with --omnibal each stage recomputes whole layers "
+            "(full, block) as --omnibal-vit-recompute / --omnibal-llm-recompute or the plan say"
+        )
+    if args.recompute_num_layers is not None:
+        raise OmnibalArgsError(
+            "--recompute-num-layers: with --omnibal the counts are per stage "
             "(--omnibal-vit-recompute / --omnibal-llm-recompute or the plan)"
         )
 
