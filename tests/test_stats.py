@@ -276,9 +276,10 @@ def _bad_dataset(data, tmp_path):
         11: ("{not json", "invalid JSON"),
         13: ({"id": "long", "conversations": [{"from": "human", "value": "cat, dog? " * 4000},
                                               {"from": "gpt", "value": "ok"}]}, "over-long"),
+        15: ({"id": "v", "video": "clip.mp4", "conversations": conv}, "video samples"),
     }
     lines, good_recs = [], iter(good)
-    for i in range(18):
+    for i in range(19):
         if i in bad:
             rec = bad[i][0]
             lines.append(rec if isinstance(rec, str) else json.dumps(rec))
@@ -306,7 +307,7 @@ def test_bad_samples_stop_the_run_or_are_listed_as_skipped(data, oracle_tok, tmp
     written = write_outputs(result, tmp_path / "mixed.npz")
     report = json.loads(written[-1].read_text())["datasets"]["mixed"]
     assert [s["line"] for s in report["skipped"]] == [i + 1 for i in sorted(bad)]
-    assert report["records"] == 18 and report["length_entries"] == len(good)
+    assert report["records"] == 19 and report["length_entries"] == len(good)
     assert len(load_lengths(tmp_path / "mixed.npz")) == len(good)
 
 

@@ -86,6 +86,16 @@ def test_json_list_records_keep_their_lines(tmp_path):
         assert f'"id": "r{r.index}"' in lines[r.line]
 
 
+def test_byte_order_mark_is_accepted(tmp_path):
+    recs = [{"id": 1}, {"id": 2}]
+    (tmp_path / "bom.json").write_text("\ufeff" + json.dumps(recs), encoding="utf-8")
+    (tmp_path / "bom.jsonl").write_text("\ufeff" + "\n".join(map(json.dumps, recs)),
+                                        encoding="utf-8")
+    assert [r.data for r in read_records(read_inputs(tmp_path / "bom.json")[0][0])] == recs
+    lines = read_records(read_inputs(tmp_path / "bom.jsonl")[0][0])
+    assert [json.loads(r.data) for r in lines] == recs
+
+
 def test_json_list_errors_name_the_line(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('[\n{"id": 1},\n{"id": 2}\n{"id": 3}\n]')

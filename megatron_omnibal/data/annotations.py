@@ -46,14 +46,14 @@ def read_inputs(path: str | os.PathLike, image_root: str | os.PathLike | None = 
     if path.suffix == ".jsonl":
         return [DatasetSpec(path.stem, path, Path(image_root or path.parent))], False
     with open(path, "rb") as fh:
-        first = fh.read(4096).lstrip()[:1]
+        first = fh.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()[:1]
     if first == b"[":
         return [DatasetSpec(path.stem, path, Path(image_root or path.parent))], False
     if first != b"{":
         raise ValueError(f"{path}: expected a JSON list of samples, JSONL or an InternVL meta "
                          "JSON object")
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
     if image_root is not None:
@@ -105,13 +105,13 @@ def chunks(records: list[RawRecord], size: int) -> Iterator[list[RawRecord]]:
 
 
 def _jsonl_records(path: Path) -> list[RawRecord]:
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8-sig") as fh:
         return [RawRecord(i, i + 1, line) for i, line in enumerate(fh)]
 
 
 def _json_list_records(path: Path) -> list[RawRecord]:
     """Decode the list element by element so each record keeps its starting line."""
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")
     decoder = json.JSONDecoder()
     newlines = _newline_offsets(text)
     pos = _skip_ws(text, 0)

@@ -51,6 +51,8 @@ LLAVA_IMAGE = ImageStyle("", "<image>", "")
 
 def sample_images(record: dict) -> list[str]:
     """The record's image paths, in order ([] for a text-only sample)."""
+    if record.get("video"):
+        raise SampleError("video samples are not supported (frames are sampled at load time)")
     image = record.get("image")
     if image is None or image == "" or image == []:
         return []

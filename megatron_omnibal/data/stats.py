@@ -164,6 +164,10 @@ def _compute(specs: list[DatasetSpec], is_meta: bool, config: StatsConfig, on_er
         keep = np.concatenate([o.ok for o in mine]) if mine else np.zeros(0, bool)
         arrays = [np.concatenate([getattr(o, f) for o in mine])[keep] if mine
                   else np.zeros(0, np.int64) for f in ("vit", "tokens", "flags")]
+        n_skipped = sum(len(o.errors) for o in mine)
+        if int(keep.sum()) + n_skipped != len(records[d]):
+            raise RuntimeError(f"{spec.annotation}: {int(keep.sum())} measured + {n_skipped} "
+                               f"skipped != {len(records[d])} records")
         repeat = int(spec.repeat_time) if spec.repeat_time > 1 else 1
         vit, tokens, flags = (np.tile(a, repeat) for a in arrays)
         datasets.append(from_arrays(vit, tokens, flags, names=(spec.name,),
