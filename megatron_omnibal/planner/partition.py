@@ -205,14 +205,19 @@ def objective_candidates(problem: Problem, pp: int) -> dict[tuple[int, ...], flo
     return found
 
 
-def search(problem: Problem, pp: int, refine: int = 8, max_evaluations: int = 64) -> Partition:
+def search(problem: Problem, pp: int, refine: int = 8, max_evaluations: int = 64,
+           max_simulated_ops: int = 100_000) -> Partition:
     """The fastest partition under the exact 1F1B simulation, found through two exact DPs.
 
     Candidates: the best `refine` of the exact (m - 1) max + sum search and the exact minimiser
     of the 1F1B lower bound; the fastest when simulated is polished by moving boundaries (at
     most `max_evaluations` simulations). `lower_bound_ms` of the result bounds every
     partition's step from below, so step_ms / lower_bound_ms - 1 certifies the gap.
+    Simulations are capped at `max_simulated_ops` operations in all (never below 12 runs).
     """
+    runs = max(12, max_simulated_ops // (2 * pp * problem.m))
+    refine = max(1, min(refine, runs // 2))
+    max_evaluations = min(max_evaluations, runs - refine - 2)
     found = objective_candidates(problem, pp)
     tables = problem.tables(pp)
     ranked = sorted(found, key=found.get)[:refine]
@@ -274,7 +279,7 @@ def _polish(problem: Problem, tables: list[np.ndarray], part: Partition,
     moves = [((i,), (d,)) for i in range(1, pp) for d in (-1, 1)]
     moves += [((i, i + 1), (d, d)) for i in range(1, pp - 1) for d in (-1, 1)]
     improved = True
-    while improved and len(seen) < max_evaluations:
+    while improved and len(seen) <= max_evaluations:
         improved = False
         for idx, ds in moves:
             b = list(part.bounds)

@@ -40,6 +40,7 @@ from megatron_omnibal.planner.simulate import StepResult, simulate_step
 from megatron_omnibal.planner.workload import (
     balanced_features,
     choose_budgets,
+    deal_to_replicas,
     draw_samples,
     fixed_size_features,
 )
@@ -133,6 +134,14 @@ class Setting:
             return 0.0
         return self.p2p_ms(self.model.at(features).output_mib)[list(part.bounds[1:-1])]
 
+    def ideal_ms(self) -> float:
+        """A lower bound on the step: the busiest replica's work spread evenly, no bubble."""
+        work = [float(np.sum(c.forward_ms) + np.sum(c.backward_ms) + np.sum(c.first.forward_ms)
+                      + np.sum(c.first.backward_ms) + np.sum(c.last.forward_ms)
+                      + np.sum(c.last.backward_ms))
+                for c in (self.model.at(self.balanced[r]) for r in range(self.dp))]
+        return max(work) / self.pp
+
     def predict(self, part: Partition, features: np.ndarray) -> StepResult:
         """Simulate every replica's own micro-batches (features (dp, m, 4)) through `part`."""
         replicas = [self.stage_times(part, features[r]) for r in range(self.dp)]
@@ -162,7 +171,7 @@ def make_setting(model: ModelSpec, hw: Hardware, stats: LengthStats, tp: int, pp
     vit_b, tok_b = budgets or choose_budgets(stats, global_batch // dp, m)
     balanced = balanced_features(stats, index, dp * m, vit_b, tok_b)
     fixed = fixed_size_features(stats, index, dp * m)
-    return Setting(tp, pp, dp, m, vit_b, tok_b, balanced.reshape(dp, m, 4),
+    return Setting(tp, pp, dp, m, vit_b, tok_b, deal_to_replicas(balanced, dp, vit_b, tok_b),
                    fixed.reshape(dp, m, 4), analytic_costs(model, hw, tp, dp), hw)
 
 
@@ -171,8 +180,11 @@ def budget_mib(hw: Hardware) -> float:
 
 
 def choose_partition(setting: Setting, mode: str, features: np.ndarray | None = None,
-                     recompute: bool = True) -> tuple[Partition, Problem]:
-    """Partition by `mode`; without `recompute`, every layer is recomputed (Megatron's way)."""
+                     recompute: bool = True, quick: bool = False) -> tuple[Partition, Problem]:
+    """Partition by `mode`; without `recompute`, every layer is recomputed (Megatron's way).
+
+    `quick` (screening many parallel sizes) simulates only the exact objective's best split.
+    """
     problem = setting.problem(budget_mib(setting.hw), features)
     if not recompute and mode != "megatron":
         problem = Problem(full_recompute_costs(problem.costs), problem.m, problem.budget,
@@ -182,7 +194,8 @@ def choose_partition(setting: Setting, mode: str, features: np.ndarray | None = 
     elif mode == "bmp":
         part = bmp(problem, setting.pp)
     elif mode == "exact":
-        part = search(problem, setting.pp)
+        part = search(problem, setting.pp, refine=1, max_evaluations=0) if quick \
+            else search(problem, setting.pp)
     else:
         raise ValueError(f"unknown partition mode '{mode}' (choose from {', '.join(MODES)})")
     if not recompute and mode != "megatron":
@@ -249,8 +262,13 @@ class Evaluated:
 def plan_candidates(model: ModelSpec, hw: Hardware, stats: LengthStats, gpus: int,
                     tp: int | None = None, pp: int | None = None, micro_batches: int | None = None,
                     global_batch: int = 1024, mode: str = "exact", seed: int = 0,
-                    progress: bool = False) -> list[Evaluated]:
-    """Every feasible (tp, pp, dp, m) with its best partition and predicted step, fastest first."""
+                    progress: bool = False, finalists: int = 3) -> list[Evaluated]:
+    """Feasible (tp, pp, dp, m) with their partition and predicted step, fastest first.
+
+    With more than `finalists` configurations, each is screened with a quick search and the
+    best `finalists` are searched in full; configurations that cannot beat the best so far
+    even without any bubble are skipped.
+    """
     check_parallel(model, gpus, tp, pp)
     configs = [(t, p, d, m) for t, p, d in parallel_candidates(model, hw, gpus, tp, pp)
                if global_batch // d >= 1
@@ -261,10 +279,13 @@ def plan_candidates(model: ModelSpec, hw: Hardware, stats: LengthStats, gpus: in
 
         configs = tqdm(configs, desc="plan: parallel sizes", unit="config")
     out, errors = [], []
+    best = np.inf
     for t, p, d, m in configs:
         try:
             setting = make_setting(model, hw, stats, t, p, d, m, global_batch, seed)
-            part, _ = choose_partition(setting, mode)
+            if setting.ideal_ms() >= best:  # even a bubble-free perfect split would lose
+                continue
+            part, _ = choose_partition(setting, mode, quick=len(configs) > finalists)
         except NoFeasiblePartition as exc:
             errors.append(f"tp={t} pp={p} dp={d} m={m}: {exc}")
             continue
@@ -274,6 +295,12 @@ def plan_candidates(model: ModelSpec, hw: Hardware, stats: LengthStats, gpus: in
             errors.append(f"tp={t} pp={p} dp={d} m={m}: {exc}")
             continue
         out.append(Evaluated(setting, part, setting.predict(part, setting.balanced)))
+        best = min(best, out[-1].result.step_ms)
+    if len(configs) > finalists and out:  # screened quickly: search the finalists in full
+        out.sort(key=lambda e: e.result.step_ms)
+        for i, e in enumerate(out[:finalists]):
+            part, _ = choose_partition(e.setting, mode)
+            out[i] = Evaluated(e.setting, part, e.setting.predict(part, e.setting.balanced))
     if not out:
         detail = errors[0] if len(errors) == 1 else "\n  ".join(["", *errors[:8]])
         raise NoFeasiblePartition(f"no feasible plan for {model.name} on {gpus} x {hw.name}: "

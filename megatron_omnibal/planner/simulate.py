@@ -8,6 +8,7 @@ simulated one by one; the slowest gates the step, then gradients are synchronise
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,17 +45,19 @@ class Timeline:
         return float(1.0 - self.busy_ms.sum() / (self.pp * self.makespan_ms))
 
 
-def order_1f1b(rank: int, pp: int, m: int) -> list[tuple[str, int, int]]:
+@functools.lru_cache(maxsize=4096)
+def order_1f1b(rank: int, pp: int, m: int) -> tuple[tuple[str, int, int], ...]:
     """Megatron's non-interleaved 1F1B order for `rank`: (kind, chunk, micro-batch)."""
     warm = min(pp - rank - 1, m)
     ops = [("F", 0, j) for j in range(warm)]
     for i in range(m - warm):
         ops += [("F", 0, warm + i), ("B", 0, i)]
     ops += [("B", 0, j) for j in range(m - warm, m)]
-    return ops
+    return tuple(ops)
 
 
-def order_interleaved(rank: int, pp: int, vpp: int, m: int) -> list[tuple[str, int, int]]:
+@functools.lru_cache(maxsize=4096)
+def order_interleaved(rank: int, pp: int, vpp: int, m: int) -> tuple[tuple[str, int, int], ...]:
     """Megatron's interleaved 1F1B order (needs m divisible by pp)."""
     total = m * vpp
     warm = min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
@@ -67,7 +70,7 @@ def order_interleaved(rank: int, pp: int, vpp: int, m: int) -> list[tuple[str, i
     for i in range(total - warm):
         ops += [("F", *unit(warm + i, True)), ("B", *unit(i, False))]
     ops += [("B", *unit(k, False)) for k in range(total - warm, total)]
-    return ops
+    return tuple(ops)
 
 
 def simulate(forward_ms: np.ndarray, backward_ms: np.ndarray, pp: int, vpp: int = 1,
@@ -169,7 +172,7 @@ def simulate_step(replicas: list[tuple[np.ndarray, np.ndarray]], pp: int, vpp: i
     lines = []
     for i, (f, b) in enumerate(replicas):
         p = p2p_ms[i] if isinstance(p2p_ms, list) else p2p_ms
-        lines.append(simulate(f, b, pp, vpp, p))
+        lines.append(simulate(f, b, pp, vpp, p, keep_ops=False))
     spans = np.array([t.makespan_ms for t in lines])
     worst = lines[int(np.argmax(spans))]
     pipeline = float(spans.max())

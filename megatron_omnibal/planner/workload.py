@@ -33,19 +33,45 @@ def draw_samples(stats: LengthStats, count: int, rng: np.random.Generator) -> np
 
 def balanced_features(stats: LengthStats, index: np.ndarray, bins: int, vit_budget: int,
                       token_budget: int) -> np.ndarray:
-    """Features (bins, 4) of a greedy balanced split of samples `index` into `bins`."""
+    """Features (bins, 4) of a greedy balanced split of samples `index` into `bins`.
+
+    Largest samples first, each into the bin whose fuller dimension (tiles / vit_budget or
+    tokens / token_budget) ends lowest, so both the vision and the language work even out.
+    """
     vit = stats.vit[index].astype(np.float64)
     tok = stats.tokens[index].astype(np.float64)
-    load = np.zeros(bins)
     tiles, tokens, sumsq = np.zeros(bins), np.zeros(bins), np.zeros(bins)
-    order = np.argsort(-(tok / token_budget + vit / vit_budget), kind="stable")
+    order = np.argsort(-np.maximum(tok / token_budget, vit / vit_budget), kind="stable")
     for i in order:
-        b = int(np.argmin(load))
-        load[b] += tok[i] / token_budget + vit[i] / vit_budget
+        after = np.maximum((tiles + vit[i]) / vit_budget, (tokens + tok[i]) / token_budget)
+        b = int(np.argmin(after))
         tiles[b] += vit[i]
         tokens[b] += tok[i]
         sumsq[b] += tok[i] ** 2
     return workload_features(tiles, tokens, sumsq)
+
+
+def deal_to_replicas(features: np.ndarray, dp: int, vit_budget: int,
+                     token_budget: int) -> np.ndarray:
+    """(dp, m, 4): micro-batches dealt to replicas so each replica's total evens out too.
+
+    The slowest replica gates the step, so balance matters across DP ranks as well as within
+    a pipeline: heaviest micro-batch first, to the replica (with room) whose fuller total
+    dimension stays lowest.
+    """
+    m = len(features) // dp
+    load = np.maximum(features[:, 0] / vit_budget, features[:, 1] / token_budget)
+    tiles, tokens = np.zeros(dp), np.zeros(dp)
+    slots: list[list[int]] = [[] for _ in range(dp)]
+    for i in np.argsort(-load, kind="stable"):
+        after = np.maximum((tiles + features[i, 0]) / vit_budget,
+                           (tokens + features[i, 1]) / token_budget)
+        after[[len(x) >= m for x in slots]] = np.inf
+        r = int(np.argmin(after))
+        slots[r].append(int(i))
+        tiles[r] += features[i, 0]
+        tokens[r] += features[i, 1]
+    return np.stack([features[x] for x in slots])
 
 
 def fixed_size_features(stats: LengthStats, index: np.ndarray, bins: int) -> np.ndarray:
