@@ -1,0 +1,186 @@
+"""torchrun worker (2 processes) for megatron_omnibal.megatron.cpu: checks that need a process
+group or that must not patch the pytest process itself. Saves its observations to OUT/rank{r}.pt;
+tests/test_megatron_cpu.py asserts on them.
+
+Usage: torchrun --nproc-per-node 2 cpu_worker.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_omnibal.megatron.cpu import cpu_megatron_enabled, enable_cpu_megatron
+
+obs: dict = {"enabled_before": cpu_megatron_enabled(), "enable": enable_cpu_megatron()}
+obs["enable_again"] = enable_cpu_megatron()
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel import (  # noqa: E402
+    get_cuda_rng_tracker,
+    model_parallel_cuda_manual_seed,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+SEED = 99
+
+
+def device_checks() -> None:
+    obs["factory_device"] = str(torch.zeros(2, device="cuda").device)
+    obs["current_device_factory"] = str(torch.empty(2, device=torch.cuda.current_device()).device)
+    obs["tensor_cuda"] = str(torch.ones(2).cuda().device)
+    obs["tensor_to_cuda"] = str(torch.ones(2).to("cuda").device)
+    obs["module_cuda"] = str(next(torch.nn.Linear(2, 2).cuda().parameters()).device)
+    torch.cuda.synchronize()
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ev0.record()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        ev1.record()
+    obs["event_ms"] = ev0.elapsed_time(ev1)
+
+
+def tracker_checks() -> None:
+    """Inside fork(name) the draws come from the tracked stream, outside from the default one."""
+    tracker = get_cuda_rng_tracker()
+    tracker.reset()
+    torch.manual_seed(5)
+    tracker.add("stream-a", 42)
+    before = torch.rand(3)
+    with tracker.fork("stream-a"):
+        inside = torch.rand(4)
+    after = torch.rand(3)
+    with tracker.fork("stream-a"):
+        inside2 = torch.rand(4)
+    obs["tracker"] = {"before": before, "inside": inside, "after": after, "inside2": inside2}
+
+
+def gpt_config(pp: int, recompute: bool, dropout: float) -> TransformerConfig:
+    extra = (
+        {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}
+        if recompute
+        else {}
+    )
+    return TransformerConfig(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=pp,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        **extra,
+    )
+
+
+def gpt_run(pp: int, recompute: bool, dropout: float) -> dict:
+    """Tiny GPTModel trained one step by Megatron's schedule (1F1B when pp > 1)."""
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, pp)
+    model_parallel_cuda_manual_seed(SEED)
+    torch.manual_seed(SEED)
+    rank = ps.get_pipeline_model_parallel_rank()
+    model = GPTModel(
+        gpt_config(pp, recompute, dropout),
+        get_gpt_layer_local_spec(),
+        vocab_size=64,
+        max_sequence_length=16,
+        pre_process=rank == 0,
+        post_process=rank == pp - 1,
+        share_embeddings_and_output_weights=False,
+    )
+
+    def name(n: str) -> str:
+        parts = n.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+        return ".".join(parts)
+
+    named = {name(n): p for n, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(SEED)
+    weights = torch.load(OUT / "gpt_weights.pt") if (OUT / "gpt_weights.pt").exists() else None
+    with torch.no_grad():
+        for n, p in named.items():
+            if weights is not None:
+                p.copy_(weights[n])
+    data = [torch.randint(0, 64, (1, 16), generator=g) for _ in range(4)]
+
+    def step(it, m):
+        tok = next(it)
+        out = m(tok, torch.arange(16)[None], None, labels=tok)
+
+        def loss(o):
+            return o.sum(), torch.tensor(o.numel(), dtype=torch.int), {"l": o.sum().detach()}
+
+        return out, loss
+
+    model_parallel_cuda_manual_seed(SEED + 1)
+    torch.manual_seed(SEED + 1)
+    model.config.calculate_per_token_loss = True
+    losses = get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter(data),
+        model=[model],
+        num_microbatches=4,
+        seq_length=16,
+        micro_batch_size=1,
+    )
+    if weights is None and dist.get_rank() == 0:
+        torch.save({n: p.detach() for n, p in named.items()}, OUT / "gpt_weights.pt")
+    return {
+        "losses": [float(x["l"]) for x in losses] if losses else [],
+        "grads": {n: p.grad.detach().clone() for n, p in named.items()},
+    }
+
+
+def clip_check() -> None:
+    """CLIPViTModel without Transformer Engine: builds its ln_pre and runs."""
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(SEED)
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+    )
+    model = CLIPViTModel(cfg, get_vit_layer_with_local_spec(), patch_dim=4, img_h=16, img_w=16)
+    out = model(torch.randn(2, 3, 16, 16))
+    obs["clip_out_shape"] = list(out.shape)
+
+
+def training_import() -> None:
+    import megatron.training.training as training  # needs typing.override on Python 3.11
+
+    obs["training_initialize_patched"] = getattr(
+        training.initialize_megatron, "__omnibal_cpu__", False
+    )
+
+
+if __name__ == "__main__":
+    OUT = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    device_checks()
+    tracker_checks()
+    clip_check()
+    training_import()
+    for pp, rec, drop in ((1, False, 0.0), (2, False, 0.0), (2, False, 0.1), (2, True, 0.1)):
+        obs[f"gpt_pp{pp}_recompute{int(rec)}_dropout{drop}"] = gpt_run(pp, rec, drop)
+        dist.barrier()
+    torch.save(obs, OUT / f"rank{dist.get_rank()}.pt")
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()

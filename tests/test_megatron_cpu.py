@@ -1,0 +1,113 @@
+"""megatron_omnibal.megatron.cpu: real megatron-core on a CPU-only torch with gloo.
+
+The checks run in a 2-process torchrun (so the pytest process itself is never patched); the
+oracles are a PP=1 run (for 1F1B at PP=2), the run without recompute (for recompute with
+dropout), and a torch.Generator seeded like the RNG tracker's stream.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.megatron
+
+WORKER = Path(__file__).resolve().parent / "megatron_workers" / "cpu_worker.py"
+
+
+@pytest.fixture(scope="module")
+def obs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("cpu")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(WORKER),
+        str(out),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    if proc.returncode:
+        pytest.fail(f"cpu worker failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def merged(obs: list[dict], key: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses (last stage) and every gradient by global name, over both ranks."""
+    losses = obs[0][key]["losses"] or obs[1][key]["losses"]
+    grads = dict(obs[0][key]["grads"])
+    for k, v in obs[1][key]["grads"].items():
+        if k in grads:  # PP=1 runs: both ranks hold the whole model (data-parallel copies)
+            assert torch.equal(grads[k], v)
+        grads[k] = v
+    return losses, grads
+
+
+def assert_same_run(a: tuple, b: tuple, rtol: float = 1e-5) -> None:
+    la, ga = a
+    lb, gb = b
+    assert len(la) == len(lb) == 4
+    assert la == pytest.approx(lb, rel=rtol)
+    assert set(ga) == set(gb)
+    for k in ga:
+        assert gb[k].abs().max() > 0, k
+        assert (ga[k] - gb[k]).abs().max() <= rtol * gb[k].abs().max(), k
+
+
+def test_enable_is_idempotent_on_cpu(obs: list[dict]) -> None:
+    for o in obs:
+        assert o["enabled_before"] is False
+        assert o["enable"] is True and o["enable_again"] is True
+
+
+def test_cuda_device_uses_land_on_cpu(obs: list[dict]) -> None:
+    o = obs[0]
+    for key in (
+        "factory_device",
+        "current_device_factory",
+        "tensor_cuda",
+        "tensor_to_cuda",
+        "module_cuda",
+    ):
+        assert o[key] == "cpu", key
+    assert o["event_ms"] >= 0.0
+
+
+def test_rng_tracker_forks_its_own_stream(obs: list[dict]) -> None:
+    t = obs[0]["tracker"]
+    stream = torch.Generator().manual_seed(42)
+    assert torch.equal(t["inside"], torch.rand(4, generator=stream))
+    assert torch.equal(t["inside2"], torch.rand(4, generator=stream))  # the stream continues
+    default = torch.Generator().manual_seed(5)
+    assert torch.equal(t["before"], torch.rand(3, generator=default))
+    assert torch.equal(t["after"], torch.rand(3, generator=default))  # fork left it untouched
+
+
+def test_gpt_1f1b_pp2_matches_pp1(obs: list[dict]) -> None:
+    assert_same_run(
+        merged(obs, "gpt_pp2_recompute0_dropout0.0"), merged(obs, "gpt_pp1_recompute0_dropout0.0")
+    )
+
+
+def test_recompute_with_dropout_matches_no_recompute(obs: list[dict]) -> None:
+    drop = merged(obs, "gpt_pp2_recompute0_dropout0.1")
+    assert_same_run(merged(obs, "gpt_pp2_recompute1_dropout0.1"), drop)
+    plain = merged(obs, "gpt_pp2_recompute0_dropout0.0")
+    assert drop[0] != pytest.approx(plain[0], rel=1e-4)  # dropout was really on
+
+
+def test_clip_vit_builds_without_transformer_engine(obs: list[dict]) -> None:
+    # [batch, 16 patches + 1 class token, hidden]
+    assert obs[0]["clip_out_shape"] == [2, 17, 32]
+
+
+def test_megatron_training_imports_and_allows_no_cuda(obs: list[dict]) -> None:
+    assert obs[0]["training_initialize_patched"] is True
