@@ -220,6 +220,20 @@ def stage_configs(
         "persist_layer_norm": False,
     }
     base.update(overrides or {})
+    if base.get("sequence_parallel"):
+        # The projector stage merges image embeddings into the full text sequence, and the ViT
+        # batch is tiles, not tokens: neither is split along the sequence.
+        raise ValueError("sequence_parallel is not supported by the VLM stage module")
+    if spec.llm.num_attention_heads % tp_size or (spec.llm.num_query_groups or 1) % tp_size:
+        raise ValueError(
+            f"tensor parallel size {tp_size} must divide the LLM's attention heads "
+            f"({spec.llm.num_attention_heads}) and query groups ({spec.llm.num_query_groups})"
+        )
+    if spec.vit.num_attention_heads % tp_size:
+        raise ValueError(
+            f"tensor parallel size {tp_size} must divide the ViT's attention heads "
+            f"({spec.vit.num_attention_heads})"
+        )
 
     def recompute(k: int) -> dict[str, Any]:
         if k == 0:

@@ -1,0 +1,164 @@
+"""Pieces of the VLM stage module checked against brute-force references, in-process:
+the packed attention mask, pixel shuffle, micro-batch packing, synthetic samples, the per-token
+loss and the model spec of a plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_omnibal.data.lengths import from_arrays
+from megatron_omnibal.megatron.batch import IGNORE_INDEX, Sample, collate, synthetic_sample
+from megatron_omnibal.megatron.model import PRESETS, VLMSpec, packed_causal_mask, padded_vocab
+from megatron_omnibal.megatron.projector import pixel_shuffle
+from megatron_omnibal.megatron.step import loss_func
+
+TINY = PRESETS["tiny"]
+
+
+def test_packed_mask_matches_brute_force() -> None:
+    lengths = [3, 1, 4]
+    cu = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
+    mask = packed_causal_mask(cu, 8)[0, 0]
+    owner = [i for i, n in enumerate(lengths) for _ in range(n)]
+    for q in range(8):
+        for k in range(8):
+            allowed = owner[q] == owner[k] and k <= q
+            assert bool(mask[q, k]) == (not allowed), (q, k)
+
+
+def test_packed_mask_rejects_wrong_length() -> None:
+    with pytest.raises(ValueError, match="cover 4 tokens, the sequence has 5"):
+        packed_causal_mask(torch.tensor([0, 4], dtype=torch.int32), 5)
+
+
+def test_pixel_shuffle_matches_loop() -> None:
+    grid, f, n, c = 4, 2, 3, 5
+    x = torch.randn(grid * grid, n, c)
+    out = pixel_shuffle(x, grid, f)
+    g = grid // f
+    assert out.shape == (g * g, n, c * f * f)
+    for i in range(g):
+        for j in range(g):
+            want = torch.cat(
+                [x[(i * f + a) * grid + (j * f + b)] for a in range(f) for b in range(f)], dim=-1
+            )
+            assert torch.equal(out[i * g + j], want)
+
+
+def sample(tokens: list[int], labels: list[int], tiles: int, real: int) -> Sample:
+    flags = torch.zeros(tiles, dtype=torch.int64)
+    flags[:real] = 1
+    return Sample(torch.tensor(tokens), torch.tensor(labels), torch.randn(tiles, 3, 4, 4), flags)
+
+
+def test_collate_packs_in_order() -> None:
+    a = sample([5, 6, 7], [6, 7, IGNORE_INDEX], 2, 1)
+    b = sample([8, 9], [IGNORE_INDEX, 3], 0, 0)
+    c = sample([1], [2], 1, 1)
+    mb = collate([a, b, c])
+    assert mb.tokens.tolist() == [[5, 6, 7, 8, 9, 1]]
+    assert mb.labels.tolist() == [[6, 7, IGNORE_INDEX, IGNORE_INDEX, 3, 2]]
+    assert mb.loss_mask.tolist() == [[1, 1, 0, 0, 1, 1]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1, 0]]
+    assert mb.cu_seqlens.tolist() == [0, 3, 5, 6] and mb.cu_seqlens.dtype == torch.int32
+    assert torch.equal(mb.images, torch.cat([a.images, c.images]))
+    assert mb.image_flags.tolist() == [1, 0, 1]
+    assert mb.num_samples == 3
+
+
+def test_collate_errors() -> None:
+    with pytest.raises(ValueError, match="no samples"):
+        collate([])
+    with pytest.raises(ValueError, match="sample 1 has tokens"):
+        collate([sample([1], [2], 0, 0), sample([1, 2], [2], 0, 0)])
+
+
+def test_synthetic_sample_has_the_record_shape() -> None:
+    stats = from_arrays([3, 1, 0], [40, 9, 5], [2, 0, 0])
+    tpt = TINY.tokens_per_tile
+    for i in range(3):
+        s = synthetic_sample(i, stats, TINY, seed=7)
+        assert len(s.tokens) == stats.tokens[i]
+        assert s.images.shape == (stats.vit[i], 3, 16, 16)
+        assert int(s.image_flags.sum()) == stats.image_flags[i]
+        assert int((s.tokens == TINY.image_token_id).sum()) == stats.image_flags[i] * tpt
+        assert int(s.tokens.min()) >= 0 and int(s.tokens.max()) < TINY.llm.vocab_size
+        keep = s.labels != IGNORE_INDEX
+        assert keep.any()
+        # labels are the next token wherever there is a loss; never an image placeholder
+        nxt = torch.cat([s.tokens[1:], torch.tensor([-1])])
+        assert torch.equal(s.labels[keep], nxt[keep])
+        assert not (s.labels == TINY.image_token_id).any()
+        again = synthetic_sample(i, stats, TINY, seed=7)
+        assert torch.equal(again.tokens, s.tokens) and torch.equal(again.images, s.images)
+    assert not torch.equal(
+        synthetic_sample(0, stats, TINY, 8).tokens, synthetic_sample(0, stats, TINY, 7).tokens
+    )
+
+
+def test_synthetic_sample_errors() -> None:
+    stats = from_arrays([2], [8], [2])  # 2 real tiles x 4 image tokens leave no text
+    with pytest.raises(ValueError, match="record 0 has token_num=8"):
+        synthetic_sample(0, stats, TINY)
+    with pytest.raises(IndexError, match="index 1 outside"):
+        synthetic_sample(1, stats, TINY)
+
+
+def test_loss_func_sums_masked_tokens() -> None:
+    losses = torch.tensor([[0.5, 2.0, 1.0, 4.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    total, n, report = loss_func(mask, losses)
+    assert float(total) == 5.5 and int(n) == 3
+    assert report["lm loss"].tolist() == [5.5, 3.0]
+    with pytest.raises(ValueError, match="4 per-token losses but 3"):
+        loss_func(mask[:, :3], losses)
+
+
+def test_spec_from_plan_schema() -> None:
+    plan = {
+        "model_spec": {
+            "vit": {
+                "num_layers": 45,
+                "hidden_size": 3200,
+                "ffn_hidden_size": 12800,
+                "num_attention_heads": 25,
+                "image_size": 448,
+                "patch_size": 14,
+                "norm": "rmsnorm",
+            },
+            "projector": {"type": "pixel_shuffle_mlp", "downsample": 0.5, "hidden_size": 6144},
+            "llm": {
+                "num_layers": 48,
+                "hidden_size": 6144,
+                "ffn_hidden_size": 16384,
+                "num_attention_heads": 48,
+                "num_query_groups": 8,
+                "vocab_size": 92553,
+                "norm": "rmsnorm",
+            },
+            "tokens_per_tile": 256,
+        }
+    }
+    spec = VLMSpec.from_plan(plan)
+    assert spec.tokens_per_tile == 256 and spec.image_token_id == 92552
+    assert spec.vit.num_layers == 45 and spec.llm.num_query_groups == 8
+    plan["model_spec"]["tokens_per_tile"] = 1024
+    with pytest.raises(ValueError, match="tokens_per_tile=1024.*gives 256"):
+        VLMSpec.from_plan(plan)
+    plan["model_spec"]["tokens_per_tile"] = 256
+    plan["model_spec"]["llm"]["heads"] = 3
+    with pytest.raises(ValueError, match="model_spec.llm:.*heads"):
+        VLMSpec.from_plan(plan)
+
+
+def test_llava_projector_tokens_per_tile() -> None:
+    spec = VLMSpec.from_dict(
+        {**TINY.to_dict(), "projector": {"type": "mlp", "hidden_size": 8}, "tokens_per_tile": 0}
+    )
+    assert spec.tokens_per_tile == 16  # (16 / 4)^2 patches, no pixel shuffle
+
+
+def test_padded_vocab() -> None:
+    assert padded_vocab(92553, 1) == 92672 and padded_vocab(92553, 2) % 256 == 0
+    assert padded_vocab(256, 2) == 256
