@@ -123,6 +123,7 @@ def compute_stats(path: str | os.PathLike, config: StatsConfig,
     try:
         return _compute(specs, is_meta, config, on_error, workers, chunk_size, progress, start)
     finally:
+        _STATE.clear()
         if saved is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
