@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -227,3 +228,45 @@ def test_two_nodes_meet_at_the_rendezvous(tmp_path: Path) -> None:
             "CUDA_VISIBLE_DEVICES": "",
         }
         assert report["argv"] == ["--x", *GLOO]
+
+
+@pytest.mark.megatron
+def test_single_node_cpu_trains_a_pipeline(tmp_path: Path) -> None:
+    """launch_single_node.sh --cpu with the package's entry: 2 gloo processes train a tiny VLM at
+    PP=2 for 3 steps and each pipeline stage writes its own checkpoint shard."""
+    import numpy as np
+
+    from megatron_omnibal.data.lengths import load_lengths, save_lengths
+
+    real = load_lengths(ROOT / "examples" / "data" / "internvl_subset.npz")
+    lengths = tmp_path / "lengths.npz"
+    save_lengths(real.subset(np.arange(0, len(real), len(real) // 40)[:40]), lengths)
+    flags = [
+        "--omnibal", "--omnibal-model", "tiny", "--omnibal-lengths", str(lengths),
+        "--omnibal-vit-budget", "16", "--omnibal-token-budget", "160",
+        "--omnibal-text-scale", "8", "--micro-batch-size", "1", "--global-batch-size", "2",
+        "--pipeline-model-parallel-size", "2", "--omnibal-vit-pp-layers", "4,0",
+        "--omnibal-llm-pp-layers", "1,3", "--lr", "1e-3", "--clip-grad", "0",
+        "--transformer-impl", "local", "--ckpt-format", "torch", "--log-interval", "1",
+        "--train-iters", "3", "--save", str(tmp_path / "ckpt"), "--save-interval", "100",
+    ]  # fmt: skip
+    torchrun = f"{sys.executable} -m torch.distributed.run"
+    result = subprocess.run(
+        ["bash", str(SINGLE), "--cpu", *flags],
+        env=launch_env(TORCHRUN=torchrun),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-6000:]
+    for setting in ("world_size", "pipeline_model_parallel_size"):
+        assert re.search(rf"^\s*{setting} \.+ 2$", log, re.MULTILINE), setting
+    assert re.search(r"^\s*distributed_backend \.+ gloo$", log, re.MULTILINE)
+    losses = [float(v) for v in re.findall(r"iteration +\d+/ +3 .*lm loss: ([0-9.E+-]+)", log)]
+    assert len(losses) == 3 and all(np.isfinite(losses)), log[-3000:]
+    step = tmp_path / "ckpt" / "iter_0000003"
+    shards = sorted(p.parent.name for p in step.glob("*/model_optim_rng.pt"))
+    assert shards == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
