@@ -43,19 +43,28 @@ EPOCH_SAMPLES = 70_706 * 17  # the 1.2M-record replicate of the shipped subset
 def ablation_rows(setting, hw, gpus: int, global_batch: int) -> list[dict]:
     """The four ablation rows on one fixed configuration."""
     rows = []
-    steps = [("baseline", "megatron", setting.fixed, True),
-             ("+data", "megatron", setting.balanced, True),
-             ("+partition", "exact", setting.balanced, False),
-             ("+recompute", "exact", setting.balanced, True)]
+    steps = [
+        ("baseline", "megatron", setting.fixed, True),
+        ("+data", "megatron", setting.balanced, True),
+        ("+partition", "exact", setting.balanced, False),
+        ("+recompute", "exact", setting.balanced, True),
+    ]
     for label, mode, feats, recompute in steps:
         part, _ = choose_partition(setting, mode, feats, recompute=recompute)
         res = setting.predict(part, feats)
         peak = float(part.memory_mib.max())
         gpu_days = EPOCH_SAMPLES / global_batch * res.step_ms * gpus / 86_400e3
-        rows.append({"step": label, "step_ms": round(res.step_ms, 1),
-                     "bubble": round(res.bubble_fraction, 4), "gpu_days": round(gpu_days, 2),
-                     "stage0_units": part.bounds[1], "peak_gib": round(peak / 1024, 1),
-                     "fits": peak <= budget_mib(hw) + 1e-6})
+        rows.append(
+            {
+                "step": label,
+                "step_ms": round(res.step_ms, 1),
+                "bubble": round(res.bubble_fraction, 4),
+                "gpu_days": round(gpu_days, 2),
+                "stage0_units": part.bounds[1],
+                "peak_gib": round(peak / 1024, 1),
+                "fits": peak <= budget_mib(hw) + 1e-6,
+            }
+        )
     return rows
 
 
@@ -64,8 +73,10 @@ def ablation(name: str, hw_name: str, gpus: int, stats, global_batch: int) -> di
     model, hw = get_model(name), get_hardware(hw_name)
     t0, c0 = time.perf_counter(), time.process_time()
     ranked = plan_candidates(model, hw, stats, gpus, global_batch=global_batch)
-    search = {"wall_s": round(time.perf_counter() - t0, 2),
-              "cpu_s": round(time.process_time() - c0, 2)}
+    search = {
+        "wall_s": round(time.perf_counter() - t0, 2),
+        "cpu_s": round(time.process_time() - c0, 2),
+    }
     best = ranked[0].setting
     configs = [(1, pp, 4 * pp) for pp in (4, 8, 16)]
     if (best.tp, best.pp, best.m) not in configs:
@@ -73,14 +84,36 @@ def ablation(name: str, hw_name: str, gpus: int, stats, global_batch: int) -> di
     out = []
     for tp, pp, m in configs:
         setting = make_setting(model, hw, stats, tp, pp, gpus // (tp * pp), m, global_batch)
-        out.append({"tp": tp, "pp": pp, "dp": setting.dp, "m": m,
-                    "vit_budget": setting.vit_budget, "token_budget": setting.token_budget,
-                    "planner_choice": (tp, pp, m) == (best.tp, best.pp, best.m),
-                    "rows": ablation_rows(setting, hw, gpus, global_batch)})
-    ranking = [{"tp": e.setting.tp, "pp": e.setting.pp, "dp": e.setting.dp, "m": e.setting.m,
-                "step_ms": round(e.result.step_ms, 1)} for e in ranked]
-    return {"model": name, "hardware": hw_name, "gpus": gpus, "parallel_search": search,
-            "ranking": ranking, "configs": out}
+        out.append(
+            {
+                "tp": tp,
+                "pp": pp,
+                "dp": setting.dp,
+                "m": m,
+                "vit_budget": setting.vit_budget,
+                "token_budget": setting.token_budget,
+                "planner_choice": (tp, pp, m) == (best.tp, best.pp, best.m),
+                "rows": ablation_rows(setting, hw, gpus, global_batch),
+            }
+        )
+    ranking = [
+        {
+            "tp": e.setting.tp,
+            "pp": e.setting.pp,
+            "dp": e.setting.dp,
+            "m": e.setting.m,
+            "step_ms": round(e.result.step_ms, 1),
+        }
+        for e in ranked
+    ]
+    return {
+        "model": name,
+        "hardware": hw_name,
+        "gpus": gpus,
+        "parallel_search": search,
+        "ranking": ranking,
+        "configs": out,
+    }
 
 
 def plan_times(stats, gpus: int, hw_name: str) -> list[dict]:
@@ -89,41 +122,66 @@ def plan_times(stats, gpus: int, hw_name: str) -> list[dict]:
     for pp in (2, 4, 8, 16):
         t0, c0 = time.perf_counter(), time.process_time()
         try:
-            plan = make_plan(get_model("internvl-6b-20b"), get_hardware(hw_name), stats, gpus,
-                             1, pp)
+            plan = make_plan(
+                get_model("internvl-6b-20b"), get_hardware(hw_name), stats, gpus, 1, pp
+            )
             step = plan["predicted"]["step_ms"]
         except ValueError:  # too few stages to fit memory is an answer too, timed as well
             step = "infeasible (memory)"
-        out.append({"pp": pp, "wall_s": round(time.perf_counter() - t0, 3),
-                    "cpu_s": round(time.process_time() - c0, 3), "step_ms": step})
+        out.append(
+            {
+                "pp": pp,
+                "wall_s": round(time.perf_counter() - t0, 3),
+                "cpu_s": round(time.process_time() - c0, 3),
+                "step_ms": step,
+            }
+        )
     return out
 
 
 def print_report(report: dict) -> None:
     for ab in report["ablation"]:
         s = ab["parallel_search"]
-        print(f"\n{ab['model']} on {ab['gpus']} x {ab['hardware']}: TP/PP/m search over "
-              f"{len(ab['ranking'])} feasible configs in {s['cpu_s']} s CPU ({s['wall_s']} s wall)")
-        print("  ranking: " + "; ".join(f"pp={o['pp']} dp={o['dp']} m={o['m']} "
-                                        f"{o['step_ms'] / 1000:.1f} s" for o in ab["ranking"][:5]))
+        print(
+            f"\n{ab['model']} on {ab['gpus']} x {ab['hardware']}: TP/PP/m search over "
+            f"{len(ab['ranking'])} feasible configs in {s['cpu_s']} s CPU ({s['wall_s']} s wall)"
+        )
+        print(
+            "  ranking: "
+            + "; ".join(
+                f"pp={o['pp']} dp={o['dp']} m={o['m']} {o['step_ms'] / 1000:.1f} s"
+                for o in ab["ranking"][:5]
+            )
+        )
         paper = PAPER_GPU_DAYS.get(ab["model"])
         for cfg in ab["configs"]:
             pick = "  <- planner's choice" if cfg["planner_choice"] else ""
-            print(f"  tp={cfg['tp']} pp={cfg['pp']} dp={cfg['dp']} m={cfg['m']} budgets "
-                  f"{cfg['vit_budget']} tiles / {cfg['token_budget']} tokens{pick}")
-            print(f"    {'step':<11} {'step s':>7} {'bubble':>7} {'GPU-days':>9} {'rel':>5} "
-                  f"{'paper':>6} {'rel':>5} {'stage0 units':>12} {'peak GiB':>8} fits")
+            print(
+                f"  tp={cfg['tp']} pp={cfg['pp']} dp={cfg['dp']} m={cfg['m']} budgets "
+                f"{cfg['vit_budget']} tiles / {cfg['token_budget']} tokens{pick}"
+            )
+            print(
+                f"    {'step':<11} {'step s':>7} {'bubble':>7} {'GPU-days':>9} {'rel':>5} "
+                f"{'paper':>6} {'rel':>5} {'stage0 units':>12} {'peak GiB':>8} fits"
+            )
             base = cfg["rows"][0]["gpu_days"]
             for i, row in enumerate(cfg["rows"]):
-                ref = f"{paper[i]:>6.1f} {paper[i] / paper[0]:>5.2f}" if paper \
+                ref = (
+                    f"{paper[i]:>6.1f} {paper[i] / paper[0]:>5.2f}"
+                    if paper
                     else f"{'n/a':>6} {'':>5}"
-                print(f"    {row['step']:<11} {row['step_ms'] / 1000:>7.1f} {row['bubble']:>7.1%} "
-                      f"{row['gpu_days']:>9.1f} {row['gpu_days'] / base:>5.2f} {ref} "
-                      f"{row['stage0_units']:>12} {row['peak_gib']:>8.1f} {row['fits']}")
+                )
+                print(
+                    f"    {row['step']:<11} {row['step_ms'] / 1000:>7.1f} {row['bubble']:>7.1%} "
+                    f"{row['gpu_days']:>9.1f} {row['gpu_days'] / base:>5.2f} {ref} "
+                    f"{row['stage0_units']:>12} {row['peak_gib']:>8.1f} {row['fits']}"
+                )
     print("\nomnibal plan time, internvl-6b-20b, tp=1, fixed PP:")
     for row in report["plan_seconds"]:
-        print(f"  pp={row['pp']:>2}: {row['cpu_s']:.2f} s CPU ({row['wall_s']:.2f} s wall)  "
-              f"step {row['step_ms']}")
+        print(
+            f"  pp={row['pp']:>2}: {row['cpu_s']:.2f} s CPU ({row['wall_s']:.2f} s wall)  "
+            f"step {row['step_ms']}"
+        )
     print("\nAll figures are modeled (FLOPs cost model + pipeline simulator), not measured.")
 
 
@@ -135,11 +193,15 @@ def main() -> int:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     stats = load_lengths(ROOT / "examples" / "data" / "internvl_subset.npz")
-    report = {"note": "modeled (FLOPs cost model + pipeline simulator), not measured",
-              "ablation": [], "plan_seconds": plan_times(stats, args.gpus, args.hardware)}
+    report = {
+        "note": "modeled (FLOPs cost model + pipeline simulator), not measured",
+        "ablation": [],
+        "plan_seconds": plan_times(stats, args.gpus, args.hardware),
+    }
     for name in ("internvl-6b-20b", "internvl-6b-34b"):
-        report["ablation"].append(ablation(name, args.hardware, args.gpus, stats,
-                                           args.global_batch))
+        report["ablation"].append(
+            ablation(name, args.hardware, args.gpus, stats, args.global_batch)
+        )
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

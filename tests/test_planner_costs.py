@@ -19,13 +19,16 @@ def llm_params(name):
     return m.llm.num_layers * m.llm.layer_params + 2 * m.llm.vocab_size * m.llm.hidden_size
 
 
-@pytest.mark.parametrize("name, published", [
-    ("internvl-6b-20b", 19.86e9),  # InternLM2-20B model card
-    ("internvl-6b-34b", 34.39e9),  # Yi-34B: 34.4B
-    ("llava-1.5-7b", 6.74e9),  # Llama-2-7B: 6.74B
-    ("llava-1.5-13b", 13.02e9),  # Llama-2-13B: 13.0B
-    ("internvl2-8b", 7.74e9),  # InternLM2.5-7B: 7.74B
-])
+@pytest.mark.parametrize(
+    "name, published",
+    [
+        ("internvl-6b-20b", 19.86e9),  # InternLM2-20B model card
+        ("internvl-6b-34b", 34.39e9),  # Yi-34B: 34.4B
+        ("llava-1.5-7b", 6.74e9),  # Llama-2-7B: 6.74B
+        ("llava-1.5-13b", 13.02e9),  # Llama-2-13B: 13.0B
+        ("internvl2-8b", 7.74e9),  # InternLM2.5-7B: 7.74B
+    ],
+)
 def test_llm_parameter_counts_match_published(name, published):
     assert llm_params(name) == pytest.approx(published, rel=0.01)
 
@@ -66,9 +69,9 @@ def test_llm_time_follows_flops_and_gqa():
     got = cm.at(tokens).forward_ms[unit] - cm.at(base).forward_ms[unit]
     assert got == pytest.approx(1000 * flops_per_token / rate)
     # packed sequences: causal attention costs 2 h L^2 FLOPs per sequence, summed
-    one_long = cm.at(workload_features(0, 4096, 4096 ** 2)).forward_ms[unit]
-    four_short = cm.at(workload_features(0, 4096, 4 * 1024 ** 2)).forward_ms[unit]
-    assert one_long - four_short == pytest.approx(2 * h * (4096 ** 2 - 4 * 1024 ** 2) / rate)
+    one_long = cm.at(workload_features(0, 4096, 4096**2)).forward_ms[unit]
+    four_short = cm.at(workload_features(0, 4096, 4 * 1024**2)).forward_ms[unit]
+    assert one_long - four_short == pytest.approx(2 * h * (4096**2 - 4 * 1024**2) / rate)
     assert cm.backward[unit] == pytest.approx(2 * cm.forward[unit])
 
 
@@ -77,7 +80,7 @@ def test_static_memory_distributed_optimizer():
     unit = model.vit.num_layers + 1
     for dp in (1, 8):
         cm = analytic_costs(model, hw, tp=2, dp=dp)
-        want = model.llm.layer_params / 2 * (2 + 4 + 12 / dp) / 2 ** 20
+        want = model.llm.layer_params / 2 * (2 + 4 + 12 / dp) / 2**20
         assert cm.static_mib[unit] == pytest.approx(want)
 
 
@@ -90,10 +93,17 @@ def test_inflight_counts():
 
 
 def test_stage_memory_and_time_by_hand():
-    costs = LayerCosts(("a", "b", "c"), np.array([1.0, 2.0, 3.0]), np.array([2.0, 4.0, 6.0]),
-                       np.array([1.0, 2.0, 3.0]), np.array([100.0, 200.0, 300.0]),
-                       np.array([10.0, 20.0, 30.0]), np.zeros(3), np.array([50.0, 60.0, 70.0]),
-                       np.array([0, 0, 1]))
+    costs = LayerCosts(
+        ("a", "b", "c"),
+        np.array([1.0, 2.0, 3.0]),
+        np.array([2.0, 4.0, 6.0]),
+        np.array([1.0, 2.0, 3.0]),
+        np.array([100.0, 200.0, 300.0]),
+        np.array([10.0, 20.0, 30.0]),
+        np.zeros(3),
+        np.array([50.0, 60.0, 70.0]),
+        np.array([0, 0, 1]),
+    )
     # stage [0, 2) with its first group-0 layer recomputed, 3 micro-batches in flight:
     # static 110 + 3 x (10 + 200)
     assert stage_memory_mib(costs, 0, 2, {0: 1}, 3) == 110 + 3 * 210

@@ -30,9 +30,16 @@ def random_costs(rng, units, groups=(0, 1), uniform=False):
         fwd = rng.uniform(0.5, 3.0, units)
         act = rng.uniform(50, 300, units)
     return LayerCosts(
-        tuple(f"u{i}" for i in range(units)), fwd, fwd * rng.uniform(1.5, 2.5, units),
-        np.where(group >= 0, fwd, 0.0), act, np.where(group >= 0, act * 0.1, act),
-        rng.uniform(1, 5, units), rng.uniform(100, 400, units), group)
+        tuple(f"u{i}" for i in range(units)),
+        fwd,
+        fwd * rng.uniform(1.5, 2.5, units),
+        np.where(group >= 0, fwd, 0.0),
+        act,
+        np.where(group >= 0, act * 0.1, act),
+        rng.uniform(1, 5, units),
+        rng.uniform(100, 400, units),
+        group,
+    )
 
 
 def brute(problem, pp):
@@ -63,8 +70,13 @@ def brute(problem, pp):
         best_obj = min(best_obj, problem.objective(t, bounds))
         p2p = problem.p2p[list(cuts)][:, None] if pp > 1 else 0.0
         m = problem.m
-        step = simulate(np.repeat(np.array(fwd)[:, None], m, 1),
-                        np.repeat(np.array(bwd)[:, None], m, 1), pp, 1, p2p).makespan_ms
+        step = simulate(
+            np.repeat(np.array(fwd)[:, None], m, 1),
+            np.repeat(np.array(bwd)[:, None], m, 1),
+            pp,
+            1,
+            p2p,
+        ).makespan_ms
         best_step = min(best_step, step)
     return best_obj, best_step
 
@@ -112,9 +124,17 @@ def test_search_matches_brute_force(seed):
 
 
 def test_infeasible_names_stage_and_shortfall():
-    costs = LayerCosts(("a", "b", "c"), np.ones(3), np.ones(3), np.ones(3), np.full(3, 100.0),
-                       np.full(3, 10.0), np.zeros(3), np.array([500.0, 10.0, 10.0]),
-                       np.zeros(3, int))
+    costs = LayerCosts(
+        ("a", "b", "c"),
+        np.ones(3),
+        np.ones(3),
+        np.ones(3),
+        np.full(3, 100.0),
+        np.full(3, 10.0),
+        np.zeros(3),
+        np.array([500.0, 10.0, 10.0]),
+        np.zeros(3, int),
+    )
     problem = Problem(costs, 4, 300.0)
     with pytest.raises(NoFeasiblePartition, match=r"stage 0 \(a \.\. a\) 0\.\d+ GiB short"):
         search(problem, 3)
@@ -133,8 +153,17 @@ def test_pp_larger_than_units_is_an_error():
 def test_megatron_default_layout():
     group = np.array([0] * 6 + [-1] + [1] * 10)
     n = len(group)
-    costs = LayerCosts(tuple(map(str, range(n))), np.ones(n), np.ones(n), np.ones(n),
-                       np.ones(n), np.zeros(n), np.zeros(n), np.ones(n), group)
+    costs = LayerCosts(
+        tuple(map(str, range(n))),
+        np.ones(n),
+        np.ones(n),
+        np.ones(n),
+        np.ones(n),
+        np.zeros(n),
+        np.zeros(n),
+        np.ones(n),
+        group,
+    )
     part = megatron_default(Problem(costs, 8), 4)
     assert part.bounds == (0, 7 + 2, 9 + 2, 11 + 3, 17)
     assert part.recompute[0] == {0: 6, 1: 2}  # everything recomputed on every stage

@@ -42,8 +42,9 @@ def small_stats():
 
 @pytest.fixture(scope="module")
 def plan_6b20b(stats):
-    return make_plan(get_model("internvl-6b-20b"), get_hardware("A100-80G"), stats, 64, 1, 4,
-                     plan_path="p.json")
+    return make_plan(
+        get_model("internvl-6b-20b"), get_hardware("A100-80G"), stats, 64, 1, 4, plan_path="p.json"
+    )
 
 
 def test_plan_is_valid_and_tiles_both_towers(plan_6b20b):
@@ -63,12 +64,15 @@ def test_plan_is_valid_and_tiles_both_towers(plan_6b20b):
 
 def test_plan_beats_megatron_layout_on_the_same_batches(stats):
     """Oracle: the searched partition against Megatron's layout, same data and same simulator."""
-    setting = make_setting(get_model("internvl-6b-20b"), get_hardware("A100-80G"), stats,
-                           1, 4, 16, 16, 1024)
+    setting = make_setting(
+        get_model("internvl-6b-20b"), get_hardware("A100-80G"), stats, 1, 4, 16, 16, 1024
+    )
     searched, _ = choose_partition(setting, "exact")
     megatron, _ = choose_partition(setting, "megatron")
-    assert setting.predict(searched, setting.balanced).step_ms < \
-        setting.predict(megatron, setting.balanced).step_ms
+    assert (
+        setting.predict(searched, setting.balanced).step_ms
+        < setting.predict(megatron, setting.balanced).step_ms
+    )
     # stage 0 of Megatron's layout holds all 45 ViT layers
     assert megatron.bounds[1] > 45
     part, result, _ = baseline(setting)
@@ -102,21 +106,23 @@ def test_bad_parallel_sizes(small_stats):
 
 
 def test_search_over_parallel_sizes_and_round_trip(tmp_path, small_stats):
-    plan = make_plan(get_model("tiny"), get_hardware("H100-80G"), small_stats, 8,
-                     global_batch=64)
+    plan = make_plan(get_model("tiny"), get_hardware("H100-80G"), small_stats, 8, global_batch=64)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
     assert load_plan(path) == plan
     assert plan["parallel"]["tp"] * plan["parallel"]["pp"] * plan["parallel"]["dp"] == 8
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda p: p.pop("stages"), "missing 'stages'"),
-    (lambda p: p["stages"][1]["vit_layers"].__setitem__(0, 1), r"stages\[1\]\.vit_layers"),
-    (lambda p: p["parallel"].__setitem__("gpus", 7), "tp x pp x dp"),
-    (lambda p: p["stages"][0].__setitem__("vit_recompute", 99), "recompute counts exceed"),
-    (lambda p: p["stages"][0].__setitem__("head", True), "head must be true on the last"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda p: p.pop("stages"), "missing 'stages'"),
+        (lambda p: p["stages"][1]["vit_layers"].__setitem__(0, 1), r"stages\[1\]\.vit_layers"),
+        (lambda p: p["parallel"].__setitem__("gpus", 7), "tp x pp x dp"),
+        (lambda p: p["stages"][0].__setitem__("vit_recompute", 99), "recompute counts exceed"),
+        (lambda p: p["stages"][0].__setitem__("head", True), "head must be true on the last"),
+    ],
+)
 def test_load_plan_rejects_bad_plans(tmp_path, plan_6b20b, mutate, message):
     plan = copy.deepcopy(plan_6b20b)
     mutate(plan)
@@ -130,10 +136,13 @@ def test_user_model_and_gpu_files(tmp_path):
     spec = get_model("llava-1.5-7b").spec_dict()
     (tmp_path / "m.json").write_text(json.dumps(spec))
     model = resolve_model(str(tmp_path / "m.json"))
-    assert model.spec_dict() == spec and model.llm.layer_params == \
-        get_model("llava-1.5-7b").llm.layer_params
-    (tmp_path / "gpu.yaml").write_text("name: MyGPU\npeak_tflops: 500\nmemory_gib: 48\n"
-                                       "nvlink_gbs: 200\nnetwork_gbs: 25\n")
+    assert (
+        model.spec_dict() == spec
+        and model.llm.layer_params == get_model("llava-1.5-7b").llm.layer_params
+    )
+    (tmp_path / "gpu.yaml").write_text(
+        "name: MyGPU\npeak_tflops: 500\nmemory_gib: 48\nnvlink_gbs: 200\nnetwork_gbs: 25\n"
+    )
     assert resolve_hardware(str(tmp_path / "gpu.yaml")).memory_gib == 48.0
     (tmp_path / "bad.yaml").write_text("name: x\npeak_tflops: fast\n")
     with pytest.raises(ValueError, match=r"bad.yaml\.peak_tflops: expected a non-negative"):
@@ -146,9 +155,16 @@ def test_user_model_and_gpu_files(tmp_path):
 
 def test_partition_command_matches_brute_force(tmp_path, capsys):
     rng = np.random.default_rng(3)
-    layers = [{"name": f"l{i}", "forward_ms": float(f), "backward_ms": float(2 * f),
-               "activation_mib": 100.0, "weight_mib": 10.0}
-              for i, f in enumerate(rng.uniform(1, 3, 9))]
+    layers = [
+        {
+            "name": f"l{i}",
+            "forward_ms": float(f),
+            "backward_ms": float(2 * f),
+            "activation_mib": 100.0,
+            "weight_mib": 10.0,
+        }
+        for i, f in enumerate(rng.uniform(1, 3, 9))
+    ]
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({"micro_batches": 8, "layers": layers, "p2p_ms": 0.1}))
     assert main(["partition", "--profile", str(path), "--pp", "3", "--json"]) == 0
@@ -158,10 +174,17 @@ def test_partition_command_matches_brute_force(tmp_path, capsys):
     from megatron_omnibal.planner.simulate import simulate
 
     f = np.array([x["forward_ms"] for x in layers])
-    best = min(simulate(np.repeat([[f[:a].sum()], [f[a:b].sum()], [f[b:].sum()]], 8, 1),
-                        np.repeat([[2 * f[:a].sum()], [2 * f[a:b].sum()], [2 * f[b:].sum()]],
-                                  8, 1), 3, 1, 0.1).makespan_ms
-               for a in range(1, 8) for b in range(a + 1, 9))
+    best = min(
+        simulate(
+            np.repeat([[f[:a].sum()], [f[a:b].sum()], [f[b:].sum()]], 8, 1),
+            np.repeat([[2 * f[:a].sum()], [2 * f[a:b].sum()], [2 * f[b:].sum()]], 8, 1),
+            3,
+            1,
+            0.1,
+        ).makespan_ms
+        for a in range(1, 8)
+        for b in range(a + 1, 9)
+    )
     assert best - 1e-5 <= out["step_ms"] <= best * 1.005
     assert main(["partition", "--profile", str(path), "--pp", "12"]) == 2
     assert "pipeline size 12 is larger than the 9" in capsys.readouterr().err
@@ -170,8 +193,26 @@ def test_partition_command_matches_brute_force(tmp_path, capsys):
 def test_plan_and_simulate_commands(tmp_path, capsys):
     out = tmp_path / "plan.json"
     png = tmp_path / "gantt.png"
-    assert main(["plan", "--model", "tiny", "--hardware", "A100-80G", "--gpus", "4", "--pp", "2",
-                 "--global-batch", "64", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "tiny",
+                "--hardware",
+                "A100-80G",
+                "--gpus",
+                "4",
+                "--pp",
+                "2",
+                "--global-batch",
+                "64",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "predicted step" in text and "megatron flags" in text
     assert main(["simulate", "--plan", str(out), "--png", str(png)]) == 0
@@ -179,14 +220,38 @@ def test_plan_and_simulate_commands(tmp_path, capsys):
     step = float(sim.split()[1])
     assert step == pytest.approx(load_plan(out)["predicted"]["step_ms"], rel=1e-3)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main(["plan", "--model", "nope", "--hardware", "A100-80G", "--gpus", "4",
-                 "--out", str(out)]) == 2
+    assert (
+        main(
+            ["plan", "--model", "nope", "--hardware", "A100-80G", "--gpus", "4", "--out", str(out)]
+        )
+        == 2
+    )
     assert "unknown model preset 'nope'" in capsys.readouterr().err
 
 
 def test_cli_entry_point_runs_as_a_process(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "megatron_omnibal.cli", "plan", "--model", "tiny",
-                          "--hardware", "H200", "--gpus", "2", "--pp", "2", "--global-batch", "32",
-                          "--out", str(tmp_path / "p.json"), "--json"],
-                         capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_omnibal.cli",
+            "plan",
+            "--model",
+            "tiny",
+            "--hardware",
+            "H200",
+            "--gpus",
+            "2",
+            "--pp",
+            "2",
+            "--global-batch",
+            "32",
+            "--out",
+            str(tmp_path / "p.json"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert json.loads(res.stdout)["parallel"]["pp"] == 2

@@ -17,15 +17,34 @@ pytestmark = pytest.mark.megatron
 def test_profile_tiny_model(tmp_path):
     out = tmp_path / "profile.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    subprocess.run([sys.executable, "-m", "megatron_omnibal.cli", "profile", "--model", "tiny",
-                    "--tiles", "2", "--tokens", "64", "--repeats", "1", "--out", str(out)],
-                   check=True, capture_output=True, env=env, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_omnibal.cli",
+            "profile",
+            "--model",
+            "tiny",
+            "--tiles",
+            "2",
+            "--tokens",
+            "64",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        env=env,
+        timeout=300,
+    )
     doc = json.loads(out.read_text())
     tiny = get_model("tiny")
     names = [x["name"] for x in doc["layers"]]
     assert names == [f"vit.{i}" for i in range(4)] + ["projector"] + [f"llm.{i}" for i in range(4)]
     by = {x["name"]: x for x in doc["layers"]}
-    mib = 2.0 ** 20
+    mib = 2.0**20
     # a recomputed layer keeps exactly its input (fp32 on CPU): [seq, batch, hidden]
     assert by["vit.1"]["checkpoint_mib"] == tiny.vit.seq_per_tile * 2 * 64 * 4 / mib
     assert by["llm.1"]["checkpoint_mib"] == 64 * 1 * 64 * 4 / mib

@@ -16,9 +16,16 @@ def test_1f1b_two_stages_by_hand():
     # r0: F0 [0,1] F1 [1,2] B0 [4,6] B1 [7,9];  r1: F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7]
     t = simulate(np.ones((2, 2)), np.full((2, 2), 2.0), 2)
     got = {(o.rank, o.kind, o.micro_batch): (o.start, o.end) for o in t.ops}
-    assert got == {(0, "F", 0): (0, 1), (0, "F", 1): (1, 2), (0, "B", 0): (4, 6),
-                   (0, "B", 1): (7, 9), (1, "F", 0): (1, 2), (1, "B", 0): (2, 4),
-                   (1, "F", 1): (4, 5), (1, "B", 1): (5, 7)}
+    assert got == {
+        (0, "F", 0): (0, 1),
+        (0, "F", 1): (1, 2),
+        (0, "B", 0): (4, 6),
+        (0, "B", 1): (7, 9),
+        (1, "F", 0): (1, 2),
+        (1, "B", 0): (2, 4),
+        (1, "F", 1): (4, 5),
+        (1, "B", 1): (5, 7),
+    }
     assert t.makespan_ms == 9
     assert t.busy_ms.tolist() == [6, 6]
     assert t.bubble_fraction == pytest.approx(1 - 12 / 18)
@@ -55,8 +62,9 @@ def test_orders_cover_every_op_once():
 def longest_path(fwd, bwd, pp, vpp, p2p):
     """Oracle: earliest times by relaxing the DAG (same orders) until nothing changes."""
     nv, m = fwd.shape
-    orders = [order_1f1b(r, pp, m) if vpp == 1 else order_interleaved(r, pp, vpp, m)
-              for r in range(pp)]
+    orders = [
+        order_1f1b(r, pp, m) if vpp == 1 else order_interleaved(r, pp, vpp, m) for r in range(pp)
+    ]
     end = {}
     changed = True
     while changed:

@@ -12,8 +12,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", required=True, help="layer profile JSON (DESIGN.md)")
     parser.add_argument("--pp", type=int, required=True, help="pipeline stages")
     parser.add_argument("--mode", choices=("exact", "bmp", "megatron"), default="exact")
-    parser.add_argument("--memory-gib", type=float,
-                        help="per-GPU memory budget (overrides the profile's memory_budget_gib)")
+    parser.add_argument(
+        "--memory-gib",
+        type=float,
+        help="per-GPU memory budget (overrides the profile's memory_budget_gib)",
+    )
     parser.add_argument("--json", action="store_true", help="print {stages, step_ms, ...} JSON")
 
 
@@ -26,28 +29,38 @@ def run(args: argparse.Namespace) -> int:
 
     costs, options = load_profile(args.profile)
     budget = args.memory_gib if args.memory_gib is not None else options.get("memory_budget_gib")
-    problem = Problem(costs, options["micro_batches"],
-                      np.inf if budget is None else budget * GIB_MIB, options.get("p2p_ms", 0.0))
+    problem = Problem(
+        costs,
+        options["micro_batches"],
+        np.inf if budget is None else budget * GIB_MIB,
+        options.get("p2p_ms", 0.0),
+    )
     if args.mode == "exact":
         part = search(problem, args.pp)
     elif args.mode == "bmp":
         part = bmp(problem, args.pp)
     else:
         part = megatron_default(problem, args.pp, full_recompute=False)
-    doc = {"stages": [list(s) for s in part.stages], "step_ms": round(part.step_ms, 6),
-           "recompute": [int(sum(r.values())) for r in part.recompute],
-           "memory_gib": [round(float(x) / GIB_MIB, 4) for x in part.memory_mib],
-           "mode": args.mode}
+    doc = {
+        "stages": [list(s) for s in part.stages],
+        "step_ms": round(part.step_ms, 6),
+        "recompute": [int(sum(r.values())) for r in part.recompute],
+        "memory_gib": [round(float(x) / GIB_MIB, 4) for x in part.memory_mib],
+        "mode": args.mode,
+    }
     if args.mode == "exact":
         doc["lower_bound_ms"] = round(part.lower_bound_ms, 6)
     if args.json:
         print(json.dumps(doc))
         return 0
     names = costs.names
-    print(f"{'stage':>5} {'layers':>24} {'fwd ms':>9} {'bwd ms':>9} {'recompute':>9} "
-          f"{'mem GiB':>8}")
+    print(
+        f"{'stage':>5} {'layers':>24} {'fwd ms':>9} {'bwd ms':>9} {'recompute':>9} {'mem GiB':>8}"
+    )
     for s, (lo, hi) in enumerate(part.stages):
-        print(f"{s:>5} {names[lo] + ' .. ' + names[hi - 1]:>24} {part.forward_ms[s]:>9.2f} "
-              f"{part.backward_ms[s]:>9.2f} {doc['recompute'][s]:>9} {doc['memory_gib'][s]:>8.2f}")
+        print(
+            f"{s:>5} {names[lo] + ' .. ' + names[hi - 1]:>24} {part.forward_ms[s]:>9.2f} "
+            f"{part.backward_ms[s]:>9.2f} {doc['recompute'][s]:>9} {doc['memory_gib'][s]:>8.2f}"
+        )
     print(f"1F1B step ({problem.m} micro-batches): {part.step_ms:.2f} ms")
     return 0

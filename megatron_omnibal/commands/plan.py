@@ -18,15 +18,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, required=True, help="total GPUs")
     parser.add_argument("--tp", type=int, help="tensor parallel size (searched when omitted)")
     parser.add_argument("--pp", type=int, help="pipeline parallel size (searched when omitted)")
-    parser.add_argument("--micro-batches", type=int,
-                        help="micro-batches per step and replica (default: best of 2 or 4 x PP)")
-    parser.add_argument("--global-batch", type=int, default=1024,
-                        help="samples per optimizer step (default 1024)")
-    parser.add_argument("--lengths", default=None,
-                        help="length statistics (any format load_lengths reads; default: the "
-                             "shipped InternVL subset)")
-    parser.add_argument("--mode", choices=("exact", "bmp", "megatron"), default="exact",
-                        help="partition search (default exact)")
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        help="micro-batches per step and replica (default: best of 2 or 4 x PP)",
+    )
+    parser.add_argument(
+        "--global-batch", type=int, default=1024, help="samples per optimizer step (default 1024)"
+    )
+    parser.add_argument(
+        "--lengths",
+        default=None,
+        help="length statistics (any format load_lengths reads; default: the "
+        "shipped InternVL subset)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("exact", "bmp", "megatron"),
+        default="exact",
+        help="partition search (default exact)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the drawn batch")
     parser.add_argument("--out", default="plan.json", help="where to write the plan")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -35,27 +46,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def print_table(plan: dict, out=sys.stdout) -> None:
     """The per-stage table and the predictions, for people."""
     par = plan["parallel"]
-    print(f"{plan['model']} on {par['gpus']} x {plan['hardware']}: tp={par['tp']} "
-          f"pp={par['pp']} dp={par['dp']} micro-batches={par['micro_batches']}", file=out)
+    print(
+        f"{plan['model']} on {par['gpus']} x {plan['hardware']}: tp={par['tp']} "
+        f"pp={par['pp']} dp={par['dp']} micro-batches={par['micro_batches']}",
+        file=out,
+    )
     data = plan["data"]
-    print(f"budgets per micro-batch: {data['vit_budget']} tiles, {data['token_budget']} tokens",
-          file=out)
-    print(f"{'stage':>5} {'vit layers':>11} {'proj':>4} {'llm layers':>11} {'fwd ms':>9} "
-          f"{'bwd ms':>9} {'recompute v/l':>13} {'mem GiB':>8}", file=out)
+    print(
+        f"budgets per micro-batch: {data['vit_budget']} tiles, {data['token_budget']} tokens",
+        file=out,
+    )
+    print(
+        f"{'stage':>5} {'vit layers':>11} {'proj':>4} {'llm layers':>11} {'fwd ms':>9} "
+        f"{'bwd ms':>9} {'recompute v/l':>13} {'mem GiB':>8}",
+        file=out,
+    )
     for st in plan["stages"]:
         v, lm = st["vit_layers"], st["llm_layers"]
         vit = f"{v[0]}-{v[1] - 1}" if v[1] > v[0] else "-"
         llm = f"{lm[0]}-{lm[1] - 1}" if lm[1] > lm[0] else "-"
-        print(f"{st['stage']:>5} {vit:>11} {'yes' if st['projector'] else '':>4} {llm:>11} "
-              f"{st['forward_ms']:>9.1f} {st['backward_ms']:>9.1f} "
-              f"{st['vit_recompute']:>6}/{st['llm_recompute']:<6} {st['peak_memory_gib']:>8.1f}",
-              file=out)
+        print(
+            f"{st['stage']:>5} {vit:>11} {'yes' if st['projector'] else '':>4} {llm:>11} "
+            f"{st['forward_ms']:>9.1f} {st['backward_ms']:>9.1f} "
+            f"{st['vit_recompute']:>6}/{st['llm_recompute']:<6} {st['peak_memory_gib']:>8.1f}",
+            file=out,
+        )
     p = plan["predicted"]
     fits = "" if p["baseline_fits_memory"] else " (does NOT fit memory)"
-    print(f"predicted step: {p['step_ms']:.1f} ms (bubble {p['bubble_fraction']:.1%}); Megatron "
-          f"baseline: {p['baseline_step_ms']:.1f} ms (bubble "
-          f"{p['baseline_bubble_fraction']:.1%}){fits}; modeled speedup {p['speedup']:.2f}x",
-          file=out)
+    print(
+        f"predicted step: {p['step_ms']:.1f} ms (bubble {p['bubble_fraction']:.1%}); Megatron "
+        f"baseline: {p['baseline_step_ms']:.1f} ms (bubble "
+        f"{p['baseline_bubble_fraction']:.1%}){fits}; modeled speedup {p['speedup']:.2f}x",
+        file=out,
+    )
     print("megatron flags: " + " ".join(plan["megatron_flags"]), file=out)
 
 
@@ -67,9 +90,20 @@ def run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     hw = resolve_hardware(args.hardware)
     stats = load_lengths(args.lengths or EXAMPLE_LENGTHS)
-    plan = make_plan(model, hw, stats, args.gpus, args.tp, args.pp, args.micro_batches,
-                     args.global_batch, args.mode, args.seed, args.out,
-                     progress=sys.stderr.isatty())
+    plan = make_plan(
+        model,
+        hw,
+        stats,
+        args.gpus,
+        args.tp,
+        args.pp,
+        args.micro_batches,
+        args.global_batch,
+        args.mode,
+        args.seed,
+        args.out,
+        progress=sys.stderr.isatty(),
+    )
     Path(args.out).write_text(json.dumps(plan, indent=1) + "\n")
     if args.json:
         print(json.dumps(plan, indent=1))

@@ -15,8 +15,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=256, help="LLM tokens per micro-batch")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs (median)")
     parser.add_argument("--dp", type=int, default=1, help="DP size for optimizer sharding")
-    parser.add_argument("--micro-batches", type=int, default=8,
-                        help="micro-batches per step written into the profile")
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=8,
+        help="micro-batches per step written into the profile",
+    )
     parser.add_argument("--memory-gib", type=float, help="per-GPU budget written into it")
     parser.add_argument("--out", default="profile.json")
 
@@ -28,13 +32,22 @@ def run(args: argparse.Namespace) -> int:
     for name in ("tiles", "tokens", "repeats", "dp", "micro_batches"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    doc = profile_model(resolve_model(args.model), args.tiles, args.tokens, args.repeats,
-                        args.dp, args.micro_batches, args.memory_gib)
+    doc = profile_model(
+        resolve_model(args.model),
+        args.tiles,
+        args.tokens,
+        args.repeats,
+        args.dp,
+        args.micro_batches,
+        args.memory_gib,
+    )
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     m = doc["measured"]
     first_llm = next(x for x in doc["layers"] if x["name"] == "llm.0")
-    print(f"{m['model']} on {m['device']} ({m['dtype']}): ViT layer "
-          f"{doc['layers'][1]['forward_ms']:.2f}/{doc['layers'][1]['backward_ms']:.2f} ms, "
-          f"LLM layer {first_llm['forward_ms']:.2f}/{first_llm['backward_ms']:.2f} ms "
-          f"(fwd/bwd, {m['tiles']} tiles, {m['tokens']} tokens); wrote {args.out}")
+    print(
+        f"{m['model']} on {m['device']} ({m['dtype']}): ViT layer "
+        f"{doc['layers'][1]['forward_ms']:.2f}/{doc['layers'][1]['backward_ms']:.2f} ms, "
+        f"LLM layer {first_llm['forward_ms']:.2f}/{first_llm['backward_ms']:.2f} ms "
+        f"(fwd/bwd, {m['tiles']} tiles, {m['tokens']} tokens); wrote {args.out}"
+    )
     return 0

@@ -12,8 +12,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", help="write the Gantt chart of the slowest replica here")
     parser.add_argument("--lengths", default=None, help="length statistics (default: shipped)")
     parser.add_argument("--seed", type=int, help="seed of the drawn batch (default: the plan's)")
-    parser.add_argument("--baseline", action="store_true",
-                        help="simulate the plan's stages on fixed-size batches instead")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="simulate the plan's stages on fixed-size batches instead",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,22 +29,36 @@ def run(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
     model = model_from_dict(dict(plan["model_spec"], name=plan["model"]), f"{args.plan}: model")
-    hw = Hardware(**plan["hardware_spec"]) if "hardware_spec" in plan \
+    hw = (
+        Hardware(**plan["hardware_spec"])
+        if "hardware_spec" in plan
         else resolve_hardware(plan["hardware"])
+    )
     par, data = plan["parallel"], plan["data"]
     stats = load_lengths(args.lengths or EXAMPLE_LENGTHS)
     seed = args.seed if args.seed is not None else data.get("seed", 0)
-    setting = make_setting(model, hw, stats, par["tp"], par["pp"], par["dp"],
-                           par["micro_batches"], data.get("global_batch_samples", 1024), seed,
-                           (data["vit_budget"], data["token_budget"]))
+    setting = make_setting(
+        model,
+        hw,
+        stats,
+        par["tp"],
+        par["pp"],
+        par["dp"],
+        par["micro_batches"],
+        data.get("global_batch_samples", 1024),
+        seed,
+        (data["vit_budget"], data["token_budget"]),
+    )
     bounds, recompute = partition_from_plan(plan, model)
     problem = setting.problem(float("inf"))
     part = problem.evaluate(bounds, recompute)
     features = setting.fixed if args.baseline else setting.balanced
     result = setting.predict(part, features)
-    print(f"step {result.step_ms:.3f} ms = slowest replica's pipeline {result.pipeline_ms:.3f} ms "
-          f"+ gradient sync {result.sync_ms:.3f} ms; bubble {result.bubble_fraction:.1%}; "
-          f"replicas {result.replica_ms.min():.1f} .. {result.replica_ms.max():.1f} ms (modeled)")
+    print(
+        f"step {result.step_ms:.3f} ms = slowest replica's pipeline {result.pipeline_ms:.3f} ms "
+        f"+ gradient sync {result.sync_ms:.3f} ms; bubble {result.bubble_fraction:.1%}; "
+        f"replicas {result.replica_ms.min():.1f} .. {result.replica_ms.max():.1f} ms (modeled)"
+    )
     print(f"{'stage':>5} {'busy ms':>10} {'idle ms':>10}")
     for s in range(par["pp"]):
         print(f"{s:>5} {result.busy_ms[s]:>10.1f} {result.idle_ms[s]:>10.1f}")
@@ -52,9 +69,12 @@ def run(args: argparse.Namespace) -> int:
         fwd, bwd = setting.stage_times(part, features[r])
         line = simulate(fwd, bwd, par["pp"], 1, setting.stage_p2p(part, features[r]))
         kind = "baseline batches" if args.baseline else "balanced batches"
-        save_gantt(line, args.png, f"{plan['model']} tp={par['tp']} pp={par['pp']} "
-                   f"dp={par['dp']}, slowest replica, {kind}: {line.makespan_ms:.0f} ms, "
-                   f"bubble {line.bubble_fraction:.1%} (modeled)")
+        save_gantt(
+            line,
+            args.png,
+            f"{plan['model']} tp={par['tp']} pp={par['pp']} "
+            f"dp={par['dp']}, slowest replica, {kind}: {line.makespan_ms:.0f} ms, "
+            f"bubble {line.bubble_fraction:.1%} (modeled)",
+        )
         print(f"wrote {args.png}")
     return 0
-

@@ -29,7 +29,7 @@ import torch
 from megatron_omnibal.megatron.cpu import enable_cpu_megatron
 from megatron_omnibal.planner.models import ModelSpec
 
-MIB = 2.0 ** 20
+MIB = 2.0**20
 
 
 def _init_single_process() -> None:
@@ -49,8 +49,17 @@ def _init_single_process() -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
-def _layer(hidden: int, ffn: int, heads: int, groups: int, norm: str, gated: bool, causal: bool,
-           dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def _layer(
+    hidden: int,
+    ffn: int,
+    heads: int,
+    groups: int,
+    norm: str,
+    gated: bool,
+    causal: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.nn.Module:
     """One megatron-core TransformerLayer with this tower's shape and attention mask type."""
     import torch.nn.functional as F
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -59,13 +68,26 @@ def _layer(hidden: int, ffn: int, heads: int, groups: int, norm: str, gated: boo
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
-        num_query_groups=groups, normalization="RMSNorm" if norm == "rmsnorm" else "LayerNorm",
-        gated_linear_unit=gated, activation_func=F.silu if gated else F.gelu,
-        add_bias_linear=not gated, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, bias_activation_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False)
+        num_layers=1,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        normalization="RMSNorm" if norm == "rmsnorm" else "LayerNorm",
+        gated_linear_unit=gated,
+        activation_func=F.silu if gated else F.gelu,
+        add_bias_linear=not gated,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
     try:
         import transformer_engine  # noqa: F401
         from megatron.core.models.gpt.gpt_layer_specs import (
@@ -77,8 +99,10 @@ def _layer(hidden: int, ffn: int, heads: int, groups: int, norm: str, gated: boo
         spec = get_gpt_layer_local_spec(normalization=config.normalization)
     spec = copy.deepcopy(spec)
     attn = spec.submodules.self_attention
-    attn.params = {**attn.params,
-                   "attn_mask_type": AttnMaskType.causal if causal else AttnMaskType.no_mask}
+    attn.params = {
+        **attn.params,
+        "attn_mask_type": AttnMaskType.causal if causal else AttnMaskType.no_mask,
+    }
     return build_module(spec, config=config, layer_number=1).to(device)
 
 
@@ -114,9 +138,14 @@ def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float
     return statistics.median(times)
 
 
-def measure_module(forward: Callable[[torch.Tensor], torch.Tensor], params: list,
-                   x: torch.Tensor, device: torch.device, repeats: int,
-                   recomputable: bool = True) -> dict:
+def measure_module(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    params: list,
+    x: torch.Tensor,
+    device: torch.device,
+    repeats: int,
+    recomputable: bool = True,
+) -> dict:
     """Forward, backward and recompute ms, saved MiB plain and checkpointed, output MiB."""
     from megatron.core.tensor_parallel.random import checkpoint
 
@@ -135,9 +164,13 @@ def measure_module(forward: Callable[[torch.Tensor], torch.Tensor], params: list
     f_ms = _time(fwd, device, repeats)
     fb_ms = _time(fwd_bwd, device, repeats)
     out, act = _saved_bytes(fwd)
-    row = {"forward_ms": f_ms, "backward_ms": max(fb_ms - f_ms, 0.0),
-           "activation_mib": act / MIB, "output_mib": out.numel() * out.element_size() / MIB,
-           "params": sum(p.numel() for p in params)}
+    row = {
+        "forward_ms": f_ms,
+        "backward_ms": max(fb_ms - f_ms, 0.0),
+        "activation_mib": act / MIB,
+        "output_mib": out.numel() * out.element_size() / MIB,
+        "params": sum(p.numel() for p in params),
+    }
     if recomputable:
         ck_ms = _time(ckpt_fwd_bwd, device, repeats)
         _, kept = _saved_bytes(lambda: checkpoint(forward, False, x))
@@ -146,9 +179,16 @@ def measure_module(forward: Callable[[torch.Tensor], torch.Tensor], params: list
     return row
 
 
-def profile_model(model: ModelSpec, tiles: int = 4, tokens: int = 256, repeats: int = 3,
-                  dp: int = 1, micro_batches: int = 8, memory_budget_gib: float | None = None,
-                  dtype: torch.dtype | None = None) -> dict:
+def profile_model(
+    model: ModelSpec,
+    tiles: int = 4,
+    tokens: int = 256,
+    repeats: int = 3,
+    dp: int = 1,
+    micro_batches: int = 8,
+    memory_budget_gib: float | None = None,
+    dtype: torch.dtype | None = None,
+) -> dict:
     """The DESIGN.md layer profile of `model`, measured on this machine's device."""
     enable_cpu_megatron()
     _init_single_process()
@@ -156,61 +196,120 @@ def profile_model(model: ModelSpec, tiles: int = 4, tokens: int = 256, repeats: 
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     v, llm = model.vit, model.llm
     torch.manual_seed(0)
-    vit_layer = _layer(v.hidden_size, v.ffn_hidden_size, v.num_attention_heads,
-                       v.num_attention_heads, v.norm, False, False, dtype, device)
-    llm_layer = _layer(llm.hidden_size, llm.ffn_hidden_size, llm.num_attention_heads,
-                       llm.num_query_groups, llm.norm, llm.gated_mlp, True, dtype, device)
+    vit_layer = _layer(
+        v.hidden_size,
+        v.ffn_hidden_size,
+        v.num_attention_heads,
+        v.num_attention_heads,
+        v.norm,
+        False,
+        False,
+        dtype,
+        device,
+    )
+    llm_layer = _layer(
+        llm.hidden_size,
+        llm.ffn_hidden_size,
+        llm.num_attention_heads,
+        llm.num_query_groups,
+        llm.norm,
+        llm.gated_mlp,
+        True,
+        dtype,
+        device,
+    )
     xv = torch.randn(v.seq_per_tile, tiles, v.hidden_size, dtype=dtype, device=device)
     xl = torch.randn(tokens, 1, llm.hidden_size, dtype=dtype, device=device)
-    vit = measure_module(lambda x: vit_layer(x, attention_mask=None)[0],
-                         list(vit_layer.parameters()), xv, device, repeats)
-    lm = measure_module(lambda x: llm_layer(x, attention_mask=None)[0],
-                        list(llm_layer.parameters()), xl, device, repeats)
+    vit = measure_module(
+        lambda x: vit_layer(x, attention_mask=None)[0],
+        list(vit_layer.parameters()),
+        xv,
+        device,
+        repeats,
+    )
+    lm = measure_module(
+        lambda x: llm_layer(x, attention_mask=None)[0],
+        list(llm_layer.parameters()),
+        xl,
+        device,
+        repeats,
+    )
     proj_in, proj_mid = model.projector_in, model.projector_hidden
     projector = torch.nn.Sequential(
-        torch.nn.LayerNorm(proj_in), torch.nn.Linear(proj_in, proj_mid), torch.nn.GELU(),
-        torch.nn.Linear(proj_mid, llm.hidden_size)).to(device, dtype)
+        torch.nn.LayerNorm(proj_in),
+        torch.nn.Linear(proj_in, proj_mid),
+        torch.nn.GELU(),
+        torch.nn.Linear(proj_mid, llm.hidden_size),
+    ).to(device, dtype)
     xp = torch.randn(tiles * model.tokens_per_tile, proj_in, dtype=dtype, device=device)
     proj = measure_module(projector, list(projector.parameters()), xp, device, repeats, False)
     head = torch.nn.Linear(llm.hidden_size, llm.vocab_size, bias=False).to(device, dtype)
     labels = torch.randint(0, llm.vocab_size, (tokens,), device=device)
     head_row = measure_module(
-        lambda x: torch.nn.functional.cross_entropy(head(x[:, 0]).float(), labels,
-                                                    reduction="none"),
-        list(head.parameters()), xl, device, repeats, False)
+        lambda x: torch.nn.functional.cross_entropy(
+            head(x[:, 0]).float(), labels, reduction="none"
+        ),
+        list(head.parameters()),
+        xl,
+        device,
+        repeats,
+        False,
+    )
     patch = torch.nn.Conv2d(3, v.hidden_size, v.patch_size, v.patch_size).to(device, dtype)
     img = torch.randn(tiles, 3, v.image_size, v.image_size, dtype=dtype, device=device)
     patch_row = measure_module(patch, list(patch.parameters()), img, device, repeats, False)
     per_param = (2 + 4 + 12 / dp) / MIB
 
     def entry(name: str, row: dict, group: str, extra: dict | None = None) -> dict:
-        out = {"name": name, "group": group, "forward_ms": row["forward_ms"],
-               "backward_ms": row["backward_ms"],
-               "recompute_ms": row.get("recompute_ms", 0.0),
-               "activation_mib": row["activation_mib"],
-               "checkpoint_mib": row.get("checkpoint_mib", row["activation_mib"]),
-               "output_mib": row["output_mib"], "weight_mib": row["params"] * per_param}
+        out = {
+            "name": name,
+            "group": group,
+            "forward_ms": row["forward_ms"],
+            "backward_ms": row["backward_ms"],
+            "recompute_ms": row.get("recompute_ms", 0.0),
+            "activation_mib": row["activation_mib"],
+            "checkpoint_mib": row.get("checkpoint_mib", row["activation_mib"]),
+            "output_mib": row["output_mib"],
+            "weight_mib": row["params"] * per_param,
+        }
         for key, value in (extra or {}).items():
             out[key] += value
         return out
 
     def pinned(row: dict) -> dict:
-        return {"forward_ms": row["forward_ms"], "backward_ms": row["backward_ms"],
-                "activation_mib": row["activation_mib"], "checkpoint_mib": row["activation_mib"],
-                "weight_mib": row["params"] * per_param}
+        return {
+            "forward_ms": row["forward_ms"],
+            "backward_ms": row["backward_ms"],
+            "activation_mib": row["activation_mib"],
+            "checkpoint_mib": row["activation_mib"],
+            "weight_mib": row["params"] * per_param,
+        }
 
-    layers = [entry(f"vit.{i}", vit, "vit", pinned(patch_row) if i == 0 else None)
-              for i in range(v.num_layers)]
+    layers = [
+        entry(f"vit.{i}", vit, "vit", pinned(patch_row) if i == 0 else None)
+        for i in range(v.num_layers)
+    ]
     embed = {"weight_mib": llm.vocab_size * llm.hidden_size * per_param}
     layers.append(entry("projector", proj, "none", embed))
-    layers += [entry(f"llm.{i}", lm, "llm", pinned(head_row) if i == llm.num_layers - 1 else None)
-               for i in range(llm.num_layers)]
-    doc = {"micro_batches": micro_batches, "layers": layers,
-           "measured": {"device": torch.cuda.get_device_name() if device.type == "cuda"
-                        else "cpu", "dtype": str(dtype).replace("torch.", ""), "tiles": tiles,
-                        "tokens": tokens, "repeats": repeats, "model": model.name,
-                        "vit_layer_params": vit["params"], "llm_layer_params": lm["params"],
-                        "torch_threads": torch.get_num_threads()}}
+    layers += [
+        entry(f"llm.{i}", lm, "llm", pinned(head_row) if i == llm.num_layers - 1 else None)
+        for i in range(llm.num_layers)
+    ]
+    doc = {
+        "micro_batches": micro_batches,
+        "layers": layers,
+        "measured": {
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "dtype": str(dtype).replace("torch.", ""),
+            "tiles": tiles,
+            "tokens": tokens,
+            "repeats": repeats,
+            "model": model.name,
+            "vit_layer_params": vit["params"],
+            "llm_layer_params": lm["params"],
+            "torch_threads": torch.get_num_threads(),
+        },
+    }
     if memory_budget_gib is not None:
         doc["memory_budget_gib"] = memory_budget_gib
     return doc

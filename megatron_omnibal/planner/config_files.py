@@ -61,8 +61,13 @@ def _build(cls: type, doc: Any, where: str, drop: tuple[str, ...] = ()) -> Any:
         elif kind in ("str", str) and not isinstance(value, str):
             raise ValueError(f"{where}.{key}: expected a string, got {value!r}")
         kwargs[key] = value
-    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
     return cls(**kwargs)

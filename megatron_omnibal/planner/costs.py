@@ -21,7 +21,7 @@ import numpy as np
 from megatron_omnibal.planner.hardware import Hardware
 from megatron_omnibal.planner.models import ModelSpec
 
-MIB = 2.0 ** 20
+MIB = 2.0**20
 GROUP_NONE, GROUP_VIT, GROUP_LLM = -1, 0, 1
 
 
@@ -63,8 +63,10 @@ class LayerCosts:
 def workload_features(tiles: np.ndarray, tokens: np.ndarray, sumsq: np.ndarray) -> np.ndarray:
     """Micro-batch features (M, 4): tiles, tokens, sum of squared sample lengths, 1."""
     tiles = np.asarray(tiles, np.float64)
-    return np.stack([tiles, np.asarray(tokens, np.float64), np.asarray(sumsq, np.float64),
-                     np.ones_like(tiles)], axis=-1)
+    return np.stack(
+        [tiles, np.asarray(tokens, np.float64), np.asarray(sumsq, np.float64), np.ones_like(tiles)],
+        axis=-1,
+    )
 
 
 @dataclass(frozen=True)
@@ -90,14 +92,23 @@ class CostModel:
         f = np.asarray(features, np.float64).T
         first, last = self.first @ f, self.last @ f
         return LayerCosts(
-            self.names, self.forward @ f, self.backward @ f, self.recompute @ f,
-            self.activation @ f, self.checkpoint @ f, self.output @ f, self.static_mib,
-            self.group, Extra(first[0], first[1], first[2], self.first_static_mib),
-            Extra(last[0], last[1], last[2], self.last_static_mib))
+            self.names,
+            self.forward @ f,
+            self.backward @ f,
+            self.recompute @ f,
+            self.activation @ f,
+            self.checkpoint @ f,
+            self.output @ f,
+            self.static_mib,
+            self.group,
+            Extra(first[0], first[1], first[2], self.first_static_mib),
+            Extra(last[0], last[1], last[2], self.last_static_mib),
+        )
 
 
-def analytic_costs(model: ModelSpec, hw: Hardware, tp: int = 1, dp: int = 1,
-                   distributed_optimizer: bool = True) -> CostModel:
+def analytic_costs(
+    model: ModelSpec, hw: Hardware, tp: int = 1, dp: int = 1, distributed_optimizer: bool = True
+) -> CostModel:
     """FLOPs-based costs of every unit on `hw` with tensor parallel `tp` (sequence parallel on).
 
     Time = FLOPs / (peak x efficiency x tp) + TP collectives + a per-layer launch overhead;
@@ -115,15 +126,19 @@ def analytic_costs(model: ModelSpec, hw: Hardware, tp: int = 1, dp: int = 1,
         return np.array([tiles, tokens, sumsq, one], np.float64)
 
     s = v.seq_per_tile
-    vit_flops = 2 * s * (4 * v.hidden_size ** 2 + 2 * v.hidden_size * v.ffn_hidden_size)
+    vit_flops = 2 * s * (4 * v.hidden_size**2 + 2 * v.hidden_size * v.ffn_hidden_size)
     vit_flops += 4 * s * s * v.hidden_size
     vit_fwd = row(tiles=vit_flops / rate + s * 2 * v.hidden_size * tp_comm, one=over)
     vit_act = row(tiles=s * 2 * (8 * v.hidden_size + 2 * v.ffn_hidden_size) / tp / MIB)
     vit_ckpt = row(tiles=s * 2 * v.hidden_size / tp / MIB)
     vit_out = row(tiles=s * 2 * v.hidden_size / tp / MIB)
 
-    n, pin, pmid, h = model.tokens_per_tile, model.projector_in, model.projector_hidden, \
-        llm.hidden_size
+    n, pin, pmid, h = (
+        model.tokens_per_tile,
+        model.projector_in,
+        model.projector_hidden,
+        llm.hidden_size,
+    )
     proj_fwd = row(tiles=2 * n * (pin * pmid + pmid * h) / rate, one=over)
     proj_act = row(tiles=n * 2 * (2 * pin + 2 * pmid) / tp / MIB)
     llm_out = row(tokens=2 * h / tp / MIB)
@@ -149,25 +164,46 @@ def analytic_costs(model: ModelSpec, hw: Hardware, tp: int = 1, dp: int = 1,
     for i in range(v.num_layers):
         add(f"vit.{i}", vit_fwd, vit_act, vit_ckpt, vit_out, v.layer_params, GROUP_VIT)
     embed_params = llm.vocab_size * h
-    add("projector", proj_fwd, proj_act, row(), llm_out, model.projector_params + embed_params,
-        GROUP_NONE)
+    add(
+        "projector",
+        proj_fwd,
+        proj_act,
+        row(),
+        llm_out,
+        model.projector_params + embed_params,
+        GROUP_NONE,
+    )
     for i in range(llm.num_layers):
         add(f"llm.{i}", llm_fwd, llm_act, llm_ckpt, llm_out, llm.layer_params, GROUP_LLM)
 
     fwd_a = np.array(fwd)
     bwd_a = 2 * fwd_a
     rec_a = np.where(np.array(group)[:, None] >= 0, fwd_a, 0.0)
-    patch_flops = 2 * (s - 1) * 3 * v.patch_size ** 2 * v.hidden_size
-    first = np.array([row(tiles=patch_flops / rate, one=over), row(tiles=2 * patch_flops / rate),
-                      row(tiles=(s - 1) * 3 * v.patch_size ** 2 * 2 / MIB)])
+    patch_flops = 2 * (s - 1) * 3 * v.patch_size**2 * v.hidden_size
+    first = np.array(
+        [
+            row(tiles=patch_flops / rate, one=over),
+            row(tiles=2 * patch_flops / rate),
+            row(tiles=(s - 1) * 3 * v.patch_size**2 * 2 / MIB),
+        ]
+    )
     head_fwd = row(tokens=2 * h * llm.vocab_size / rate, one=over)
-    last = np.array([head_fwd, 2 * head_fwd,
-                     row(tokens=(4 * h + 6 * llm.vocab_size) / tp / MIB)])
+    last = np.array([head_fwd, 2 * head_fwd, row(tokens=(4 * h + 6 * llm.vocab_size) / tp / MIB)])
     return CostModel(
-        tuple(names), np.array(group), fwd_a, bwd_a, rec_a, np.array(act), np.array(ckpt),
-        np.array(out), np.array(static), first, last,
+        tuple(names),
+        np.array(group),
+        fwd_a,
+        bwd_a,
+        rec_a,
+        np.array(act),
+        np.array(ckpt),
+        np.array(out),
+        np.array(static),
+        first,
+        last,
         model.patch_embed_params / tp * bytes_per_param / MIB,
-        embed_params / tp * bytes_per_param / MIB)
+        embed_params / tp * bytes_per_param / MIB,
+    )
 
 
 PROFILE_GROUPS = {"vit": GROUP_VIT, "llm": GROUP_LLM, "none": GROUP_NONE}
@@ -197,9 +233,18 @@ def profile_from_dict(doc: dict, where: str = "profile") -> tuple[LayerCosts, di
     m = doc.get("micro_batches")
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"{where}: 'micro_batches' must be a positive integer, got {m!r}")
-    cols: dict[str, list[float]] = {k: [] for k in (
-        "forward_ms", "backward_ms", "recompute_ms", "activation_mib", "weight_mib",
-        "checkpoint_mib", "output_mib")}
+    cols: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "forward_ms",
+            "backward_ms",
+            "recompute_ms",
+            "activation_mib",
+            "weight_mib",
+            "checkpoint_mib",
+            "output_mib",
+        )
+    }
     names, groups = [], []
     for i, layer in enumerate(doc["layers"]):
         if not isinstance(layer, dict):
@@ -211,15 +256,23 @@ def profile_from_dict(doc: dict, where: str = "profile") -> tuple[LayerCosts, di
                 if key in ("forward_ms", "backward_ms", "activation_mib", "weight_mib"):
                     raise ValueError(f"{where}: layer {i} ('{names[-1]}'): missing '{key}'")
                 value = layer["forward_ms"] if key == "recompute_ms" else 0.0
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
-                    or not np.isfinite(value):
-                raise ValueError(f"{where}: layer {i} ('{names[-1]}'): '{key}' must be a "
-                                 f"non-negative number, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or value < 0
+                or not np.isfinite(value)
+            ):
+                raise ValueError(
+                    f"{where}: layer {i} ('{names[-1]}'): '{key}' must be a "
+                    f"non-negative number, got {value!r}"
+                )
             cols[key].append(float(value))
         group = layer.get("group", "vit")
         if group not in PROFILE_GROUPS:
-            raise ValueError(f"{where}: layer {i}: 'group' must be one of "
-                             f"{', '.join(PROFILE_GROUPS)}, got {group!r}")
+            raise ValueError(
+                f"{where}: layer {i}: 'group' must be one of "
+                f"{', '.join(PROFILE_GROUPS)}, got {group!r}"
+            )
         groups.append(PROFILE_GROUPS[group])
     options = {"micro_batches": m}
     for key in ("memory_budget_gib", "p2p_ms"):
@@ -229,14 +282,26 @@ def profile_from_dict(doc: dict, where: str = "profile") -> tuple[LayerCosts, di
                 raise ValueError(f"{where}: '{key}' must be a non-negative number, got {value!r}")
             options[key] = float(value)
     a = {k: np.array(v, np.float64) for k, v in cols.items()}
-    costs = LayerCosts(tuple(names), a["forward_ms"], a["backward_ms"], a["recompute_ms"],
-                       a["activation_mib"], a["checkpoint_mib"], a["output_mib"],
-                       a["weight_mib"], np.array(groups))
+    costs = LayerCosts(
+        tuple(names),
+        a["forward_ms"],
+        a["backward_ms"],
+        a["recompute_ms"],
+        a["activation_mib"],
+        a["checkpoint_mib"],
+        a["output_mib"],
+        a["weight_mib"],
+        np.array(groups),
+    )
     return costs, options
 
 
-def costs_to_profile(costs: LayerCosts, micro_batches: int, memory_budget_gib: float | None = None,
-                     p2p_ms: float | None = None) -> dict:
+def costs_to_profile(
+    costs: LayerCosts,
+    micro_batches: int,
+    memory_budget_gib: float | None = None,
+    p2p_ms: float | None = None,
+) -> dict:
     """The DESIGN.md layer profile of single-micro-batch costs (extras folded into end units)."""
     fwd = np.array(costs.forward_ms, np.float64)
     bwd = np.array(costs.backward_ms, np.float64)
@@ -248,11 +313,20 @@ def costs_to_profile(costs: LayerCosts, micro_batches: int, memory_budget_gib: f
         act[idx] += float(extra.activation_mib)
         static[idx] += float(extra.static_mib)
     inverse = {v: k for k, v in PROFILE_GROUPS.items()}
-    layers = [{"name": costs.names[i], "forward_ms": float(fwd[i]), "backward_ms": float(bwd[i]),
-               "recompute_ms": float(costs.recompute_ms[i]), "activation_mib": float(act[i]),
-               "weight_mib": float(static[i]), "checkpoint_mib": float(costs.checkpoint_mib[i]),
-               "output_mib": float(costs.output_mib[i]), "group": inverse[int(costs.group[i])]}
-              for i in range(len(costs))]
+    layers = [
+        {
+            "name": costs.names[i],
+            "forward_ms": float(fwd[i]),
+            "backward_ms": float(bwd[i]),
+            "recompute_ms": float(costs.recompute_ms[i]),
+            "activation_mib": float(act[i]),
+            "weight_mib": float(static[i]),
+            "checkpoint_mib": float(costs.checkpoint_mib[i]),
+            "output_mib": float(costs.output_mib[i]),
+            "group": inverse[int(costs.group[i])],
+        }
+        for i in range(len(costs))
+    ]
     doc: dict = {"micro_batches": int(micro_batches), "layers": layers}
     if memory_budget_gib is not None:
         doc["memory_budget_gib"] = float(memory_budget_gib)

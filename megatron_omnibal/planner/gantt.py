@@ -27,22 +27,48 @@ def save_gantt(timeline: Timeline, path: str | Path, title: str = "") -> None:
     span = timeline.makespan_ms
     for op in timeline.ops:
         colour = colours[op.kind][op.chunk % 2]
-        ax.barh(op.rank, op.end - op.start, left=op.start, height=0.8, color=colour,
-                edgecolor="white", linewidth=0.3)
+        ax.barh(
+            op.rank,
+            op.end - op.start,
+            left=op.start,
+            height=0.8,
+            color=colour,
+            edgecolor="white",
+            linewidth=0.3,
+        )
         if (op.end - op.start) > span / 60:
-            ax.text((op.start + op.end) / 2, op.rank, str(op.micro_batch), ha="center",
-                    va="center", fontsize=6, color="white")
+            ax.text(
+                (op.start + op.end) / 2,
+                op.rank,
+                str(op.micro_batch),
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
+            )
     ax.set_yticks(range(pp))
-    ax.set_yticklabels([f"stage {r}  ({100 * timeline.busy_ms[r] / span:.0f}% busy)"
-                        for r in range(pp)])
+    ax.set_yticklabels(
+        [f"stage {r}  ({100 * timeline.busy_ms[r] / span:.0f}% busy)" for r in range(pp)]
+    )
     ax.invert_yaxis()
     ax.set_xlim(0, span)
     ax.set_xlabel("time (ms)")
-    ax.set_title(title or f"pipeline step {span:.1f} ms, bubble {timeline.bubble_fraction:.1%}",
-                 loc="left", fontsize=10)
-    ax.legend(handles=[Patch(color=colours["F"][0], label="forward"),
-                       Patch(color=colours["B"][0], label="backward (+ recompute)")],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=2, fontsize=8, frameon=False)
+    ax.set_title(
+        title or f"pipeline step {span:.1f} ms, bubble {timeline.bubble_fraction:.1%}",
+        loc="left",
+        fontsize=10,
+    )
+    ax.legend(
+        handles=[
+            Patch(color=colours["F"][0], label="forward"),
+            Patch(color=colours["B"][0], label="backward (+ recompute)"),
+        ],
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        ncol=2,
+        fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

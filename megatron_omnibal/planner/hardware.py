@@ -46,6 +46,8 @@ HARDWARE: dict[str, Hardware] = {
 def get_hardware(name: str) -> Hardware:
     """The preset `name`, or a clear error listing the known ones."""
     if name not in HARDWARE:
-        raise ValueError(f"unknown hardware preset '{name}' (known: {', '.join(HARDWARE)}; "
-                         "or give a JSON/YAML file describing the GPU)")
+        raise ValueError(
+            f"unknown hardware preset '{name}' (known: {', '.join(HARDWARE)}; "
+            "or give a JSON/YAML file describing the GPU)"
+        )
     return HARDWARE[name]

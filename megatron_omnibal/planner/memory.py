@@ -43,8 +43,9 @@ def recompute_mask(costs: LayerCosts, lo: int, hi: int, counts: dict[int, int]) 
     return mask
 
 
-def stage_memory_mib(costs: LayerCosts, lo: int, hi: int, counts: dict[int, int],
-                     inflight: int) -> float:
+def stage_memory_mib(
+    costs: LayerCosts, lo: int, hi: int, counts: dict[int, int], inflight: int
+) -> float:
     """Peak memory (MiB) of a stage holding units [lo, hi) with `counts` layers recomputed.
 
     Static state, plus `inflight` micro-batches of stored activations: full activations of
@@ -64,8 +65,9 @@ def stage_memory_mib(costs: LayerCosts, lo: int, hi: int, counts: dict[int, int]
     return static + inflight * stored
 
 
-def stage_time_ms(costs: LayerCosts, lo: int, hi: int, counts: dict[int, int]) -> tuple[float,
-                                                                                         float]:
+def stage_time_ms(
+    costs: LayerCosts, lo: int, hi: int, counts: dict[int, int]
+) -> tuple[float, float]:
     """(forward, backward including recompute) ms of a stage for one micro-batch."""
     mask = recompute_mask(costs, lo, hi, counts)
     fwd = float(np.sum(costs.forward_ms[lo:hi]))

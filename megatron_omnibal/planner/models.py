@@ -81,14 +81,14 @@ class ModelSpec:
         if self.tokens_per_tile <= 0:
             patches = (self.vit.image_size // self.vit.patch_size) ** 2
             pixel = self.projector.type.startswith("pixel")
-            shrink = self.projector.downsample ** 2 if pixel else 1
+            shrink = self.projector.downsample**2 if pixel else 1
             object.__setattr__(self, "tokens_per_tile", int(round(patches * shrink)))
 
     @property
     def projector_in(self) -> int:
         """Width entering the projector MLP (pixel shuffle folds patches into channels)."""
         if self.projector.type.startswith("pixel"):
-            return int(round(self.vit.hidden_size / self.projector.downsample ** 2))
+            return int(round(self.vit.hidden_size / self.projector.downsample**2))
         return self.vit.hidden_size
 
     @property
@@ -103,7 +103,7 @@ class ModelSpec:
     @property
     def patch_embed_params(self) -> int:
         v = self.vit
-        return 3 * v.patch_size ** 2 * v.hidden_size + (v.seq_per_tile + 1) * v.hidden_size
+        return 3 * v.patch_size**2 * v.hidden_size + (v.seq_per_tile + 1) * v.hidden_size
 
     def spec_dict(self) -> dict:
         """The plan.json `model_spec` block."""
@@ -113,8 +113,14 @@ class ModelSpec:
         llm.pop("gated_mlp")
         proj = asdict(self.projector)
         proj["hidden_size"] = self.projector_hidden
-        return {"vit": vit, "projector": proj, "llm": llm, "tokens_per_tile": self.tokens_per_tile,
-                "vit_class_token": self.vit.class_token, "llm_gated_mlp": self.llm.gated_mlp}
+        return {
+            "vit": vit,
+            "projector": proj,
+            "llm": llm,
+            "tokens_per_tile": self.tokens_per_tile,
+            "vit_class_token": self.vit.class_token,
+            "llm_gated_mlp": self.llm.gated_mlp,
+        }
 
 
 # HF OpenGVLab/InternViT-6B-448px-V1-5 config.json: num_hidden_layers 45, hidden_size 3200,
@@ -128,46 +134,66 @@ _CLIP_L_336 = ViTSpec(24, 1024, 4096, 16, 336, 14, "layernorm")
 
 MODELS: dict[str, ModelSpec] = {
     "internvl-6b-20b": ModelSpec(
-        "internvl-6b-20b", _INTERNVIT_6B, ProjectorSpec("pixel_shuffle_mlp", 0.5, 6144),
+        "internvl-6b-20b",
+        _INTERNVIT_6B,
+        ProjectorSpec("pixel_shuffle_mlp", 0.5, 6144),
         # HF OpenGVLab/InternVL-Chat-V1-5 llm_config (InternLM2-chat-20B): 48 layers, hidden 6144,
         # intermediate 16384, 48 heads, 8 KV heads, vocab 92553; mlp1 = LN, 12800->6144, GELU,
         # 6144->6144 after pixel shuffle with downsample_ratio 0.5 (256 tokens per 448px tile).
         LLMSpec(48, 6144, 16384, 48, 8, 92553),
-        source="OpenGVLab/InternVL-Chat-V1-5 (the OmniBal paper's 6+20B)"),
+        source="OpenGVLab/InternVL-Chat-V1-5 (the OmniBal paper's 6+20B)",
+    ),
     "internvl-6b-34b": ModelSpec(
-        "internvl-6b-34b", _INTERNVIT_6B, ProjectorSpec("pixel_shuffle_mlp", 0.5, 7168),
+        "internvl-6b-34b",
+        _INTERNVIT_6B,
+        ProjectorSpec("pixel_shuffle_mlp", 0.5, 7168),
         # HF NousResearch/Nous-Hermes-2-Yi-34B config.json: 60 layers, hidden 7168,
         # intermediate 20480, 56 heads, 8 KV heads, vocab 64000 (InternVL-Chat-V1-2's LLM).
         LLMSpec(60, 7168, 20480, 56, 8, 64000),
-        source="OpenGVLab/InternVL-Chat-V1-2 (the OmniBal paper's 6+34B)"),
+        source="OpenGVLab/InternVL-Chat-V1-2 (the OmniBal paper's 6+34B)",
+    ),
     "llava-1.5-7b": ModelSpec(
-        "llava-1.5-7b", _CLIP_L_336, ProjectorSpec("mlp", 1.0, 4096),
+        "llava-1.5-7b",
+        _CLIP_L_336,
+        ProjectorSpec("mlp", 1.0, 4096),
         # HF lmsys/vicuna-7b-v1.5 config.json: 32 layers, 4096, 11008, 32 heads (MHA), vocab
         # 32000; LLaVA-1.5 mlp2x_gelu projector 1024->4096->4096, 576 tokens per 336px image.
         LLMSpec(32, 4096, 11008, 32, 32, 32000),
-        source="liuhaotian/llava-v1.5-7b"),
+        source="liuhaotian/llava-v1.5-7b",
+    ),
     "llava-1.5-13b": ModelSpec(
-        "llava-1.5-13b", _CLIP_L_336, ProjectorSpec("mlp", 1.0, 5120),
+        "llava-1.5-13b",
+        _CLIP_L_336,
+        ProjectorSpec("mlp", 1.0, 5120),
         # HF lmsys/vicuna-13b-v1.5 config.json: 40 layers, 5120, 13824, 40 heads, vocab 32000.
         LLMSpec(40, 5120, 13824, 40, 40, 32000),
-        source="liuhaotian/llava-v1.5-13b"),
+        source="liuhaotian/llava-v1.5-13b",
+    ),
     "internvl2-8b": ModelSpec(
-        "internvl2-8b", _INTERNVIT_300M, ProjectorSpec("pixel_shuffle_mlp", 0.5, 4096),
+        "internvl2-8b",
+        _INTERNVIT_300M,
+        ProjectorSpec("pixel_shuffle_mlp", 0.5, 4096),
         # HF OpenGVLab/InternVL2-8B llm_config (InternLM2.5-7B-chat): 32 layers, 4096, 14336,
         # 32 heads, 8 KV heads, vocab 92553; mlp1 4096->4096->4096 after pixel shuffle.
         LLMSpec(32, 4096, 14336, 32, 8, 92553),
-        source="OpenGVLab/InternVL2-8B"),
+        source="OpenGVLab/InternVL2-8B",
+    ),
     # A toy model for tests and CPU dry runs: 56px tiles of 14px patches, 4 tokens per tile.
     "tiny": ModelSpec(
-        "tiny", ViTSpec(4, 64, 256, 4, 56, 14, "layernorm"),
+        "tiny",
+        ViTSpec(4, 64, 256, 4, 56, 14, "layernorm"),
         ProjectorSpec("pixel_shuffle_mlp", 0.5, 64),
-        LLMSpec(4, 64, 176, 4, 2, 512), source="test model"),
+        LLMSpec(4, 64, 176, 4, 2, 512),
+        source="test model",
+    ),
 }
 
 
 def get_model(name: str) -> ModelSpec:
     """The preset `name`, or a clear error listing the known ones."""
     if name not in MODELS:
-        raise ValueError(f"unknown model preset '{name}' (known: {', '.join(MODELS)}; "
-                         "or give a JSON/YAML file describing the model)")
+        raise ValueError(
+            f"unknown model preset '{name}' (known: {', '.join(MODELS)}; "
+            "or give a JSON/YAML file describing the model)"
+        )
     return MODELS[name]

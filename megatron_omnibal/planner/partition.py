@@ -55,8 +55,13 @@ class Partition:
 class Problem:
     """Costs of one micro-batch per unit, the schedule size, memory budget and link costs."""
 
-    def __init__(self, costs: LayerCosts, micro_batches: int, budget_mib: float = np.inf,
-                 boundary_p2p_ms: np.ndarray | float = 0.0):
+    def __init__(
+        self,
+        costs: LayerCosts,
+        micro_batches: int,
+        budget_mib: float = np.inf,
+        boundary_p2p_ms: np.ndarray | float = 0.0,
+    ):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.costs = costs
@@ -69,15 +74,18 @@ class Problem:
         self.frontier = SegmentFrontier(costs)
 
     def tables(self, pp: int) -> list[np.ndarray]:
-        return [self.frontier.stage_times(inflight_1f1b(s, pp, self.m), self.budget)
-                for s in range(pp)]
+        return [
+            self.frontier.stage_times(inflight_1f1b(s, pp, self.m), self.budget) for s in range(pp)
+        ]
 
     def objective(self, stage_ms: np.ndarray, bounds: tuple[int, ...]) -> float:
-        return float((self.m - 1) * stage_ms.max() + stage_ms.sum()
-                     + 2 * self.p2p[list(bounds[1:-1])].sum())
+        return float(
+            (self.m - 1) * stage_ms.max() + stage_ms.sum() + 2 * self.p2p[list(bounds[1:-1])].sum()
+        )
 
-    def evaluate(self, bounds: tuple[int, ...], recompute: list[dict[int, int]] | None = None
-                 ) -> Partition:
+    def evaluate(
+        self, bounds: tuple[int, ...], recompute: list[dict[int, int]] | None = None
+    ) -> Partition:
         """A partition with given boundaries; recompute defaults to each stage's cheapest fit."""
         pp = len(bounds) - 1
         counts, fwd, bwd, mem = [], [], [], []
@@ -86,8 +94,11 @@ class Problem:
             if recompute is None:
                 c = self.frontier.choice(lo, hi, n, self.budget)
                 if c is None:
-                    c = {g: int(np.sum(self.costs.group[lo:hi] == g))
-                         for g in set(self.costs.group[lo:hi].tolist()) if g >= 0}
+                    c = {
+                        g: int(np.sum(self.costs.group[lo:hi] == g))
+                        for g in set(self.costs.group[lo:hi].tolist())
+                        if g >= 0
+                    }
             else:
                 c = recompute[s]
             f, b = stage_time_ms(self.costs, lo, hi, c)
@@ -96,8 +107,14 @@ class Problem:
             bwd.append(b)
             mem.append(stage_memory_mib(self.costs, lo, hi, c, n))
         fwd_a, bwd_a = np.array(fwd), np.array(bwd)
-        part = Partition(tuple(bounds), tuple(counts), fwd_a, bwd_a, np.array(mem),
-                         self.objective(fwd_a + bwd_a, bounds))
+        part = Partition(
+            tuple(bounds),
+            tuple(counts),
+            fwd_a,
+            bwd_a,
+            np.array(mem),
+            self.objective(fwd_a + bwd_a, bounds),
+        )
         return _with_step(self, part)
 
     def fits(self, part: Partition) -> bool:
@@ -118,9 +135,11 @@ def _check_pp(problem: Problem, pp: int) -> None:
     if pp < 1:
         raise ValueError(f"pipeline size must be >= 1, got {pp}")
     if pp > problem.units:
-        raise ValueError(f"pipeline size {pp} is larger than the {problem.units} partition units "
-                         f"({problem.costs.names[0]} .. {problem.costs.names[-1]}): every stage "
-                         "needs at least one")
+        raise ValueError(
+            f"pipeline size {pp} is larger than the {problem.units} partition units "
+            f"({problem.costs.names[0]} .. {problem.costs.names[-1]}): every stage "
+            "needs at least one"
+        )
 
 
 def _min_max(tables: list[np.ndarray]) -> tuple[float, list[int]]:
@@ -159,8 +178,10 @@ def _backtrack(args: list[np.ndarray], u: int) -> list[int]:
 
 def _infeasible(problem: Problem, pp: int) -> NoFeasiblePartition:
     """Explain: the split with the least worst overshoot even with everything recomputed."""
-    over = [problem.frontier.min_memory_mib(inflight_1f1b(s, pp, problem.m)) - problem.budget
-            for s in range(pp)]
+    over = [
+        problem.frontier.min_memory_mib(inflight_1f1b(s, pp, problem.m)) - problem.budget
+        for s in range(pp)
+    ]
     _, bounds = _min_max(over)
     worst = max(range(pp), key=lambda s: over[s][bounds[s], bounds[s + 1]])
     lo, hi = bounds[worst], bounds[worst + 1]
@@ -171,7 +192,8 @@ def _infeasible(problem: Problem, pp: int) -> NoFeasiblePartition:
         f"with every layer recomputed, the best split leaves stage {worst} ({names[lo]} .. "
         f"{names[hi - 1]}) {short:.2f} GiB short (it needs "
         f"{(problem.budget + over[worst][lo, hi]) / GIB_MIB:.2f} GiB); use more GPUs "
-        "(tensor/pipeline parallel), fewer tokens per micro-batch, or a larger GPU")
+        "(tensor/pipeline parallel), fewer tokens per micro-batch, or a larger GPU"
+    )
 
 
 def objective_candidates(problem: Problem, pp: int) -> dict[tuple[int, ...], float]:
@@ -205,8 +227,13 @@ def objective_candidates(problem: Problem, pp: int) -> dict[tuple[int, ...], flo
     return found
 
 
-def search(problem: Problem, pp: int, refine: int = 8, max_evaluations: int = 64,
-           max_simulated_ops: int = 100_000) -> Partition:
+def search(
+    problem: Problem,
+    pp: int,
+    refine: int = 8,
+    max_evaluations: int = 64,
+    max_simulated_ops: int = 100_000,
+) -> Partition:
     """The fastest partition under the exact 1F1B simulation, found through two exact DPs.
 
     Candidates: the best `refine` of the exact (m - 1) max + sum search and the exact minimiser
@@ -230,8 +257,9 @@ def search(problem: Problem, pp: int, refine: int = 8, max_evaluations: int = 64
     return replace(best_part, lower_bound_ms=lower)
 
 
-def _min_lower_bound(tables: list[np.ndarray], m: int, p2p: np.ndarray,
-                     rel_tol: float = 1e-9) -> tuple[float, list[int]]:
+def _min_lower_bound(
+    tables: list[np.ndarray], m: int, p2p: np.ndarray, rel_tol: float = 1e-9
+) -> tuple[float, list[int]]:
     """Least over partitions of max_s (work before s + m x t_s): a lower bound on any 1F1B step.
 
     Stage s cannot start before micro-batch 0 has passed the stages before it, nor finish
@@ -267,8 +295,9 @@ def _min_lower_bound(tables: list[np.ndarray], m: int, p2p: np.ndarray,
     return hi, feasible(hi)
 
 
-def _polish(problem: Problem, tables: list[np.ndarray], part: Partition,
-            max_evaluations: int) -> Partition:
+def _polish(
+    problem: Problem, tables: list[np.ndarray], part: Partition, max_evaluations: int
+) -> Partition:
     """Hill-climb on the simulated step: move one or two adjacent boundaries by one unit.
 
     The (m - 1) max + sum objective ignores how warm-up and drain overlap with a slow stage's
@@ -318,8 +347,10 @@ def megatron_default(problem: Problem, pp: int, full_recompute: bool = True) -> 
         bounds.append(bounds[-1] + n)
     recompute = None
     if full_recompute:
-        recompute = [{g: int(np.sum(group[lo:hi] == g)) for g in set(group[lo:hi].tolist())
-                      if g >= 0} for lo, hi in itertools.pairwise(bounds)]
+        recompute = [
+            {g: int(np.sum(group[lo:hi] == g)) for g in set(group[lo:hi].tolist()) if g >= 0}
+            for lo, hi in itertools.pairwise(bounds)
+        ]
     return problem.evaluate(tuple(bounds), recompute)
 
 
@@ -354,8 +385,10 @@ def bmp(problem: Problem, pp: int, max_enumerate: int = 6561) -> Partition:
         return (float(t.var()), float(out[list(bounds[1:-1])].sum()))
 
     if 3 ** (pp - 1) <= max_enumerate:
-        cands = [tuple([0, *(a + d for a, d in zip(anchor[1:-1], ds, strict=True)),
-                        problem.units]) for ds in itertools.product((-1, 0, 1), repeat=pp - 1)]
+        cands = [
+            tuple([0, *(a + d for a, d in zip(anchor[1:-1], ds, strict=True)), problem.units])
+            for ds in itertools.product((-1, 0, 1), repeat=pp - 1)
+        ]
         best = min(cands, key=rank)
     else:
         best = tuple(anchor)
@@ -364,11 +397,12 @@ def bmp(problem: Problem, pp: int, max_enumerate: int = 6561) -> Partition:
             improved = False
             for i in range(1, pp):
                 for d in (-1, 1):
-                    cand = best[:i] + (best[i] + d,) + best[i + 1:]
+                    cand = best[:i] + (best[i] + d,) + best[i + 1 :]
                     if abs(cand[i] - anchor[i]) <= 1 and rank(cand) < rank(best):
                         best, improved = cand, True
     if not np.isfinite(rank(best)[0]):
         raise NoFeasiblePartition(
             f"BMP: no partition within one layer of the balanced anchor {anchor} fits "
-            f"{problem.budget / GIB_MIB:.2f} GiB per GPU")
+            f"{problem.budget / GIB_MIB:.2f} GiB per GPU"
+        )
     return problem.evaluate(best)

@@ -17,8 +17,9 @@ from megatron_omnibal.planner.costs import LayerCosts
 from megatron_omnibal.planner.memory import stage_memory_mib, stage_time_ms
 
 
-def _group_prefixes(costs: LayerCosts, lo: int, hi: int) -> list[tuple[int, np.ndarray,
-                                                                          np.ndarray]]:
+def _group_prefixes(
+    costs: LayerCosts, lo: int, hi: int
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """Per recompute group in [lo, hi): (group, saved MiB prefix sums, recompute ms prefix)."""
     group = np.asarray(costs.group[lo:hi])
     saved = np.asarray(costs.activation_mib[lo:hi] - costs.checkpoint_mib[lo:hi], np.float64)
@@ -26,8 +27,13 @@ def _group_prefixes(costs: LayerCosts, lo: int, hi: int) -> list[tuple[int, np.n
     out = []
     for g in np.unique(group[group >= 0]):
         idx = np.flatnonzero(group == g)
-        out.append((int(g), np.concatenate([[0.0], np.cumsum(saved[idx])]),
-                    np.concatenate([[0.0], np.cumsum(rec[idx])])))
+        out.append(
+            (
+                int(g),
+                np.concatenate([[0.0], np.cumsum(saved[idx])]),
+                np.concatenate([[0.0], np.cumsum(rec[idx])]),
+            )
+        )
     return out
 
 
@@ -77,12 +83,16 @@ class SegmentFrontier:
         self.count = {g: np.concatenate([[0], np.cumsum(group == g)]) for g in self.groups}
         # identical layers within each tower (the analytic model): closed-form queries
         self.uniform = len(self.groups) <= 2 and all(
-            np.ptp(np.asarray(arr)[group == g]) == 0 for g in self.groups
-            for arr in (costs.activation_mib, costs.checkpoint_mib, costs.recompute_ms))
+            np.ptp(np.asarray(arr)[group == g]) == 0
+            for g in self.groups
+            for arr in (costs.activation_mib, costs.checkpoint_mib, costs.recompute_ms)
+        )
         if self.uniform:
             first = {g: int(np.flatnonzero(group == g)[0]) for g in self.groups}
-            self.unit_saved = {g: float(costs.activation_mib[i] - costs.checkpoint_mib[i])
-                               for g, i in first.items()}
+            self.unit_saved = {
+                g: float(costs.activation_mib[i] - costs.checkpoint_mib[i])
+                for g, i in first.items()
+            }
             self.unit_cost = {g: float(costs.recompute_ms[i]) for g, i in first.items()}
             self.n = {g: (c[hi_idx] - c[lo_idx]) for g, c in self.count.items()}
         else:
@@ -104,16 +114,19 @@ class SegmentFrontier:
         self.saved = np.full((len(lengths), width), np.inf)
         self.cost = np.full((len(lengths), width), np.inf)
         for i, (s, c) in enumerate(zip(saved_rows, cost_rows, strict=True)):
-            self.saved[i, :len(s)] = s
-            self.cost[i, :len(c)] = c
+            self.saved[i, : len(s)] = s
+            self.cost[i, : len(c)] = c
 
     def _need(self, inflight: int, budget_mib: float) -> np.ndarray:
         """Activation MiB per micro-batch each segment must save to fit."""
-        return self.act_full[self.lo, self.hi] - (budget_mib - self.static[self.lo, self.hi]) \
-            / inflight
+        return (
+            self.act_full[self.lo, self.hi]
+            - (budget_mib - self.static[self.lo, self.hi]) / inflight
+        )
 
-    def _uniform_query(self, need: np.ndarray, seg: np.ndarray | slice = slice(None)
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _uniform_query(
+        self, need: np.ndarray, seg: np.ndarray | slice = slice(None)
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Least recompute ms for `need` (per segment), with the counts of the first and
         second group; inf where even everything recomputed saves too little."""
         need = need - 1e-9
@@ -175,11 +188,15 @@ class SegmentFrontier:
         """(U+1, U+1): memory of each segment with everything recomputable recomputed."""
         most = np.full((self.units + 1, self.units + 1), np.inf)
         if self.uniform:
-            most[self.lo, self.hi] = sum(np.maximum(self.unit_saved[g], 0.0) * self.n[g]
-                                         for g in self.groups) if self.groups else 0.0
+            most[self.lo, self.hi] = (
+                sum(np.maximum(self.unit_saved[g], 0.0) * self.n[g] for g in self.groups)
+                if self.groups
+                else 0.0
+            )
         else:
-            most[self.lo, self.hi] = self.saved.max(axis=1, where=np.isfinite(self.saved),
-                                                    initial=0.0)
+            most[self.lo, self.hi] = self.saved.max(
+                axis=1, where=np.isfinite(self.saved), initial=0.0
+            )
         out = self.static + inflight * (self.act_full - most)
         out[~np.isfinite(most)] = np.inf
         return out
@@ -193,8 +210,9 @@ def _count(need: np.ndarray, per_layer: float) -> np.ndarray:
     return np.maximum(np.ceil(need / per_layer), 0).astype(np.int64)
 
 
-def cheapest_recompute(costs: LayerCosts, lo: int, hi: int, inflight: int,
-                       budget_mib: float) -> tuple[dict[int, int], float] | None:
+def cheapest_recompute(
+    costs: LayerCosts, lo: int, hi: int, inflight: int, budget_mib: float
+) -> tuple[dict[int, int], float] | None:
     """Reference by enumeration: the least-time counts that fit, and that stage time (ms)."""
     groups = sorted({int(g) for g in costs.group[lo:hi] if g >= 0})
     sizes = [int(np.sum(costs.group[lo:hi] == g)) for g in groups]

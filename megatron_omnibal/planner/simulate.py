@@ -73,8 +73,14 @@ def order_interleaved(rank: int, pp: int, vpp: int, m: int) -> tuple[tuple[str, 
     return tuple(ops)
 
 
-def simulate(forward_ms: np.ndarray, backward_ms: np.ndarray, pp: int, vpp: int = 1,
-             p2p_ms: np.ndarray | float = 0.0, keep_ops: bool = True) -> Timeline:
+def simulate(
+    forward_ms: np.ndarray,
+    backward_ms: np.ndarray,
+    pp: int,
+    vpp: int = 1,
+    p2p_ms: np.ndarray | float = 0.0,
+    keep_ops: bool = True,
+) -> Timeline:
     """Simulate one replica's step.
 
     `forward_ms`, `backward_ms`: (pp * vpp, m) per virtual stage (chunk c of rank r is virtual
@@ -87,14 +93,20 @@ def simulate(forward_ms: np.ndarray, backward_ms: np.ndarray, pp: int, vpp: int 
     bwd = np.asarray(backward_ms, np.float64)
     nv, m = fwd.shape
     if nv != pp * vpp or bwd.shape != fwd.shape:
-        raise ValueError(f"simulate: times have shape {fwd.shape} / {bwd.shape}, expected "
-                         f"({pp * vpp}, m) for pp={pp}, vpp={vpp}")
+        raise ValueError(
+            f"simulate: times have shape {fwd.shape} / {bwd.shape}, expected "
+            f"({pp * vpp}, m) for pp={pp}, vpp={vpp}"
+        )
     if vpp > 1 and m % pp:
         raise ValueError(f"interleaved 1F1B needs micro-batches ({m}) divisible by pp ({pp})")
-    p2p = np.broadcast_to(np.asarray(p2p_ms, np.float64), (max(nv - 1, 0), m)) if nv > 1 \
+    p2p = (
+        np.broadcast_to(np.asarray(p2p_ms, np.float64), (max(nv - 1, 0), m))
+        if nv > 1
         else np.zeros((0, m))
-    orders = [order_1f1b(r, pp, m) if vpp == 1 else order_interleaved(r, pp, vpp, m)
-              for r in range(pp)]
+    )
+    orders = [
+        order_1f1b(r, pp, m) if vpp == 1 else order_interleaved(r, pp, vpp, m) for r in range(pp)
+    ]
     fl, bl = fwd.tolist(), bwd.tolist()
     pl = (p2p if pp > 1 else np.zeros_like(p2p)).tolist()
     f_end: list[list[float | None]] = [[None] * m for _ in range(nv)]
@@ -162,8 +174,13 @@ class StepResult:
     replica_ms: np.ndarray
 
 
-def simulate_step(replicas: list[tuple[np.ndarray, np.ndarray]], pp: int, vpp: int = 1,
-                  p2p_ms: np.ndarray | float | list = 0.0, sync_ms: float = 0.0) -> StepResult:
+def simulate_step(
+    replicas: list[tuple[np.ndarray, np.ndarray]],
+    pp: int,
+    vpp: int = 1,
+    p2p_ms: np.ndarray | float | list = 0.0,
+    sync_ms: float = 0.0,
+) -> StepResult:
     """Simulate every replica (its own micro-batches); the slowest gates the gradient sync.
 
     `p2p_ms` may be one value/array for all replicas or a list with one per replica. Busy/idle
@@ -178,5 +195,13 @@ def simulate_step(replicas: list[tuple[np.ndarray, np.ndarray]], pp: int, vpp: i
     pipeline = float(spans.max())
     step = pipeline + sync_ms
     busy = worst.busy_ms
-    return StepResult(step, pipeline, sync_ms, float(1 - busy.sum() / (pp * pipeline)), busy,
-                      pipeline - busy, worst, spans)
+    return StepResult(
+        step,
+        pipeline,
+        sync_ms,
+        float(1 - busy.sum() / (pp * pipeline)),
+        busy,
+        pipeline - busy,
+        worst,
+        spans,
+    )

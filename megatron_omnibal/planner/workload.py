@@ -16,8 +16,9 @@ from megatron_omnibal.data.lengths import LengthStats
 from megatron_omnibal.planner.costs import workload_features
 
 
-def choose_budgets(stats: LengthStats, samples_per_replica: int, micro_batches: int,
-                   slack: float = 1.05) -> tuple[int, int]:
+def choose_budgets(
+    stats: LengthStats, samples_per_replica: int, micro_batches: int, slack: float = 1.05
+) -> tuple[int, int]:
     """(vit_budget tiles, token_budget tokens) per micro-batch: the mean share plus `slack`,
     never below the largest sample (it must fit somewhere), tokens rounded up to 64."""
     share = samples_per_replica / micro_batches
@@ -31,8 +32,9 @@ def draw_samples(stats: LengthStats, count: int, rng: np.random.Generator) -> np
     return rng.choice(len(stats), size=count, replace=count > len(stats))
 
 
-def balanced_features(stats: LengthStats, index: np.ndarray, bins: int, vit_budget: int,
-                      token_budget: int) -> np.ndarray:
+def balanced_features(
+    stats: LengthStats, index: np.ndarray, bins: int, vit_budget: int, token_budget: int
+) -> np.ndarray:
     """Features (bins, 4) of a greedy balanced split of samples `index` into `bins`.
 
     Largest samples first, each into the bin whose fuller dimension (tiles / vit_budget or
@@ -51,8 +53,9 @@ def balanced_features(stats: LengthStats, index: np.ndarray, bins: int, vit_budg
     return workload_features(tiles, tokens, sumsq)
 
 
-def deal_to_replicas(features: np.ndarray, dp: int, vit_budget: int,
-                     token_budget: int) -> np.ndarray:
+def deal_to_replicas(
+    features: np.ndarray, dp: int, vit_budget: int, token_budget: int
+) -> np.ndarray:
     """(dp, m, 4): micro-batches dealt to replicas so each replica's total evens out too.
 
     The slowest replica gates the step, so balance matters across DP ranks as well as within
@@ -64,8 +67,9 @@ def deal_to_replicas(features: np.ndarray, dp: int, vit_budget: int,
     tiles, tokens = np.zeros(dp), np.zeros(dp)
     slots: list[list[int]] = [[] for _ in range(dp)]
     for i in np.argsort(-load, kind="stable"):
-        after = np.maximum((tiles + features[i, 0]) / vit_budget,
-                           (tokens + features[i, 1]) / token_budget)
+        after = np.maximum(
+            (tiles + features[i, 0]) / vit_budget, (tokens + features[i, 1]) / token_budget
+        )
         after[[len(x) >= m for x in slots]] = np.inf
         r = int(np.argmin(after))
         slots[r].append(int(i))
@@ -78,5 +82,8 @@ def fixed_size_features(stats: LengthStats, index: np.ndarray, bins: int) -> np.
     """Features (bins, 4) of the samples in their (random) order, equal counts per bin."""
     parts = np.array_split(index, bins)
     vit, tok = stats.vit.astype(np.float64), stats.tokens.astype(np.float64)
-    return workload_features([vit[p].sum() for p in parts], [tok[p].sum() for p in parts],
-                             [(tok[p] ** 2).sum() for p in parts])
+    return workload_features(
+        [vit[p].sum() for p in parts],
+        [tok[p].sum() for p in parts],
+        [(tok[p] ** 2).sum() for p in parts],
+    )
