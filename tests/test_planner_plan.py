@@ -255,3 +255,14 @@ def test_cli_entry_point_runs_as_a_process(tmp_path):
         check=True,
     )
     assert json.loads(res.stdout)["parallel"]["pp"] == 2
+
+
+def test_plans_are_accepted_by_the_megatron_layout(stats):
+    """Contract with the Megatron side: its (pure Python) layout reader takes our stages."""
+    from megatron_omnibal.megatron.layout import layout_from_plan
+
+    for name, gpus, pp in (("internvl-6b-20b", 64, 8), ("llava-1.5-7b", 16, 4)):
+        plan = make_plan(get_model(name), get_hardware("A100-80G"), stats, gpus, None, pp)
+        layout = layout_from_plan(plan, pp)
+        assert [list(s.vit_layers) for s in layout] == [s["vit_layers"] for s in plan["stages"]]
+        assert [s.llm_recompute for s in layout] == [s["llm_recompute"] for s in plan["stages"]]
