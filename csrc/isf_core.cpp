@@ -1,4 +1,4 @@
-// C++ balancing core (pybind11): the project's PRNG, OmniBal's ISF and our fill-and-complete
+// C++ balancing core (pybind11): the project's PRNG, OmniBal's ISF and our slot-balancing
 // packer. megatron_omnibal/data/isf_reference.py is a line-by-line Python mirror of this file;
 // tests compare the two on random inputs (same seed, same packs), so any change here must be
 // made there too. Every function works on positions 0..n-1 of the arrays it gets.
@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <deque>
+#include <queue>
 #include <stdexcept>
 #include <tuple>
 #include <vector>
@@ -98,200 +99,402 @@ Packs isf(const i64* vit, const i64* tok, i64 n, i64 vit_budget, i64 token_budge
   return {out_samples, out_ptr};
 }
 
-// ---------------------------------------------------------------- fill-and-complete
-// Unused samples sorted by (vit, weight, index), one contiguous bucket per vit value, with two
-// union-find "skip" arrays so that the nearest unused sample above / below a weight is found in
-// near-constant time after removals.
-struct Buckets {
-  Vec order;      // sample ids sorted by (vit, weight, id)
-  Vec weight;     // weight of order[k]
-  Vec start;      // bucket v is order[start[v]:start[v+1]]
-  Vec pos;        // position of sample id in order
-  Vec up;         // up-find: next unused position >= k (n = none)
-  Vec down;       // down-find over k+1: previous unused position <= k, stored shifted (0 = none)
+// ---------------------------------------------------------------- slot balancing (default)
+// Weights are balanced in units of "excess": a sample's weight beyond what the data's weight per
+// tile predicts for its tiles (key = packs * (w * sum_v - vit * sum_w), exact in 128 bits).
+// 0. Heavy samples (more excess than a full pack's other tiles could offset even at a low weight
+//    per tile) each start a pack of their own, heaviest first, whose tile target is cut to what
+//    their weight leaves room for: such a pack ends light in tiles instead of heavy in weight.
+// 1. Tile slots: each pack's multiset of tile counts is drawn one at a time, with probability
+//    proportional to what is left of each tile count, among those that still let the pack hit
+//    its tile target exactly (the running mean of what is left, at most the budget).
+// 2. Samples into slots of their tile count (tiles stay exact): samples of positive excess,
+//    largest first, each to the pack that most lacks weight; then those of negative excess,
+//    most negative first, each to the pack with the most (longest-processing-time-first).
+// 3. Repair: a pack off its weight target by more than the tolerance swaps one sample for one of
+//    equal tiles in any other pack, the swap that best lowers the larger of the two deviations;
+//    candidates are the `window` samples on either side of the weight that would halve it.
+using i128 = __int128;
+using Slots = std::vector<std::vector<std::pair<i64, i64>>>;  // per pack: (tile count, slots)
 
-  Buckets(const i64* vit, const i64* w, i64 n, i64 vit_budget)
-      : order(n), weight(n), start(vit_budget + 2, 0), pos(n), up(n + 1), down(n + 1) {
-    for (i64 i = 0; i < n; ++i) order[i] = i;
-    std::sort(order.begin(), order.end(), [&](i64 a, i64 b) {
-      return std::tie(vit[a], w[a], a) < std::tie(vit[b], w[b], b);
-    });
-    for (i64 k = 0; k < n; ++k) {
-      weight[k] = w[order[k]];
-      pos[order[k]] = k;
-      start[vit[order[k]] + 1] += 1;
-    }
-    for (i64 v = 0; v <= vit_budget; ++v) start[v + 1] += start[v];
-    for (i64 k = 0; k <= n; ++k) {
-      up[k] = k;
-      down[k] = k;
-    }
-  }
+i128 abs128(i128 x) { return x < 0 ? -x : x; }
 
-  static i64 find(Vec& parent, i64 k) {
-    i64 root = k;
-    while (parent[root] != root) root = parent[root];
-    while (parent[k] != root) {
-      i64 next = parent[k];
-      parent[k] = root;
-      k = next;
-    }
-    return root;
+struct HeapItem {
+  i128 need;
+  i64 pack;
+};
+struct MaxFirst {  // top: largest need, then smallest pack
+  bool operator()(const HeapItem& a, const HeapItem& b) const {
+    return a.need != b.need ? a.need < b.need : a.pack > b.pack;
   }
-  i64 next_unused(i64 k) { return find(up, k); }           // n when none
-  i64 prev_unused(i64 k) { return find(down, k + 1) - 1; }  // -1 when none
-  void remove(i64 id) {
-    i64 k = pos[id];
-    up[k] = k + 1;
-    down[k + 1] = k;
-  }
-
-  // The unused sample of vit value v whose weight is nearest to target (ties: the lighter one),
-  // skipping `exclude` and any whose tokens exceed room or weight exceeds limit; -1 if none.
-  i64 closest(i64 v, i64 target, i64 room, i64 exclude, const i64* tok,
-              i64 limit = INT64_MAX) {
-    if (v < 0 || v + 1 >= static_cast<i64>(start.size())) return -1;
-    const i64 lo = start[v], hi = start[v + 1];
-    if (lo == hi) return -1;
-    const i64 k = std::lower_bound(weight.begin() + lo, weight.begin() + hi, target) -
-                  weight.begin();
-    i64 a = next_unused(k);
-    if (a < hi && order[a] == exclude) a = next_unused(a + 1);
-    i64 b = prev_unused(k - 1);
-    if (b >= lo && order[b] == exclude) b = prev_unused(b - 1);
-    const bool has_a = a < hi && tok[order[a]] <= room && weight[a] <= limit;
-    const bool has_b = b >= lo && tok[order[b]] <= room && weight[b] <= limit;
-    if (has_a && has_b) return weight[a] - target < target - weight[b] ? order[a] : order[b];
-    if (has_a) return order[a];
-    if (has_b) return order[b];
-    return -1;
+};
+struct MinFirst {  // top: smallest need, then smallest pack
+  bool operator()(const HeapItem& a, const HeapItem& b) const {
+    return a.need != b.need ? a.need > b.need : a.pack > b.pack;
   }
 };
 
-i64 abs64(i64 x) { return x < 0 ? -x : x; }
+// reach[r]: r tiles can be made from the tile counts still present (presence only).
+void rebuild_reach(const Vec& count, std::vector<char>& reach) {
+  const i64 top = static_cast<i64>(reach.size()) - 1;
+  reach[0] = 1;
+  for (i64 r = 1; r <= top; ++r) {
+    reach[r] = 0;
+    for (i64 c = 1; c <= r; ++c)
+      if (count[c] > 0 && reach[r - c]) {
+        reach[r] = 1;
+        break;
+      }
+  }
+}
 
-struct FillResult {
+void add_slot(std::vector<std::pair<i64, i64>>& slots, i64 c) {
+  for (auto& e : slots)
+    if (e.first == c) {
+      e.second += 1;
+      return;
+    }
+  slots.emplace_back(c, 1);
+}
+
+// Phase 1. `count`: samples per tile count not yet placed; `tiles`: tiles already placed per
+// pack; `cap`: a pack's fixed tile target (-1: the running mean). w_tiled / w_text: weight of
+// the samples with / without tiles (text-only slots go where expected weight is lowest).
+Slots tile_slots(Vec count, i64 vit_budget, i64 packs, i64 w_tiled, i64 w_text, Vec& tiles,
+                 const Vec& cap) {
+  std::vector<char> reach(vit_budget + 1);
+  rebuild_reach(count, reach);
+  Slots slots(packs);
+  i64 rem_v = 0;
+  for (i64 c = 1; c <= vit_budget; ++c) rem_v += c * count[c];
+  for (i64 p = 0; p < packs; ++p) rem_v += tiles[p];
+  const i64 sum_v = rem_v;
+  const Vec total(count);
+  i64 placed = 0;
+  Vec limit(packs, vit_budget);
+  for (i64 p = 0; p < packs; ++p) {
+    const i64 left = packs - p;
+    const i64 target = cap[p] >= 0 ? cap[p] : std::min(vit_budget, (rem_v + left - 1) / left);
+    if (cap[p] >= 0) limit[p] = cap[p];
+    i64 rest = std::max<i64>(0, target - tiles[p]);
+    while (rest > 0) {
+      // The feasible tile count most behind its proportional share of the tiles placed so far,
+      // so that what is left keeps the data's mix and the last packs can still be filled.
+      i64 chosen = 0;
+      i128 best = 0;
+      for (i64 c = 1; c <= rest; ++c) {
+        if (count[c] == 0 || !reach[rest - c]) continue;
+        const i128 lag = static_cast<i128>(total[c]) * placed -
+                         static_cast<i128>(total[c] - count[c]) * sum_v;
+        if (chosen == 0 || lag > best) {
+          chosen = c;
+          best = lag;
+        }
+      }
+      if (chosen == 0) break;
+      placed += chosen;
+      add_slot(slots[p], chosen);
+      tiles[p] += chosen;
+      rest -= chosen;
+      count[chosen] -= 1;
+      if (count[chosen] == 0) rebuild_reach(count, reach);
+    }
+    rem_v -= tiles[p];
+  }
+  // What did not fit exactly goes, largest first, to the pack with the most room.
+  std::priority_queue<std::pair<i64, i64>> room;  // (room, -pack)
+  for (i64 p = 0; p < packs; ++p) room.push({limit[p] - tiles[p], -p});
+  for (i64 c = vit_budget; c >= 1; --c)
+    while (count[c] > 0 && room.top().first >= c) {
+      const auto [r, np] = room.top();
+      room.pop();
+      add_slot(slots[-np], c);
+      tiles[-np] += c;
+      count[c] -= 1;
+      room.push({r - c, np});
+    }
+  if (count[0] > 0) {
+    const i128 n0 = count[0];
+    std::priority_queue<HeapItem, std::vector<HeapItem>, MinFirst> low;
+    for (i64 p = 0; p < packs; ++p) low.push({static_cast<i128>(tiles[p]) * w_tiled * n0, p});
+    for (i64 k = 0; k < n0; ++k) {
+      HeapItem e = low.top();
+      low.pop();
+      add_slot(slots[e.pack], 0);
+      e.need += static_cast<i128>(w_text) * std::max<i64>(sum_v, 1);
+      low.push(e);
+    }
+  }
+  for (auto& s : slots) std::sort(s.begin(), s.end());
+  return slots;
+}
+
+struct SlotResult {
   Vec samples, ptr, leftover;
 };
 
-FillResult fill_complete(const i64* vit, const i64* w, const i64* tok, i64 n, i64 vit_budget,
-                         i64 token_budget, i64 weight_cap, i64 packs, uint64_t seed,
-                         i64 scan_limit, i64 tol_div, i64 ratio_lo, i64 ratio_hi) {
-  Buckets bk(vit, w, n, vit_budget);
-  std::vector<char> used(n, 0);
-  Vec main(n);
-  for (i64 i = 0; i < n; ++i) main[i] = i;
+struct Keyed {
+  i128 key;
+  i64 rank, id;
+};
+
+SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64 vit_budget,
+                        i64 token_budget, i64 packs, uint64_t seed, i64 repair_passes,
+                        i64 tol_div, i64 window, i64 partners, i64 ratio_lo) {
+  Vec shuffled(n);
+  for (i64 i = 0; i < n; ++i) shuffled[i] = i;
   Rng rng(seed);
-  shuffle(main, rng);
-  i64 vmax = 0, rem_v = 0, rem_w = 0;
+  shuffle(shuffled, rng);
+  i64 sum_v = 0, sum_w = 0, w_tiled = 0, w_text = 0;
+  Vec count(vit_budget + 1, 0);
   for (i64 i = 0; i < n; ++i) {
-    vmax = std::max(vmax, vit[i]);
-    rem_v += vit[i];
-    rem_w += w[i];
+    sum_v += vit[i];
+    sum_w += w[i];
+    (vit[i] > 0 ? w_tiled : w_text) += w[i];
+    count[vit[i]] += 1;
   }
-  size_t mp = 0;
-  std::deque<i64> deferred;
-  FillResult res;
-  res.ptr.push_back(0);
-  i64 cur_v = 0, cur_w = 0, cur_t = 0, count = 0;
-  auto take = [&](i64 id) {
-    used[id] = 1;
-    bk.remove(id);
-    res.samples.push_back(id);
-    cur_v += vit[id];
-    cur_w += w[id];
-    cur_t += tok[id];
-    count += 1;
+  const i128 mulv = sum_v > 0 ? sum_v : 1;
+  std::vector<i128> key(n);
+  for (i64 i = 0; i < n; ++i)
+    key[i] = static_cast<i128>(packs) *
+             (static_cast<i128>(w[i]) * mulv - static_cast<i128>(vit[i]) * sum_w);
+
+  // Phase 0: heavy samples.
+  const i64 tv0 = std::min(vit_budget, (sum_v + packs - 1) / packs);
+  std::vector<Keyed> heavy;
+  for (i64 r = 0; r < n; ++r) {
+    const i64 i = shuffled[r], c = vit[i];
+    if (c == 0 || c > tv0) continue;
+    const i128 excess = 1024 * (static_cast<i128>(w[i]) * sum_v - static_cast<i128>(c) * sum_w);
+    const i128 offset = static_cast<i128>(tv0 - c) *
+                        (1024 * static_cast<i128>(sum_w) - static_cast<i128>(ratio_lo) * sum_v);
+    if (excess > offset) heavy.push_back({key[i], r, i});
+  }
+  std::sort(heavy.begin(), heavy.end(), [](const Keyed& a, const Keyed& b) {
+    return a.key != b.key ? a.key > b.key : a.rank < b.rank;
+  });
+  if (static_cast<i64>(heavy.size()) > packs) heavy.resize(packs);
+  Vec tiles(packs, 0), cap(packs, -1);
+  std::vector<char> pre(n, 0);
+  for (size_t k = 0; k < heavy.size(); ++k) {
+    const i64 h = heavy[k].id, c = vit[h];
+    const i128 room_w = static_cast<i128>(sum_w) - static_cast<i128>(packs) * w[h];
+    const i128 more =
+        room_w > 0 && ratio_lo > 0 ? room_w * 1024 / (static_cast<i128>(packs) * ratio_lo) : 0;
+    cap[k] = c + static_cast<i64>(std::min<i128>(tv0 - c, more));
+    tiles[k] = c;
+    count[c] -= 1;
+    pre[h] = 1;
+  }
+
+  // Phase 1: tile slots.
+  Slots free = tile_slots(count, vit_budget, packs, w_tiled, w_text, tiles, cap);
+
+  // Phase 2: samples into slots.
+  std::vector<i128> need(packs);
+  Vec pack_tokens(packs, 0);
+  std::vector<Vec> members(packs);
+  for (i64 p = 0; p < packs; ++p)
+    need[p] = static_cast<i128>(sum_w) * mulv - static_cast<i128>(packs) * tiles[p] * sum_w;
+  for (size_t k = 0; k < heavy.size(); ++k) {
+    members[k].push_back(heavy[k].id);
+    need[k] -= heavy[k].key;
+    pack_tokens[k] += tok[heavy[k].id];
+  }
+  auto slot_of = [&](i64 p, i64 c) -> i64* {
+    for (auto& e : free[p])
+      if (e.first == c) return &e.second;
+    return nullptr;
   };
-  for (i64 p = 0; p < packs; ++p) {
-    const i64 left = packs - p;
-    const i64 tv = std::min(vit_budget, (rem_v + left - 1) / left);
-    const i64 tw = std::min(weight_cap, (2 * rem_w + left) / (2 * left));
-    const i64 tol = tw / tol_div;
-    cur_v = cur_w = cur_t = count = 0;
-    Vec rejected_deferred, rejected_main;
-    i64 rejects = 0;
-    while (true) {
-      const i64 need_v = tv - cur_v, need_w = tw - cur_w, room = token_budget - cur_t;
-      if (need_v == 0 && abs64(need_w) <= tol) break;
-      if (need_v >= 0) {
-        const i64 c = bk.closest(need_v, need_w, room, -1, tok);
-        if (c >= 0 && abs64(w[c] - need_w) <= tol) {
-          take(c);
-          break;
+  std::vector<Keyed> positive, negative;
+  for (i64 r = 0; r < n; ++r) {
+    const i64 i = shuffled[r];
+    if (!pre[i]) (key[i] >= 0 ? positive : negative).push_back({key[i], r, i});
+  }
+  std::sort(positive.begin(), positive.end(), [](const Keyed& a, const Keyed& b) {
+    return a.key != b.key ? a.key > b.key : a.rank < b.rank;
+  });
+  std::sort(negative.begin(), negative.end(), [](const Keyed& a, const Keyed& b) {
+    return a.key != b.key ? a.key < b.key : a.rank < b.rank;
+  });
+  SlotResult res;
+  // Needs only fall while positive samples are placed and only rise while negative ones are, so
+  // a heap entry with a stale need is re-queued with the current one (lazy update).
+  auto place = [&](const std::vector<Keyed>& items, auto cmp) {
+    using Heap = std::priority_queue<HeapItem, std::vector<HeapItem>, decltype(cmp)>;
+    std::vector<Heap> heaps(vit_budget + 1, Heap(cmp));
+    for (i64 p = 0; p < packs; ++p)
+      for (const auto& [c, k] : free[p])
+        if (k > 0) heaps[c].push({need[p], p});
+    std::vector<HeapItem> stash;
+    for (const Keyed& item : items) {
+      const i64 i = item.id, c = vit[i];
+      Heap& heap = heaps[c];
+      i64 chosen = -1;
+      stash.clear();
+      while (!heap.empty()) {
+        const HeapItem e = heap.top();
+        heap.pop();
+        i64* k = slot_of(e.pack, c);
+        if (k == nullptr || *k == 0) continue;
+        if (e.need != need[e.pack]) {
+          heap.push({need[e.pack], e.pack});
+          continue;
         }
+        if (pack_tokens[e.pack] + tok[i] > token_budget) {
+          stash.push_back(e);
+          continue;
+        }
+        chosen = e.pack;
+        break;
       }
-      bool done = false, accepted = false;
-      while (rejects < scan_limit) {
-        i64 s;
-        bool from_deferred;
-        if (!deferred.empty()) {
-          s = deferred.front();
-          deferred.pop_front();
-          from_deferred = true;
-        } else if (mp < main.size()) {
-          s = main[mp++];
-          from_deferred = false;
-        } else {
-          break;
-        }
-        if (used[s]) continue;
-        bool ok = false;
-        if (vit[s] <= vit_budget - cur_v && tok[s] <= room) {
-          const i64 rv = need_v - vit[s], rw = need_w - w[s];
-          if (rv == 0 && abs64(rw) <= tol) {
-            take(s);
-            done = true;
-          } else if (rv >= 0) {
-            const i64 c = bk.closest(rv, rw, room - tok[s], s, tok);
-            if (c >= 0 && abs64(w[c] - rw) <= tol) {
-              take(s);
-              take(c);
-              done = true;
-            }
-          }
-          ok = done || count == 0 ||
-               (rv > vmax && rw * 1024 >= rv * ratio_lo && rw * 1024 <= rv * ratio_hi);
-        }
-        if (done) break;
-        if (ok) {
-          take(s);
-          accepted = true;
-          break;
-        }
-        (from_deferred ? rejected_deferred : rejected_main).push_back(s);
-        rejects += 1;
+      for (const HeapItem& e : stash) heap.push(e);
+      if (chosen < 0) {
+        res.leftover.push_back(i);
+        continue;
       }
-      if (done) break;
-      if (accepted) continue;
-      // Best effort: keep adding the sample that best keeps the tile/weight proportion of
-      // what is missing without passing the weight target: a pack that cannot reach both
-      // targets stays light, which costs its step far less than a heavy pack would.
-      while (true) {
-        const i64 nv = tv - cur_v, nw = tw - cur_w, rm = token_budget - cur_t;
-        if (nw <= tol) break;
-        bool took = false;
-        for (i64 v = std::min(nv, vit_budget - cur_v); v >= 0 && !took; --v) {
-          const i64 share = nv > 0 ? nw * v / nv : nw;
-          const i64 c = bk.closest(v, share, rm, -1, tok, nw + tol);
-          if (c >= 0) {
-            take(c);
-            took = true;
-          }
-        }
-        if (!took) break;
-      }
-      break;
+      members[chosen].push_back(i);
+      pack_tokens[chosen] += tok[i];
+      need[chosen] -= item.key;
+      i64* k = slot_of(chosen, c);
+      *k -= 1;
+      if (*k > 0) heap.push({need[chosen], chosen});
     }
-    for (auto it = rejected_deferred.rbegin(); it != rejected_deferred.rend(); ++it)
-      deferred.push_front(*it);
-    for (i64 s : rejected_main) deferred.push_back(s);
-    rem_v -= cur_v;
-    rem_w -= cur_w;
+  };
+  place(positive, MaxFirst());
+  place(negative, MinFirst());
+
+  // Phase 3: repair.
+  Vec pack_of(n, -1);
+  i64 placed_w = 0;
+  std::vector<i128> dev(packs);
+  for (i64 p = 0; p < packs; ++p) {
+    i64 sw = 0;
+    for (i64 i : members[p]) {
+      pack_of[i] = p;
+      sw += w[i];
+    }
+    placed_w += sw;
+    dev[p] = static_cast<i128>(sw) * packs;
+  }
+  for (i64 p = 0; p < packs; ++p) dev[p] -= placed_w;
+  const i128 tol = static_cast<i128>(placed_w) / tol_div;
+  struct ByWeight {
+    i64 vit, w, id;
+  };
+  std::vector<ByWeight> by_w;
+  by_w.reserve(n);
+  for (i64 i = 0; i < n; ++i)
+    if (pack_of[i] >= 0) by_w.push_back({vit[i], w[i], i});
+  std::sort(by_w.begin(), by_w.end(), [](const ByWeight& a, const ByWeight& b) {
+    return std::tie(a.vit, a.w, a.id) < std::tie(b.vit, b.w, b.id);
+  });
+  Vec cls_start(vit_budget + 2, 0);
+  for (const ByWeight& e : by_w) cls_start[e.vit + 1] += 1;
+  for (i64 c = 0; c <= vit_budget; ++c) cls_start[c + 1] += cls_start[c];
+  Vec work, next;
+  std::vector<char> queued(packs, 0);
+  for (i64 p = 0; p < packs; ++p)
+    if (abs128(dev[p]) > tol) work.push_back(p);
+  // Partners beyond the window: the most deviating packs of the other sign, best pair swap.
+  Vec over, under;
+  auto extremes = [&](Vec& out, bool positive, size_t want) {
+    out.clear();
+    for (i64 p = 0; p < packs; ++p)
+      if (positive ? dev[p] > 0 : dev[p] < 0) out.push_back(p);
+    auto worse = [&](i64 a, i64 b) {
+      const i128 da = abs128(dev[a]), db = abs128(dev[b]);
+      return da != db ? da > db : a < b;
+    };
+    if (out.size() > want) {
+      std::nth_element(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(want), out.end(),
+                       worse);
+      out.resize(want);
+    }
+    std::sort(out.begin(), out.end(), worse);
+  };
+  for (i64 pass = 0; pass < repair_passes && !work.empty(); ++pass) {
+    std::sort(work.begin(), work.end(), [&](i64 a, i64 b) {
+      const i128 da = abs128(dev[a]), db = abs128(dev[b]);
+      return da != db ? da > db : a < b;
+    });
+    for (i64 p : work) queued[p] = 0;
+    next.clear();
+    extremes(over, true, 2 * work.size() + partners);
+    extremes(under, false, 2 * work.size() + partners);
+    size_t next_over = 0, next_under = 0;
+    for (i64 p : work) {
+      if (abs128(dev[p]) <= tol) continue;
+      i128 best = abs128(dev[p]);
+      i64 bx = -1, by = -1;
+      auto consider = [&](i64 x, i64 y) {
+        const i64 q = pack_of[y];
+        if (q == p || vit[x] != vit[y]) return;
+        if (pack_tokens[p] - tok[x] + tok[y] > token_budget ||
+            pack_tokens[q] - tok[y] + tok[x] > token_budget)
+          return;
+        const i128 delta = static_cast<i128>(w[x] - w[y]) * packs;
+        const i128 cost = std::max(abs128(dev[p] - delta), abs128(dev[q] + delta));
+        if (cost < best) {
+          best = cost;
+          bx = x;
+          by = y;
+        }
+      };
+      for (i64 x : members[p]) {
+        const i64 c = vit[x], lo = cls_start[c], hi = cls_start[c + 1];
+        const i64 want = w[x] - static_cast<i64>(dev[p] / (2 * static_cast<i128>(packs)));
+        const i64 k = std::lower_bound(by_w.begin() + lo, by_w.begin() + hi, want,
+                                       [](const ByWeight& e, i64 value) { return e.w < value; }) -
+                      by_w.begin();
+        // Outward from k, the first `window` candidates on each side in packs that are not
+        // off the same way as p (those could not take the difference), within 4 * window.
+        for (const i64 step : {i64{1}, i64{-1}}) {
+          i64 taken = 0;
+          for (i64 j = step > 0 ? k : k - 1, seen = 0;
+               j >= lo && j < hi && taken < window && seen < 4 * window; j += step, ++seen) {
+            const i64 q = pack_of[by_w[j].id];
+            if (dev[p] > 0 ? dev[q] > tol : dev[q] < -tol) continue;
+            consider(x, by_w[j].id);
+            taken += 1;
+          }
+        }
+      }
+      const Vec& other = dev[p] > 0 ? under : over;
+      size_t& at = dev[p] > 0 ? next_under : next_over;
+      for (i64 t = 0; t < partners && at < other.size(); ++t, ++at)
+        for (i64 x : members[p])
+          for (i64 y : members[other[at]]) consider(x, y);
+      if (bx < 0) {
+        if (!queued[p]) {  // nothing now; the packs around it may change
+          queued[p] = 1;
+          next.push_back(p);
+        }
+        continue;
+      }
+      const i64 q = pack_of[by];
+      const i128 delta = static_cast<i128>(w[bx] - w[by]) * packs;
+      dev[p] -= delta;
+      dev[q] += delta;
+      pack_tokens[p] += tok[by] - tok[bx];
+      pack_tokens[q] += tok[bx] - tok[by];
+      *std::find(members[p].begin(), members[p].end(), bx) = by;
+      *std::find(members[q].begin(), members[q].end(), by) = bx;
+      pack_of[bx] = q;
+      pack_of[by] = p;
+      for (i64 r : {p, q})
+        if (abs128(dev[r]) > tol && !queued[r]) {
+          queued[r] = 1;
+          next.push_back(r);
+        }
+    }
+    work.swap(next);
+  }
+  res.ptr.push_back(0);
+  for (const Vec& m : members) {
+    res.samples.insert(res.samples.end(), m.begin(), m.end());
     res.ptr.push_back(static_cast<i64>(res.samples.size()));
   }
-  for (i64 i = 0; i < n; ++i)
-    if (!used[i]) res.leftover.push_back(i);
   return res;
 }
 
@@ -312,7 +515,7 @@ void check_same(const Arr& a, const Arr& b, const char* what) {
 }  // namespace
 
 PYBIND11_MODULE(_isf_core, m) {
-  m.doc() = "megatron-omnibal balancing core: splitmix64 PRNG, ISF, fill-and-complete packing";
+  m.doc() = "megatron-omnibal balancing core: splitmix64 PRNG, ISF, slot balancing";
 
   m.def("random_u64", [](uint64_t seed, i64 count) {
     Rng rng(seed);
@@ -346,27 +549,28 @@ PYBIND11_MODULE(_isf_core, m) {
      py::arg("token_threshold"), py::arg("rounds"), py::arg("seed"),
      "OmniBal ISF: returns (samples, pack_ptr) over positions of the input arrays.");
 
-  m.def("fill_complete", [](Arr vit, Arr weight, Arr tok, i64 vit_budget, i64 token_budget,
-                            i64 weight_cap, i64 packs, uint64_t seed, i64 scan_limit,
-                            i64 tol_div, i64 ratio_lo, i64 ratio_hi) {
-    check_same(vit, tok, "fill_complete");
-    check_same(weight, tok, "fill_complete");
-    if (packs < 1 || scan_limit < 1 || tol_div < 1 || vit_budget < 0)
-      throw std::invalid_argument("fill_complete: packs, scan_limit and tol_div must be >= 1");
+  m.def("slot_balance", [](Arr vit, Arr weight, Arr tok, i64 vit_budget, i64 token_budget,
+                           i64 packs, uint64_t seed, i64 repair_passes, i64 tol_div,
+                           i64 window, i64 partners, i64 ratio_lo) {
+    check_same(vit, tok, "slot_balance");
+    check_same(weight, tok, "slot_balance");
+    if (packs < 1 || repair_passes < 0 || vit_budget < 0 || tol_div < 1 || window < 0 ||
+        partners < 0)
+      throw std::invalid_argument("slot_balance: packs and tol_div must be >= 1, "
+                                  "repair_passes, window and partners >= 0");
     const i64* v = vit.data();
     for (i64 i = 0; i < vit.size(); ++i)
       if (v[i] < 0 || v[i] > vit_budget)
-        throw std::invalid_argument("fill_complete: vit values must lie in [0, vit_budget]");
-    FillResult r;
+        throw std::invalid_argument("slot_balance: vit values must lie in [0, vit_budget]");
+    SlotResult r;
     {
       py::gil_scoped_release release;
-      r = fill_complete(v, weight.data(), tok.data(), vit.size(), vit_budget, token_budget,
-                        weight_cap, packs, seed, scan_limit, tol_div, ratio_lo,
-                        ratio_hi);
+      r = slot_balance(v, weight.data(), tok.data(), vit.size(), vit_budget, token_budget,
+                       packs, seed, repair_passes, tol_div, window, partners, ratio_lo);
     }
     return py::make_tuple(to_numpy(r.samples), to_numpy(r.ptr), to_numpy(r.leftover));
   }, py::arg("vit"), py::arg("weight"), py::arg("tokens"), py::arg("vit_budget"),
-     py::arg("token_budget"), py::arg("weight_cap"), py::arg("packs"), py::arg("seed"),
-     py::arg("scan_limit"), py::arg("tol_div"), py::arg("ratio_lo"), py::arg("ratio_hi"),
-     "Fill-and-complete packing into `packs` packs: returns (samples, pack_ptr, leftover).");
+     py::arg("token_budget"), py::arg("packs"), py::arg("seed"), py::arg("repair_passes"), py::arg("tol_div"),
+     py::arg("window"), py::arg("partners"), py::arg("ratio_lo"),
+     "Slot balancing into `packs` packs: returns (samples, pack_ptr, leftover).");
 }

@@ -35,9 +35,11 @@ except ImportError:  # not built: the reference runs (slowly), balance() still w
 ALGORITHMS = ("default", "isf")
 OVERSIZE = ("error", "solo", "skip")
 VERSION = 1
-SCAN_LIMIT = 32          # stream samples a pack may reject before it settles for best effort
-TOLERANCE_DIV = 500      # a pack's weight may miss its target by target / 500 (0.2 %)
-RATIO_QUANTILES = (5.0, 95.0)  # weight per tile a pack's remainder must keep while filling
+TOLERANCE_DIV = 400      # repair packs whose weight is off the mean by more than 1/400
+REPAIR_PASSES = 8        # passes of the swap repair
+REPAIR_WINDOW = 8        # swap candidates per sample on either side of the ideal weight
+REPAIR_PARTNERS = 4      # most-deviating packs of the other sign tried as swap partners
+LOW_RATIO_PERCENTILE = 20.0  # see low_ratio()
 MAX_RETRIES = 64
 
 
@@ -97,36 +99,33 @@ def pack_isf(vit: np.ndarray, tokens: np.ndarray, vit_budget: int, token_budget:
     return np.asarray(samples, np.int64), np.asarray(ptr, np.int64)
 
 
-def ratio_bounds(vit: np.ndarray, weight: np.ndarray) -> tuple[int, int]:
-    """Weight-per-tile band (x1024, integer) that a pack's unfilled remainder keeps while it is
-    filled from the stream, so its last one or two samples can still hit both targets."""
+def low_ratio(vit: np.ndarray, weight: np.ndarray) -> int:
+    """A low weight per tile of the data (x1024, integer): how lightly a pack's other tiles can
+    be filled, which decides how many tiles a heavy sample's pack gives up."""
     has = vit > 0
     if not has.any():
-        return 0, 1 << 40
-    lo, hi = np.percentile(weight[has] / vit[has], RATIO_QUANTILES)
-    return int(math.floor(lo * 1024)), int(math.ceil(hi * 1024))
+        return 0
+    return int(math.floor(np.percentile(weight[has] / vit[has], LOW_RATIO_PERCENTILE) * 1024))
 
 
-def pack_fill(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_budget: int,
-              token_budget: int, packs: int, *, seed: int = 0, weight_cap: int | None = None,
-              reference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Fill-and-complete into exactly `packs` packs: (samples, pack_ptr, leftover)."""
+def pack_slots(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_budget: int,
+               token_budget: int, packs: int, *, seed: int = 0, reference: bool = False
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Slot balancing into exactly `packs` packs: (samples, pack_ptr, leftover)."""
     vit, weight, tokens = (np.asarray(a, np.int64) for a in (vit, weight, tokens))
-    lo, hi = ratio_bounds(vit, weight)
-    cap = token_budget if weight_cap is None else int(weight_cap)
-    out = _backend(reference).fill_complete(
-        vit, weight, tokens, int(vit_budget), int(token_budget), cap, int(packs), _u64(seed),
-        SCAN_LIMIT, TOLERANCE_DIV, lo, hi)
+    out = _backend(reference).slot_balance(
+        vit, weight, tokens, int(vit_budget), int(token_budget), int(packs), _u64(seed),
+        REPAIR_PASSES, TOLERANCE_DIV, REPAIR_WINDOW, REPAIR_PARTNERS, low_ratio(vit, weight))
     return tuple(np.asarray(a, np.int64) for a in out)
 
 
-def _weights(lengths: LengthStats, cost: CostModel | None) -> tuple[np.ndarray, int | None]:
+def _weights(lengths: LengthStats, cost: CostModel | None) -> np.ndarray:
     """Integer weights balanced besides tiles: tokens, or the cost scaled to ~1e4 per sample."""
     if cost is None:
-        return lengths.tokens.astype(np.int64), None
+        return lengths.tokens.astype(np.int64)
     c = cost.cost(lengths.vit, lengths.tokens)
     scale = 1e4 / max(float(c.mean()), 1e-12) if len(c) else 1.0
-    return np.maximum(np.rint(c * scale), 1).astype(np.int64), 1 << 62
+    return np.maximum(np.rint(c * scale), 1).astype(np.int64)
 
 
 def _oversize(lengths: LengthStats, vit_budget: int, token_budget: int, policy: str
@@ -157,57 +156,28 @@ def _split_to_multiple(packs: list[np.ndarray], per_step: int, tokens: np.ndarra
     return packs
 
 
-def _regular_packs(lengths: LengthStats, regular: np.ndarray, weight: np.ndarray,
-                   weight_cap: int | None, solo: int, per_step: int, vit_budget: int,
-                   token_budget: int, seed: int, algorithm: str, isf_rounds: int,
-                   isf_threshold: int | None, reference: bool) -> list[np.ndarray]:
+def _regular_packs(lengths: LengthStats, regular: np.ndarray, weight: np.ndarray, solo: int,
+                   per_step: int, vit_budget: int, token_budget: int, seed: int, algorithm: str,
+                   isf_rounds: int, isf_threshold: int | None, reference: bool
+                   ) -> list[np.ndarray]:
     v, t, w = lengths.vit[regular], lengths.tokens[regular], weight[regular]
     if algorithm == "isf":
         samples, ptr = pack_isf(v, t, vit_budget, token_budget, token_threshold=isf_threshold,
                                 rounds=isf_rounds, seed=seed, reference=reference)
         return [regular[samples[a:b]] for a, b in zip(ptr[:-1], ptr[1:], strict=True)]
+    # Packs are a whole number of steps: at least what the budgets need, plus one step per
+    # (budget-full) step's worth of tiles or tokens the packer could not place.
     need = max(v.sum() / vit_budget if vit_budget else 0.0, t.sum() / token_budget, 1.0)
     steps = max(1, math.ceil((math.ceil(need) + solo) / per_step))
     for _ in range(MAX_RETRIES):
         packs = steps * per_step - solo
-        samples, ptr, leftover = pack_fill(v, w, t, vit_budget, token_budget, packs,
-                                           seed=seed, weight_cap=weight_cap,
-                                           reference=reference)
-        placed = _place_leftover(samples, ptr, leftover, v, w, t, vit_budget, token_budget)
-        if placed is not None:
-            return [regular[p] for p in placed]
-        # Too few packs: grow by the leftover's share (at least one step) and pack again.
-        grow = math.ceil(len(leftover) / max(len(regular), 1) * packs / per_step)
-        steps += max(1, grow)
+        samples, ptr, leftover = pack_slots(v, w, t, vit_budget, token_budget, packs,
+                                            seed=seed, reference=reference)
+        if len(leftover) == 0:
+            return [regular[samples[a:b]] for a, b in zip(ptr[:-1], ptr[1:], strict=True)]
+        short = max(v[leftover].sum() / max(vit_budget, 1), t[leftover].sum() / token_budget)
+        steps += max(1, math.ceil(short / per_step))
     raise RuntimeError(f"balance: could not place all samples after {MAX_RETRIES} attempts")
-
-
-def _place_leftover(samples: np.ndarray, ptr: np.ndarray, leftover: np.ndarray, v: np.ndarray,
-                    w: np.ndarray, t: np.ndarray, vit_budget: int, token_budget: int
-                    ) -> list[np.ndarray] | None:
-    """Put each sample the packer could not place (largest first) into the lightest pack that
-    still has room for it; None if one fits nowhere (the caller then adds a step)."""
-    packs = [samples[a:b] for a, b in zip(ptr[:-1], ptr[1:], strict=True)]
-    if len(leftover) == 0:
-        return packs
-    pid = np.repeat(np.arange(len(packs)), np.diff(ptr))
-    pv = np.bincount(pid, v[samples], len(packs)).astype(np.int64)
-    pt = np.bincount(pid, t[samples], len(packs)).astype(np.int64)
-    pw = np.bincount(pid, w[samples], len(packs))
-    mv, mw = max(float(v.sum()) / len(packs), 1e-9), max(float(w.sum()) / len(packs), 1e-9)
-    extra: list[list[int]] = [[] for _ in packs]
-    for i in leftover[np.lexsort((-t[leftover], -v[leftover]))]:
-        room = (pv + v[i] <= vit_budget) & (pt + t[i] <= token_budget)
-        if not room.any():
-            return None
-        load = np.where(room, (pv + v[i]) / mv + (pw + w[i]) / mw, np.inf)
-        p = int(np.argmin(load))
-        extra[p].append(int(i))
-        pv[p] += v[i]
-        pt[p] += t[i]
-        pw[p] += w[i]
-    return [np.concatenate([pk, np.array(e, np.int64)]) if e else pk
-            for pk, e in zip(packs, extra, strict=True)]
 
 
 def balance(lengths: LengthStats, *, dp_size: int, micro_batches: int = 1, vit_budget: int,
@@ -228,10 +198,9 @@ def balance(lengths: LengthStats, *, dp_size: int, micro_batches: int = 1, vit_b
     regular = np.flatnonzero(~over)
     solo = [np.array([i], np.int64) for i in np.flatnonzero(over)] if oversize == "solo" else []
     skipped = np.flatnonzero(over) if oversize == "skip" else np.zeros(0, np.int64)
-    weight, weight_cap = _weights(lengths, cost)
-    packs = _regular_packs(lengths, regular, weight, weight_cap, len(solo), per_step,
-                           vit_budget, token_budget, seed, algorithm, isf_rounds, isf_threshold,
-                           reference)
+    weight = _weights(lengths, cost)
+    packs = _regular_packs(lengths, regular, weight, len(solo), per_step, vit_budget,
+                           token_budget, seed, algorithm, isf_rounds, isf_threshold, reference)
     packs = _split_to_multiple(packs + solo, per_step, lengths.tokens)
     sizes = np.array([len(p) for p in packs], np.int64)
     ptr = np.zeros(len(packs) + 1, np.int64)

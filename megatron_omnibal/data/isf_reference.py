@@ -7,8 +7,8 @@ inputs only. Any change to the core must be mirrored here.
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_left
-from collections import deque
 
 import numpy as np
 
@@ -95,171 +95,288 @@ def _flatten(packs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return np.array(flat, np.int64), ptr
 
 
-class _Buckets:
-    """Unused samples sorted by (vit, weight, index), one bucket per vit value, with union-find
-    skip arrays for the nearest unused neighbour above / below a position."""
-
-    def __init__(self, vit: list[int], w: list[int], vit_budget: int) -> None:
-        n = len(vit)
-        self.order = sorted(range(n), key=lambda i: (vit[i], w[i], i))
-        self.weight = [w[i] for i in self.order]
-        self.start = [0] * (vit_budget + 2)
-        self.pos = [0] * n
-        for k, i in enumerate(self.order):
-            self.pos[i] = k
-            self.start[vit[i] + 1] += 1
-        for v in range(vit_budget + 1):
-            self.start[v + 1] += self.start[v]
-        self.up = list(range(n + 1))
-        self.down = list(range(n + 1))
-
-    @staticmethod
-    def _find(parent: list[int], k: int) -> int:
-        root = k
-        while parent[root] != root:
-            root = parent[root]
-        while parent[k] != root:
-            parent[k], k = root, parent[k]
-        return root
-
-    def next_unused(self, k: int) -> int:
-        return self._find(self.up, k)
-
-    def prev_unused(self, k: int) -> int:
-        return self._find(self.down, k + 1) - 1
-
-    def remove(self, i: int) -> None:
-        k = self.pos[i]
-        self.up[k] = k + 1
-        self.down[k + 1] = k
-
-    def closest(self, v: int, target: int, room: int, exclude: int, tok: list[int],
-                limit: int = 1 << 62) -> int:
-        if v < 0 or v + 1 >= len(self.start):
-            return -1
-        lo, hi = self.start[v], self.start[v + 1]
-        if lo == hi:
-            return -1
-        k = bisect_left(self.weight, target, lo, hi)
-        a = self.next_unused(k)
-        if a < hi and self.order[a] == exclude:
-            a = self.next_unused(a + 1)
-        b = self.prev_unused(k - 1)
-        if b >= lo and self.order[b] == exclude:
-            b = self.prev_unused(b - 1)
-        has_a = a < hi and tok[self.order[a]] <= room and self.weight[a] <= limit
-        has_b = b >= lo and tok[self.order[b]] <= room and self.weight[b] <= limit
-        if has_a and has_b:
-            return self.order[a] if self.weight[a] - target < target - self.weight[b] \
-                else self.order[b]
-        if has_a:
-            return self.order[a]
-        if has_b:
-            return self.order[b]
-        return -1
+def _rebuild_reach(count: list[int], reach: list[bool]) -> None:
+    reach[0] = True
+    for r in range(1, len(reach)):
+        reach[r] = any(count[c] > 0 and reach[r - c] for c in range(1, r + 1))
 
 
-def fill_complete(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_budget: int,
-                  token_budget: int, weight_cap: int, packs: int, seed: int, scan_limit: int,
-                  tol_div: int, ratio_lo: int, ratio_hi: int
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Fill-and-complete packing into `packs` packs: returns (samples, pack_ptr, leftover)."""
-    v, w, tok = ([int(x) for x in a] for a in (vit, weight, tokens))
-    n = len(v)
-    bk = _Buckets(v, w, vit_budget)
-    used = [False] * n
-    main = list(range(n))
-    shuffle(main, SplitMix64(seed))
-    vmax, rem_v, rem_w = max(v, default=0), sum(v), sum(w)
-    mp = 0
-    deferred: deque[int] = deque()
-    samples: list[int] = []
-    ptr = [0]
-    cur = [0, 0, 0, 0]  # tiles, weight, tokens, count of the open pack
+def _add_slot(slots: list[list[int]], c: int) -> None:
+    for e in slots:
+        if e[0] == c:
+            e[1] += 1
+            return
+    slots.append([c, 1])
 
-    def take(i: int) -> None:
-        used[i] = True
-        bk.remove(i)
-        samples.append(i)
-        cur[0] += v[i]
-        cur[1] += w[i]
-        cur[2] += tok[i]
-        cur[3] += 1
 
+def _tile_slots(count: list[int], vit_budget: int, packs: int, w_tiled: int, w_text: int,
+                tiles: list[int], cap: list[int]) -> list[list[list[int]]]:
+    count = list(count)
+    reach = [False] * (vit_budget + 1)
+    _rebuild_reach(count, reach)
+    slots: list[list[list[int]]] = [[] for _ in range(packs)]
+    rem_v = sum(c * count[c] for c in range(1, vit_budget + 1)) + sum(tiles)
+    sum_v = rem_v
+    total = list(count)
+    placed = 0
+    limit = [vit_budget] * packs
     for p in range(packs):
         left = packs - p
-        tv = min(vit_budget, (rem_v + left - 1) // left)
-        tw = min(weight_cap, (2 * rem_w + left) // (2 * left))
-        tol = tw // tol_div
-        cur[:] = [0, 0, 0, 0]
-        rejected_deferred: list[int] = []
-        rejected_main: list[int] = []
-        rejects = 0
-        while True:
-            need_v, need_w, room = tv - cur[0], tw - cur[1], token_budget - cur[2]
-            if need_v == 0 and abs(need_w) <= tol:
-                break
-            if need_v >= 0:
-                c = bk.closest(need_v, need_w, room, -1, tok)
-                if c >= 0 and abs(w[c] - need_w) <= tol:
-                    take(c)
-                    break
-            done = accepted = False
-            while rejects < scan_limit:
-                if deferred:
-                    s, from_deferred = deferred.popleft(), True
-                elif mp < n:
-                    s, from_deferred = main[mp], False
-                    mp += 1
-                else:
-                    break
-                if used[s]:
+        target = cap[p] if cap[p] >= 0 else min(vit_budget, (rem_v + left - 1) // left)
+        if cap[p] >= 0:
+            limit[p] = cap[p]
+        rest = max(0, target - tiles[p])
+        while rest > 0:
+            chosen, best = 0, 0
+            for c in range(1, rest + 1):
+                if count[c] == 0 or not reach[rest - c]:
                     continue
-                ok = False
-                if v[s] <= vit_budget - cur[0] and tok[s] <= room:
-                    rv, rw = need_v - v[s], need_w - w[s]
-                    if rv == 0 and abs(rw) <= tol:
-                        take(s)
-                        done = True
-                    elif rv >= 0:
-                        c = bk.closest(rv, rw, room - tok[s], s, tok)
-                        if c >= 0 and abs(w[c] - rw) <= tol:
-                            take(s)
-                            take(c)
-                            done = True
-                    ok = done or cur[3] == 0 or (
-                        rv > vmax and rw * 1024 >= rv * ratio_lo and rw * 1024 <= rv * ratio_hi)
-                if done:
-                    break
-                if ok:
-                    take(s)
-                    accepted = True
-                    break
-                (rejected_deferred if from_deferred else rejected_main).append(s)
-                rejects += 1
-            if done:
+                lag = total[c] * placed - (total[c] - count[c]) * sum_v
+                if chosen == 0 or lag > best:
+                    chosen, best = c, lag
+            if chosen == 0:
                 break
-            if accepted:
+            placed += chosen
+            _add_slot(slots[p], chosen)
+            tiles[p] += chosen
+            rest -= chosen
+            count[chosen] -= 1
+            if count[chosen] == 0:
+                _rebuild_reach(count, reach)
+        rem_v -= tiles[p]
+    room = [(-(limit[p] - tiles[p]), p) for p in range(packs)]  # max room, then min pack
+    heapq.heapify(room)
+    for c in range(vit_budget, 0, -1):
+        while count[c] > 0 and -room[0][0] >= c:
+            r, p = heapq.heappop(room)
+            _add_slot(slots[p], c)
+            tiles[p] += c
+            count[c] -= 1
+            heapq.heappush(room, (r + c, p))
+    if count[0] > 0:
+        n0 = count[0]
+        low = [(tiles[p] * w_tiled * n0, p) for p in range(packs)]
+        heapq.heapify(low)
+        for _ in range(n0):
+            need, p = heapq.heappop(low)
+            _add_slot(slots[p], 0)
+            heapq.heappush(low, (need + w_text * max(sum_v, 1), p))
+    for s_ in slots:
+        s_.sort()
+    return slots
+
+
+def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_budget: int,
+                 token_budget: int, packs: int, seed: int, repair_passes: int, tol_div: int,
+                 window: int, partners: int, ratio_lo: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Slot balancing into `packs` packs: returns (samples, pack_ptr, leftover)."""
+    v, w, tok = ([int(x) for x in a] for a in (vit, weight, tokens))
+    n = len(v)
+    shuffled = list(range(n))
+    shuffle(shuffled, SplitMix64(seed))
+    sum_v, sum_w = sum(v), sum(w)
+    w_tiled = sum(w[i] for i in range(n) if v[i] > 0)
+    w_text = sum_w - w_tiled
+    count = [0] * (vit_budget + 1)
+    for c in v:
+        count[c] += 1
+    mulv = sum_v if sum_v > 0 else 1
+    key = [packs * (w[i] * mulv - v[i] * sum_w) for i in range(n)]
+
+    # Phase 0: heavy samples.
+    tv0 = min(vit_budget, (sum_v + packs - 1) // packs)
+    heavy = []
+    for r, i in enumerate(shuffled):
+        c = v[i]
+        if c == 0 or c > tv0:
+            continue
+        excess = 1024 * (w[i] * sum_v - c * sum_w)
+        offset = (tv0 - c) * (1024 * sum_w - ratio_lo * sum_v)
+        if excess > offset:
+            heavy.append((key[i], r, i))
+    heavy.sort(key=lambda e: (-e[0], e[1]))
+    heavy = heavy[:packs]
+    tiles, cap = [0] * packs, [-1] * packs
+    pre = [False] * n
+    for k, (_, _, h) in enumerate(heavy):
+        c = v[h]
+        room_w = sum_w - packs * w[h]
+        more = room_w * 1024 // (packs * ratio_lo) if room_w > 0 and ratio_lo > 0 else 0
+        cap[k] = c + min(tv0 - c, more)
+        tiles[k] = c
+        count[c] -= 1
+        pre[h] = True
+
+    # Phase 1: tile slots.
+    free = _tile_slots(count, vit_budget, packs, w_tiled, w_text, tiles, cap)
+
+    # Phase 2: samples into slots.
+    need = [sum_w * mulv - packs * tiles[p] * sum_w for p in range(packs)]
+    pack_tokens = [0] * packs
+    members: list[list[int]] = [[] for _ in range(packs)]
+    for k, (kh, _, h) in enumerate(heavy):
+        members[k].append(h)
+        need[k] -= kh
+        pack_tokens[k] += tok[h]
+
+    def slot_of(p: int, c: int) -> list[int] | None:
+        for e in free[p]:
+            if e[0] == c:
+                return e
+        return None
+
+    positive, negative = [], []
+    for r, i in enumerate(shuffled):
+        if not pre[i]:
+            (positive if key[i] >= 0 else negative).append((key[i], r, i))
+    positive.sort(key=lambda e: (-e[0], e[1]))
+    negative.sort(key=lambda e: (e[0], e[1]))
+    leftover: list[int] = []
+
+    def place(items: list[tuple[int, int, int]], sign: int) -> None:
+        # Heap entries (sign * need, pack): sign -1 puts the largest need on top.
+        heaps: list[list[tuple[int, int]]] = [[] for _ in range(vit_budget + 1)]
+        for p in range(packs):
+            for c, k in free[p]:
+                if k > 0:
+                    heaps[c].append((sign * need[p], p))
+        for hp in heaps:
+            heapq.heapify(hp)
+        for kv, _, i in items:
+            c = v[i]
+            heap = heaps[c]
+            chosen = -1
+            stash = []
+            while heap:
+                e = heapq.heappop(heap)
+                p = e[1]
+                slot = slot_of(p, c)
+                if slot is None or slot[1] == 0:
+                    continue
+                if sign * e[0] != need[p]:
+                    heapq.heappush(heap, (sign * need[p], p))
+                    continue
+                if pack_tokens[p] + tok[i] > token_budget:
+                    stash.append(e)
+                    continue
+                chosen = p
+                break
+            for e in stash:
+                heapq.heappush(heap, e)
+            if chosen < 0:
+                leftover.append(i)
                 continue
-            while True:
-                nv, nw, rm = tv - cur[0], tw - cur[1], token_budget - cur[2]
-                if nw <= tol:
-                    break
-                took = False
-                for vb in range(min(nv, vit_budget - cur[0]), -1, -1):
-                    share = nw * vb // nv if nv > 0 else nw
-                    c = bk.closest(vb, share, rm, -1, tok, nw + tol)
-                    if c >= 0:
-                        take(c)
-                        took = True
-                        break
-                if not took:
-                    break
+            members[chosen].append(i)
+            pack_tokens[chosen] += tok[i]
+            need[chosen] -= kv
+            slot = slot_of(chosen, c)
+            slot[1] -= 1
+            if slot[1] > 0:
+                heapq.heappush(heap, (sign * need[chosen], chosen))
+
+    place(positive, -1)
+    place(negative, 1)
+
+    # Phase 3: repair.
+    pack_of = [-1] * n
+    dev = [0] * packs
+    placed_w = 0
+    for p in range(packs):
+        sw = 0
+        for i in members[p]:
+            pack_of[i] = p
+            sw += w[i]
+        placed_w += sw
+        dev[p] = sw * packs
+    dev = [d - placed_w for d in dev]
+    tol = placed_w // tol_div
+    by_w = sorted((i for i in range(n) if pack_of[i] >= 0), key=lambda i: (v[i], w[i], i))
+    by_w_w = [w[i] for i in by_w]
+    cls_start = [0] * (vit_budget + 2)
+    for i in by_w:
+        cls_start[v[i] + 1] += 1
+    for c in range(vit_budget + 1):
+        cls_start[c + 1] += cls_start[c]
+    worse = lambda p: (-abs(dev[p]), p)  # noqa: E731
+    work = [p for p in range(packs) if abs(dev[p]) > tol]
+    queued = [False] * packs
+    for _ in range(repair_passes):
+        if not work:
             break
-        deferred.extendleft(reversed(rejected_deferred))
-        deferred.extend(rejected_main)
-        rem_v -= cur[0]
-        rem_w -= cur[1]
-        ptr.append(len(samples))
-    leftover = [i for i in range(n) if not used[i]]
-    return np.array(samples, np.int64), np.array(ptr, np.int64), np.array(leftover, np.int64)
+        work.sort(key=worse)
+        for p in work:
+            queued[p] = False
+        nxt: list[int] = []
+        want_n = 2 * len(work) + partners
+        over = sorted((p for p in range(packs) if dev[p] > 0), key=worse)[:want_n]
+        under = sorted((p for p in range(packs) if dev[p] < 0), key=worse)[:want_n]
+        at = {True: 0, False: 0}  # next partner in `under` (p over) / `over` (p under)
+        for p in work:
+            if abs(dev[p]) <= tol:
+                continue
+            best = [abs(dev[p]), -1, -1]
+
+            def consider(x: int, y: int, p: int = p, best: list = best) -> None:
+                q = pack_of[y]
+                if q == p or v[x] != v[y]:
+                    return
+                if pack_tokens[p] - tok[x] + tok[y] > token_budget or \
+                        pack_tokens[q] - tok[y] + tok[x] > token_budget:
+                    return
+                delta = (w[x] - w[y]) * packs
+                cost = max(abs(dev[p] - delta), abs(dev[q] + delta))
+                if cost < best[0]:
+                    best[:] = [cost, x, y]
+
+            for x in members[p]:
+                c = v[x]
+                lo, hi = cls_start[c], cls_start[c + 1]
+                want = w[x] - _trunc_div(dev[p], 2 * packs)
+                k = bisect_left(by_w_w, want, lo, hi)
+                for step in (1, -1):
+                    taken = seen = 0
+                    j = k if step > 0 else k - 1
+                    while lo <= j < hi and taken < window and seen < 4 * window:
+                        q = pack_of[by_w[j]]
+                        if not (dev[q] > tol if dev[p] > 0 else dev[q] < -tol):
+                            consider(x, by_w[j])
+                            taken += 1
+                        j += step
+                        seen += 1
+            other = under if dev[p] > 0 else over
+            side = dev[p] > 0
+            t = 0
+            while t < partners and at[side] < len(other):
+                for x in members[p]:
+                    for y in members[other[at[side]]]:
+                        consider(x, y)
+                t += 1
+                at[side] += 1
+            _, bx, by = best
+            if bx < 0:
+                if not queued[p]:
+                    queued[p] = True
+                    nxt.append(p)
+                continue
+            q = pack_of[by]
+            delta = (w[bx] - w[by]) * packs
+            dev[p] -= delta
+            dev[q] += delta
+            pack_tokens[p] += tok[by] - tok[bx]
+            pack_tokens[q] += tok[bx] - tok[by]
+            members[p][members[p].index(bx)] = by
+            members[q][members[q].index(by)] = bx
+            pack_of[bx], pack_of[by] = q, p
+            for r in (p, q):
+                if abs(dev[r]) > tol and not queued[r]:
+                    queued[r] = True
+                    nxt.append(r)
+        work = nxt
+    return _flatten(members) + (np.array(leftover, np.int64),)
+
+
+def _trunc_div(a: int, b: int) -> int:
+    """Integer division rounding toward zero, as C++ does."""
+    q = abs(a) // abs(b)
+    return q if (a >= 0) == (b >= 0) else -q
