@@ -25,12 +25,19 @@ from megatron_omnibal.megatron.args import (
 from megatron_omnibal.megatron.cpu import enable_cpu_megatron
 
 ForwardStep = Callable[[Any, Any], Any]
+IteratorsBuilder = Callable[..., tuple[Any, Any, Any]]
 
 
-def main(argv: Sequence[str] | None = None, forward_step_func: ForwardStep | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None,
+    forward_step_func: ForwardStep | None = None,
+    build_iterators: IteratorsBuilder | None = None,
+) -> int:
     """Parse Megatron's and the --omnibal* flags, validate them, train. Returns the exit status.
 
-    `forward_step_func` replaces the package's forward step (tests wrap it to record losses).
+    `forward_step_func` replaces the package's forward step (tests wrap it to record losses);
+    `build_iterators(settings, spec)` the balanced data stream (the benchmark's baseline
+    batching), with the signature of build_data_iterators.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     cpu = enable_cpu_megatron()
@@ -54,7 +61,7 @@ def main(argv: Sequence[str] | None = None, forward_step_func: ForwardStep | Non
         )
     except (OmnibalArgsError, ValueError) as exc:
         return _fail(exc)
-    train(args, settings, spec, forward_step_func)
+    train(args, settings, spec, forward_step_func, build_iterators)
     return 0
 
 
@@ -182,6 +189,7 @@ def train(
     settings: OmnibalSettings,
     spec: Any,
     forward_step_func: ForwardStep | None = None,
+    build_iterators: IteratorsBuilder | None = None,
 ) -> None:
     """megatron.training.pretrain with the VLM stage provider and the balanced iterator."""
     from megatron.core.enums import ModelType
@@ -194,7 +202,7 @@ def train(
     args.variable_seq_lengths = True  # balanced micro-batches differ in shape
     args.eval_iters = 0  # the balanced stream is for training; there is no validation split
     cfg = pretrain_cfg_container_from_args(args)
-    data_provider = partial(build_data_iterators, settings, spec)
+    data_provider = partial(build_iterators or build_data_iterators, settings, spec)
     # Every rank builds its own iterator: no broadcast from TP rank 0 (training.py reads this).
     data_provider.is_distributed = True  # type: ignore[attr-defined]
     pretrain(
