@@ -220,6 +220,9 @@ def test_plan_and_simulate_commands(tmp_path, capsys):
     step = float(sim.split()[1])
     assert step == pytest.approx(load_plan(out)["predicted"]["step_ms"], rel=1e-3)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["simulate", "--plan", str(out), "--baseline"]) == 0
+    base = float(capsys.readouterr().out.split()[1])
+    assert base == pytest.approx(load_plan(out)["predicted"]["baseline_step_ms"], rel=1e-3)
     assert (
         main(
             ["plan", "--model", "nope", "--hardware", "A100-80G", "--gpus", "4", "--out", str(out)]

@@ -15,7 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baseline",
         action="store_true",
-        help="simulate the plan's stages on fixed-size batches instead",
+        help="simulate the Megatron baseline instead (ViT on stage 0, even LLM split, full "
+        "recompute, random fixed-size batches)",
     )
 
 
@@ -24,7 +25,12 @@ def run(args: argparse.Namespace) -> int:
     from megatron_omnibal.data.lengths import load_lengths
     from megatron_omnibal.planner.config_files import model_from_dict, resolve_hardware
     from megatron_omnibal.planner.hardware import Hardware
-    from megatron_omnibal.planner.plan import load_plan, make_setting, partition_from_plan
+    from megatron_omnibal.planner.plan import (
+        baseline,
+        load_plan,
+        make_setting,
+        partition_from_plan,
+    )
     from megatron_omnibal.planner.simulate import simulate
 
     plan = load_plan(args.plan)
@@ -49,11 +55,14 @@ def run(args: argparse.Namespace) -> int:
         seed,
         (data["vit_budget"], data["token_budget"]),
     )
-    bounds, recompute = partition_from_plan(plan, model)
-    problem = setting.problem(float("inf"))
-    part = problem.evaluate(bounds, recompute)
-    features = setting.fixed if args.baseline else setting.balanced
-    result = setting.predict(part, features)
+    if args.baseline:
+        part, result, _ = baseline(setting)
+        features = setting.fixed
+    else:
+        bounds, recompute = partition_from_plan(plan, model)
+        part = setting.problem(float("inf")).evaluate(bounds, recompute)
+        features = setting.balanced
+        result = setting.predict(part, features)
     print(
         f"step {result.step_ms:.3f} ms = slowest replica's pipeline {result.pipeline_ms:.3f} ms "
         f"+ gradient sync {result.sync_ms:.3f} ms; bubble {result.bubble_fraction:.1%}; "
@@ -68,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         r = int(result.replica_ms.argmax())
         fwd, bwd = setting.stage_times(part, features[r])
         line = simulate(fwd, bwd, par["pp"], 1, setting.stage_p2p(part, features[r]))
-        kind = "baseline batches" if args.baseline else "balanced batches"
+        kind = "Megatron baseline" if args.baseline else "plan, balanced batches"
         save_gantt(
             line,
             args.png,
