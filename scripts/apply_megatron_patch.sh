@@ -36,6 +36,7 @@ esac
 }
 target=$1
 
+command -v git >/dev/null || die "git not found on PATH (the patch is applied with git apply)"
 [[ -f $patch_file ]] || die "patch file not found: $patch_file"
 patch_file=$(cd "$(dirname "$patch_file")" && pwd)/$(basename "$patch_file")
 [[ -d $target ]] || die "$target: no such directory (expected a Megatron-LM checkout)"
