@@ -177,3 +177,19 @@ def test_bmp_never_beats_the_exact_objective(seed):
     heuristic = bmp(problem, 4)
     assert heuristic.objective_ms >= min(objective_candidates(problem, 4).values()) - 1e-9
     assert heuristic.step_ms >= search(problem, 4).lower_bound_ms
+
+
+def test_megatron_default_on_a_profile_without_towers_splits_evenly():
+    n = 10
+    costs = LayerCosts(
+        tuple(map(str, range(n))),
+        np.ones(n),
+        np.ones(n),
+        np.ones(n),
+        np.ones(n),
+        np.zeros(n),
+        np.zeros(n),
+        np.ones(n),
+        np.zeros(n, int),
+    )
+    assert megatron_default(Problem(costs, 4), 4).bounds == (0, 2, 4, 7, 10)

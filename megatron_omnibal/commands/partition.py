@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.mode == "bmp":
         part = bmp(problem, args.pp)
     else:
-        part = megatron_default(problem, args.pp, full_recompute=False)
+        part = megatron_default(problem, args.pp, full_recompute=True)
     doc = {
         "stages": [list(s) for s in part.stages],
         "step_ms": round(part.step_ms, 6),

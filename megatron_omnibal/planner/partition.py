@@ -330,7 +330,8 @@ def megatron_default(problem: Problem, pp: int, full_recompute: bool = True) -> 
     """Megatron's VLM layout: the whole vision side on stage 0, LLM layers split evenly.
 
     The vision side is every ViT unit plus the non-recomputable units after it (projector);
-    LLM layers are spread as evenly as possible, later stages taking the remainder. With
+    LLM layers are spread as evenly as possible, later stages taking the remainder (a profile
+    with no LLM layers is split evenly as a whole). With
     `full_recompute`, every layer is recomputed (the baseline); otherwise the cheapest fit.
     """
     _check_pp(problem, pp)
@@ -338,6 +339,8 @@ def megatron_default(problem: Problem, pp: int, full_recompute: bool = True) -> 
     vision = 0
     while vision < len(group) and group[vision] in (GROUP_VIT, GROUP_NONE):
         vision += 1
+    if vision == problem.units:  # a profile without an LLM group: Megatron's even split
+        vision = 0
     llm = problem.units - vision
     if llm < pp:
         raise ValueError(f"Megatron's layout needs at least {pp} LLM layers, the model has {llm}")
