@@ -107,7 +107,8 @@ Packs isf(const i64* vit, const i64* tok, i64 n, i64 vit_budget, i64 token_budge
 //    their weight leaves room for: such a pack ends light in tiles instead of heavy in weight.
 // 1. Tile slots: each pack's multiset of tile counts is drawn one at a time, with probability
 //    proportional to what is left of each tile count, among those that still let the pack hit
-//    its tile target exactly (the running mean of what is left, at most the budget).
+//    its tile target (the budget) exactly. Only a whole step of packs' tile max matters for
+//    balance, so packs are filled to the budget and the last ones take what is left.
 // 2. Samples into slots of their tile count (tiles stay exact): samples of positive excess,
 //    largest first, each to the pack that most lacks weight; then those of negative excess,
 //    most negative first, each to the pack with the most (longest-processing-time-first).
@@ -158,25 +159,22 @@ void add_slot(std::vector<std::pair<i64, i64>>& slots, i64 c) {
 }
 
 // Phase 1. `count`: samples per tile count not yet placed; `tiles`: tiles already placed per
-// pack; `cap`: a pack's fixed tile target (-1: the running mean). w_tiled / w_text: weight of
+// pack; `cap`: a pack's tile target if not the budget. w_tiled / w_text: weight of
 // the samples with / without tiles (text-only slots go where expected weight is lowest).
 Slots tile_slots(Vec count, i64 vit_budget, i64 packs, i64 w_tiled, i64 w_text, Vec& tiles,
                  const Vec& cap) {
   std::vector<char> reach(vit_budget + 1);
   rebuild_reach(count, reach);
   Slots slots(packs);
-  i64 rem_v = 0;
-  for (i64 c = 1; c <= vit_budget; ++c) rem_v += c * count[c];
-  for (i64 p = 0; p < packs; ++p) rem_v += tiles[p];
-  const i64 sum_v = rem_v;
+  i64 sum_v = 0;
+  for (i64 c = 1; c <= vit_budget; ++c) sum_v += c * count[c];
+  for (i64 p = 0; p < packs; ++p) sum_v += tiles[p];
   const Vec total(count);
   i64 placed = 0;
   Vec limit(packs, vit_budget);
   for (i64 p = 0; p < packs; ++p) {
-    const i64 left = packs - p;
-    const i64 target = cap[p] >= 0 ? cap[p] : std::min(vit_budget, (rem_v + left - 1) / left);
     if (cap[p] >= 0) limit[p] = cap[p];
-    i64 rest = std::max<i64>(0, target - tiles[p]);
+    i64 rest = std::max<i64>(0, limit[p] - tiles[p]);
     while (rest > 0) {
       // The feasible tile count most behind its proportional share of the tiles placed so far,
       // so that what is left keeps the data's mix and the last packs can still be filled.
@@ -199,7 +197,6 @@ Slots tile_slots(Vec count, i64 vit_budget, i64 packs, i64 w_tiled, i64 w_text, 
       count[chosen] -= 1;
       if (count[chosen] == 0) rebuild_reach(count, reach);
     }
-    rem_v -= tiles[p];
   }
   // What did not fit exactly goes, largest first, to the pack with the most room.
   std::priority_queue<std::pair<i64, i64>> room;  // (room, -pack)

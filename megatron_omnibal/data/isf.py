@@ -39,7 +39,7 @@ TOLERANCE_DIV = 400      # repair packs whose weight is off the mean by more tha
 REPAIR_PASSES = 8        # passes of the swap repair
 REPAIR_WINDOW = 8        # swap candidates per sample on either side of the ideal weight
 REPAIR_PARTNERS = 4      # most-deviating packs of the other sign tried as swap partners
-LOW_RATIO_PERCENTILE = 20.0  # see low_ratio()
+LOW_RATIO_PERCENTILE = 10.0  # see low_ratio()
 MAX_RETRIES = 64
 
 
@@ -105,7 +105,9 @@ def low_ratio(vit: np.ndarray, weight: np.ndarray) -> int:
     has = vit > 0
     if not has.any():
         return 0
-    return int(math.floor(np.percentile(weight[has] / vit[has], LOW_RATIO_PERCENTILE) * 1024))
+    ratio = weight[has] / vit[has]
+    low = min(np.percentile(ratio, LOW_RATIO_PERCENTILE), weight[has].sum() / vit[has].sum())
+    return int(math.floor(low * 1024))
 
 
 def pack_slots(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_budget: int,

@@ -115,17 +115,14 @@ def _tile_slots(count: list[int], vit_budget: int, packs: int, w_tiled: int, w_t
     reach = [False] * (vit_budget + 1)
     _rebuild_reach(count, reach)
     slots: list[list[list[int]]] = [[] for _ in range(packs)]
-    rem_v = sum(c * count[c] for c in range(1, vit_budget + 1)) + sum(tiles)
-    sum_v = rem_v
+    sum_v = sum(c * count[c] for c in range(1, vit_budget + 1)) + sum(tiles)
     total = list(count)
     placed = 0
     limit = [vit_budget] * packs
     for p in range(packs):
-        left = packs - p
-        target = cap[p] if cap[p] >= 0 else min(vit_budget, (rem_v + left - 1) // left)
         if cap[p] >= 0:
             limit[p] = cap[p]
-        rest = max(0, target - tiles[p])
+        rest = max(0, limit[p] - tiles[p])
         while rest > 0:
             chosen, best = 0, 0
             for c in range(1, rest + 1):
@@ -143,7 +140,6 @@ def _tile_slots(count: list[int], vit_budget: int, packs: int, w_tiled: int, w_t
             count[chosen] -= 1
             if count[chosen] == 0:
                 _rebuild_reach(count, reach)
-        rem_v -= tiles[p]
     room = [(-(limit[p] - tiles[p]), p) for p in range(packs)]  # max room, then min pack
     heapq.heapify(room)
     for c in range(vit_budget, 0, -1):

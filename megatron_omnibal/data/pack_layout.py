@@ -39,7 +39,7 @@ def layout(pack_vit: np.ndarray, pack_weight: np.ndarray, dp_size: int, micro_ba
     if mode == "random":
         order = isf.permutation(num, seed ^ _LAYOUT_SALT)
     else:
-        order = np.lexsort((pack_vit, pack_weight))  # similar packs side by side
+        order = np.lexsort((pack_weight, pack_vit))  # same tiles, then similar weight
     step = np.empty(num, np.int64)
     step[order] = np.arange(num) // per_step
     if mode == "grouped":
