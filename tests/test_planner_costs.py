@@ -111,3 +111,23 @@ def test_stage_memory_and_time_by_hand():
     assert stage_memory_mib(costs, 1, 3, {0: 1, 1: 1}, 1) == 130 + 20 + 30
     with pytest.raises(ValueError, match="cannot recompute 2 layers"):
         stage_memory_mib(costs, 2, 3, {1: 2}, 1)
+
+
+def test_profile_cost_model_scales_measured_numbers():
+    """Oracle: an analytic model exported as a profile at one batch, read back at another."""
+    from dataclasses import replace
+
+    from megatron_omnibal.planner.costs import costs_to_profile, profile_cost_model
+
+    hw = replace(get_hardware("A100-80G"), op_overhead_ms=0.0)
+    cm = analytic_costs(get_model("tiny"), hw)
+    doc = costs_to_profile(cm.at(workload_features(4, 256, 0)), 8)
+    doc["measured"] = {"tiles": 4, "tokens": 256}
+    got = profile_cost_model(doc).at(workload_features(12, 768, 0))
+    want = cm.at(workload_features(12, 768, 0))
+    want_total = want.forward_ms.sum() + want.first.forward_ms + want.last.forward_ms
+    assert got.forward_ms.sum() == pytest.approx(want_total)
+    assert got.checkpoint_mib[6] == pytest.approx(want.checkpoint_mib[6])
+    del doc["measured"]
+    with pytest.raises(ValueError, match="needs 'measured'"):
+        profile_cost_model(doc)

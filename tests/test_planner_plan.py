@@ -269,3 +269,19 @@ def test_plans_are_accepted_by_the_megatron_layout(stats):
         layout = layout_from_plan(plan, pp)
         assert [list(s.vit_layers) for s in layout] == [s["vit_layers"] for s in plan["stages"]]
         assert [s.llm_recompute for s in layout] == [s["llm_recompute"] for s in plan["stages"]]
+
+
+def test_plan_from_a_measured_profile(small_stats):
+    from megatron_omnibal.planner.costs import analytic_costs, costs_to_profile, workload_features
+
+    tiny, hw = get_model("tiny"), get_hardware("A100-80G")
+    doc = costs_to_profile(analytic_costs(tiny, hw).at(workload_features(4, 256, 0)), 8)
+    doc["measured"] = {"tiles": 4, "tokens": 256}
+    plan = make_plan(tiny, hw, small_stats, 4, None, 2, global_batch=64, profile=doc)
+    validate_plan(plan)
+    assert plan["predicted"]["cost_model"] == "measured profile" and plan["parallel"]["tp"] == 1
+    with pytest.raises(ValueError, match="a measured profile is for TP = 1"):
+        make_plan(tiny, hw, small_stats, 4, 2, 2, global_batch=64, profile=doc)
+    doc["layers"] = doc["layers"][:-1]
+    with pytest.raises(ValueError, match="profile has 8 layers, tiny has 9 partition units"):
+        make_plan(tiny, hw, small_stats, 4, None, 2, global_batch=64, profile=doc)

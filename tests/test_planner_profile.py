@@ -7,9 +7,12 @@ import sys
 
 import pytest
 
+from megatron_omnibal.data.lengths import from_arrays
 from megatron_omnibal.planner.costs import load_profile
+from megatron_omnibal.planner.hardware import get_hardware
 from megatron_omnibal.planner.models import get_model
 from megatron_omnibal.planner.partition import Problem, search
+from megatron_omnibal.planner.plan import make_plan, validate_plan
 
 pytestmark = pytest.mark.megatron
 
@@ -56,3 +59,11 @@ def test_profile_tiny_model(tmp_path):
     costs, options = load_profile(out)
     part = search(Problem(costs, options["micro_batches"]), 3)
     assert part.bounds[0] == 0 and part.bounds[-1] == 9 and part.step_ms > 0
+    # and it drives `omnibal plan` in place of the FLOPs model
+    vit = [1, 2, 3, 1] * 16
+    stats = from_arrays(vit, [v * 4 + 30 for v in vit])
+    plan = make_plan(
+        tiny, get_hardware("H100-80G"), stats, 2, None, 2, global_batch=32, profile=doc
+    )
+    validate_plan(plan)
+    assert plan["predicted"]["cost_model"] == "measured profile"

@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="exact",
         help="partition search (default exact)",
     )
+    parser.add_argument(
+        "--profile",
+        help="measured layer profile from `omnibal profile` (TP 1) instead of the FLOPs model",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the drawn batch")
     parser.add_argument("--out", default="plan.json", help="where to write the plan")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -90,6 +94,11 @@ def run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     hw = resolve_hardware(args.hardware)
     stats = load_lengths(args.lengths or EXAMPLE_LENGTHS)
+    profile = None
+    if args.profile:
+        from megatron_omnibal.planner.config_files import read_config
+
+        profile = read_config(args.profile)
     plan = make_plan(
         model,
         hw,
@@ -103,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         args.seed,
         args.out,
         progress=sys.stderr.isatty(),
+        profile=profile,
     )
     Path(args.out).write_text(json.dumps(plan, indent=1) + "\n")
     if args.json:

@@ -11,8 +11,10 @@ layer, as the layer profile of shared/DESIGN.md has only layers.
 Memory is measured, not modelled: the bytes of the tensors autograd saves during the forward
 (distinct storages), once plainly and once under megatron-core's recompute checkpoint, whose
 saved tensors are what a recomputed layer still stores. Static memory (`weight_mib`) is the
-layer's parameter count times the bytes of BF16 weights, FP32 gradients and Adam state sharded
-over `dp` (the distributed optimizer), since the profile run itself does not train.
+layer's parameter count (also written, as `params`) times the bytes of BF16 weights, FP32
+gradients and Adam state sharded over `dp` (the distributed optimizer), since the profile run
+itself does not train. `measured` records the device, dtype, tiles and tokens of the run, which
+lets `omnibal plan --profile` scale the numbers to other micro-batches.
 """
 
 from __future__ import annotations
@@ -271,6 +273,7 @@ def profile_model(
             "checkpoint_mib": row.get("checkpoint_mib", row["activation_mib"]),
             "output_mib": row["output_mib"],
             "weight_mib": row["params"] * per_param,
+            "params": row["params"],
         }
         for key, value in (extra or {}).items():
             out[key] += value
@@ -283,13 +286,15 @@ def profile_model(
             "activation_mib": row["activation_mib"],
             "checkpoint_mib": row["activation_mib"],
             "weight_mib": row["params"] * per_param,
+            "params": row["params"],
         }
 
     layers = [
         entry(f"vit.{i}", vit, "vit", pinned(patch_row) if i == 0 else None)
         for i in range(v.num_layers)
     ]
-    embed = {"weight_mib": llm.vocab_size * llm.hidden_size * per_param}
+    embed_params = llm.vocab_size * llm.hidden_size
+    embed = {"weight_mib": embed_params * per_param, "params": embed_params}
     layers.append(entry("projector", proj, "none", embed))
     layers += [
         entry(f"llm.{i}", lm, "llm", pinned(head_row) if i == llm.num_layers - 1 else None)

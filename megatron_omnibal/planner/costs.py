@@ -206,6 +206,56 @@ def analytic_costs(
     )
 
 
+def profile_cost_model(doc: dict, where: str = "profile", dp: int = 1) -> CostModel:
+    """A CostModel from a measured profile of `omnibal profile`, scaled linearly.
+
+    ViT and projector numbers scale with tiles and LLM numbers with tokens, from the tiles and
+    tokens of the measured micro-batch (`measured`); attention's quadratic part is folded into
+    the linear rate of the measured sequence. Static memory is re-derived for `dp` from each
+    layer's `params` when present. Pinned work (patch embedding, head) is already folded
+    into the first and last layers.
+    """
+    costs, _ = profile_from_dict(doc, where)
+    measured = doc.get("measured")
+    if not isinstance(measured, dict) or not all(
+        isinstance(measured.get(k), int) and measured[k] > 0 for k in ("tiles", "tokens")
+    ):
+        raise ValueError(
+            f"{where}: needs 'measured' with the positive integer 'tiles' and 'tokens' of the "
+            "profiled micro-batch (written by `omnibal profile`) to scale to other batches"
+        )
+    group = np.asarray(costs.group)
+    col = np.where(group == GROUP_LLM, 1, 0)
+    scale = np.where(group == GROUP_LLM, 1.0 / measured["tokens"], 1.0 / measured["tiles"])
+
+    def linear(values: np.ndarray) -> np.ndarray:
+        out = np.zeros((len(costs), 4))
+        out[np.arange(len(costs)), col] = np.asarray(values, np.float64) * scale
+        return out
+
+    params = [layer.get("params") for layer in doc["layers"]]
+    if all(isinstance(p, int) for p in params):
+        static = np.array(params, np.float64) * (2 + 4 + 12 / dp) / MIB
+    else:
+        static = np.asarray(costs.static_mib, np.float64)
+    zero = np.zeros((3, 4))
+    return CostModel(
+        costs.names,
+        group,
+        linear(costs.forward_ms),
+        linear(costs.backward_ms),
+        linear(costs.recompute_ms),
+        linear(costs.activation_mib),
+        linear(costs.checkpoint_mib),
+        linear(costs.output_mib),
+        static,
+        zero,
+        zero,
+        0.0,
+        0.0,
+    )
+
+
 PROFILE_GROUPS = {"vit": GROUP_VIT, "llm": GROUP_LLM, "none": GROUP_NONE}
 
 

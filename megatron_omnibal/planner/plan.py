@@ -24,6 +24,7 @@ from megatron_omnibal.planner.costs import (
     CostModel,
     LayerCosts,
     analytic_costs,
+    profile_cost_model,
 )
 from megatron_omnibal.planner.hardware import Hardware
 from megatron_omnibal.planner.memory import GIB_MIB
@@ -185,10 +186,12 @@ def make_setting(
     global_batch: int,
     seed: int = 0,
     budgets: tuple[int, int] | None = None,
+    profile: dict | None = None,
 ) -> Setting:
     """Draw one global batch of real samples; split it balanced and fixed-size into dp x m.
 
-    `budgets` (vit, token) default to `choose_budgets` for this batch size.
+    `budgets` (vit, token) default to `choose_budgets` for this batch size. With `profile`
+    (a measured layer profile, TP = 1), costs come from it instead of the FLOPs model.
     """
     if global_batch < dp * m:
         raise ValueError(
@@ -209,9 +212,22 @@ def make_setting(
         tok_b,
         deal_to_replicas(balanced, dp, vit_b, tok_b),
         fixed.reshape(dp, m, 4),
-        analytic_costs(model, hw, tp, dp),
+        analytic_costs(model, hw, tp, dp)
+        if profile is None
+        else _profile_costs(model, profile, dp),
         hw,
     )
+
+
+def _profile_costs(model: ModelSpec, profile: dict, dp: int) -> CostModel:
+    units = model.vit.num_layers + 1 + model.llm.num_layers
+    cm = profile_cost_model(profile, "profile", dp)
+    if len(cm.names) != units:
+        raise ValueError(
+            f"profile has {len(cm.names)} layers, {model.name} has {units} partition units "
+            f"({model.vit.num_layers} ViT layers, projector, {model.llm.num_layers} LLM layers)"
+        )
+    return cm
 
 
 def budget_mib(hw: Hardware) -> float:
@@ -339,13 +355,19 @@ def plan_candidates(
     seed: int = 0,
     progress: bool = False,
     finalists: int = 3,
+    profile: dict | None = None,
 ) -> list[Evaluated]:
     """Feasible (tp, pp, dp, m) with their partition and predicted step, fastest first.
 
     With more than `finalists` configurations, each is screened with a quick search and the
     best `finalists` are searched in full; configurations that cannot beat the best so far
-    even without any bubble are skipped.
+    even without any bubble are skipped. A measured `profile` fixes TP at 1 (it was measured
+    on one GPU).
     """
+    if profile is not None:
+        if tp not in (None, 1):
+            raise ValueError(f"--tp {tp}: a measured profile is for TP = 1 (one GPU per layer)")
+        tp = 1
     check_parallel(model, gpus, tp, pp)
     configs = [
         (t, p, d, m)
@@ -363,7 +385,9 @@ def plan_candidates(
     best = np.inf
     for t, p, d, m in configs:
         try:
-            setting = make_setting(model, hw, stats, t, p, d, m, global_batch, seed)
+            setting = make_setting(
+                model, hw, stats, t, p, d, m, global_batch, seed, profile=profile
+            )
             if setting.ideal_ms() >= best:  # even a bubble-free perfect split would lose
                 continue
             part, _ = choose_partition(setting, mode, quick=len(configs) > finalists)
@@ -481,10 +505,22 @@ def make_plan(
     seed: int = 0,
     plan_path: str = "plan.json",
     progress: bool = False,
+    profile: dict | None = None,
 ) -> dict:
     """The plan.json document for the fastest feasible configuration."""
     best = plan_candidates(
-        model, hw, stats, gpus, tp, pp, micro_batches, global_batch, mode, seed, progress
+        model,
+        hw,
+        stats,
+        gpus,
+        tp,
+        pp,
+        micro_batches,
+        global_batch,
+        mode,
+        seed,
+        progress,
+        profile=profile,
     )[0]
     st = best.setting
     base_part, base, base_fits = baseline(st)
@@ -520,6 +556,7 @@ def make_plan(
             "speedup": round(base.step_ms / best.result.step_ms, 3),
             "sync_ms": round(best.result.sync_ms, 3),
             "partition_mode": mode,
+            "cost_model": "analytic" if profile is None else "measured profile",
             "modeled": True,
         },
         "megatron_flags": megatron_flags(model, st, plan_path),
