@@ -56,6 +56,12 @@ class MicroBatch:
     def num_samples(self) -> int:
         return len(self.cu_seqlens) - 1
 
+    def to(self, device: torch.device | str | int) -> MicroBatch:
+        """A copy with every tensor on `device` (the iterator yields CPU tensors)."""
+        return MicroBatch(
+            **{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)}
+        )
+
     def as_dict(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 

@@ -320,12 +320,13 @@ def _layer_spec(config: TransformerConfig, use_te: bool, mask_type: AttnMaskType
 
 def packed_causal_mask(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[1, 1, S, S] bool, True = masked: causal within each packed sample, nothing across."""
+    dev = cu_seqlens.device
     seg = torch.repeat_interleave(
-        torch.arange(len(cu_seqlens) - 1), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        torch.arange(len(cu_seqlens) - 1, device=dev), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     )
     if len(seg) != seq_len:
         raise ValueError(f"cu_seqlens cover {len(seg)} tokens, the sequence has {seq_len}")
-    pos = torch.arange(seq_len)
+    pos = torch.arange(seq_len, device=dev)
     allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
     return ~allowed[None, None]
 

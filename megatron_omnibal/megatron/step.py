@@ -42,6 +42,8 @@ def forward_step(
     """Run one micro-batch through this rank's stage; Megatron calls the returned loss function
     on the last stage. Every PP rank draws the same micro-batch from its iterator."""
     batch = _as_batch(next(data_iterator))
+    if torch.cuda.is_available():
+        batch = batch.to(torch.cuda.current_device())
     output = model(
         tokens=batch.tokens,
         position_ids=batch.position_ids,
