@@ -211,7 +211,11 @@ def balance(lengths: LengthStats, *, dp_size: int, micro_batches: int = 1, vit_b
     pack_id = np.repeat(np.arange(len(packs)), sizes)
     pack_vit = np.bincount(pack_id, lengths.vit[samples], len(packs)).astype(np.int64)
     pack_w = np.bincount(pack_id, weight[samples], len(packs))
-    step, rank, micro = pack_layout.layout(pack_vit, pack_w, dp_size, micro_batches, mode, seed)
+    names = max(len(lengths.names), 1)
+    counts = np.bincount(pack_id * names + lengths.dataset[samples], minlength=len(packs) * names)
+    dominant = counts.reshape(len(packs), names).argmax(axis=1)
+    step, rank, micro = pack_layout.layout(pack_vit, pack_w, dp_size, micro_batches, mode, seed,
+                                           dominant)
     order = np.lexsort((micro, rank, step))
     samples = np.concatenate([packs[p] for p in order]).astype(np.int64) if packs else samples
     ptr[1:] = np.cumsum(sizes[order])

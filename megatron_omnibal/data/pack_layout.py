@@ -1,11 +1,13 @@
 """Lay packs out over (global step, data-parallel rank, micro-batch).
 
 Every step gets exactly dp * micro_batches packs (Megatron needs the same number of micro-batches
-on every rank), so the packer is asked for a multiple of that. `random` keeps each step's content
-a uniform random draw of packs, so the dataset mix per step is as random as a plain shuffle;
-`grouped` puts packs of similar size into the same step (the tightest balance) and then shuffles
-the order of the steps. Within a step, ranks get their micro_batches packs by a serpentine deal
-of the step's packs sorted by size, so per-rank totals even out when micro_batches > 1.
+on every rank), so the packer is asked for a multiple of that. `random` draws each step's packs
+at random, stratified by each pack's dominant dataset and tile count (every step gets its share
+of each stratum), so a step's dataset mix is at least as close to the epoch's as a plain
+shuffle's; `grouped` puts packs of similar size into the same step (the tightest balance).
+Either way the order of the steps is then shuffled. Within a step, ranks get their
+micro_batches packs by a serpentine deal of the step's packs sorted by size, so per-rank totals
+even out when micro_batches > 1.
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ def pack_size_key(pack_vit: np.ndarray, pack_weight: np.ndarray) -> np.ndarray:
 
 
 def layout(pack_vit: np.ndarray, pack_weight: np.ndarray, dp_size: int, micro_batches: int,
-           mode: str, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(pack_step, pack_rank, pack_micro) for packs whose count is a multiple of dp*micro."""
+           mode: str, seed: int, pack_dataset: np.ndarray | None = None
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pack_step, pack_rank, pack_micro) for packs whose count is a multiple of dp*micro.
+
+    `pack_dataset` (each pack's most frequent source dataset) stratifies the random mode.
+    """
     if mode not in MODES:
         raise ValueError(f"layout: unknown mode '{mode}' (choose from {', '.join(MODES)})")
     per_step = dp_size * micro_batches
@@ -36,14 +42,22 @@ def layout(pack_vit: np.ndarray, pack_weight: np.ndarray, dp_size: int, micro_ba
         raise ValueError(f"layout: {num} packs is not a multiple of dp*micro = {per_step}")
     steps = num // per_step
     key = pack_size_key(np.asarray(pack_vit, np.float64), np.asarray(pack_weight, np.float64))
+    step = np.empty(num, np.int64)
     if mode == "random":
-        order = isf.permutation(num, seed ^ _LAYOUT_SALT)
+        # Stratified: packs in random order within strata (dominant dataset, then tiles), dealt
+        # to the steps in turn, so every step gets its share of each stratum.
+        shuffled = isf.permutation(num, seed ^ _LAYOUT_SALT)
+        rank_in = np.empty(num, np.int64)
+        rank_in[shuffled] = np.arange(num)
+        strata = (np.zeros(num, np.int64) if pack_dataset is None
+                  else np.asarray(pack_dataset, np.int64))
+        order = np.lexsort((rank_in, pack_vit, strata))
+        step[order] = np.arange(num) % steps if steps else 0
     else:
         order = np.lexsort((pack_weight, pack_vit))  # same tiles, then similar weight
-    step = np.empty(num, np.int64)
-    step[order] = np.arange(num) // per_step
-    if mode == "grouped":
-        step = isf.permutation(steps, seed ^ _LAYOUT_SALT)[step] if steps else step
+        step[order] = np.arange(num) // per_step
+    if steps:
+        step = isf.permutation(steps, seed ^ _LAYOUT_SALT ^ 1)[step]
     # Within each step: heaviest first, dealt to ranks in a serpentine (0..dp-1, dp-1..0, ...).
     within = np.lexsort((-key, step))
     k = np.empty(num, np.int64)

@@ -1,0 +1,140 @@
+"""`omnibal balance`: plan balanced micro-batches for one epoch and compare with random batching.
+
+Prints, for the plan and for random batching with the same samples per step, the per-step
+max/mean across DP ranks of tiles, tokens and cost (mean over steps and p99), OmniBal's dist and
+pad ratios and the dataset-mix skew; writes the plan with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from tqdm import tqdm
+
+HELP = "balance samples into packs over (step, DP rank, micro-batch); compare with random"
+LONG_INPUT = 200_000  # samples from which a progress bar is shown
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("lengths", help="length statistics (.npz, JSON list, meta JSON, JSONL)")
+    parser.add_argument("--dp", type=int, required=True, help="data-parallel ranks")
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="packs per rank per step (default 1)")
+    parser.add_argument("--vit-budget", type=int, help="image tiles per pack")
+    parser.add_argument("--token-budget", type=int, help="tokens per pack")
+    parser.add_argument("--auto-budget", action="store_true",
+                        help="choose the budgets from the data (see --samples-per-pack)")
+    parser.add_argument("--samples-per-pack", type=float, default=4.0,
+                        help="with --auto-budget: target samples per pack (default 4)")
+    parser.add_argument("--max-vit-budget", type=int,
+                        help="with --auto-budget: memory limit on tiles per pack")
+    parser.add_argument("--max-token-budget", type=int,
+                        help="with --auto-budget: memory limit on tokens per pack")
+    parser.add_argument("--mode", choices=("random", "grouped"), default="random",
+                        help="random: each step's mix as random as a shuffle (default); "
+                             "grouped: similar packs in the same step, tightest balance")
+    parser.add_argument("--algorithm", choices=("default", "isf"), default="default",
+                        help="default: slot balancing; isf: OmniBal's ISF, for comparison")
+    parser.add_argument("--oversize", choices=("error", "solo", "skip"), default="error",
+                        help="a sample larger than a budget: error (default), a pack of its "
+                             "own, or listed as skipped")
+    parser.add_argument("--cost", metavar="A,B,C",
+                        help="balance cost A*tiles + B*tokens + C*tokens^2 instead of tokens")
+    parser.add_argument("--isf-rounds", type=int, default=10, help="ISF rounds (default 10)")
+    parser.add_argument("--isf-threshold", type=int,
+                        help="ISF: a pack with this many tokens is full (default budget - 128)")
+    parser.add_argument("--baseline-samples", type=int,
+                        help="samples per micro-batch of the random baseline (default: the "
+                             "plan's samples per micro-batch, rounded)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the plan (.npz, DESIGN.md 'Balance plan')")
+    parser.add_argument("--json", dest="json_out", help="write the figures as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_omnibal.data import metrics
+    from megatron_omnibal.data.budgets import auto_budget
+    from megatron_omnibal.data.isf import CostModel, balance
+    from megatron_omnibal.data.lengths import load_lengths
+    from megatron_omnibal.data.plan_io import save_plan
+
+    if args.auto_budget == (args.vit_budget is not None or args.token_budget is not None):
+        raise ValueError("give either --vit-budget and --token-budget, or --auto-budget")
+    if not args.auto_budget and (args.vit_budget is None or args.token_budget is None):
+        raise ValueError("--vit-budget and --token-budget go together")
+    cost = CostModel.parse(args.cost) if args.cost else None
+    lengths = load_lengths(args.lengths)
+    long_input = len(lengths) >= LONG_INPUT
+    bar = tqdm(total=4, desc="balance", unit="stage", disable=not long_input, file=sys.stderr)
+    if args.auto_budget:
+        vit_budget, token_budget = auto_budget(
+            lengths, samples_per_pack=args.samples_per_pack,
+            max_vit_budget=args.max_vit_budget, max_token_budget=args.max_token_budget)
+    else:
+        vit_budget, token_budget = args.vit_budget, args.token_budget
+    bar.set_postfix_str("packing")
+    start = time.perf_counter()
+    plan = balance(lengths, dp_size=args.dp, micro_batches=args.micro_batches,
+                   vit_budget=vit_budget, token_budget=token_budget, seed=args.seed,
+                   mode=args.mode, algorithm=args.algorithm, oversize=args.oversize, cost=cost,
+                   isf_rounds=args.isf_rounds, isf_threshold=args.isf_threshold)
+    elapsed = time.perf_counter() - start
+    bar.update()
+    bar.set_postfix_str("checking")
+    plan.check(len(lengths))
+    bar.update()
+    metric_cost = cost or metrics.DEFAULT_COST
+    bar.set_postfix_str("metrics")
+    ours = metrics.summarize(plan, lengths, metric_cost, seed=args.seed)
+    bar.update()
+    per_micro = args.baseline_samples or max(
+        1, round(ours["samples_per_step"] / (args.dp * args.micro_batches)))
+    base_plan = metrics.random_batching(lengths, dp_size=args.dp,
+                                        micro_batches=args.micro_batches,
+                                        samples_per_micro=per_micro, seed=args.seed)
+    base = metrics.summarize(base_plan, lengths, metric_cost, packed=False, seed=args.seed)
+    bar.update()
+    bar.close()
+    if args.out:
+        save_plan(plan, args.out)
+    _print_table(plan.meta, ours, base, per_micro, elapsed, len(lengths))
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump({"meta": plan.meta, "plan": ours, "random_batching": base,
+                       "baseline_samples_per_micro": per_micro, "seconds": elapsed}, fh,
+                      indent=2)
+    return 0
+
+
+_ROWS = (
+    ("tiles max/mean", "tiles_max_mean", "{:.4f}"),
+    ("tiles max/mean p99", "tiles_max_mean_p99", "{:.4f}"),
+    ("tokens max/mean", "tokens_max_mean", "{:.4f}"),
+    ("tokens max/mean p99", "tokens_max_mean_p99", "{:.4f}"),
+    ("cost max/mean", "cost_max_mean", "{:.4f}"),
+    ("cost max/mean p99", "cost_max_mean_p99", "{:.4f}"),
+    ("dist ratio tiles", "tiles_dist_ratio", "{:.4f}"),
+    ("dist ratio tokens", "tokens_dist_ratio", "{:.4f}"),
+    ("pad ratio", "pad_ratio", "{:.4f}"),
+    ("mix skew (TV)", "mix_skew", "{:.4f}"),
+    ("mix skew / shuffle's", "mix_skew_ratio", "{:.3f}"),
+    ("steps", "steps", "{:.0f}"),
+    ("samples per step", "samples_per_step", "{:.1f}"),
+    ("samples trained", "trained_samples", "{:.0f}"),
+    ("samples skipped", "skipped_samples", "{:.0f}"),
+)
+
+
+def _print_table(meta: dict, ours: dict, base: dict, per_micro: int, elapsed: float,
+                 samples: int) -> None:
+    print(f"{samples} samples, dp {meta['dp']}, {meta['micro_batches']} micro-batch(es) per "
+          f"rank per step, budgets {meta['vit_budget']} tiles / {meta['token_budget']} tokens, "
+          f"algorithm {meta['algorithm']}, mode {meta['mode']}, seed {meta['seed']}")
+    head = f"random batching ({per_micro}/micro)"
+    print(f"{'metric':<24}{'plan':>14}{head:>30}")
+    for label, key, fmt in _ROWS:
+        print(f"{label:<24}{fmt.format(ours[key]):>14}{fmt.format(base[key]):>30}")
+    print(f"balancing took {elapsed:.2f} s")
