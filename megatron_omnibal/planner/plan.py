@@ -66,23 +66,25 @@ class Setting:
     hw: Hardware
 
     def problem(self, budget_mib: float, features: np.ndarray | None = None) -> Problem:
-        """Search problem: time at the mean micro-batch, memory at the largest."""
-        feats = self.balanced if features is None else features
-        flat = feats.reshape(-1, 4)
+        """Search problem: time at the mean micro-batch, memory at the largest.
+
+        Each unit's activations grow with one dimension (tiles or tokens), so the largest
+        tiles and the largest tokens together bound every micro-batch. For balanced batches
+        that is the budget, which the balancer may fill completely.
+        """
+        balanced = features is None or features is self.balanced
+        flat = (self.balanced if features is None else features).reshape(-1, 4)
         mean = self.model.at(flat.mean(axis=0))
-        peak = self.model.at(flat[np.argmax(flat[:, 0] * 1e9 + flat[:, 1])])
-        peak2 = self.model.at(flat[np.argmax(flat[:, 1] * 1e9 + flat[:, 0])])
+        most = flat.max(axis=0)
+        if balanced:
+            most[:2] = np.maximum(most[:2], [self.vit_budget, self.token_budget])
+        peak = self.model.at(most)
         costs = replace(
             mean,
-            activation_mib=np.maximum(peak.activation_mib, peak2.activation_mib),
-            checkpoint_mib=np.maximum(peak.checkpoint_mib, peak2.checkpoint_mib),
-            first=replace(
-                mean.first,
-                activation_mib=max(peak.first.activation_mib, peak2.first.activation_mib),
-            ),
-            last=replace(
-                mean.last, activation_mib=max(peak.last.activation_mib, peak2.last.activation_mib)
-            ),
+            activation_mib=peak.activation_mib,
+            checkpoint_mib=peak.checkpoint_mib,
+            first=replace(mean.first, activation_mib=peak.first.activation_mib),
+            last=replace(mean.last, activation_mib=peak.last.activation_mib),
         )
         return Problem(costs, self.m, budget_mib, self.p2p_ms(mean.output_mib))
 
