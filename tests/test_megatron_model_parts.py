@@ -162,3 +162,14 @@ def test_llava_projector_tokens_per_tile() -> None:
 def test_padded_vocab() -> None:
     assert padded_vocab(92553, 1) == 92672 and padded_vocab(92553, 2) % 256 == 0
     assert padded_vocab(256, 2) == 256
+
+
+def test_spec_from_the_planners_model_spec() -> None:
+    """plan.json's model_spec as `omnibal plan` writes it (planner presets) builds a VLMSpec."""
+    from megatron_omnibal.planner.models import MODELS
+
+    spec = VLMSpec.from_plan({"model_spec": MODELS["internvl-6b-20b"].spec_dict()})
+    assert spec.vit_class_token and spec.llm_gated_mlp
+    assert spec.tokens_per_tile == 256 and spec.projector.hidden_size == 6144
+    llava = VLMSpec.from_plan({"model_spec": MODELS["llava-1.5-7b"].spec_dict()})
+    assert llava.tokens_per_tile == 576 and llava.projector.type == "mlp"

@@ -91,6 +91,8 @@ class VLMSpec:
     llm: LLMSpec
     tokens_per_tile: int = 0  # 0 -> derived from the ViT grid and the projector
     image_token_id: int = -1  # -1 -> the last vocabulary id
+    vit_class_token: bool = False  # InternViT/CLIP prepend one; the projector drops it
+    llm_gated_mlp: bool = True  # SwiGLU (InternLM2, Vicuna); False: GELU MLP
 
     def __post_init__(self) -> None:
         grid = self.vit.image_size // self.vit.patch_size
@@ -136,6 +138,8 @@ class VLMSpec:
             llm=build(LLMSpec, "llm"),
             tokens_per_tile=int(ms.get("tokens_per_tile", 0)),
             image_token_id=int(ms.get("image_token_id", -1)),
+            vit_class_token=bool(ms.get("vit_class_token", False)),
+            llm_gated_mlp=bool(ms.get("llm_gated_mlp", True)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -296,8 +300,8 @@ def stage_configs(
             "num_query_groups": spec.llm.num_query_groups,
             "normalization": norm[spec.llm.norm],
             "add_bias_linear": False,
-            "gated_linear_unit": True,
-            "activation_func": F.silu,
+            "gated_linear_unit": spec.llm_gated_mlp,
+            "activation_func": F.silu if spec.llm_gated_mlp else F.gelu,
             **recompute(st.llm_recompute),
             **layout_arg("llm"),
         }
@@ -362,7 +366,9 @@ class VLMStage(MegatronModule):
         # The stage before (or at) the projector carries ViT hidden states.
         self.vision_stage = stage <= next(r for r, s in enumerate(layouts) if s.projector)
         self.patch_embed = (
-            PatchEmbedding(configs.vit, spec.vit.image_size, spec.vit.patch_size)
+            PatchEmbedding(
+                configs.vit, spec.vit.image_size, spec.vit.patch_size, spec.vit_class_token
+            )
             if lay.patch_embed
             else None
         )
@@ -385,6 +391,7 @@ class VLMStage(MegatronModule):
                 spec.vit.hidden_size,
                 grid,
                 spec.projector.downsample,
+                skip_tokens=int(spec.vit_class_token),
             )
         if lay.llm_embed:
             self.embedding = LanguageModelEmbedding(

@@ -29,7 +29,8 @@ def pixel_shuffle(x: torch.Tensor, grid: int, factor: int) -> torch.Tensor:
 
 
 class Projector(MegatronModule):
-    """ViT hidden [P, n, Cv] -> image embeddings [n_real * tokens_per_tile, H] (tile-major)."""
+    """ViT hidden [skip + P, n, Cv] -> image embeddings [n_real * tokens_per_tile, H]
+    (tile-major); the first `skip_tokens` (a class token) are not image patches."""
 
     def __init__(
         self,
@@ -38,12 +39,14 @@ class Projector(MegatronModule):
         vit_hidden: int,
         grid: int,
         downsample: float,
+        skip_tokens: int = 0,
     ) -> None:
         super().__init__(config=config)
         if kind not in ("pixel_shuffle_mlp", "mlp"):
             raise ValueError(f"projector type {kind!r}: expected 'pixel_shuffle_mlp' or 'mlp'")
         self.kind = kind
         self.grid = grid
+        self.skip_tokens = skip_tokens  # leading non-patch tokens (class token) to drop
         self.factor = 1
         in_size = vit_hidden
         if kind == "pixel_shuffle_mlp":
@@ -59,7 +62,7 @@ class Projector(MegatronModule):
         )
 
     def forward(self, vit_hidden: torch.Tensor, image_flags: torch.Tensor) -> torch.Tensor:
-        x = vit_hidden
+        x = vit_hidden[self.skip_tokens :]
         if self.kind == "pixel_shuffle_mlp":
             x = self.norm(pixel_shuffle(x, self.grid, self.factor))
         out, bias = self.mlp(x)  # [t, n, H]
