@@ -161,8 +161,8 @@ void add_slot(std::vector<std::pair<i64, i64>>& slots, i64 c) {
 // Phase 1. `count`: samples per tile count not yet placed; `tiles`: tiles already placed per
 // pack; `cap`: a pack's tile target if not the budget. w_tiled / w_text: weight of
 // the samples with / without tiles (text-only slots go where expected weight is lowest).
-Slots tile_slots(Vec count, i64 vit_budget, i64 packs, i64 w_tiled, i64 w_text, Vec& tiles,
-                 const Vec& cap) {
+Slots tile_slots(Vec count, i64 fill, i64 vit_budget, i64 packs, i64 w_tiled, i64 w_text,
+                 Vec& tiles, const Vec& cap) {
   std::vector<char> reach(vit_budget + 1);
   rebuild_reach(count, reach);
   Slots slots(packs);
@@ -171,7 +171,7 @@ Slots tile_slots(Vec count, i64 vit_budget, i64 packs, i64 w_tiled, i64 w_text, 
   for (i64 p = 0; p < packs; ++p) sum_v += tiles[p];
   const Vec total(count);
   i64 placed = 0;
-  Vec limit(packs, vit_budget);
+  Vec limit(packs, fill);
   for (i64 p = 0; p < packs; ++p) {
     if (cap[p] >= 0) limit[p] = cap[p];
     i64 rest = std::max<i64>(0, limit[p] - tiles[p]);
@@ -237,19 +237,31 @@ struct Keyed {
 
 SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64 vit_budget,
                         i64 token_budget, i64 packs, uint64_t seed, i64 repair_passes,
-                        i64 tol_div, i64 window, i64 partners, i64 ratio_lo) {
+                        i64 tol_div, i64 window, i64 partners, i64 ratio_lo,
+                        i64 ratio_hi) {
   Vec shuffled(n);
   for (i64 i = 0; i < n; ++i) shuffled[i] = i;
   Rng rng(seed);
   shuffle(shuffled, rng);
-  i64 sum_v = 0, sum_w = 0, w_tiled = 0, w_text = 0;
+  i64 sum_v = 0, sum_w = 0, sum_t = 0, w_tiled = 0, w_text = 0, vmax = 0;
   Vec count(vit_budget + 1, 0);
   for (i64 i = 0; i < n; ++i) {
     sum_v += vit[i];
     sum_w += w[i];
+    sum_t += tok[i];
     (vit[i] > 0 ? w_tiled : w_text) += w[i];
     count[vit[i]] += 1;
+    vmax = std::max(vmax, vit[i]);
   }
+  // Tiles of a full pack: the tile budget, or fewer if the token budget binds first at the
+  // data's tokens per tile, or if fewer suffice to hold all tiles in `packs` packs (never fewer
+  // than the largest sample's tiles).
+  const i64 by_tokens =
+      static_cast<i64>(static_cast<i128>(token_budget) * sum_v / std::max<i64>(sum_t, 1));
+  const i64 fill = sum_v == 0 ? 0
+                              : std::min<i64>(vit_budget,
+                                              std::max<i64>(vmax, std::min<i64>(
+                                                  by_tokens, (sum_v + packs - 1) / packs)));
   const i128 mulv = sum_v > 0 ? sum_v : 1;
   std::vector<i128> key(n);
   for (i64 i = 0; i < n; ++i)
@@ -257,7 +269,7 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
              (static_cast<i128>(w[i]) * mulv - static_cast<i128>(vit[i]) * sum_w);
 
   // Phase 0: heavy samples.
-  const i64 tv0 = std::min(vit_budget, (sum_v + packs - 1) / packs);
+  const i64 tv0 = fill;
   std::vector<Keyed> heavy;
   for (i64 r = 0; r < n; ++r) {
     const i64 i = shuffled[r], c = vit[i];
@@ -285,14 +297,37 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
   }
 
   // Phase 1: tile slots.
-  Slots free = tile_slots(count, vit_budget, packs, w_tiled, w_text, tiles, cap);
+  Slots free = tile_slots(count, fill, vit_budget, packs, w_tiled, w_text, tiles, cap);
 
   // Phase 2: samples into slots.
   std::vector<i128> need(packs);
   Vec pack_tokens(packs, 0);
   std::vector<Vec> members(packs);
+  // Weight targets (key units, weight * unit): one common level W for every pack that can carry
+  // it (tiles * a high weight per tile, ratio_hi / 1024, reaches W; heavy packs always), the
+  // rest what they can carry; W is the least level at which the targets hold all the weight.
+  // The largest pack of a step is what its ranks wait for, so the level is what matters.
+  const i128 unit = mulv * packs;
+  std::vector<i128> reach_w(packs), target(packs);
+  const i128 no_limit = static_cast<i128>(sum_w + 1) * unit;
   for (i64 p = 0; p < packs; ++p)
-    need[p] = static_cast<i128>(sum_w) * mulv - static_cast<i128>(packs) * tiles[p] * sum_w;
+    reach_w[p] = cap[p] >= 0 || sum_v == 0
+                     ? no_limit
+                     : static_cast<i128>(tiles[p]) * ratio_hi * unit / 1024;
+  auto held = [&](i128 level) {
+    i128 total = 0;
+    for (i64 p = 0; p < packs; ++p) total += std::min(level * unit, reach_w[p]);
+    return total;
+  };
+  i128 lo_w = 0, hi_w = sum_w;  // held(hi_w) >= sum_w * unit unless the reach is too small
+  while (lo_w < hi_w) {
+    const i128 mid = (lo_w + hi_w) / 2;
+    if (held(mid) >= static_cast<i128>(sum_w) * unit) hi_w = mid; else lo_w = mid + 1;
+  }
+  for (i64 p = 0; p < packs; ++p) {
+    target[p] = std::min(lo_w * unit, reach_w[p]);
+    need[p] = target[p] - static_cast<i128>(packs) * tiles[p] * sum_w;
+  }
   for (size_t k = 0; k < heavy.size(); ++k) {
     members[k].push_back(heavy[k].id);
     need[k] -= heavy[k].key;
@@ -362,20 +397,18 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
   place(negative, MinFirst());
 
   // Phase 3: repair.
+  // Deviations from the targets in key units; a pack is fine within target / tol_div.
   Vec pack_of(n, -1);
-  i64 placed_w = 0;
-  std::vector<i128> dev(packs);
+  std::vector<i128> dev(packs), tol(packs);
   for (i64 p = 0; p < packs; ++p) {
     i64 sw = 0;
     for (i64 i : members[p]) {
       pack_of[i] = p;
       sw += w[i];
     }
-    placed_w += sw;
-    dev[p] = static_cast<i128>(sw) * packs;
+    dev[p] = sw * unit - target[p];
+    tol[p] = target[p] / tol_div;
   }
-  for (i64 p = 0; p < packs; ++p) dev[p] -= placed_w;
-  const i128 tol = static_cast<i128>(placed_w) / tol_div;
   struct ByWeight {
     i64 vit, w, id;
   };
@@ -392,7 +425,7 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
   Vec work, next;
   std::vector<char> queued(packs, 0);
   for (i64 p = 0; p < packs; ++p)
-    if (abs128(dev[p]) > tol) work.push_back(p);
+    if (abs128(dev[p]) > tol[p]) work.push_back(p);
   // Partners beyond the window: the most deviating packs of the other sign, best pair swap.
   Vec over, under;
   auto extremes = [&](Vec& out, bool positive, size_t want) {
@@ -421,7 +454,7 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
     extremes(under, false, 2 * work.size() + partners);
     size_t next_over = 0, next_under = 0;
     for (i64 p : work) {
-      if (abs128(dev[p]) <= tol) continue;
+      if (abs128(dev[p]) <= tol[p]) continue;
       i128 best = abs128(dev[p]);
       i64 bx = -1, by = -1;
       auto consider = [&](i64 x, i64 y) {
@@ -430,7 +463,7 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
         if (pack_tokens[p] - tok[x] + tok[y] > token_budget ||
             pack_tokens[q] - tok[y] + tok[x] > token_budget)
           return;
-        const i128 delta = static_cast<i128>(w[x] - w[y]) * packs;
+        const i128 delta = (w[x] - w[y]) * unit;
         const i128 cost = std::max(abs128(dev[p] - delta), abs128(dev[q] + delta));
         if (cost < best) {
           best = cost;
@@ -440,7 +473,7 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
       };
       for (i64 x : members[p]) {
         const i64 c = vit[x], lo = cls_start[c], hi = cls_start[c + 1];
-        const i64 want = w[x] - static_cast<i64>(dev[p] / (2 * static_cast<i128>(packs)));
+        const i64 want = w[x] - static_cast<i64>(dev[p] / (2 * unit));
         const i64 k = std::lower_bound(by_w.begin() + lo, by_w.begin() + hi, want,
                                        [](const ByWeight& e, i64 value) { return e.w < value; }) -
                       by_w.begin();
@@ -451,7 +484,7 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
           for (i64 j = step > 0 ? k : k - 1, seen = 0;
                j >= lo && j < hi && taken < window && seen < 4 * window; j += step, ++seen) {
             const i64 q = pack_of[by_w[j].id];
-            if (dev[p] > 0 ? dev[q] > tol : dev[q] < -tol) continue;
+            if (dev[p] > 0 ? dev[q] > tol[q] : dev[q] < -tol[q]) continue;
             consider(x, by_w[j].id);
             taken += 1;
           }
@@ -470,7 +503,7 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
         continue;
       }
       const i64 q = pack_of[by];
-      const i128 delta = static_cast<i128>(w[bx] - w[by]) * packs;
+      const i128 delta = (w[bx] - w[by]) * unit;
       dev[p] -= delta;
       dev[q] += delta;
       pack_tokens[p] += tok[by] - tok[bx];
@@ -480,7 +513,7 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
       pack_of[bx] = q;
       pack_of[by] = p;
       for (i64 r : {p, q})
-        if (abs128(dev[r]) > tol && !queued[r]) {
+        if (abs128(dev[r]) > tol[r] && !queued[r]) {
           queued[r] = 1;
           next.push_back(r);
         }
@@ -548,7 +581,7 @@ PYBIND11_MODULE(_isf_core, m) {
 
   m.def("slot_balance", [](Arr vit, Arr weight, Arr tok, i64 vit_budget, i64 token_budget,
                            i64 packs, uint64_t seed, i64 repair_passes, i64 tol_div,
-                           i64 window, i64 partners, i64 ratio_lo) {
+                           i64 window, i64 partners, i64 ratio_lo, i64 ratio_hi) {
     check_same(vit, tok, "slot_balance");
     check_same(weight, tok, "slot_balance");
     if (packs < 1 || repair_passes < 0 || vit_budget < 0 || tol_div < 1 || window < 0 ||
@@ -563,11 +596,12 @@ PYBIND11_MODULE(_isf_core, m) {
     {
       py::gil_scoped_release release;
       r = slot_balance(v, weight.data(), tok.data(), vit.size(), vit_budget, token_budget,
-                       packs, seed, repair_passes, tol_div, window, partners, ratio_lo);
+                       packs, seed, repair_passes, tol_div, window, partners, ratio_lo,
+                       ratio_hi);
     }
     return py::make_tuple(to_numpy(r.samples), to_numpy(r.ptr), to_numpy(r.leftover));
   }, py::arg("vit"), py::arg("weight"), py::arg("tokens"), py::arg("vit_budget"),
      py::arg("token_budget"), py::arg("packs"), py::arg("seed"), py::arg("repair_passes"), py::arg("tol_div"),
-     py::arg("window"), py::arg("partners"), py::arg("ratio_lo"),
+     py::arg("window"), py::arg("partners"), py::arg("ratio_lo"), py::arg("ratio_hi"),
      "Slot balancing into `packs` packs: returns (samples, pack_ptr, leftover).");
 }

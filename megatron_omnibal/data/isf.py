@@ -39,7 +39,8 @@ TOLERANCE_DIV = 400      # repair packs whose weight is off the mean by more tha
 REPAIR_PASSES = 8        # passes of the swap repair
 REPAIR_WINDOW = 8        # swap candidates per sample on either side of the ideal weight
 REPAIR_PARTNERS = 4      # most-deviating packs of the other sign tried as swap partners
-LOW_RATIO_PERCENTILE = 10.0  # see low_ratio()
+LOW_RATIO_PERCENTILE = 10.0   # see ratio_band()
+HIGH_RATIO_PERCENTILE = 99.5
 MAX_RETRIES = 64
 
 
@@ -99,15 +100,18 @@ def pack_isf(vit: np.ndarray, tokens: np.ndarray, vit_budget: int, token_budget:
     return np.asarray(samples, np.int64), np.asarray(ptr, np.int64)
 
 
-def low_ratio(vit: np.ndarray, weight: np.ndarray) -> int:
-    """A low weight per tile of the data (x1024, integer): how lightly a pack's other tiles can
-    be filled, which decides how many tiles a heavy sample's pack gives up."""
+def ratio_band(vit: np.ndarray, weight: np.ndarray) -> tuple[int, int]:
+    """A low and a high weight per tile of the data (x1024, integers). The low one is how
+    lightly a pack's other tiles can be filled, which decides how many tiles a heavy sample's pack
+    gives up; the high one how much weight a pack short of tiles can still carry."""
     has = vit > 0
     if not has.any():
-        return 0
+        return 0, 0
     ratio = weight[has] / vit[has]
-    low = min(np.percentile(ratio, LOW_RATIO_PERCENTILE), weight[has].sum() / vit[has].sum())
-    return int(math.floor(low * 1024))
+    mean = weight[has].sum() / vit[has].sum()
+    low = min(np.percentile(ratio, LOW_RATIO_PERCENTILE), mean)
+    high = max(np.percentile(ratio, HIGH_RATIO_PERCENTILE), mean)
+    return int(math.floor(low * 1024)), int(math.ceil(high * 1024))
 
 
 def pack_slots(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_budget: int,
@@ -117,7 +121,7 @@ def pack_slots(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_budg
     vit, weight, tokens = (np.asarray(a, np.int64) for a in (vit, weight, tokens))
     out = _backend(reference).slot_balance(
         vit, weight, tokens, int(vit_budget), int(token_budget), int(packs), _u64(seed),
-        REPAIR_PASSES, TOLERANCE_DIV, REPAIR_WINDOW, REPAIR_PARTNERS, low_ratio(vit, weight))
+        REPAIR_PASSES, TOLERANCE_DIV, REPAIR_WINDOW, REPAIR_PARTNERS, *ratio_band(vit, weight))
     return tuple(np.asarray(a, np.int64) for a in out)
 
 

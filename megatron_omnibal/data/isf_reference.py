@@ -109,8 +109,8 @@ def _add_slot(slots: list[list[int]], c: int) -> None:
     slots.append([c, 1])
 
 
-def _tile_slots(count: list[int], vit_budget: int, packs: int, w_tiled: int, w_text: int,
-                tiles: list[int], cap: list[int]) -> list[list[list[int]]]:
+def _tile_slots(count: list[int], fill: int, vit_budget: int, packs: int, w_tiled: int,
+                w_text: int, tiles: list[int], cap: list[int]) -> list[list[list[int]]]:
     count = list(count)
     reach = [False] * (vit_budget + 1)
     _rebuild_reach(count, reach)
@@ -118,7 +118,7 @@ def _tile_slots(count: list[int], vit_budget: int, packs: int, w_tiled: int, w_t
     sum_v = sum(c * count[c] for c in range(1, vit_budget + 1)) + sum(tiles)
     total = list(count)
     placed = 0
-    limit = [vit_budget] * packs
+    limit = [fill] * packs
     for p in range(packs):
         if cap[p] >= 0:
             limit[p] = cap[p]
@@ -164,14 +164,17 @@ def _tile_slots(count: list[int], vit_budget: int, packs: int, w_tiled: int, w_t
 
 def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_budget: int,
                  token_budget: int, packs: int, seed: int, repair_passes: int, tol_div: int,
-                 window: int, partners: int, ratio_lo: int
+                 window: int, partners: int, ratio_lo: int, ratio_hi: int
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Slot balancing into `packs` packs: returns (samples, pack_ptr, leftover)."""
     v, w, tok = ([int(x) for x in a] for a in (vit, weight, tokens))
     n = len(v)
     shuffled = list(range(n))
     shuffle(shuffled, SplitMix64(seed))
-    sum_v, sum_w = sum(v), sum(w)
+    sum_v, sum_w, sum_t = sum(v), sum(w), sum(tok)
+    by_tokens = token_budget * sum_v // max(sum_t, 1)
+    fill = 0 if sum_v == 0 else min(vit_budget, max(max(v), min(by_tokens,
+                                                                (sum_v + packs - 1) // packs)))
     w_tiled = sum(w[i] for i in range(n) if v[i] > 0)
     w_text = sum_w - w_tiled
     count = [0] * (vit_budget + 1)
@@ -181,7 +184,7 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
     key = [packs * (w[i] * mulv - v[i] * sum_w) for i in range(n)]
 
     # Phase 0: heavy samples.
-    tv0 = min(vit_budget, (sum_v + packs - 1) // packs)
+    tv0 = fill
     heavy = []
     for r, i in enumerate(shuffled):
         c = v[i]
@@ -205,10 +208,22 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
         pre[h] = True
 
     # Phase 1: tile slots.
-    free = _tile_slots(count, vit_budget, packs, w_tiled, w_text, tiles, cap)
+    free = _tile_slots(count, fill, vit_budget, packs, w_tiled, w_text, tiles, cap)
 
     # Phase 2: samples into slots.
-    need = [sum_w * mulv - packs * tiles[p] * sum_w for p in range(packs)]
+    unit = mulv * packs
+    no_limit = (sum_w + 1) * unit
+    reach_w = [no_limit if cap[p] >= 0 or sum_v == 0 else tiles[p] * ratio_hi * unit // 1024
+               for p in range(packs)]
+    lo_w, hi_w = 0, sum_w
+    while lo_w < hi_w:
+        mid = (lo_w + hi_w) // 2
+        if sum(min(mid * unit, r) for r in reach_w) >= sum_w * unit:
+            hi_w = mid
+        else:
+            lo_w = mid + 1
+    target = [min(lo_w * unit, r) for r in reach_w]
+    need = [target[p] - packs * tiles[p] * sum_w for p in range(packs)]
     pack_tokens = [0] * packs
     members: list[list[int]] = [[] for _ in range(packs)]
     for k, (kh, _, h) in enumerate(heavy):
@@ -277,16 +292,11 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
     # Phase 3: repair.
     pack_of = [-1] * n
     dev = [0] * packs
-    placed_w = 0
     for p in range(packs):
-        sw = 0
         for i in members[p]:
             pack_of[i] = p
-            sw += w[i]
-        placed_w += sw
-        dev[p] = sw * packs
-    dev = [d - placed_w for d in dev]
-    tol = placed_w // tol_div
+        dev[p] = sum(w[i] for i in members[p]) * unit - target[p]
+    tol = [t // tol_div for t in target]
     by_w = sorted((i for i in range(n) if pack_of[i] >= 0), key=lambda i: (v[i], w[i], i))
     by_w_w = [w[i] for i in by_w]
     cls_start = [0] * (vit_budget + 2)
@@ -295,7 +305,7 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
     for c in range(vit_budget + 1):
         cls_start[c + 1] += cls_start[c]
     worse = lambda p: (-abs(dev[p]), p)  # noqa: E731
-    work = [p for p in range(packs) if abs(dev[p]) > tol]
+    work = [p for p in range(packs) if abs(dev[p]) > tol[p]]
     queued = [False] * packs
     for _ in range(repair_passes):
         if not work:
@@ -309,7 +319,7 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
         under = sorted((p for p in range(packs) if dev[p] < 0), key=worse)[:want_n]
         at = {True: 0, False: 0}  # next partner in `under` (p over) / `over` (p under)
         for p in work:
-            if abs(dev[p]) <= tol:
+            if abs(dev[p]) <= tol[p]:
                 continue
             best = [abs(dev[p]), -1, -1]
 
@@ -320,7 +330,7 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
                 if pack_tokens[p] - tok[x] + tok[y] > token_budget or \
                         pack_tokens[q] - tok[y] + tok[x] > token_budget:
                     return
-                delta = (w[x] - w[y]) * packs
+                delta = (w[x] - w[y]) * unit
                 cost = max(abs(dev[p] - delta), abs(dev[q] + delta))
                 if cost < best[0]:
                     best[:] = [cost, x, y]
@@ -328,14 +338,14 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
             for x in members[p]:
                 c = v[x]
                 lo, hi = cls_start[c], cls_start[c + 1]
-                want = w[x] - _trunc_div(dev[p], 2 * packs)
+                want = w[x] - _trunc_div(dev[p], 2 * unit)
                 k = bisect_left(by_w_w, want, lo, hi)
                 for step in (1, -1):
                     taken = seen = 0
                     j = k if step > 0 else k - 1
                     while lo <= j < hi and taken < window and seen < 4 * window:
                         q = pack_of[by_w[j]]
-                        if not (dev[q] > tol if dev[p] > 0 else dev[q] < -tol):
+                        if not (dev[q] > tol[q] if dev[p] > 0 else dev[q] < -tol[q]):
                             consider(x, by_w[j])
                             taken += 1
                         j += step
@@ -356,7 +366,7 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
                     nxt.append(p)
                 continue
             q = pack_of[by]
-            delta = (w[bx] - w[by]) * packs
+            delta = (w[bx] - w[by]) * unit
             dev[p] -= delta
             dev[q] += delta
             pack_tokens[p] += tok[by] - tok[bx]
@@ -365,7 +375,7 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
             members[q][members[q].index(by)] = bx
             pack_of[bx], pack_of[by] = q, p
             for r in (p, q):
-                if abs(dev[r]) > tol and not queued[r]:
+                if abs(dev[r]) > tol[r] and not queued[r]:
                     queued[r] = True
                     nxt.append(r)
         work = nxt

@@ -72,10 +72,13 @@ class BalancedBatchSampler:
                 self.epoch, self.step, self.micro = self.epoch + 1, 0, 0
                 continue
             batch = self._mine[index].tolist()
-            # Advance before yielding: state_dict() names the next micro-batch to train.
+            # Advance before yielding: state_dict() names the next micro-batch to train (the
+            # next epoch's first once this one is done).
             self.micro += 1
             if self.micro == self.micro_batches:
                 self.step, self.micro = self.step + 1, 0
+            if self.step == self._steps:
+                self.epoch, self.step = self.epoch + 1, 0
             yield batch
 
     def state_dict(self) -> dict:

@@ -1,0 +1,163 @@
+"""balance(): every sample exactly once, budgets kept, oversize policies, layout, determinism,
+and that our default beats ISF on the real data."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_omnibal.data import metrics
+from megatron_omnibal.data.budgets import auto_budget
+from megatron_omnibal.data.isf import CostModel, balance
+from megatron_omnibal.data.lengths import from_arrays, load_lengths
+from megatron_omnibal.data.plan_io import load_plan, save_plan
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "internvl_subset.npz"
+
+
+@pytest.fixture(scope="module")
+def real():
+    return load_lengths(EXAMPLE)
+
+
+@pytest.fixture(scope="module")
+def subset(real):
+    return real.subset(np.random.default_rng(0).permutation(len(real))[:6000])
+
+
+def _pack_sums(plan, values):
+    pid = np.repeat(np.arange(plan.num_packs), np.diff(plan.pack_ptr))
+    return np.bincount(pid, values[plan.samples], plan.num_packs)
+
+
+def _check_plan(plan, lengths, dp, micro, vb, tb):
+    plan.check(len(lengths))  # exactly once, full (step, rank, micro) grid
+    trained = np.sort(plan.samples)
+    assert np.array_equal(np.sort(np.concatenate([trained, plan.skipped])),
+                          np.arange(len(lengths)))
+    assert plan.num_packs == plan.num_steps * dp * micro
+    assert _pack_sums(plan, lengths.vit).max() <= vb
+    assert _pack_sums(plan, lengths.tokens).max() <= tb
+    slots = (plan.pack_step * dp + plan.pack_rank) * micro + plan.pack_micro
+    assert np.array_equal(slots, np.sort(slots))  # stored in (step, rank, micro) order
+
+
+@pytest.mark.parametrize("algorithm", ["default", "isf"])
+@pytest.mark.parametrize("mode", ["random", "grouped"])
+@pytest.mark.parametrize("micro", [1, 3])
+def test_every_sample_once_within_budgets(subset, algorithm, mode, micro):
+    plan = balance(subset, dp_size=8, micro_batches=micro, vit_budget=18, token_budget=6016,
+                   seed=3, mode=mode, algorithm=algorithm)
+    _check_plan(plan, subset, 8, micro, 18, 6016)
+    assert len(plan.skipped) == 0
+
+
+def test_deterministic_for_a_seed(subset):
+    kw = dict(dp_size=4, micro_batches=2, vit_budget=18, token_budget=6016)
+    a, b = balance(subset, seed=5, **kw), balance(subset, seed=5, **kw)
+    c = balance(subset, seed=6, **kw)
+    for name in ("samples", "pack_ptr", "pack_step", "pack_rank", "pack_micro"):
+        assert np.array_equal(getattr(a, name), getattr(b, name))
+    assert not np.array_equal(a.samples, c.samples)
+
+
+def test_reference_backend_gives_the_same_plan(real):
+    small = real.subset(np.arange(0, len(real), 250))  # 283 samples, all four datasets
+    kw = dict(dp_size=4, micro_batches=1, vit_budget=18, token_budget=6016, seed=2)
+    for algorithm in ("default", "isf"):
+        a = balance(small, algorithm=algorithm, **kw)
+        b = balance(small, algorithm=algorithm, reference=True, **kw)
+        assert np.array_equal(a.samples, b.samples) and np.array_equal(a.pack_ptr, b.pack_ptr)
+
+
+def _with_oversize():
+    rng = np.random.default_rng(1)
+    vit = rng.integers(1, 6, 400)
+    tokens = 256 * vit + rng.integers(50, 500, 400)
+    vit[[7, 100]] = 30            # too many tiles
+    tokens[[55]] = 9000           # too many tokens
+    return from_arrays(vit, tokens), {7, 55, 100}
+
+
+def test_oversize_error_names_the_sample():
+    lengths, _ = _with_oversize()
+    with pytest.raises(ValueError, match=r"sample 7 .*vit_num=30.*3 such sample"):
+        balance(lengths, dp_size=2, vit_budget=18, token_budget=6016)
+
+
+def test_oversize_solo_and_skip():
+    lengths, over = _with_oversize()
+    solo = balance(lengths, dp_size=2, vit_budget=18, token_budget=6016, oversize="solo")
+    solo.check(len(lengths))
+    packs = [set(solo.pack(p).tolist()) for p in range(solo.num_packs)]
+    for i in over:
+        assert {i} in packs  # a pack of its own
+    skip = balance(lengths, dp_size=2, vit_budget=18, token_budget=6016, oversize="skip")
+    skip.check(len(lengths))
+    assert set(skip.skipped.tolist()) == over
+    _check_plan(skip, lengths, 2, 1, 18, 6016)
+
+
+def test_tiny_inputs_fill_the_grid():
+    lengths = from_arrays([1, 2, 3], [300, 600, 900])
+    plan = balance(lengths, dp_size=4, micro_batches=2, vit_budget=18, token_budget=6016)
+    _check_plan(plan, lengths, 4, 2, 18, 6016)
+    assert plan.num_steps == 1  # 8 packs, 5 of them empty
+
+
+def test_bad_arguments_are_named(subset):
+    with pytest.raises(ValueError, match="dp_size"):
+        balance(subset, dp_size=0, vit_budget=18, token_budget=6016)
+    with pytest.raises(ValueError, match="mode"):
+        balance(subset, dp_size=2, vit_budget=18, token_budget=6016, mode="sorted")
+    with pytest.raises(ValueError, match="oversize"):
+        balance(subset, dp_size=2, vit_budget=18, token_budget=6016, oversize="drop")
+
+
+def test_default_beats_isf_and_random_on_real_data(real):
+    kw = dict(dp_size=64, micro_batches=1, vit_budget=18, token_budget=6016, seed=0)
+    ours = metrics.summarize(balance(real, **kw), real)
+    isf = metrics.summarize(balance(real, algorithm="isf", **kw), real)
+    rnd = metrics.summarize(metrics.random_batching(real, dp_size=64, micro_batches=1,
+                                                    samples_per_micro=4), real, packed=False)
+    assert ours["tokens_max_mean"] < isf["tokens_max_mean"] - 0.05
+    assert ours["tokens_max_mean"] <= 1.02 and ours["tiles_max_mean"] <= 1.02
+    assert ours["mix_skew_ratio"] <= 1.0  # mix no more skewed than a plain shuffle's
+    assert rnd["tokens_max_mean"] > 1.25
+    grouped = metrics.summarize(balance(real, mode="grouped", **kw), real)
+    assert grouped["tokens_max_mean"] <= 1.005 and grouped["tiles_max_mean"] <= 1.005
+
+
+def test_cost_model_balances_attention(subset):
+    cost = CostModel(0.0, 1.0, 1.0 / 256)
+    kw = dict(dp_size=8, vit_budget=18, token_budget=6016, seed=1)
+    by_tokens = metrics.summarize(balance(subset, **kw), subset, cost)
+    by_cost = metrics.summarize(balance(subset, cost=cost, **kw), subset, cost)
+    assert by_cost["cost_max_mean"] < by_tokens["cost_max_mean"]
+    with pytest.raises(ValueError, match="three numbers"):
+        CostModel.parse("1,2")
+
+
+def test_auto_budget(real):
+    vb, tb = auto_budget(real, samples_per_pack=4)
+    assert vb >= real.vit.max() and tb >= real.tokens.max()
+    assert abs(vb / real.vit.mean() - 4) < 0.5
+    assert tb % 64 == 0
+    per_tile = real.tokens.sum() / real.vit.sum()
+    assert vb * per_tile <= tb <= vb * per_tile * 1.1
+    vb2, tb2 = auto_budget(real, samples_per_pack=8, max_token_budget=4096)
+    assert tb2 <= 4096 and vb2 * per_tile <= 4096
+
+
+def test_plan_file_round_trip(subset, tmp_path):
+    plan = balance(subset, dp_size=4, micro_batches=2, vit_budget=18, token_budget=6016)
+    save_plan(plan, tmp_path / "plan.npz")
+    back = load_plan(tmp_path / "plan.npz")
+    for name in ("samples", "pack_ptr", "pack_step", "pack_rank", "pack_micro", "skipped"):
+        assert np.array_equal(getattr(back, name), getattr(plan, name))
+    assert back.meta["dp"] == 4 and back.meta["algorithm"] == "default"
+    with np.load(tmp_path / "plan.npz") as z:
+        assert z["samples"].dtype == np.int64 and z["meta"].shape == ()
+    np.savez(tmp_path / "bad.npz", samples=plan.samples)
+    with pytest.raises(ValueError, match="missing pack_ptr"):
+        load_plan(tmp_path / "bad.npz")

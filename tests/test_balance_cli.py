@@ -1,0 +1,45 @@
+"""`omnibal balance` end to end: table, plan file, JSON figures, argument errors."""
+
+import json
+
+import numpy as np
+import pytest
+
+from megatron_omnibal.cli import main
+from megatron_omnibal.data.lengths import from_arrays, load_lengths, save_lengths
+from megatron_omnibal.data.plan_io import load_plan
+
+
+@pytest.fixture()
+def lengths_file(tmp_path):
+    rng = np.random.default_rng(0)
+    vit = rng.integers(1, 6, 2000)
+    stats = from_arrays(vit, 256 * vit + rng.integers(40, 800, 2000))
+    path = tmp_path / "lengths.jsonl"
+    save_lengths(stats, path)
+    return path
+
+
+@pytest.mark.parametrize("extra", [[], ["--algorithm", "isf"], ["--mode", "grouped"],
+                                   ["--auto-budget", "--samples-per-pack", "3"]])
+def test_balance_writes_a_valid_plan(lengths_file, tmp_path, capsys, extra):
+    budgets = [] if "--auto-budget" in extra else ["--vit-budget", "18", "--token-budget", "6016"]
+    out, figures = tmp_path / "plan.npz", tmp_path / "figures.json"
+    code = main(["balance", str(lengths_file), "--dp", "8", "--micro-batches", "2",
+                 *budgets, *extra, "--out", str(out), "--json", str(figures)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "tokens max/mean" in text and "random batching" in text and "took" in text
+    plan = load_plan(out)
+    plan.check(len(load_lengths(lengths_file)))
+    doc = json.loads(figures.read_text())
+    assert doc["meta"]["dp"] == 8 and doc["plan"]["steps"] == plan.num_steps
+    assert doc["random_batching"]["tokens_max_mean"] > doc["plan"]["tokens_max_mean"]
+
+
+def test_balance_argument_errors(lengths_file, capsys):
+    assert main(["balance", str(lengths_file), "--dp", "8"]) == 2
+    assert "--auto-budget" in capsys.readouterr().err
+    assert main(["balance", str(lengths_file), "--dp", "8", "--vit-budget", "2",
+                 "--token-budget", "6016"]) == 2
+    assert "exceeds the budgets" in capsys.readouterr().err

@@ -1,0 +1,122 @@
+"""The C++ balancing core against its pure-Python reference, and both against the spec."""
+
+import numpy as np
+import pytest
+
+from megatron_omnibal import _isf_core as core
+from megatron_omnibal.data import isf_reference as ref
+from megatron_omnibal.data.isf import ratio_band
+
+
+def _samples(rng, n, vmax=5, with_text=False):
+    low = 0 if with_text else 1
+    vit = rng.integers(low, vmax + 1, n)
+    tokens = 256 * vit + rng.integers(30, 900, n)
+    return vit.astype(np.int64), tokens.astype(np.int64)
+
+
+def test_splitmix64_known_answers():
+    # Published splitmix64 outputs for seed 0 (Vigna's reference implementation).
+    expected = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    assert core.random_u64(0, 3).tolist() == expected
+    assert ref.random_u64(0, 3).tolist() == expected
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**63 + 5, 2**64 - 1])
+def test_rng_and_permutation_match_reference(seed):
+    assert np.array_equal(core.random_u64(seed, 50), ref.random_u64(seed, 50))
+    for n in (0, 1, 2, 17, 1000):
+        perm = core.permutation(n, seed)
+        assert np.array_equal(perm, ref.permutation(n, seed))
+        assert sorted(perm.tolist()) == list(range(n))
+
+
+def test_permutation_is_roughly_uniform():
+    # Position of element 0 over many seeds: every slot of 5 is hit about equally often.
+    hits = np.bincount([int(np.flatnonzero(core.permutation(5, s) == 0)[0])
+                        for s in range(5000)], minlength=5)
+    assert hits.min() > 850 and hits.max() < 1150
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_isf_matches_reference(seed):
+    rng = np.random.default_rng(seed)
+    vit, tokens = _samples(rng, int(rng.integers(1, 400)))
+    vb, tb = int(rng.integers(5, 20)), int(rng.integers(2400, 6000))
+    args = (vit, tokens, vb, tb, tb - 128, int(rng.integers(1, 6)), seed * 7)
+    a, b = core.isf(*args), ref.isf(*args)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _spec_isf(vit, tokens, vb, tb, thresh, rounds, seed):
+    """ISF as OmniBal describes it, written out plainly (keeps the last open pack)."""
+    ids = list(range(len(vit)))
+    out = []
+    for r in range(rounds):
+        if not ids:
+            break
+        order = [ids[i] for i in ref.permutation(len(ids), seed + r)]
+        packs, cur, sv, st = [], [], 0, 0
+        for i in order:
+            if cur and (sv + vit[i] > vb or st + tokens[i] > tb):
+                packs.append(cur)
+                cur, sv, st = [], 0, 0
+            cur.append(i)
+            sv += vit[i]
+            st += tokens[i]
+        if cur:
+            packs.append(cur)
+        rest = []
+        for p in packs:
+            full = sum(vit[i] for i in p) == vb or sum(tokens[i] for i in p) >= thresh
+            (out.append(p) if r == rounds - 1 or full else rest.extend(p))
+        ids = rest
+    return out
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 4])
+def test_isf_follows_the_spec(rounds):
+    rng = np.random.default_rng(rounds)
+    vit, tokens = _samples(rng, 300)
+    samples, ptr = core.isf(vit, tokens, 12, 3500, 3400, rounds, 11)
+    got = [samples[a:b].tolist() for a, b in zip(ptr[:-1], ptr[1:], strict=True)]
+    assert got == _spec_isf(vit.tolist(), tokens.tolist(), 12, 3500, 3400, rounds, 11)
+    assert sorted(samples.tolist()) == list(range(300))  # none lost, none duplicated
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_slot_balance_matches_reference(case):
+    rng = np.random.default_rng(100 + case)
+    n = int(rng.integers(1, 500))
+    vit, tokens = _samples(rng, n, vmax=int(rng.integers(1, 6)), with_text=case % 2 == 1)
+    weight = tokens if case % 3 else tokens + tokens**2 // 512  # cost-like weights too
+    vb = int(max(vit.max(), rng.integers(5, 20)))
+    tb = int(max(tokens.max(), rng.integers(2000, 6000)))
+    packs = max(1, int(np.ceil(max(vit.sum() / max(vb, 1), tokens.sum() / tb))))
+    packs += int(rng.integers(0, 3))
+    args = (vit, weight, tokens, vb, tb, packs, case, 6, 400, 6, 3, *ratio_band(vit, weight))
+    a, b = core.slot_balance(*args), ref.slot_balance(*args)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_slot_balance_places_every_sample_once_within_budgets(case):
+    rng = np.random.default_rng(case)
+    vit, tokens = _samples(rng, 3000, with_text=case % 2 == 1)
+    vb, tb = 18, 6000
+    packs = int(np.ceil(vit.sum() / vb)) + 20
+    samples, ptr, leftover = core.slot_balance(vit, tokens, tokens, vb, tb, packs, case, 8, 400,
+                                               8, 4, *ratio_band(vit, tokens))
+    assert len(ptr) == packs + 1
+    assert sorted(np.concatenate([samples, leftover]).tolist()) == list(range(3000))
+    pid = np.repeat(np.arange(packs), np.diff(ptr))
+    assert np.bincount(pid, vit[samples], packs).max() <= vb
+    assert np.bincount(pid, tokens[samples], packs).max() <= tb
+
+
+def test_slot_balance_rejects_bad_input():
+    v = np.array([1, 9])
+    with pytest.raises(ValueError, match="vit values"):
+        core.slot_balance(v, v, v, 5, 100, 2, 0, 1, 400, 8, 4, 0, 0)
+    with pytest.raises(ValueError, match="equal length"):
+        core.slot_balance(v, v[:1], v, 9, 100, 2, 0, 1, 400, 8, 4, 0, 0)
