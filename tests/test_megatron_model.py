@@ -174,3 +174,23 @@ def test_no_image_micro_batch_completes(results: Path) -> None:
         n_samples = sum(len(b) for b in BATCHES)
         assert len(losses) == (n_samples if case.get("split_samples") else len(BATCHES))
         assert all(x[0] > 0 and x[1] > 0 for x in losses)
+
+
+def test_checkpoint_keys_and_layer_numbers_are_global(results: Path) -> None:
+    """Every split's stages together hold exactly the PP=1 checkpoint shards (key, global
+    offset, global shape), each once, and their layers carry the global (1-based) numbers of
+    their layout range: a checkpoint of one plan loads into another plan's split."""
+    ref = torch.load(results / "pp1.stage0.pt")["checkpoint_keys"]
+    qkv = [k for k in ref if k[0] == "vit.layers.self_attention.linear_qkv.weight"]
+    assert [k[1][0] for k in qkv] == [0, 1, 2, 3] and qkv[0][2][0] == 4  # layer axis
+    for case in CASES:
+        keys: list[str] = []
+        for f in sorted(results.glob(f"{case['name']}.stage*.pt")):
+            r = torch.load(f)
+            keys += r["checkpoint_keys"]
+            stage = int(f.name.rsplit("stage", 1)[1].split(".")[0])
+            for tower in ("vit", "llm"):
+                first = sum(case[tower][:stage])
+                want = list(range(first + 1, first + case[tower][stage] + 1))
+                assert r["layer_numbers"].get(tower, []) == want, (case["name"], stage, tower)
+        assert sorted(keys) == ref, case["name"]

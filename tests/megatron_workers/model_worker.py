@@ -99,6 +99,30 @@ def reference_weights(spec: VLMSpec, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
+def checkpoint_shards(model: torch.nn.Module) -> list[tuple]:
+    """(key, global offset, global shape) of every shard in the model's sharded state dict
+    (factories, e.g. the SwiGLU fc1 split, built into their shards)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+    def walk(x):
+        if isinstance(x, ShardedTensorFactory):
+            yield from walk(x.build())
+        elif isinstance(x, dict):
+            for v in x.values():
+                yield from walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from walk(v)
+        else:
+            yield x
+
+    shards, _ = extract_sharded_base(list(walk(model.sharded_state_dict())))
+    return sorted(
+        (v.key, tuple(v.global_offset), tuple(getattr(v, "global_shape", ()))) for v in walk(shards)
+    )
+
+
 def run_case(spec: VLMSpec, case: dict, weights: dict, batches: list, seed: int, out: Path):
     model = build(spec, case, seed)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -126,6 +150,14 @@ def run_case(spec: VLMSpec, case: dict, weights: dict, batches: list, seed: int,
         result = {
             "losses": [x["lm loss"].tolist() for x in losses] if losses else [],
             "grads": grads,
+            # Checkpoint shards (megatron-core stacks a tower's layers along a global layer
+            # axis: the offset holds the global layer index) and layer numbers.
+            "checkpoint_keys": checkpoint_shards(model),
+            "layer_numbers": {
+                tower: [layer.layer_number for layer in getattr(model, tower).layers]
+                for tower in ("vit", "llm")
+                if getattr(model, tower) is not None
+            },
         }
         torch.save(result, out / f"{case['name']}.stage{ps.get_pipeline_model_parallel_rank()}.pt")
 
