@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from megatron_omnibal.planner.costs import GROUP_NONE, GROUP_VIT, LayerCosts
+from megatron_omnibal.planner.exact import certify
 from megatron_omnibal.planner.memory import (
     GIB_MIB,
     inflight_1f1b,
@@ -233,6 +234,8 @@ def search(
     refine: int = 8,
     max_evaluations: int = 64,
     max_simulated_ops: int = 100_000,
+    tolerance: float | None = 1e-3,
+    max_nodes: int = 200_000,
 ) -> Partition:
     """The fastest partition under the exact 1F1B simulation, found through two exact DPs.
 
@@ -241,6 +244,9 @@ def search(
     most `max_evaluations` simulations). `lower_bound_ms` of the result bounds every
     partition's step from below, so step_ms / lower_bound_ms - 1 certifies the gap.
     Simulations are capped at `max_simulated_ops` operations in all (never below 12 runs).
+    With a `tolerance`, unless that bound already certifies the polished split, branch and
+    bound (`exact.certify`) proves the result within `tolerance` of the true optimum (or
+    replaces it); `max_nodes` caps its work, and `lower_bound_ms` stays valid either way.
     """
     runs = max(12, max_simulated_ops // (2 * pp * problem.m))
     refine = max(1, min(refine, runs // 2))
@@ -254,7 +260,35 @@ def search(
         ranked.append(bmp(problem, pp).bounds)
     best_part = min((problem.evaluate(b) for b in ranked), key=lambda p: p.step_ms)
     best_part = _polish(problem, tables, best_part, max_evaluations)
-    return replace(best_part, lower_bound_ms=lower)
+    if tolerance is not None and best_part.step_ms > lower * (1 + tolerance):
+        forward = forward_table(problem.costs)
+        cert = certify(
+            forward,
+            [
+                np.subtract(t, forward, out=np.full_like(t, np.inf), where=np.isfinite(t))
+                for t in tables
+            ],
+            problem.p2p,
+            problem.m,
+            best_part.bounds,
+            tolerance=tolerance,
+            max_nodes=max_nodes,
+        )
+        if cert.step_ms < best_part.step_ms * (1 - 1e-12):
+            best_part = problem.evaluate(cert.bounds)
+        lower = max(lower, cert.lower_bound_ms)
+    return replace(best_part, lower_bound_ms=min(lower, best_part.step_ms))
+
+
+def forward_table(costs: LayerCosts) -> np.ndarray:
+    """(U+1, U+1): forward ms of segment [lo, hi) with the pinned first/last work; inf if empty."""
+    u = len(costs)
+    cum = np.concatenate([[0.0], np.cumsum(costs.forward_ms)])
+    out = cum[None, :] - cum[:, None]
+    out[0, :] += float(costs.first.forward_ms)
+    out[:, u] += float(costs.last.forward_ms)
+    out[np.tril_indices(u + 1)] = np.inf
+    return out
 
 
 def _min_lower_bound(
