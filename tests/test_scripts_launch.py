@@ -214,7 +214,14 @@ def test_two_nodes_meet_at_the_rendezvous(tmp_path: Path) -> None:
         )
         for rank in (0, 1)
     ]
-    outputs = [node.communicate(timeout=60) for node in nodes]
+    try:
+        # A few seconds on idle cores; the margin is for a loaded machine.
+        outputs = [node.communicate(timeout=180) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:  # torchrun stops its workers on SIGTERM
+                node.terminate()
+                node.communicate(timeout=30)
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, err
     for rank, (out, _) in enumerate(outputs):
