@@ -158,10 +158,11 @@ void add_slot(std::vector<std::pair<i64, i64>>& slots, i64 c) {
   slots.emplace_back(c, 1);
 }
 
-// Phase 1. `count`: samples per tile count not yet placed; `tiles`: tiles already placed per
+// Phase 1. `count`: samples per tile count not yet placed (on return: those that found no
+// slot); `tiles`: tiles already placed per
 // pack; `cap`: a pack's tile target if not the budget. w_tiled / w_text: weight of
 // the samples with / without tiles (text-only slots go where expected weight is lowest).
-Slots tile_slots(Vec count, i64 fill, i64 vit_budget, i64 packs, i64 w_tiled, i64 w_text,
+Slots tile_slots(Vec& count, i64 fill, i64 vit_budget, i64 packs, i64 w_tiled, i64 w_text,
                  Vec& tiles, const Vec& cap) {
   std::vector<char> reach(vit_budget + 1);
   rebuild_reach(count, reach);
@@ -236,8 +237,8 @@ struct Keyed {
 };
 
 SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64 vit_budget,
-                        i64 token_budget, i64 packs, uint64_t seed, i64 repair_passes,
-                        i64 tol_div, i64 window, i64 partners, i64 ratio_lo,
+                        i64 token_budget, i64 packs_in, i64 grow, uint64_t seed,
+                        i64 repair_passes, i64 tol_div, i64 window, i64 partners, i64 ratio_lo,
                         i64 ratio_hi) {
   Vec shuffled(n);
   for (i64 i = 0; i < n; ++i) shuffled[i] = i;
@@ -253,51 +254,65 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
     count[vit[i]] += 1;
     vmax = std::max(vmax, vit[i]);
   }
-  // Tiles of a full pack: the tile budget, or fewer if the token budget binds first at the
-  // data's tokens per tile, or if fewer suffice to hold all tiles in `packs` packs (never fewer
-  // than the largest sample's tiles).
-  const i64 by_tokens =
-      static_cast<i64>(static_cast<i128>(token_budget) * sum_v / std::max<i64>(sum_t, 1));
-  const i64 fill = sum_v == 0 ? 0
-                              : std::min<i64>(vit_budget,
-                                              std::max<i64>(vmax, std::min<i64>(
-                                                  by_tokens, (sum_v + packs - 1) / packs)));
   const i128 mulv = sum_v > 0 ? sum_v : 1;
+  // Phases 0 and 1 for `packs` packs; while tiles are left over, more packs (`grow` at a time).
+  i64 packs = packs_in, fill = 0;
   std::vector<i128> key(n);
-  for (i64 i = 0; i < n; ++i)
-    key[i] = static_cast<i128>(packs) *
-             (static_cast<i128>(w[i]) * mulv - static_cast<i128>(vit[i]) * sum_w);
-
-  // Phase 0: heavy samples.
-  const i64 tv0 = fill;
   std::vector<Keyed> heavy;
-  for (i64 r = 0; r < n; ++r) {
-    const i64 i = shuffled[r], c = vit[i];
-    if (c == 0 || c > tv0) continue;
-    const i128 excess = 1024 * (static_cast<i128>(w[i]) * sum_v - static_cast<i128>(c) * sum_w);
-    const i128 offset = static_cast<i128>(tv0 - c) *
-                        (1024 * static_cast<i128>(sum_w) - static_cast<i128>(ratio_lo) * sum_v);
-    if (excess > offset) heavy.push_back({key[i], r, i});
-  }
-  std::sort(heavy.begin(), heavy.end(), [](const Keyed& a, const Keyed& b) {
-    return a.key != b.key ? a.key > b.key : a.rank < b.rank;
-  });
-  if (static_cast<i64>(heavy.size()) > packs) heavy.resize(packs);
-  Vec tiles(packs, 0), cap(packs, -1);
-  std::vector<char> pre(n, 0);
-  for (size_t k = 0; k < heavy.size(); ++k) {
-    const i64 h = heavy[k].id, c = vit[h];
-    const i128 room_w = static_cast<i128>(sum_w) - static_cast<i128>(packs) * w[h];
-    const i128 more =
-        room_w > 0 && ratio_lo > 0 ? room_w * 1024 / (static_cast<i128>(packs) * ratio_lo) : 0;
-    cap[k] = c + static_cast<i64>(std::min<i128>(tv0 - c, more));
-    tiles[k] = c;
-    count[c] -= 1;
-    pre[h] = 1;
-  }
+  Vec tiles, cap;
+  std::vector<char> pre;
+  Slots free;
+  while (true) {
+    // Tiles of a full pack: the tile budget, or fewer if the token budget binds first at the
+    // data's tokens per tile, or if fewer suffice to hold all tiles (never fewer than the
+    // largest sample's tiles).
+    const i64 by_tokens =
+        static_cast<i64>(static_cast<i128>(token_budget) * sum_v / std::max<i64>(sum_t, 1));
+    fill = sum_v == 0 ? 0
+                      : std::min<i64>(vit_budget,
+                                      std::max<i64>(vmax, std::min<i64>(
+                                          by_tokens, (sum_v + packs - 1) / packs)));
+    for (i64 i = 0; i < n; ++i)
+      key[i] = static_cast<i128>(packs) *
+               (static_cast<i128>(w[i]) * mulv - static_cast<i128>(vit[i]) * sum_w);
 
-  // Phase 1: tile slots.
-  Slots free = tile_slots(count, fill, vit_budget, packs, w_tiled, w_text, tiles, cap);
+    // Phase 0: heavy samples.
+    heavy.clear();
+    for (i64 r = 0; r < n; ++r) {
+      const i64 i = shuffled[r], c = vit[i];
+      if (c == 0 || c > fill) continue;
+      const i128 excess =
+          1024 * (static_cast<i128>(w[i]) * sum_v - static_cast<i128>(c) * sum_w);
+      const i128 offset = static_cast<i128>(fill - c) *
+                          (1024 * static_cast<i128>(sum_w) - static_cast<i128>(ratio_lo) * sum_v);
+      if (excess > offset) heavy.push_back({key[i], r, i});
+    }
+    std::sort(heavy.begin(), heavy.end(), [](const Keyed& a, const Keyed& b) {
+      return a.key != b.key ? a.key > b.key : a.rank < b.rank;
+    });
+    if (static_cast<i64>(heavy.size()) > packs) heavy.resize(packs);
+    tiles.assign(packs, 0);
+    cap.assign(packs, -1);
+    pre.assign(n, 0);
+    Vec left(count);
+    for (size_t k = 0; k < heavy.size(); ++k) {
+      const i64 h = heavy[k].id, c = vit[h];
+      const i128 room_w = static_cast<i128>(sum_w) - static_cast<i128>(packs) * w[h];
+      const i128 more = room_w > 0 && ratio_lo > 0
+                            ? room_w * 1024 / (static_cast<i128>(packs) * ratio_lo) : 0;
+      cap[k] = c + static_cast<i64>(std::min<i128>(fill - c, more));
+      tiles[k] = c;
+      left[c] -= 1;
+      pre[h] = 1;
+    }
+
+    // Phase 1: tile slots.
+    free = tile_slots(left, fill, vit_budget, packs, w_tiled, w_text, tiles, cap);
+    i64 short_tiles = 0;
+    for (i64 c = 1; c <= vit_budget; ++c) short_tiles += c * left[c];
+    if (short_tiles == 0 || grow <= 0) break;
+    packs += grow * std::max<i64>(1, (short_tiles + fill * grow - 1) / (fill * grow));
+  }
 
   // Phase 2: samples into slots.
   std::vector<i128> need(packs);
@@ -580,7 +595,7 @@ PYBIND11_MODULE(_isf_core, m) {
      "OmniBal ISF: returns (samples, pack_ptr) over positions of the input arrays.");
 
   m.def("slot_balance", [](Arr vit, Arr weight, Arr tok, i64 vit_budget, i64 token_budget,
-                           i64 packs, uint64_t seed, i64 repair_passes, i64 tol_div,
+                           i64 packs, i64 grow, uint64_t seed, i64 repair_passes, i64 tol_div,
                            i64 window, i64 partners, i64 ratio_lo, i64 ratio_hi) {
     check_same(vit, tok, "slot_balance");
     check_same(weight, tok, "slot_balance");
@@ -596,12 +611,14 @@ PYBIND11_MODULE(_isf_core, m) {
     {
       py::gil_scoped_release release;
       r = slot_balance(v, weight.data(), tok.data(), vit.size(), vit_budget, token_budget,
-                       packs, seed, repair_passes, tol_div, window, partners, ratio_lo,
+                       packs, grow, seed, repair_passes, tol_div, window, partners, ratio_lo,
                        ratio_hi);
     }
     return py::make_tuple(to_numpy(r.samples), to_numpy(r.ptr), to_numpy(r.leftover));
   }, py::arg("vit"), py::arg("weight"), py::arg("tokens"), py::arg("vit_budget"),
-     py::arg("token_budget"), py::arg("packs"), py::arg("seed"), py::arg("repair_passes"), py::arg("tol_div"),
+     py::arg("token_budget"), py::arg("packs"), py::arg("grow"), py::arg("seed"), py::arg("repair_passes"),
+     py::arg("tol_div"),
      py::arg("window"), py::arg("partners"), py::arg("ratio_lo"), py::arg("ratio_hi"),
-     "Slot balancing into `packs` packs: returns (samples, pack_ptr, leftover).");
+     "Slot balancing into `packs` packs (more, `grow` at a time, while tiles do not fit): "
+     "returns (samples, pack_ptr, leftover).");
 }

@@ -94,7 +94,8 @@ def test_slot_balance_matches_reference(case):
     tb = int(max(tokens.max(), rng.integers(2000, 6000)))
     packs = max(1, int(np.ceil(max(vit.sum() / max(vb, 1), tokens.sum() / tb))))
     packs += int(rng.integers(0, 3))
-    args = (vit, weight, tokens, vb, tb, packs, case, 6, 400, 6, 3, *ratio_band(vit, weight))
+    grow = int(rng.integers(0, 3))
+    args = (vit, weight, tokens, vb, tb, packs, grow, case, 6, 400, 6, 3, *ratio_band(vit, weight))
     a, b = core.slot_balance(*args), ref.slot_balance(*args)
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
@@ -105,8 +106,8 @@ def test_slot_balance_places_every_sample_once_within_budgets(case):
     vit, tokens = _samples(rng, 3000, with_text=case % 2 == 1)
     vb, tb = 18, 6000
     packs = int(np.ceil(vit.sum() / vb)) + 20
-    samples, ptr, leftover = core.slot_balance(vit, tokens, tokens, vb, tb, packs, case, 8, 400,
-                                               8, 4, *ratio_band(vit, tokens))
+    samples, ptr, leftover = core.slot_balance(vit, tokens, tokens, vb, tb, packs, 0, case, 8,
+                                               400, 8, 4, *ratio_band(vit, tokens))
     assert len(ptr) == packs + 1
     assert sorted(np.concatenate([samples, leftover]).tolist()) == list(range(3000))
     pid = np.repeat(np.arange(packs), np.diff(ptr))
@@ -117,6 +118,6 @@ def test_slot_balance_places_every_sample_once_within_budgets(case):
 def test_slot_balance_rejects_bad_input():
     v = np.array([1, 9])
     with pytest.raises(ValueError, match="vit values"):
-        core.slot_balance(v, v, v, 5, 100, 2, 0, 1, 400, 8, 4, 0, 0)
+        core.slot_balance(v, v, v, 5, 100, 2, 0, 0, 1, 400, 8, 4, 0, 0)
     with pytest.raises(ValueError, match="equal length"):
-        core.slot_balance(v, v[:1], v, 9, 100, 2, 0, 1, 400, 8, 4, 0, 0)
+        core.slot_balance(v, v[:1], v, 9, 100, 2, 0, 0, 1, 400, 8, 4, 0, 0)

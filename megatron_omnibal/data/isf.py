@@ -115,13 +115,15 @@ def ratio_band(vit: np.ndarray, weight: np.ndarray) -> tuple[int, int]:
 
 
 def pack_slots(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_budget: int,
-               token_budget: int, packs: int, *, seed: int = 0, reference: bool = False
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Slot balancing into exactly `packs` packs: (samples, pack_ptr, leftover)."""
+               token_budget: int, packs: int, *, grow: int = 0, seed: int = 0,
+               reference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Slot balancing into `packs` packs, `grow` more at a time while the tiles do not fit:
+    (samples, pack_ptr, leftover)."""
     vit, weight, tokens = (np.asarray(a, np.int64) for a in (vit, weight, tokens))
     out = _backend(reference).slot_balance(
-        vit, weight, tokens, int(vit_budget), int(token_budget), int(packs), _u64(seed),
-        REPAIR_PASSES, TOLERANCE_DIV, REPAIR_WINDOW, REPAIR_PARTNERS, *ratio_band(vit, weight))
+        vit, weight, tokens, int(vit_budget), int(token_budget), int(packs), int(grow),
+        _u64(seed), REPAIR_PASSES, TOLERANCE_DIV, REPAIR_WINDOW, REPAIR_PARTNERS,
+        *ratio_band(vit, weight))
     return tuple(np.asarray(a, np.int64) for a in out)
 
 
@@ -146,44 +148,54 @@ def _oversize(lengths: LengthStats, vit_budget: int, token_budget: int, policy: 
     return over
 
 
-def _split_to_multiple(packs: list[np.ndarray], per_step: int, tokens: np.ndarray
-                       ) -> list[np.ndarray]:
-    """Split the heaviest multi-sample packs in two until the count is a multiple of
-    per_step (ISF makes any number of packs); empty packs only if nothing can be split."""
-    packs = list(packs)
-    while len(packs) % per_step:
-        sizes = np.array([tokens[p].sum() if len(p) > 1 else -1 for p in packs])
-        if len(sizes) == 0 or sizes.max() < 0:
-            packs.append(np.zeros(0, np.int64))
-            continue
-        p = int(np.argmax(sizes))
-        ids = packs[p]
-        packs[p:p + 1] = [ids[: len(ids) // 2], ids[len(ids) // 2:]]
-    return packs
+def _split_to_multiple(samples: np.ndarray, ptr: np.ndarray, per_step: int,
+                       tokens: np.ndarray) -> np.ndarray:
+    """New pack_ptr whose pack count is a multiple of per_step (ISF makes any number of packs):
+    the heaviest multi-sample packs are split in two; empty packs only if too few can be."""
+    extra = -(len(ptr) - 1) % per_step
+    if extra == 0:
+        return ptr
+    sizes = np.diff(ptr)
+    load = np.bincount(np.repeat(np.arange(len(sizes)), sizes), tokens[samples], len(sizes))
+    load = np.where(sizes > 1, load, -1)
+    chosen = np.argsort(-load, kind="stable")[:extra]
+    chosen = chosen[load[chosen] >= 0]
+    cuts = ptr[chosen] + sizes[chosen] // 2
+    empty = np.full(extra - len(chosen), ptr[-1])
+    return np.sort(np.concatenate([ptr, cuts, empty])).astype(np.int64)
 
 
 def _regular_packs(lengths: LengthStats, regular: np.ndarray, weight: np.ndarray, solo: int,
                    per_step: int, vit_budget: int, token_budget: int, seed: int, algorithm: str,
                    isf_rounds: int, isf_threshold: int | None, reference: bool
-                   ) -> list[np.ndarray]:
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(samples, pack_ptr) of the packs of the regular samples, as global sample indices."""
     v, t, w = lengths.vit[regular], lengths.tokens[regular], weight[regular]
     if algorithm == "isf":
         samples, ptr = pack_isf(v, t, vit_budget, token_budget, token_threshold=isf_threshold,
                                 rounds=isf_rounds, seed=seed, reference=reference)
-        return [regular[samples[a:b]] for a, b in zip(ptr[:-1], ptr[1:], strict=True)]
-    # Packs are a whole number of steps: at least what the budgets need, plus one step per
-    # (budget-full) step's worth of tiles or tokens the packer could not place.
+        return regular[samples], ptr
+    # Packs fill whole steps: at least what the budgets need; the core adds steps while the
+    # tiles do not fit, and a step is added here if some sample found no token room.
     need = max(v.sum() / vit_budget if vit_budget else 0.0, t.sum() / token_budget, 1.0)
     steps = max(1, math.ceil((math.ceil(need) + solo) / per_step))
     for _ in range(MAX_RETRIES):
-        packs = steps * per_step - solo
-        samples, ptr, leftover = pack_slots(v, w, t, vit_budget, token_budget, packs,
-                                            seed=seed, reference=reference)
+        samples, ptr, leftover = pack_slots(v, w, t, vit_budget, token_budget,
+                                            steps * per_step - solo, grow=per_step, seed=seed,
+                                            reference=reference)
         if len(leftover) == 0:
-            return [regular[samples[a:b]] for a, b in zip(ptr[:-1], ptr[1:], strict=True)]
-        short = max(v[leftover].sum() / max(vit_budget, 1), t[leftover].sum() / token_budget)
-        steps += max(1, math.ceil(short / per_step))
+            return regular[samples], ptr
+        steps = (len(ptr) - 1 + solo) // per_step + 1
     raise RuntimeError(f"balance: could not place all samples after {MAX_RETRIES} attempts")
+
+
+def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Concatenation of range(starts[k], starts[k] + sizes[k]) over k."""
+    total = int(sizes.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    offsets = np.repeat(np.cumsum(sizes) - sizes, sizes)
+    return np.repeat(starts, sizes) + np.arange(total) - offsets
 
 
 def balance(lengths: LengthStats, *, dp_size: int, micro_batches: int = 1, vit_budget: int,
@@ -202,27 +214,28 @@ def balance(lengths: LengthStats, *, dp_size: int, micro_batches: int = 1, vit_b
     per_step = dp_size * micro_batches
     over = _oversize(lengths, vit_budget, token_budget, oversize)
     regular = np.flatnonzero(~over)
-    solo = [np.array([i], np.int64) for i in np.flatnonzero(over)] if oversize == "solo" else []
+    solo = np.flatnonzero(over) if oversize == "solo" else np.zeros(0, np.int64)
     skipped = np.flatnonzero(over) if oversize == "skip" else np.zeros(0, np.int64)
     weight = _weights(lengths, cost)
-    packs = _regular_packs(lengths, regular, weight, len(solo), per_step, vit_budget,
-                           token_budget, seed, algorithm, isf_rounds, isf_threshold, reference)
-    packs = _split_to_multiple(packs + solo, per_step, lengths.tokens)
-    sizes = np.array([len(p) for p in packs], np.int64)
-    ptr = np.zeros(len(packs) + 1, np.int64)
-    ptr[1:] = np.cumsum(sizes)
-    samples = np.concatenate(packs).astype(np.int64) if packs else np.zeros(0, np.int64)
-    pack_id = np.repeat(np.arange(len(packs)), sizes)
-    pack_vit = np.bincount(pack_id, lengths.vit[samples], len(packs)).astype(np.int64)
-    pack_w = np.bincount(pack_id, weight[samples], len(packs))
+    samples, ptr = _regular_packs(lengths, regular, weight, len(solo), per_step, vit_budget,
+                                  token_budget, seed, algorithm, isf_rounds, isf_threshold,
+                                  reference)
+    samples = np.concatenate([samples, solo]).astype(np.int64)  # solo: one pack each
+    ptr = np.concatenate([ptr, ptr[-1] + np.arange(1, len(solo) + 1)]).astype(np.int64)
+    ptr = _split_to_multiple(samples, ptr, per_step, lengths.tokens)
+    num = len(ptr) - 1
+    sizes = np.diff(ptr)
+    pack_id = np.repeat(np.arange(num), sizes)
+    pack_vit = np.bincount(pack_id, lengths.vit[samples], num).astype(np.int64)
+    pack_w = np.bincount(pack_id, weight[samples], num)
     names = max(len(lengths.names), 1)
-    counts = np.bincount(pack_id * names + lengths.dataset[samples], minlength=len(packs) * names)
-    dominant = counts.reshape(len(packs), names).argmax(axis=1)
+    counts = np.bincount(pack_id * names + lengths.dataset[samples], minlength=num * names)
+    dominant = counts.reshape(num, names).argmax(axis=1)
     step, rank, micro = pack_layout.layout(pack_vit, pack_w, dp_size, micro_batches, mode, seed,
                                            dominant)
     order = np.lexsort((micro, rank, step))
-    samples = np.concatenate([packs[p] for p in order]).astype(np.int64) if packs else samples
-    ptr[1:] = np.cumsum(sizes[order])
+    samples = samples[_ranges(ptr[:-1][order], sizes[order])]
+    ptr = np.concatenate([[0], np.cumsum(sizes[order])]).astype(np.int64)
     meta = {"vit_budget": int(vit_budget), "token_budget": int(token_budget),
             "dp": int(dp_size), "micro_batches": int(micro_batches), "seed": int(seed),
             "mode": mode, "algorithm": algorithm, "oversize": oversize,

@@ -111,7 +111,7 @@ def _add_slot(slots: list[list[int]], c: int) -> None:
 
 def _tile_slots(count: list[int], fill: int, vit_budget: int, packs: int, w_tiled: int,
                 w_text: int, tiles: list[int], cap: list[int]) -> list[list[list[int]]]:
-    count = list(count)
+    """Phase 1; `count` is left holding the samples per tile count that found no slot."""
     reach = [False] * (vit_budget + 1)
     _rebuild_reach(count, reach)
     slots: list[list[list[int]]] = [[] for _ in range(packs)]
@@ -163,52 +163,59 @@ def _tile_slots(count: list[int], fill: int, vit_budget: int, packs: int, w_tile
 
 
 def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_budget: int,
-                 token_budget: int, packs: int, seed: int, repair_passes: int, tol_div: int,
-                 window: int, partners: int, ratio_lo: int, ratio_hi: int
+                 token_budget: int, packs_in: int, grow: int, seed: int, repair_passes: int,
+                 tol_div: int, window: int, partners: int, ratio_lo: int, ratio_hi: int
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Slot balancing into `packs` packs: returns (samples, pack_ptr, leftover)."""
+    """Slot balancing into `packs_in` packs (more, `grow` at a time, while tiles do not fit):
+    returns (samples, pack_ptr, leftover)."""
     v, w, tok = ([int(x) for x in a] for a in (vit, weight, tokens))
     n = len(v)
     shuffled = list(range(n))
     shuffle(shuffled, SplitMix64(seed))
     sum_v, sum_w, sum_t = sum(v), sum(w), sum(tok)
-    by_tokens = token_budget * sum_v // max(sum_t, 1)
-    fill = 0 if sum_v == 0 else min(vit_budget, max(max(v), min(by_tokens,
-                                                                (sum_v + packs - 1) // packs)))
     w_tiled = sum(w[i] for i in range(n) if v[i] > 0)
     w_text = sum_w - w_tiled
     count = [0] * (vit_budget + 1)
     for c in v:
         count[c] += 1
     mulv = sum_v if sum_v > 0 else 1
-    key = [packs * (w[i] * mulv - v[i] * sum_w) for i in range(n)]
+    packs = packs_in
+    while True:
+        by_tokens = token_budget * sum_v // max(sum_t, 1)
+        fill = 0 if sum_v == 0 else min(vit_budget, max(max(v), min(by_tokens,
+                                                                    (sum_v + packs - 1) // packs)))
+        key = [packs * (w[i] * mulv - v[i] * sum_w) for i in range(n)]
 
-    # Phase 0: heavy samples.
-    tv0 = fill
-    heavy = []
-    for r, i in enumerate(shuffled):
-        c = v[i]
-        if c == 0 or c > tv0:
-            continue
-        excess = 1024 * (w[i] * sum_v - c * sum_w)
-        offset = (tv0 - c) * (1024 * sum_w - ratio_lo * sum_v)
-        if excess > offset:
-            heavy.append((key[i], r, i))
-    heavy.sort(key=lambda e: (-e[0], e[1]))
-    heavy = heavy[:packs]
-    tiles, cap = [0] * packs, [-1] * packs
-    pre = [False] * n
-    for k, (_, _, h) in enumerate(heavy):
-        c = v[h]
-        room_w = sum_w - packs * w[h]
-        more = room_w * 1024 // (packs * ratio_lo) if room_w > 0 and ratio_lo > 0 else 0
-        cap[k] = c + min(tv0 - c, more)
-        tiles[k] = c
-        count[c] -= 1
-        pre[h] = True
+        # Phase 0: heavy samples.
+        heavy = []
+        for r, i in enumerate(shuffled):
+            c = v[i]
+            if c == 0 or c > fill:
+                continue
+            excess = 1024 * (w[i] * sum_v - c * sum_w)
+            offset = (fill - c) * (1024 * sum_w - ratio_lo * sum_v)
+            if excess > offset:
+                heavy.append((key[i], r, i))
+        heavy.sort(key=lambda e: (-e[0], e[1]))
+        heavy = heavy[:packs]
+        tiles, cap = [0] * packs, [-1] * packs
+        pre = [False] * n
+        left = list(count)
+        for k, (_, _, h) in enumerate(heavy):
+            c = v[h]
+            room_w = sum_w - packs * w[h]
+            more = room_w * 1024 // (packs * ratio_lo) if room_w > 0 and ratio_lo > 0 else 0
+            cap[k] = c + min(fill - c, more)
+            tiles[k] = c
+            left[c] -= 1
+            pre[h] = True
 
-    # Phase 1: tile slots.
-    free = _tile_slots(count, fill, vit_budget, packs, w_tiled, w_text, tiles, cap)
+        # Phase 1: tile slots.
+        free = _tile_slots(left, fill, vit_budget, packs, w_tiled, w_text, tiles, cap)
+        short_tiles = sum(c * left[c] for c in range(1, vit_budget + 1))
+        if short_tiles == 0 or grow <= 0:
+            break
+        packs += grow * max(1, (short_tiles + fill * grow - 1) // (fill * grow))
 
     # Phase 2: samples into slots.
     unit = mulv * packs
