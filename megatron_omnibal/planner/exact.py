@@ -135,6 +135,23 @@ def longest_paths(
     return span, sigs
 
 
+def partition_steps(
+    forward: np.ndarray,
+    backward: list[np.ndarray],
+    p2p: np.ndarray,
+    m: int,
+    parts: list[tuple[int, ...]],
+    paths: bool = False,
+) -> tuple[np.ndarray, list[Signature]]:
+    """Exact 1F1B steps of many partitions (boundary tuples) from the segment tables of
+    `certify` (inf where a stage cannot fit)."""
+    b = np.array(parts)
+    pp = b.shape[1] - 1
+    f = np.stack([forward[b[:, s], b[:, s + 1]] for s in range(pp)], axis=1)
+    bw = np.stack([backward[s][b[:, s], b[:, s + 1]] for s in range(pp)], axis=1)
+    return longest_paths(graph_1f1b(pp, m), f, bw, np.asarray(p2p)[b[:, 1:-1]], paths=paths)
+
+
 def _backtrack(graph: Graph1F1B, via_dep: np.ndarray, op: int) -> Signature:
     pp = graph.pp
     nf, nb, nc = [0] * pp, [0] * pp, [0] * pp
@@ -271,15 +288,10 @@ def certify(
     (from the fast DPs) whose step seeds the pruning threshold.
     """
     pp, units = len(backward), forward.shape[0] - 1
-    graph = graph_1f1b(pp, m)
     bound = _Bound(forward, backward, p2p, m)
 
     def run(parts: list[tuple[int, ...]]) -> tuple[np.ndarray, list[Signature]]:
-        b = np.array(parts)
-        rows = np.arange(pp)
-        f = np.stack([forward[b[:, s], b[:, s + 1]] for s in rows], axis=1)
-        bw = np.stack([backward[s][b[:, s], b[:, s + 1]] for s in rows], axis=1)
-        return longest_paths(graph, f, bw, np.asarray(p2p)[b[:, 1:-1]], paths=True)
+        return partition_steps(forward, backward, p2p, m, parts, paths=True)
 
     spans, sigs = run([incumbent])
     best, best_step = incumbent, float(spans[0])

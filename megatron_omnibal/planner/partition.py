@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from megatron_omnibal.planner.costs import GROUP_NONE, GROUP_VIT, LayerCosts
-from megatron_omnibal.planner.exact import certify
+from megatron_omnibal.planner.exact import certify, partition_steps
 from megatron_omnibal.planner.memory import (
     GIB_MIB,
     inflight_1f1b,
@@ -232,52 +232,53 @@ def search(
     problem: Problem,
     pp: int,
     refine: int = 8,
-    max_evaluations: int = 64,
-    max_simulated_ops: int = 100_000,
+    max_evaluations: int = 256,
     tolerance: float | None = 1e-3,
-    max_nodes: int = 200_000,
+    max_nodes: int = 50_000,
 ) -> Partition:
     """The fastest partition under the exact 1F1B simulation, found through two exact DPs.
 
-    Candidates: the best `refine` of the exact (m - 1) max + sum search and the exact minimiser
-    of the 1F1B lower bound; the fastest when simulated is polished by moving boundaries (at
-    most `max_evaluations` simulations). `lower_bound_ms` of the result bounds every
-    partition's step from below, so step_ms / lower_bound_ms - 1 certifies the gap.
-    Simulations are capped at `max_simulated_ops` operations in all (never below 12 runs).
-    With a `tolerance`, unless that bound already certifies the polished split, branch and
-    bound (`exact.certify`) proves the result within `tolerance` of the true optimum (or
-    replaces it); `max_nodes` caps its work, and `lower_bound_ms` stays valid either way.
+    Candidates: the best `refine` of the exact (m - 1) max + sum search, the exact minimiser
+    of the 1F1B lower bound and BMP's split; the fastest when simulated is polished by moving
+    boundaries (at most `max_evaluations` simulations). With a `tolerance`, unless the lower
+    bound already certifies the polished split, branch and bound (`exact.certify`) proves the
+    result within `tolerance` of the true optimum, or finds one that is; `max_nodes` caps its
+    work. `lower_bound_ms` of the result bounds every partition's step from below either way,
+    so step_ms / lower_bound_ms - 1 certifies the gap.
     """
-    runs = max(12, max_simulated_ops // (2 * pp * problem.m))
-    refine = max(1, min(refine, runs // 2))
-    max_evaluations = min(max_evaluations, runs - refine - 2)
     found = objective_candidates(problem, pp)
     tables = problem.tables(pp)
-    ranked = sorted(found, key=found.get)[:refine]
+    forward = forward_table(problem.costs)
+    backward = [
+        np.subtract(t, forward, out=np.full_like(t, np.inf), where=np.isfinite(t)) for t in tables
+    ]
+
+    def steps(parts: list[tuple[int, ...]]) -> np.ndarray:
+        return partition_steps(forward, backward, problem.p2p, problem.m, parts)[0]
+
+    ranked = sorted(found, key=found.get)[: max(1, refine)]
     lower, lb_bounds = _min_lower_bound(tables, problem.m, problem.p2p)
     ranked.append(tuple(lb_bounds))
     with contextlib.suppress(NoFeasiblePartition):
         ranked.append(bmp(problem, pp).bounds)
-    best_part = min((problem.evaluate(b) for b in ranked), key=lambda p: p.step_ms)
-    best_part = _polish(problem, tables, best_part, max_evaluations)
-    if tolerance is not None and best_part.step_ms > lower * (1 + tolerance):
-        forward = forward_table(problem.costs)
+    spans = steps(ranked)
+    best, best_step = _polish(
+        ranked[int(np.argmin(spans))], float(spans.min()), steps, max_evaluations
+    )
+    if tolerance is not None and best_step > lower * (1 + tolerance):
         cert = certify(
             forward,
-            [
-                np.subtract(t, forward, out=np.full_like(t, np.inf), where=np.isfinite(t))
-                for t in tables
-            ],
+            backward,
             problem.p2p,
             problem.m,
-            best_part.bounds,
+            best,
             tolerance=tolerance,
             max_nodes=max_nodes,
         )
-        if cert.step_ms < best_part.step_ms * (1 - 1e-12):
-            best_part = problem.evaluate(cert.bounds)
+        best = cert.bounds if cert.step_ms < best_step else best
         lower = max(lower, cert.lower_bound_ms)
-    return replace(best_part, lower_bound_ms=min(lower, best_part.step_ms))
+    part = problem.evaluate(best)
+    return replace(part, lower_bound_ms=min(lower, part.step_ms))
 
 
 def forward_table(costs: LayerCosts) -> np.ndarray:
@@ -330,34 +331,36 @@ def _min_lower_bound(
 
 
 def _polish(
-    problem: Problem, tables: list[np.ndarray], part: Partition, max_evaluations: int
-) -> Partition:
+    bounds: tuple[int, ...], step: float, steps, max_evaluations: int
+) -> tuple[tuple[int, ...], float]:
     """Hill-climb on the simulated step: move one or two adjacent boundaries by one unit.
 
     The (m - 1) max + sum objective ignores how warm-up and drain overlap with a slow stage's
-    work in 1F1B; the simulation does not, and a neighbouring split can be slightly faster.
+    work in 1F1B; the simulation does not, and a neighbouring split can be faster. All moves
+    of a round are simulated at once (`steps`: boundary tuples -> step ms).
     """
-    pp = len(part.bounds) - 1
-    seen = {part.bounds}
-    moves = [((i,), (d,)) for i in range(1, pp) for d in (-1, 1)]
-    moves += [((i, i + 1), (d, d)) for i in range(1, pp - 1) for d in (-1, 1)]
-    improved = True
-    while improved and len(seen) <= max_evaluations:
-        improved = False
-        for idx, ds in moves:
-            b = list(part.bounds)
-            for i, d in zip(idx, ds, strict=True):
+    pp = len(bounds) - 1
+    moves = [((i,), d) for i in range(1, pp) for d in (-1, 1)]
+    moves += [((i, i + 1), d) for i in range(1, pp - 1) for d in (-1, 1)]
+    seen = {bounds}
+    while len(seen) <= max_evaluations:
+        cands = []
+        for idx, d in moves:
+            b = list(bounds)
+            for i in idx:
                 b[i] += d
             bt = tuple(b)
-            if bt in seen or any(x >= y for x, y in itertools.pairwise(bt)):
-                continue
-            seen.add(bt)
-            if not all(np.isfinite(tables[s][bt[s], bt[s + 1]]) for s in range(pp)):
-                continue
-            cand = problem.evaluate(bt)
-            if cand.step_ms < part.step_ms - 1e-9:
-                part, improved = cand, True
-    return part
+            if bt not in seen and all(x < y for x, y in itertools.pairwise(bt)):
+                seen.add(bt)
+                cands.append(bt)
+        if not cands:
+            break
+        spans = steps(cands)
+        i = int(np.argmin(spans))
+        if spans[i] >= step - 1e-9:
+            break
+        bounds, step = cands[i], float(spans[i])
+    return bounds, step
 
 
 def megatron_default(problem: Problem, pp: int, full_recompute: bool = True) -> Partition:

@@ -48,6 +48,7 @@ from megatron_omnibal.planner.workload import (
 
 PLAN_VERSION = 1
 MODES = ("exact", "bmp", "megatron")
+FINALIST_MARGIN = 0.05  # a full search never gained more than ~2% over the quick screen
 
 
 @dataclass(frozen=True)
@@ -258,7 +259,7 @@ def choose_partition(
         part = bmp(problem, setting.pp)
     elif mode == "exact":
         part = (
-            search(problem, setting.pp, refine=1, max_evaluations=0)
+            search(problem, setting.pp, refine=1, max_evaluations=0, tolerance=None)
             if quick
             else search(problem, setting.pp)
         )
@@ -361,8 +362,9 @@ def plan_candidates(
 ) -> list[Evaluated]:
     """Feasible (tp, pp, dp, m) with their partition and predicted step, fastest first.
 
-    With more than `finalists` configurations, each is screened with a quick search and the
-    best `finalists` are searched in full; configurations that cannot beat the best so far
+    With more than one configuration, each is screened with a quick search and the best
+    `finalists` are searched in full (skipping those screened over FINALIST_MARGIN slower
+    than the best fully searched one); configurations that cannot beat the best so far
     even without any bubble are skipped. A measured `profile` fixes TP at 1 (it was measured
     on one GPU).
     """
@@ -392,7 +394,7 @@ def plan_candidates(
             )
             if setting.ideal_ms() >= best:  # even a bubble-free perfect split would lose
                 continue
-            part, _ = choose_partition(setting, mode, quick=len(configs) > finalists)
+            part, _ = choose_partition(setting, mode, quick=len(configs) > 1)
         except NoFeasiblePartition as exc:
             errors.append(f"tp={t} pp={p} dp={d} m={m}: {exc}")
             continue
@@ -403,11 +405,15 @@ def plan_candidates(
             continue
         out.append(Evaluated(setting, part, setting.predict(part, setting.balanced)))
         best = min(best, out[-1].result.step_ms)
-    if len(configs) > finalists and out:  # screened quickly: search the finalists in full
+    if len(configs) > 1 and out:  # screened quickly: search the finalists in full
         out.sort(key=lambda e: e.result.step_ms)
+        best = np.inf
         for i, e in enumerate(out[:finalists]):
+            if e.result.step_ms > best * (1 + FINALIST_MARGIN):
+                break  # the full search gains a few % at most: this one cannot catch up
             part, _ = choose_partition(e.setting, mode)
             out[i] = Evaluated(e.setting, part, e.setting.predict(part, e.setting.balanced))
+            best = min(best, out[i].result.step_ms)
     if not out:
         detail = errors[0] if len(errors) == 1 else "\n  ".join(["", *errors[:8]])
         raise NoFeasiblePartition(
