@@ -213,32 +213,38 @@ class _Bound:
         self.coef = np.zeros((pp, 0, 3))  # per stage: (K, 3) counts of each signature
         self.suffix = np.zeros((0, pp + 1, u + 1))
         self.keys: set[Signature] = set()
-        self.add(bottleneck_signatures(pp, m))  # signatures 0..pp-1, used by `joint`
-        self.joint = self._joint(m)
+        # head[s][lo, hi]: max over signatures pivoting at stage s of their least value from s
+        # on, with stage s on [lo, hi); joint[s][lo]: least over completions from (s, lo) of
+        # the max over signatures pivoting at s or later (see `_joint`)
+        self.head = np.full((pp, u + 1, u + 1), -np.inf)
+        self.add(bottleneck_signatures(pp, m))  # signatures 0..pp-1: v[s] is the work before s
 
-    def _joint(self, m: int) -> np.ndarray:
-        """(pp + 1, U + 1): least over completions from stage s at unit lo of the max over the
-        bottleneck signatures k >= s, counting only work from stage s on (the work before s
-        adds to all of them alike, so this min-max is exact by DP, unlike separate minima)."""
+    def _joint(self) -> np.ndarray:
+        """(pp + 1, U + 1) lower bound on every completion from stage s at unit lo of the max
+        over the signatures that pivot at s or later, counting only their value from s on.
+
+        A signature's pivot is its first stage visited other than once each way (one forward,
+        one backward, both transfers): before it, it counts exactly the work before the pivot,
+        common to all of them, so the max over them is handled jointly by DP (each stage: the
+        signatures pivoting there, against the stage's work plus the bound of the rest)
+        instead of separately; past its pivot each signature is bounded by its own minimum.
+        """
         out = np.full((self.pp + 1, self.units + 1), np.inf)
+        out[self.pp, self.units] = 0.0
         for s in range(self.pp - 1, -1, -1):
             x = self.x[s]
             t = np.where(self.feasible[s], x[0] + x[1], np.inf)
-            if s == self.pp - 1:
-                out[s] = m * t[:, self.units]
-                continue
             rest = t + 2 * x[2] + out[s + 1][None, :]
-            out[s] = np.min(np.maximum(m * t, rest), axis=1)
+            out[s] = np.min(np.maximum(self.head[s], rest), axis=1)
         return out
 
     def node_bound(self, v: np.ndarray, s: int, lo) -> np.ndarray:
         """Lower bound on every completion of prefixes with signature values v (K, n) that
         have cut s stages and end at units lo (n,)."""
         sep = np.max(v + self.suffix[:, s, lo], axis=0)
-        done = np.max(v[:s], axis=0) if s > 0 else np.zeros(np.shape(lo))
         if s == self.pp:
-            return np.maximum(sep, done)
-        return np.maximum(sep, np.maximum(done, v[s] + self.joint[s, lo]))
+            return sep
+        return np.maximum(sep, v[s] + self.joint[s, lo])
 
     def children(self, s: int, lo: int, his: np.ndarray) -> np.ndarray:
         """(K, len(his)) values of every signature for stage s on [lo, hi), inf if no fit."""
@@ -254,12 +260,21 @@ class _Bound:
         coef = coef.transpose(2, 0, 1)  # (pp, K, 3)
         suffix = np.full((len(new), self.pp + 1, self.units + 1), np.inf)
         suffix[:, self.pp, self.units] = 0.0
+        once = np.array([1.0, 1.0, 2.0])
+        other = np.any(coef != once, axis=2)  # (pp, K): stage not visited once each way
+        other[-1] |= np.any(coef[-1] != [1.0, 1.0, 0.0], axis=1)
+        other[-1] = True  # a signature visiting every stage once pivots at the last
+        pivot = np.argmax(other, axis=0)
         for s in range(self.pp - 1, -1, -1):
             val = np.einsum("kc,cij->kij", coef[s], self.x[s])
             val[:, ~self.feasible[s]] = np.inf
-            suffix[:, s] = np.min(val + suffix[:, s + 1, None, :], axis=2)
+            tot = val + suffix[:, s + 1, None, :]
+            suffix[:, s] = np.min(tot, axis=2)
+            if np.any(pivot == s):
+                self.head[s] = np.maximum(self.head[s], tot[pivot == s].max(axis=0))
         self.coef = np.concatenate([self.coef, coef], axis=1)
         self.suffix = np.concatenate([self.suffix, suffix])
+        self.joint = self._joint()
         return len(new)
 
     def prefix(self, bounds: tuple[int, ...], start: int = 0) -> np.ndarray:

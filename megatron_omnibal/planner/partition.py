@@ -232,7 +232,7 @@ def search(
     problem: Problem,
     pp: int,
     refine: int = 8,
-    max_evaluations: int = 256,
+    max_evaluations: int = 2048,
     tolerance: float | None = 1e-3,
     max_nodes: int = 50_000,
 ) -> Partition:
@@ -333,15 +333,14 @@ def _min_lower_bound(
 def _polish(
     bounds: tuple[int, ...], step: float, steps, max_evaluations: int
 ) -> tuple[tuple[int, ...], float]:
-    """Hill-climb on the simulated step: move one or two adjacent boundaries by one unit.
+    """Hill-climb on the simulated step: shift any run of consecutive boundaries by one unit.
 
     The (m - 1) max + sum objective ignores how warm-up and drain overlap with a slow stage's
     work in 1F1B; the simulation does not, and a neighbouring split can be faster. All moves
     of a round are simulated at once (`steps`: boundary tuples -> step ms).
     """
     pp = len(bounds) - 1
-    moves = [((i,), d) for i in range(1, pp) for d in (-1, 1)]
-    moves += [((i, i + 1), d) for i in range(1, pp - 1) for d in (-1, 1)]
+    moves = [(range(i, j), d) for i in range(1, pp) for j in range(i + 1, pp + 1) for d in (-1, 1)]
     seen = {bounds}
     while len(seen) <= max_evaluations:
         cands = []
