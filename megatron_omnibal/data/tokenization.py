@@ -71,8 +71,8 @@ class TokenCounter:
         if not texts:
             return []
         if self.backend is not None:
-            return [len(e.ids) for e in
-                    self.backend.encode_batch_fast(texts, add_special_tokens=False)]
+            # len(encoding) counts tokens without building the list of ids
+            return [len(e) for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
         return [len(x) for x in self.hf(texts, add_special_tokens=False)["input_ids"]]
 
     def render_chat(self, turns: list[tuple[str, str]], system: str | None) -> str:
