@@ -222,7 +222,7 @@ def test_partition_command_is_optimal_with_few_micro_batches(tmp_path, capsys):
 
     best = min(step((0, *cuts, 10)) for cuts in itertools.combinations(range(1, 10), 4))
     assert out["step_ms"] == pytest.approx(best, rel=1e-6)
-    assert out["lower_bound_ms"] <= best * (1 + 1e-9)
+    assert out["lower_bound_ms"] <= best + 1e-5  # rounded to 6 decimals in the JSON
     assert 0 <= out["proven_gap"] <= 1e-3
 
 
