@@ -7,8 +7,6 @@ dropout), and a torch.Generator seeded like the RNG tracker's stream.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,26 +15,18 @@ import torch
 
 pytestmark = pytest.mark.megatron
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "megatron_workers"))
+from launch import torchrun  # noqa: E402
+
 WORKER = Path(__file__).resolve().parent / "megatron_workers" / "cpu_worker.py"
 
 
 @pytest.fixture(scope="module")
 def obs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("cpu")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(WORKER),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    if proc.returncode:
-        pytest.fail(f"cpu worker failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    code, stdout, stderr = torchrun(WORKER, 2, [str(out)], timeout=180)
+    if code:
+        pytest.fail(f"cpu worker failed ({code}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

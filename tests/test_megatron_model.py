@@ -9,8 +9,6 @@ every parameter, matched by global layer name. One torchrun runs all cases (star
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +16,9 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.megatron
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "megatron_workers"))
+from launch import torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "megatron_workers" / "model_worker.py"
@@ -82,23 +83,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("vlm")
     cfg = out / "cases.json"
     cfg.write_text(json.dumps({"spec": SPEC, "seed": 1234, "batches": BATCHES, "cases": CASES}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "4",
-        "--standalone",
-        str(WORKER),
-        str(cfg),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    if proc.returncode:
-        pytest.fail(
-            f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
+    code, stdout, stderr = torchrun(WORKER, 4, [str(cfg), str(out)], timeout=240)
+    if code:
+        pytest.fail(f"worker failed ({code}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
     return out
 
 

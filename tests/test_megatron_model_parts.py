@@ -173,3 +173,21 @@ def test_spec_from_the_planners_model_spec() -> None:
     assert spec.tokens_per_tile == 256 and spec.projector.hidden_size == 6144
     llava = VLMSpec.from_plan({"model_spec": MODELS["llava-1.5-7b"].spec_dict()})
     assert llava.tokens_per_tile == 576 and llava.projector.type == "mlp"
+
+
+def test_validate_batch_names_what_is_wrong() -> None:
+    from megatron_omnibal.megatron.model import validate_batch
+
+    stats = from_arrays([2, 1], [30, 9], [2, 0])
+    mb = collate([synthetic_sample(i, stats, TINY, seed=1) for i in range(2)])
+    args = (mb.tokens, mb.labels, mb.images, mb.image_flags, mb.cu_seqlens)
+    validate_batch(TINY, *args)  # a good one passes
+    flags = mb.image_flags.clone()
+    flags[2] = 1  # the dummy tile claims to be real: 4 placeholders are missing
+    with pytest.raises(ValueError, match="8 image placeholder tokens.*3 real tiles x 4.*= 12"):
+        validate_batch(TINY, mb.tokens, mb.labels, mb.images, flags, mb.cu_seqlens)
+    with pytest.raises(ValueError, match="cu_seqlens \\[0, 30\\] do not span 0..39"):
+        validate_batch(TINY, *args[:4], torch.tensor([0, 30], dtype=torch.int32))
+    with pytest.raises(ValueError, match="images have shape \\(3, 3, 8, 8\\)"):
+        validate_batch(TINY, mb.tokens, mb.labels, torch.zeros(3, 3, 8, 8), mb.image_flags,
+                       mb.cu_seqlens)  # fmt: skip

@@ -335,6 +335,41 @@ def packed_causal_mask(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
     return ~allowed[None, None]
 
 
+def validate_batch(
+    spec: VLMSpec,
+    tokens: torch.Tensor,
+    labels: torch.Tensor | None,
+    images: torch.Tensor,
+    image_flags: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> None:
+    """Raise ValueError unless the micro-batch fits the model (shapes, placeholders, bounds)."""
+    if tokens.dim() != 2 or tokens.shape[0] != 1:
+        raise ValueError(f"micro-batch tokens have shape {tuple(tokens.shape)}, expected [1, S]")
+    seq = tokens.shape[1]
+    if labels is not None and labels.shape != tokens.shape:
+        raise ValueError(f"micro-batch labels {tuple(labels.shape)} != tokens {(1, seq)}")
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != seq:
+        raise ValueError(f"micro-batch cu_seqlens {cu_seqlens.tolist()} do not span 0..{seq}")
+    size = spec.vit.image_size
+    if images.dim() != 4 or tuple(images.shape[1:]) != (3, size, size):
+        raise ValueError(
+            f"micro-batch images have shape {tuple(images.shape)}, expected [n, 3, {size}, {size}]"
+        )
+    if image_flags.shape != (images.shape[0],):
+        raise ValueError(
+            f"micro-batch has {images.shape[0]} tiles but {image_flags.numel()} image_flags"
+        )
+    slots = int((tokens == spec.image_token_id).sum())
+    real = int(image_flags.sum())
+    if slots != real * spec.tokens_per_tile:
+        raise ValueError(
+            f"micro-batch has {slots} image placeholder tokens (id {spec.image_token_id}) but "
+            f"{real} real tiles x {spec.tokens_per_tile} tokens per tile = "
+            f"{real * spec.tokens_per_tile}"
+        )
+
+
 class VLMStage(MegatronModule):
     """Pipeline rank `stage`'s slice of the VLM (see the module docstring).
 
@@ -452,6 +487,9 @@ class VLMStage(MegatronModule):
         cu_seqlens: torch.Tensor,
         **_: Any,
     ) -> torch.Tensor:
+        # Every stage checks the (shared) micro-batch before any communication, so a bad one
+        # stops all pipeline ranks with the same error instead of hanging the others.
+        validate_batch(self.spec, tokens, labels, images, image_flags, cu_seqlens)
         x = None if self.stage == 0 else self.input_tensor
         if self.vision_stage:
             if self.patch_embed is not None:
@@ -483,13 +521,6 @@ class VLMStage(MegatronModule):
     ) -> torch.Tensor:
         text = self.embedding(input_ids=tokens, position_ids=position_ids)  # [S, 1, H]
         is_image = (tokens == self.spec.image_token_id).transpose(0, 1)[..., None]  # [S, 1, 1]
-        n_slots = int(is_image.sum())
-        if n_slots != image_embeds.shape[0]:
-            raise ValueError(
-                f"micro-batch has {n_slots} image placeholder tokens (id "
-                f"{self.spec.image_token_id}) but {int(image_flags.sum())} real tiles x "
-                f"{self.spec.tokens_per_tile} = {image_embeds.shape[0]} image embeddings"
-            )
         return text.masked_scatter(is_image, image_embeds.to(text.dtype))
 
     def _llm(
