@@ -132,3 +132,37 @@ def test_model_lengths_reject_records_without_room_for_their_images():
     data = from_arrays([1, 2], [300, 400], [1, 2])
     with pytest.raises(LengthsError, match="length record 1: token_num 400"):
         model_lengths(data, 256, 4, 1)
+
+
+class _Packs:
+    """A fixed stream of packs in the sampler protocol (one epoch of `packs`, repeated)."""
+
+    def __init__(self, packs, micro):
+        self.packs, self.micro, self.pos = packs, micro, 0
+        self.steps_per_epoch = len(packs) // micro
+
+    def set_epoch(self, epoch):
+        self.pos = 0
+
+    def load_state_dict(self, state):
+        self.pos = state["step"] * self.micro
+
+    def __iter__(self):
+        while True:
+            yield self.packs[self.pos % len(self.packs)]
+            self.pos += 1
+
+
+def test_an_empty_pack_becomes_a_filler_without_loss_tokens(lengths):
+    from megatron_omnibal.megatron.pretrain_vlm import filler_sample
+
+    it = BalancedDataIterator(
+        _Packs([[3, 4], []], 2), 2, lambda i: synthetic_sample(i, lengths, SPEC, 3), collate,
+        filler=lambda: filler_sample(SPEC))  # fmt: skip
+    full, empty = next(it), next(it)
+    assert full.num_samples == 2 and full.loss_mask.sum() > 0
+    assert empty.num_samples == 1 and empty.tokens.shape == (1, 1)
+    assert empty.loss_mask.sum() == 0 and empty.image_flags.tolist() == [0]
+    bare = BalancedDataIterator(_Packs([[]], 1), 1, lambda i: i, collate)
+    with pytest.raises(RuntimeError, match="empty micro-batch at step 0"):
+        next(bare)

@@ -43,8 +43,9 @@ class BalancedDataIterator:
         sampler: MicroBatchSampler,
         micro_batches: int,
         make_sample: Callable[[int], Any],
-        collate: Callable[[list[Any]], dict],
+        collate: Callable[[list[Any]], Any],
         start_step: int = 0,
+        filler: Callable[[], Any] | None = None,
     ) -> None:
         if micro_batches <= 0:
             raise ValueError(f"micro_batches must be > 0, got {micro_batches}")
@@ -57,6 +58,7 @@ class BalancedDataIterator:
         self._micro = micro_batches
         self._make_sample = make_sample
         self._collate = collate
+        self._filler = filler
         self._consumed = 0
         self._indices = self._seek(start_step)
         self.start_step = start_step
@@ -102,8 +104,16 @@ class BalancedDataIterator:
     def __iter__(self) -> BalancedDataIterator:
         return self
 
-    def __next__(self) -> dict:
+    def __next__(self) -> Any:
+        step = int(self.step)
         indices = self.next_indices()
+        if not indices:
+            # The balancer leaves a pack empty only when the data has fewer samples than the
+            # step's slots. Every pipeline stage must still run M micro-batches in lockstep: a
+            # filler sample without loss tokens keeps the schedule and trains nothing.
+            if self._filler is None:
+                raise RuntimeError(f"empty micro-batch at step {step} and no filler sample to run")
+            return self._collate([self._filler()])
         return self._collate([self._make_sample(i) for i in indices])
 
 

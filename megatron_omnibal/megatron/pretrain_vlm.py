@@ -277,9 +277,30 @@ def build_data_iterators(
     )
     make_sample = partial(synthetic_sample, lengths=settings.lengths, spec=spec, seed=args.seed)
     iterator = BalancedDataIterator(
-        sampler, settings.micro_batches, make_sample, collate, start_step=args.iteration
+        sampler,
+        settings.micro_batches,
+        make_sample,
+        collate,
+        start_step=args.iteration,
+        filler=partial(filler_sample, spec),
     )
     return iterator, None, None
+
+
+def filler_sample(spec: Any) -> Any:
+    """A sample that trains nothing: a BOS token without loss, one dummy (image_flags 0) tile,
+    like InternVL's text-only samples. It stands in for an empty balanced pack."""
+    import torch
+
+    from megatron_omnibal.megatron.batch import IGNORE_INDEX, Sample
+
+    size = spec.vit.image_size
+    return Sample(
+        tokens=torch.zeros(1, dtype=torch.int64),
+        labels=torch.full((1,), IGNORE_INDEX, dtype=torch.int64),
+        images=torch.zeros(1, 3, size, size),
+        image_flags=torch.zeros(1, dtype=torch.int64),
+    )
 
 
 def _skip_runtime_helper_build() -> None:
