@@ -223,6 +223,8 @@ def stage_configs(
         "apply_rope_fusion": False,
         "gradient_accumulation_fusion": False,
         "persist_layer_norm": False,
+        # As megatron.training does: free sent activations (stage outputs are never views).
+        "deallocate_pipeline_outputs": True,
     }
     base.update(overrides or {})
     if base.get("sequence_parallel"):
@@ -393,7 +395,11 @@ class VLMStage(MegatronModule):
         self.stage = stage
         self.num_stages = len(layouts)
         self.configs = configs
-        self.use_te = HAVE_TE if use_te is None else use_te
+        if use_te is None:  # TE when importable, unless the config asks for local modules
+            use_te = HAVE_TE and configs.llm.transformer_impl == "transformer_engine"
+        if use_te and not HAVE_TE:
+            raise ValueError("use_te=True but transformer_engine does not import")
+        self.use_te = use_te
         self.input_tensor: torch.Tensor | None = None
         lay = self.layout
         grid = spec.vit.image_size // spec.vit.patch_size
@@ -498,8 +504,9 @@ class VLMStage(MegatronModule):
                 x = self.vit(hidden_states=x, attention_mask=None)
             elif x is self.input_tensor:
                 # A micro-batch without tiles: [P, 0, C] passes through (attention cannot
-                # reshape 0 elements); as a view so the schedule's backward reaches the input.
-                x = x.view_as(x)
+                # reshape 0 elements); cloned (no data) so the schedule's backward reaches the
+                # input and deallocate_pipeline_outputs may free it (it refuses views).
+                x = x.clone()
             if self.projector is None:
                 return x
             x = self._merge(tokens, position_ids, image_flags, self.projector(x, image_flags))
