@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -172,7 +172,6 @@ class StageConfigs:
     projector: TransformerConfig
     llm: TransformerConfig
     padded_vocab_size: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
