@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{baseline_batch} samples padded to the longest", file=sys.stderr)  # fmt: skip
     mfile = model_json(tmp / "model.json")
     omnibal("profile", "--model", str(mfile), "--tiles", str(tiles), "--tokens", str(tokens),
+            "--repeats", "5",
             "--micro-batches", str(m), "--out", str(tmp / "profile.json"))  # fmt: skip
     part = json.loads(omnibal("partition", "--profile", str(tmp / "profile.json"), "--pp",
                               str(PP), "--json"))  # fmt: skip
