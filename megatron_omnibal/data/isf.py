@@ -42,6 +42,8 @@ REPAIR_PARTNERS = 4      # most-deviating packs of the other sign tried as swap 
 LOW_RATIO_PERCENTILE = 10.0   # see ratio_band()
 HIGH_RATIO_PERCENTILE = 99.5
 MAX_RETRIES = 64
+CHUNK = 80_000           # samples packed together (larger inputs: random chunks of this size)
+_CHUNK_SALT = 0x43484E4B  # "CHNK"
 
 
 @dataclass(frozen=True)
@@ -116,13 +118,14 @@ def ratio_band(vit: np.ndarray, weight: np.ndarray) -> tuple[int, int]:
 
 def pack_slots(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_budget: int,
                token_budget: int, packs: int, *, grow: int = 0, seed: int = 0,
-               reference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               passes: int = REPAIR_PASSES, reference: bool = False
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Slot balancing into `packs` packs, `grow` more at a time while the tiles do not fit:
     (samples, pack_ptr, leftover)."""
     vit, weight, tokens = (np.asarray(a, np.int64) for a in (vit, weight, tokens))
     out = _backend(reference).slot_balance(
         vit, weight, tokens, int(vit_budget), int(token_budget), int(packs), int(grow),
-        _u64(seed), REPAIR_PASSES, TOLERANCE_DIV, REPAIR_WINDOW, REPAIR_PARTNERS,
+        _u64(seed), int(passes), TOLERANCE_DIV, REPAIR_WINDOW, REPAIR_PARTNERS,
         *ratio_band(vit, weight))
     return tuple(np.asarray(a, np.int64) for a in out)
 
@@ -167,7 +170,7 @@ def _split_to_multiple(samples: np.ndarray, ptr: np.ndarray, per_step: int,
 
 def _regular_packs(lengths: LengthStats, regular: np.ndarray, weight: np.ndarray, solo: int,
                    per_step: int, vit_budget: int, token_budget: int, seed: int, algorithm: str,
-                   isf_rounds: int, isf_threshold: int | None, reference: bool
+                   mode: str, isf_rounds: int, isf_threshold: int | None, reference: bool
                    ) -> tuple[np.ndarray, np.ndarray]:
     """(samples, pack_ptr) of the packs of the regular samples, as global sample indices."""
     v, t, w = lengths.vit[regular], lengths.tokens[regular], weight[regular]
@@ -175,18 +178,39 @@ def _regular_packs(lengths: LengthStats, regular: np.ndarray, weight: np.ndarray
         samples, ptr = pack_isf(v, t, vit_budget, token_budget, token_threshold=isf_threshold,
                                 rounds=isf_rounds, seed=seed, reference=reference)
         return regular[samples], ptr
-    # Packs fill whole steps: at least what the budgets need; the core adds steps while the
-    # tiles do not fit, and a step is added here if some sample found no token room.
-    need = max(v.sum() / vit_budget if vit_budget else 0.0, t.sum() / token_budget, 1.0)
-    steps = max(1, math.ceil((math.ceil(need) + solo) / per_step))
-    for _ in range(MAX_RETRIES):
-        samples, ptr, leftover = pack_slots(v, w, t, vit_budget, token_budget,
-                                            steps * per_step - solo, grow=per_step, seed=seed,
-                                            reference=reference)
-        if len(leftover) == 0:
-            return regular[samples], ptr
-        steps = (len(ptr) - 1 + solo) // per_step + 1
-    raise RuntimeError(f"balance: could not place all samples after {MAX_RETRIES} attempts")
+    # Large inputs are packed in random chunks of about CHUNK samples: the same quality as one
+    # such chunk, in linear time. The packs fill whole steps: every chunk but the last gets the
+    # packs its budgets need (the core adds packs while its tiles do not fit), the last one as
+    # many more as fill the last step (the core adds steps).
+    passes = REPAIR_PASSES if mode == "random" else 0
+    k = max(1, round(len(regular) / CHUNK))
+    order = permutation(len(regular), seed ^ _CHUNK_SALT) if k > 1 else np.arange(len(regular))
+    parts = np.array_split(order, k)
+    out_samples, out_sizes = [], []
+    placed, scale = solo, 1.0  # scale: packs the last chunk needed over its budgets' bound
+    for i, part in enumerate(parts):
+        pv, pt = v[part], t[part]
+        bound = max(pv.sum() / vit_budget if vit_budget else 0.0, pt.sum() / token_budget, 1.0)
+        need = math.ceil(bound * scale)
+        last = i == len(parts) - 1
+        packs = -(-(placed + need) // per_step) * per_step - placed if last else need
+        for _ in range(MAX_RETRIES):
+            samples, ptr, leftover = pack_slots(pv, w[part], pt, vit_budget, token_budget, packs,
+                                                grow=per_step if last else 1, seed=seed + i,
+                                                passes=passes, reference=reference)
+            if len(leftover) == 0:
+                break
+            packs = len(ptr) - 1 + (per_step if last else 1)
+        else:
+            raise RuntimeError(f"balance: could not place all samples after {MAX_RETRIES} "
+                               "attempts")
+        out_samples.append(regular[part[samples]])
+        out_sizes.append(np.diff(ptr))
+        placed += len(ptr) - 1
+        scale = (len(ptr) - 1) / bound
+    sizes = np.concatenate(out_sizes)
+    return (np.concatenate(out_samples).astype(np.int64),
+            np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
 
 
 def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -218,7 +242,7 @@ def balance(lengths: LengthStats, *, dp_size: int, micro_batches: int = 1, vit_b
     skipped = np.flatnonzero(over) if oversize == "skip" else np.zeros(0, np.int64)
     weight = _weights(lengths, cost)
     samples, ptr = _regular_packs(lengths, regular, weight, len(solo), per_step, vit_budget,
-                                  token_budget, seed, algorithm, isf_rounds, isf_threshold,
+                                  token_budget, seed, algorithm, mode, isf_rounds, isf_threshold,
                                   reference)
     samples = np.concatenate([samples, solo]).astype(np.int64)  # solo: one pack each
     ptr = np.concatenate([ptr, ptr[-1] + np.arange(1, len(solo) + 1)]).astype(np.int64)

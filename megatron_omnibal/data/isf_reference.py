@@ -13,6 +13,7 @@ from bisect import bisect_left
 import numpy as np
 
 MASK64 = (1 << 64) - 1
+UNDER_FACTOR = 4  # light packs are repaired only this many tolerances off (heavy: one)
 
 
 class SplitMix64:
@@ -312,8 +313,12 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
     for c in range(vit_budget + 1):
         cls_start[c + 1] += cls_start[c]
     worse = lambda p: (-abs(dev[p]), p)  # noqa: E731
-    work = [p for p in range(packs) if abs(dev[p]) > tol[p]]
+    def bad(p: int) -> bool:
+        return dev[p] > tol[p] or dev[p] < -UNDER_FACTOR * tol[p]
+
+    work = [p for p in range(packs) if bad(p)]
     queued = [False] * packs
+    fails = [0] * packs
     for _ in range(repair_passes):
         if not work:
             break
@@ -326,7 +331,7 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
         under = sorted((p for p in range(packs) if dev[p] < 0), key=worse)[:want_n]
         at = {True: 0, False: 0}  # next partner in `under` (p over) / `over` (p under)
         for p in work:
-            if abs(dev[p]) <= tol[p]:
+            if not bad(p):
                 continue
             best = [abs(dev[p]), -1, -1]
 
@@ -368,7 +373,8 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
                 at[side] += 1
             _, bx, by = best
             if bx < 0:
-                if not queued[p]:
+                fails[p] += 1
+                if fails[p] < 8 and not queued[p]:
                     queued[p] = True
                     nxt.append(p)
                 continue
@@ -382,7 +388,7 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
             members[q][members[q].index(by)] = bx
             pack_of[bx], pack_of[by] = q, p
             for r in (p, q):
-                if abs(dev[r]) > tol[r] and not queued[r]:
+                if bad(r) and not queued[r]:
                     queued[r] = True
                     nxt.append(r)
         work = nxt
