@@ -42,6 +42,8 @@ def main(
     argv = list(sys.argv[1:] if argv is None else argv)
     cpu = enable_cpu_megatron()
     _skip_runtime_helper_build()
+    if "-h" in argv or "--help" in argv:
+        return _help()
     try:
         spec = resolve_spec(_preparse(argv))
     except (OmnibalArgsError, ValueError) as exc:
@@ -62,6 +64,20 @@ def main(
     except (OmnibalArgsError, ValueError) as exc:
         return _fail(exc)
     train(args, settings, spec, forward_step_func, build_iterators)
+    return 0
+
+
+def _help() -> int:
+    """The --omnibal* flags. Megatron's own --help cannot print in megatron-core 0.19.2 (the help
+    of --moe-paged-stash-buffer-size-factor-cuda holds a stray '%'), so only ours are listed."""
+    parser = add_omnibal_args(
+        argparse.ArgumentParser(
+            prog="python -m megatron_omnibal.pretrain_vlm",
+            usage="%(prog)s [Megatron-LM training flags] --omnibal [--omnibal-* flags]",
+            description=__doc__.split("\n\n")[1],
+        )
+    )
+    parser.print_help()
     return 0
 
 
