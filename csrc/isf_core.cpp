@@ -49,51 +49,44 @@ void shuffle(Vec& a, Rng& rng) {
 using Packs = std::pair<Vec, Vec>;  // (samples pack after pack, pack_ptr)
 
 // ---------------------------------------------------------------- ISF (OmniBal, faithful)
-// One pass of sequential filling: a pack closes when the next sample would exceed a budget.
-void fill_in_order(const Vec& ids, const i64* vit, const i64* tok, i64 vit_budget,
-                   i64 token_budget, Vec& samples, Vec& ptr) {
-  i64 sv = 0, st = 0;
-  bool open = false;
-  for (i64 id : ids) {
-    if (open && (sv + vit[id] > vit_budget || st + tok[id] > token_budget)) {
-      ptr.push_back(static_cast<i64>(samples.size()));
-      sv = 0;
-      st = 0;
-    }
-    samples.push_back(id);
-    sv += vit[id];
-    st += tok[id];
-    open = true;
-  }
-  if (open) ptr.push_back(static_cast<i64>(samples.size()));  // the last open pack is kept
-}
-
+// Each round fills packs in shuffled order, a pack closing when the next sample would exceed a
+// budget; full packs (tiles == budget or tokens >= threshold) are kept, the others' samples go
+// to the next round; the last round keeps everything, and the last open pack is always closed.
 Packs isf(const i64* vit, const i64* tok, i64 n, i64 vit_budget, i64 token_budget,
           i64 token_threshold, i64 rounds, uint64_t seed) {
+  struct VT {
+    i64 v, t;
+  };
+  std::vector<VT> vt(n);  // one cache line per sample in the random-order pass
+  for (i64 i = 0; i < n; ++i) vt[i] = {vit[i], tok[i]};
   Vec out_samples, out_ptr{0};
-  Vec ids(n);
+  out_samples.reserve(n);
+  Vec ids(n), rest;
   for (i64 i = 0; i < n; ++i) ids[i] = i;
   for (i64 r = 0; r < rounds && !ids.empty(); ++r) {
     Rng rng(seed + static_cast<uint64_t>(r));
     shuffle(ids, rng);
-    Vec samples, ptr{0};
-    fill_in_order(ids, vit, tok, vit_budget, token_budget, samples, ptr);
-    Vec rest;
     const bool last = r == rounds - 1;
-    for (size_t p = 0; p + 1 < ptr.size(); ++p) {
-      i64 sv = 0, st = 0;
-      for (i64 k = ptr[p]; k < ptr[p + 1]; ++k) {
-        sv += vit[samples[k]];
-        st += tok[samples[k]];
+    rest.clear();
+    auto close = [&](size_t begin, size_t end, i64 sv, i64 st) {
+      Vec& to = last || sv == vit_budget || st >= token_threshold ? out_samples : rest;
+      to.insert(to.end(), ids.begin() + static_cast<std::ptrdiff_t>(begin),
+                ids.begin() + static_cast<std::ptrdiff_t>(end));
+      if (&to == &out_samples) out_ptr.push_back(static_cast<i64>(out_samples.size()));
+    };
+    size_t begin = 0;
+    i64 sv = 0, st = 0;
+    for (size_t k = 0; k < ids.size(); ++k) {
+      const VT& x = vt[ids[k]];
+      if (k > begin && (sv + x.v > vit_budget || st + x.t > token_budget)) {
+        close(begin, k, sv, st);
+        begin = k;
+        sv = st = 0;
       }
-      if (last || sv == vit_budget || st >= token_threshold) {
-        out_samples.insert(out_samples.end(), samples.begin() + ptr[p],
-                           samples.begin() + ptr[p + 1]);
-        out_ptr.push_back(static_cast<i64>(out_samples.size()));
-      } else {
-        rest.insert(rest.end(), samples.begin() + ptr[p], samples.begin() + ptr[p + 1]);
-      }
+      sv += x.v;
+      st += x.t;
     }
+    close(begin, ids.size(), sv, st);
     ids.swap(rest);
   }
   return {out_samples, out_ptr};
