@@ -178,6 +178,32 @@ def bottleneck_signatures(pp: int, m: int) -> list[Signature]:
     return out
 
 
+def sampled_signatures(
+    graph: Graph1F1B,
+    forward_ms: np.ndarray,
+    backward_ms: np.ndarray,
+    p2p_ms: np.ndarray,
+    samples: int = 256,
+    seed: int = 0,
+) -> list[Signature]:
+    """Critical paths of the graph under stage times scattered around the given ones.
+
+    Every critical path is a path of the graph, whatever the times that made it critical, so
+    each is a valid plane for every partition; times near a good partition's find the paths
+    that bind near the optimum before the search has to simulate its way to them.
+    """
+    rng = np.random.default_rng(seed)
+    noise = np.exp(rng.normal(0.0, 0.3, (2, samples, graph.pp)))
+    _, sigs = longest_paths(
+        graph,
+        forward_ms[None, :] * noise[0],
+        backward_ms[None, :] * noise[1],
+        np.repeat(np.asarray(p2p_ms, np.float64)[None, :], samples, axis=0),
+        paths=True,
+    )
+    return list(dict.fromkeys(sigs))
+
+
 @dataclass
 class Certificate:
     """Outcome of `certify`: the best partition, its step and a bound on every partition."""
@@ -290,7 +316,6 @@ def certify(
     p2p: np.ndarray,
     m: int,
     incumbent: tuple[int, ...],
-    extra_signatures: list[Signature] = (),
     tolerance: float = 1e-3,
     max_nodes: int = 200_000,
     batch: int = 32,
@@ -308,9 +333,19 @@ def certify(
     def run(parts: list[tuple[int, ...]]) -> tuple[np.ndarray, list[Signature]]:
         return partition_steps(forward, backward, p2p, m, parts, paths=True)
 
+    def around(part: tuple[int, ...]) -> list[Signature]:
+        rows = range(pp)
+        return sampled_signatures(
+            graph_1f1b(pp, m),
+            np.array([forward[part[s], part[s + 1]] for s in rows]),
+            np.array([backward[s][part[s], part[s + 1]] for s in rows]),
+            np.asarray(p2p, np.float64)[list(part[1:-1])],
+        )
+
     spans, sigs = run([incumbent])
     best, best_step = incumbent, float(spans[0])
-    bound.add(list(extra_signatures) + sigs)
+    sigs += around(incumbent)
+    bound.add(sigs)
     simulated, expanded = {incumbent}, 0
     counter = itertools.count()
     heap: list = [(0.0, next(counter), (0,), np.zeros(bound.coef.shape[1]))]
@@ -349,6 +384,7 @@ def certify(
                 i = int(np.argmin(spans))
                 if spans[i] < best_step:
                     best, best_step = todo[i], float(spans[i])
+                    sigs += around(best)
                 bound.add(sigs)
             continue
         expanded += 1
