@@ -404,6 +404,16 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
   place(positive, MaxFirst());
   place(negative, MinFirst());
 
+  auto emit = [&]() {
+    res.ptr.push_back(0);
+    for (const Vec& m : members) {
+      res.samples.insert(res.samples.end(), m.begin(), m.end());
+      res.ptr.push_back(static_cast<i64>(res.samples.size()));
+    }
+    return res;
+  };
+  if (repair_passes == 0) return emit();
+
   // Phase 3: repair.
   // Deviations from the targets in key units; a pack is fine within target / tol_div.
   Vec pack_of(n, -1);
@@ -533,12 +543,7 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
     }
     work.swap(next);
   }
-  res.ptr.push_back(0);
-  for (const Vec& m : members) {
-    res.samples.insert(res.samples.end(), m.begin(), m.end());
-    res.ptr.push_back(static_cast<i64>(res.samples.size()));
-  }
-  return res;
+  return emit();
 }
 
 // ---------------------------------------------------------------- bindings

@@ -64,9 +64,9 @@ def test_deterministic_for_a_seed(subset):
 def test_reference_backend_gives_the_same_plan(real):
     small = real.subset(np.arange(0, len(real), 250))  # 283 samples, all four datasets
     kw = dict(dp_size=4, micro_batches=1, vit_budget=18, token_budget=6016, seed=2)
-    for algorithm in ("default", "isf"):
-        a = balance(small, algorithm=algorithm, **kw)
-        b = balance(small, algorithm=algorithm, reference=True, **kw)
+    for algorithm, mode in (("default", "random"), ("default", "grouped"), ("isf", "random")):
+        a = balance(small, algorithm=algorithm, mode=mode, **kw)
+        b = balance(small, algorithm=algorithm, mode=mode, reference=True, **kw)
         assert np.array_equal(a.samples, b.samples) and np.array_equal(a.pack_ptr, b.pack_ptr)
 
 

@@ -42,8 +42,7 @@ REPAIR_PARTNERS = 4      # most-deviating packs of the other sign tried as swap 
 LOW_RATIO_PERCENTILE = 10.0   # see ratio_band()
 HIGH_RATIO_PERCENTILE = 99.5
 MAX_RETRIES = 64
-CHUNK = 80_000           # samples packed together (larger inputs: random chunks of this size)
-_CHUNK_SALT = 0x43484E4B  # "CHNK"
+CHUNK = 80_000           # samples packed together (larger inputs: chunks of this size)
 
 
 @dataclass(frozen=True)
@@ -118,15 +117,15 @@ def ratio_band(vit: np.ndarray, weight: np.ndarray) -> tuple[int, int]:
 
 def pack_slots(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_budget: int,
                token_budget: int, packs: int, *, grow: int = 0, seed: int = 0,
-               passes: int = REPAIR_PASSES, reference: bool = False
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               passes: int = REPAIR_PASSES, band: tuple[int, int] | None = None,
+               reference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Slot balancing into `packs` packs, `grow` more at a time while the tiles do not fit:
-    (samples, pack_ptr, leftover)."""
+    (samples, pack_ptr, leftover). `band` defaults to ratio_band(vit, weight)."""
     vit, weight, tokens = (np.asarray(a, np.int64) for a in (vit, weight, tokens))
+    lo, hi = ratio_band(vit, weight) if band is None else band
     out = _backend(reference).slot_balance(
         vit, weight, tokens, int(vit_budget), int(token_budget), int(packs), int(grow),
-        _u64(seed), int(passes), TOLERANCE_DIV, REPAIR_WINDOW, REPAIR_PARTNERS,
-        *ratio_band(vit, weight))
+        _u64(seed), int(passes), TOLERANCE_DIV, REPAIR_WINDOW, REPAIR_PARTNERS, lo, hi)
     return tuple(np.asarray(a, np.int64) for a in out)
 
 
@@ -178,14 +177,14 @@ def _regular_packs(lengths: LengthStats, regular: np.ndarray, weight: np.ndarray
         samples, ptr = pack_isf(v, t, vit_budget, token_budget, token_threshold=isf_threshold,
                                 rounds=isf_rounds, seed=seed, reference=reference)
         return regular[samples], ptr
-    # Large inputs are packed in random chunks of about CHUNK samples: the same quality as one
+    # Large inputs are packed in chunks of about CHUNK samples: the same quality as one
     # such chunk, in linear time. The packs fill whole steps: every chunk but the last gets the
     # packs its budgets need (the core adds packs while its tiles do not fit), the last one as
     # many more as fill the last step (the core adds steps).
     passes = REPAIR_PASSES if mode == "random" else 0
+    band = ratio_band(v, w)
     k = max(1, round(len(regular) / CHUNK))
-    order = permutation(len(regular), seed ^ _CHUNK_SALT) if k > 1 else np.arange(len(regular))
-    parts = np.array_split(order, k)
+    parts = [np.arange(i, len(regular), k) for i in range(k)]  # strided: each chunk a cross-section
     out_samples, out_sizes = [], []
     placed, scale = solo, 1.0  # scale: packs the last chunk needed over its budgets' bound
     for i, part in enumerate(parts):
@@ -197,7 +196,7 @@ def _regular_packs(lengths: LengthStats, regular: np.ndarray, weight: np.ndarray
         for _ in range(MAX_RETRIES):
             samples, ptr, leftover = pack_slots(pv, w[part], pt, vit_budget, token_budget, packs,
                                                 grow=per_step if last else 1, seed=seed + i,
-                                                passes=passes, reference=reference)
+                                                passes=passes, band=band, reference=reference)
             if len(leftover) == 0:
                 break
             packs = len(ptr) - 1 + (per_step if last else 1)

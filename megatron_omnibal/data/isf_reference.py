@@ -297,6 +297,9 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
     place(positive, -1)
     place(negative, 1)
 
+    if repair_passes == 0:
+        return _flatten(members) + (np.array(leftover, np.int64),)
+
     # Phase 3: repair.
     pack_of = [-1] * n
     dev = [0] * packs
