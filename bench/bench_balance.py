@@ -5,9 +5,10 @@ ranks of tiles and tokens (mean over steps and p99) and the dataset-mix skew rel
 shuffle, for random batching (4 samples per micro-batch), OmniBal's ISF and our default in both
 layout modes, at 8, 16, 32 and 64 ranks with 1, 4 and 8 micro-batches per rank per step.
 
-Speed (1,202,002 records = the real data 17 times): one balancing call, CPU seconds of this
-process (the machine is shared, so wall seconds are printed too), beside the reference Cython
-ISF times given in shared/data/README.md: 7.7 s at (18, 6016) and 146.5 s at (9, 4096).
+Speed (1,202,002 records = the real data 17 times): one balance() call (packing, layout,
+checks), CPU seconds of this process (the machine is shared, so wall seconds are printed too);
+and ISF's packing call alone beside the reference Cython ISF times of shared/data/README.md,
+7.7 s at (18, 6016) and 146.5 s at (9, 4096) (10 rounds here).
 
     .venv/bin/python bench/bench_balance.py [--json out.json] [--quick]
 """
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_omnibal.data import metrics  # noqa: E402
-from megatron_omnibal.data.isf import balance  # noqa: E402
+from megatron_omnibal.data.isf import balance, pack_isf  # noqa: E402
 from megatron_omnibal.data.lengths import load_lengths  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "data" / "internvl_subset.npz"
@@ -72,12 +73,17 @@ def speed(lengths, repeats: int) -> list[dict]:
         plan, cpu, wall = _timed(lambda vb=vb, tb=tb, kw=kw: balance(
             big, dp_size=64, micro_batches=1, vit_budget=vb, token_budget=tb, seed=0, **kw))
         plan.check(len(big))
-        row = {"method": name, "budgets": [vb, tb], "records": len(big), "cpu_s": cpu,
-               "wall_s": wall, "steps": plan.num_steps}
-        ref = REFERENCE_CYTHON_S.get((vb, tb)) if name == "isf" else None
-        if ref is not None:
-            row.update(reference_cython_s=ref, speedup_cpu=ref / cpu, speedup_wall=ref / wall)
-        rows.append(row)
+        rows.append({"method": f"balance() {name}", "budgets": [vb, tb], "records": len(big),
+                     "cpu_s": cpu, "wall_s": wall, "steps": plan.num_steps})
+    # The packing call alone, as the reference's timing (no layout, no oversize handling).
+    for vb, tb in REFERENCE_CYTHON_S:
+        (samples, _), cpu, wall = _timed(lambda vb=vb, tb=tb: pack_isf(
+            big.vit, big.tokens, vb, tb, rounds=10, seed=0))
+        assert len(samples) == len(big)
+        ref = REFERENCE_CYTHON_S[(vb, tb)]
+        rows.append({"method": "isf packing", "budgets": [vb, tb], "records": len(big),
+                     "cpu_s": cpu, "wall_s": wall, "reference_cython_s": ref,
+                     "speedup_cpu": ref / cpu, "speedup_wall": ref / wall})
     return rows
 
 
@@ -97,14 +103,14 @@ def _print_quality(rows: list[dict]) -> None:
 def _print_speed(rows: list[dict]) -> None:
     print(f"\nspeed: {rows[0]['records']:,} records, dp 64, one balancing call "
           "(CPU s of this process; wall s on the shared machine)")
-    print(f"{'method':<18}{'budgets':>12}{'cpu s':>9}{'wall s':>9}{'ref Cython s':>14}"
+    print(f"{'method':<26}{'budgets':>12}{'cpu s':>9}{'wall s':>9}{'ref Cython s':>14}"
           f"{'x (cpu)':>9}{'x (wall)':>10}")
     for r in rows:
         ref = r.get("reference_cython_s")
         extra = (f"{ref:>14.1f}{r['speedup_cpu']:>9.1f}{r['speedup_wall']:>10.1f}" if ref
                  else f"{'':>14}{'':>9}{'':>10}")
         budgets = f"({r['budgets'][0]}, {r['budgets'][1]})"
-        print(f"{r['method']:<18}{budgets:>12}{r['cpu_s']:>9.2f}{r['wall_s']:>9.2f}{extra}")
+        print(f"{r['method']:<26}{budgets:>12}{r['cpu_s']:>9.2f}{r['wall_s']:>9.2f}{extra}")
 
 
 def main(argv: list[str] | None = None) -> int:
