@@ -275,7 +275,8 @@ def search(
             tolerance=tolerance,
             max_nodes=max_nodes,
         )
-        best = cert.bounds if cert.step_ms < best_step else best
+        if cert.step_ms < best_step:  # polish again: cut short, the search may stop early
+            best, best_step = _polish(cert.bounds, cert.step_ms, steps, max_evaluations)
         lower = max(lower, cert.lower_bound_ms)
     part = problem.evaluate(best)
     return replace(part, lower_bound_ms=min(lower, part.step_ms))
