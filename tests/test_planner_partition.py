@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 from megatron_omnibal.planner.costs import LayerCosts
-from megatron_omnibal.planner.exact import graph_1f1b, longest_paths
+from megatron_omnibal.planner.exact import certify, graph_1f1b, longest_paths
 from megatron_omnibal.planner.memory import inflight_1f1b, stage_memory_mib, stage_time_ms
 from megatron_omnibal.planner.partition import (
     NoFeasiblePartition,
     Problem,
     bmp,
+    forward_table,
     megatron_default,
     objective_candidates,
     search,
@@ -261,3 +262,24 @@ def test_search_is_certified_optimal_on_harsh_profiles(seed):
     assert got.step_ms <= got.lower_bound_ms * (1 + 1e-3) + 1e-9  # the certificate
     exact = search(problem, pp, tolerance=0.0)
     assert exact.step_ms == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_branch_and_bound_from_the_worst_split_reaches_the_optimum(seed):
+    """Seeded with the slowest feasible split instead of the DPs' pick, branch and bound
+    alone must still reach the brute-force optimum (tolerance 0) and bound it from below."""
+    rng = np.random.default_rng(500 + seed)
+    units = int(rng.integers(5, 9))
+    pp = int(rng.integers(2, min(units, 5) + 1))
+    problem = Problem(harsh_costs(rng, units), int(rng.integers(1, 2 * pp + 1)))
+    tables = problem.tables(pp)
+    forward = forward_table(problem.costs)
+    backward = [t - np.where(np.isfinite(t), forward, 0.0) for t in tables]
+    splits = [(0, *c, units) for c in itertools.combinations(range(1, units), pp - 1)]
+    steps = [problem.evaluate(b).step_ms for b in splits]
+    worst = splits[int(np.argmax(steps))]
+    cert = certify(forward, backward, problem.p2p, problem.m, worst, tolerance=0.0)
+    assert cert.complete
+    assert cert.step_ms == pytest.approx(min(steps), rel=1e-9)
+    assert problem.evaluate(cert.bounds).step_ms == pytest.approx(min(steps), rel=1e-9)
+    assert cert.lower_bound_ms <= min(steps) * (1 + 1e-9)

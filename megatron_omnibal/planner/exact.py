@@ -288,7 +288,6 @@ class _Bound:
         suffix[:, self.pp, self.units] = 0.0
         once = np.array([1.0, 1.0, 2.0])
         other = np.any(coef != once, axis=2)  # (pp, K): stage not visited once each way
-        other[-1] |= np.any(coef[-1] != [1.0, 1.0, 0.0], axis=1)
         other[-1] = True  # a signature visiting every stage once pivots at the last
         pivot = np.argmax(other, axis=0)
         for s in range(self.pp - 1, -1, -1):
