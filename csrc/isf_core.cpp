@@ -312,16 +312,25 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
   Vec pack_tokens(packs, 0);
   std::vector<Vec> members(packs);
   // Weight targets (key units, weight * unit): one common level W for every pack that can carry
-  // it (tiles * a high weight per tile, ratio_hi / 1024, reaches W; heavy packs always), the
+  // it (tiles * a high weight per tile, ratio_hi / 1024, plus its text-only slots * the heaviest
+  // text-only sample, reaches W; heavy packs always), the
   // rest what they can carry; W is the least level at which the targets hold all the weight.
   // The largest pack of a step is what its ranks wait for, so the level is what matters.
   const i128 unit = mulv * packs;
   std::vector<i128> reach_w(packs), target(packs);
   const i128 no_limit = static_cast<i128>(sum_w + 1) * unit;
-  for (i64 p = 0; p < packs; ++p)
+  i64 text_max = 0;  // heaviest text-only sample: what a text-only slot can carry
+  for (i64 i = 0; i < n; ++i)
+    if (vit[i] == 0) text_max = std::max(text_max, w[i]);
+  for (i64 p = 0; p < packs; ++p) {
+    i64 text_slots = 0;
+    for (const auto& [c, k] : free[p])
+      if (c == 0) text_slots = k;
     reach_w[p] = cap[p] >= 0 || sum_v == 0
                      ? no_limit
-                     : static_cast<i128>(tiles[p]) * ratio_hi * unit / 1024;
+                     : static_cast<i128>(tiles[p]) * ratio_hi * unit / 1024 +
+                           static_cast<i128>(text_slots) * text_max * unit;
+  }
   auto held = [&](i128 level) {
     i128 total = 0;
     for (i64 p = 0; p < packs; ++p) total += std::min(level * unit, reach_w[p]);

@@ -175,7 +175,7 @@ def test_text_only_and_mixed_samples():
     plan = balance(mixed, dp_size=8, vit_budget=18, token_budget=6016)
     _check_plan(plan, mixed, 8, 1, 18, 6016)
     figures = metrics.summarize(plan, mixed)
-    # Token-bound data (12 tiles' worth of tokens per pack) over few steps: the packs the core
-    # adds when the tiles do not fit exactly end light in both and lower the means (a known
-    # weakness, docs/balance.md); still far better than random batching.
-    assert figures["tokens_max_mean"] < 1.1 and figures["tiles_max_mean"] < 1.1
+    # Token-bound data (12 tiles' worth of tokens per pack) over few steps: tokens balance; the
+    # packs the core adds when the tiles do not fit exactly end light in tiles and lower the tile
+    # mean (a known weakness, docs/balance.md); random batching gives 1.64 / 1.36 here.
+    assert figures["tokens_max_mean"] < 1.02 and figures["tiles_max_mean"] < 1.1

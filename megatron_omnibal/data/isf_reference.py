@@ -221,7 +221,10 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
     # Phase 2: samples into slots.
     unit = mulv * packs
     no_limit = (sum_w + 1) * unit
-    reach_w = [no_limit if cap[p] >= 0 or sum_v == 0 else tiles[p] * ratio_hi * unit // 1024
+    text_max = max((w[i] for i in range(n) if v[i] == 0), default=0)
+    text_slots = [sum(k for c, k in free[p] if c == 0) for p in range(packs)]
+    reach_w = [no_limit if cap[p] >= 0 or sum_v == 0
+               else tiles[p] * ratio_hi * unit // 1024 + text_slots[p] * text_max * unit
                for p in range(packs)]
     lo_w, hi_w = 0, sum_w
     while lo_w < hi_w:
