@@ -101,3 +101,44 @@ def test_clip_vit_builds_without_transformer_engine(obs: list[dict]) -> None:
 
 def test_megatron_training_imports_and_allows_no_cuda(obs: list[dict]) -> None:
     assert obs[0]["training_initialize_patched"] is True
+
+
+def full_grads(obs: list[dict], key: str, which: str) -> dict[str, torch.Tensor]:
+    """Whole-model gradients by global name: TP shards concatenated along their partition dim,
+    copies held by several ranks (DP replicas, TP duplicates) checked equal and taken once."""
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    dims: dict[str, int | None] = {}
+    for o in obs:
+        run = o[key]
+        for name, grad in run[which].items():
+            held = shards.setdefault(name, {})
+            dims[name] = run["tp_dim"][name]
+            rank = run["tp_rank"] if dims[name] is not None else 0
+            if rank in held:
+                assert torch.equal(held[rank], grad), name
+            held[rank] = grad
+    return {
+        n: torch.cat([s[r] for r in sorted(s)], dim=dims[n]) if dims[n] is not None else s[0]
+        for n, s in shards.items()
+    }
+
+
+@pytest.mark.parametrize("key", ["clip_tp1_pp1", "clip_tp1_pp2", "clip_tp2_pp1"])
+def test_grad_clipping_matches_plain_torch(obs: list[dict], key: str) -> None:
+    """--clip-grad 1.0 through Megatron's DDP + optimizer: the norm it reports (all-reduced over
+    the PP/TP ranks, TP duplicates once) is torch's norm of the whole model's gradients, the
+    gradients are scaled by 1 / norm, and the zero count is the model's."""
+    oracle = full_grads(obs, "clip_tp1_pp1", "unclipped")  # PP=1: each rank has every gradient
+    grads = full_grads(obs, key, "unclipped")
+    assert set(grads) == set(oracle)
+    for n, g in grads.items():
+        assert (g - oracle[n]).abs().max() <= 1e-5 * oracle[n].abs().max() + 1e-12, n
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in oracle.values())).item()
+    assert norm > 10.0  # clipping to 1.0 really scales
+    for o in obs:
+        assert o[key]["grad_norm"] == pytest.approx(norm, rel=1e-5)
+        assert o[key]["zeros"] == sum(int((g == 0).sum()) for g in grads.values())
+    coeff = 1.0 / (norm + 1e-6)
+    clipped = full_grads(obs, key, "clipped")
+    for n, g in clipped.items():
+        assert torch.allclose(g, grads[n] * coeff, rtol=1e-5, atol=1e-9), n

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import typing
 from typing import Any
 
@@ -264,7 +265,58 @@ def _patch_megatron() -> None:
             WrappedTorchNorm if d is torch.nn.LayerNorm else d for d in defaults
         )
 
+    _patch_clip_grads()
     _patch_megatron_training()
+
+
+def _patch_clip_grads() -> None:
+    # megatron/core/optimizer/clip_grads.py clip_grad_by_total_norm_fp32 asserts
+    # param.grad.type() == 'torch.cuda.FloatTensor', so `--clip-grad` > 0 failed on CPU
+    # (MegatronOptimizer.clip_grad_norm / ChainedOptimizer.step in optimizer/optimizer.py,
+    # models/mimo/optimizer.py). Same clipping with the assertion on the dtype only. The norm,
+    # get_grad_norm_fp32, already runs on CPU: without TE/apex it uses core/utils.py's
+    # local_multi_tensor_l2_norm and its device="cuda" buffers land on the CPU (factories above).
+    import sys
+
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.utils import to_local_if_dtensor
+
+    if getattr(clip_grads.clip_grad_by_total_norm_fp32, "__omnibal_cpu__", False):
+        return
+
+    @torch.no_grad()
+    def clip_grad_by_total_norm_fp32(
+        parameters: Any, max_norm: float, total_norm: Any, use_decoupled_grad: bool = False
+    ) -> None:
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        dtypes = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
+        grads = []
+        for param in parameters:
+            grad = getattr(param, attr, None)
+            if grad is None:
+                continue
+            if grad.dtype not in dtypes:
+                raise TypeError(
+                    f"gradient clipping expects {attr} of dtype {dtypes}, got {grad.dtype} "
+                    f"for a parameter of shape {tuple(param.shape)}"
+                )
+            grads.append(to_local_if_dtensor(grad).detach())
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if isinstance(clip_coeff, torch.Tensor):
+            clip_coeff = clip_coeff.clamp_max(1.0)
+        elif clip_coeff >= 1.0:
+            return
+        for grad in grads:
+            grad.mul_(clip_coeff)
+
+    clip_grad_by_total_norm_fp32.__omnibal_cpu__ = True  # type: ignore[attr-defined]
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    mimo = sys.modules.get("megatron.core.models.mimo.optimizer")  # later imports read clip_grads
+    if mimo is not None:
+        mimo.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
 def _patch_megatron_training() -> None:
@@ -286,6 +338,22 @@ def _patch_megatron_training() -> None:
     initialize_megatron.__omnibal_cpu__ = True  # type: ignore[attr-defined]
     initialize.initialize_megatron = initialize_megatron
     training.initialize_megatron = initialize_megatron
+
+    # training/arguments.py validate_args calls utils/common_utils.py get_device_arch_version()
+    # (torch.cuda.get_device_properties) when TP or CP > 1: no CUDA arch on a CPU (0, as on a
+    # pre-Blackwell GPU). It then requires CUDA_DEVICE_MAX_CONNECTIONS=1, which orders kernels
+    # on a GPU and means nothing here, so it is set unless the user set it.
+    from megatron.training import arguments
+    from megatron.training import utils as training_utils
+    from megatron.training.utils import common_utils
+
+    def get_device_arch_version() -> int:
+        return 0
+
+    arguments.get_device_arch_version = get_device_arch_version
+    common_utils.get_device_arch_version = get_device_arch_version
+    training_utils.get_device_arch_version = get_device_arch_version
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 
 def enable_cpu_megatron() -> bool:

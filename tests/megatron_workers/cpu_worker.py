@@ -143,6 +143,91 @@ def gpt_run(pp: int, recompute: bool, dropout: float) -> dict:
     }
 
 
+def clip_grad_run(tp: int, pp: int) -> dict:
+    """One optimizer step of Megatron's DDP + FP32Optimizer with --clip-grad 1.0 (SGD, lr 1).
+
+    Same weights (PP=1's, sharded along each parameter's partition_dim for TP) and data as
+    gpt_run. Records the grads before the step (unclipped), after it (clipped in place), the
+    grad norm and zero count Megatron returns, and which parameters are TP shards.
+    """
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tp, pp)
+    model_parallel_cuda_manual_seed(SEED)
+    rank = ps.get_pipeline_model_parallel_rank()
+    config = gpt_config(pp, False, 0.0)
+    config.tensor_model_parallel_size = tp
+    model = GPTModel(
+        config,
+        get_gpt_layer_local_spec(),
+        vocab_size=64,
+        max_sequence_length=16,
+        pre_process=rank == 0,
+        post_process=rank == pp - 1,
+        share_embeddings_and_output_weights=False,
+    )
+    weights = torch.load(OUT / "gpt_weights.pt")
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    named = {}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            parts = n.split(".")
+            if parts[:2] == ["decoder", "layers"]:
+                parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+            named[".".join(parts)] = p
+            full = weights[".".join(parts)]
+            if getattr(p, "tensor_model_parallel", False):
+                full = full.chunk(tp, dim=p.partition_dim)[tp_rank]
+            p.copy_(full)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=1.0,
+            log_num_zeros_in_grad=True,
+        ),
+        [ddp],
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(SEED)
+    data = [torch.randint(0, 64, (1, 16), generator=g) for _ in range(4)]
+
+    def step(it, m):
+        tok = next(it)
+        out = m(tok, torch.arange(16)[None], None, labels=tok)
+        return out, lambda o: (o.sum(), torch.tensor(o.numel(), dtype=torch.int), {})
+
+    config.calculate_per_token_loss = True
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter(data),
+        model=[ddp],
+        num_microbatches=4,
+        seq_length=16,
+        micro_batch_size=1,
+    )
+    finalize_model_grads([ddp])
+    unclipped = {n: p.main_grad.detach().clone() for n, p in named.items()}
+    _, grad_norm, zeros = opt.step()
+    return {
+        "grad_norm": float(grad_norm),
+        "zeros": int(zeros),
+        "unclipped": unclipped,
+        "clipped": {n: p.grad.detach().clone() for n, p in named.items()},
+        "tp_dim": {
+            n: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+            for n, p in named.items()
+        },
+        "tp_rank": tp_rank,
+    }
+
+
 def clip_check() -> None:
     """CLIPViTModel without Transformer Engine: builds its ln_pre and runs."""
     from megatron.core.models.vision.clip_vit_model import CLIPViTModel
@@ -180,6 +265,9 @@ if __name__ == "__main__":
     training_import()
     for pp, rec, drop in ((1, False, 0.0), (2, False, 0.0), (2, False, 0.1), (2, True, 0.1)):
         obs[f"gpt_pp{pp}_recompute{int(rec)}_dropout{drop}"] = gpt_run(pp, rec, drop)
+        dist.barrier()
+    for tp, pp in ((1, 1), (1, 2), (2, 1)):
+        obs[f"clip_tp{tp}_pp{pp}"] = clip_grad_run(tp, pp)
         dist.barrier()
     torch.save(obs, OUT / f"rank{dist.get_rank()}.pt")
     ps.destroy_model_parallel()
