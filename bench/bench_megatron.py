@@ -42,7 +42,7 @@ PP = 2
 TEXT_SCALE = 8
 MODEL_SPEC = {
     "name": "bench-6+20b-shape",
-    "vit": {"num_layers": 8, "hidden_size": 64, "ffn_hidden_size": 256,
+    "vit": {"num_layers": 8, "hidden_size": 96, "ffn_hidden_size": 384,
             "num_attention_heads": 4, "image_size": 64, "patch_size": 8, "norm": "layernorm"},
     "projector": {"type": "pixel_shuffle_mlp", "downsample": 0.5, "hidden_size": 128},
     "llm": {"num_layers": 8, "hidden_size": 128, "ffn_hidden_size": 352,

@@ -36,9 +36,9 @@ def _stage(r, pp, vit, llm, proj):
             "projector": proj, "llm_embed": proj, "head": r == pp - 1}  # fmt: skip
 
 
-def _plan(path, stages, **data):
+def _plan(path, stages, tp=1, **data):
     pp = len(stages)
-    doc = {"parallel": {"tp": 1, "pp": pp, "dp": 1, "micro_batches": 2},
+    doc = {"parallel": {"tp": tp, "pp": pp, "dp": 1, "micro_batches": 2},
            "model_spec": _tiny_spec(), "stages": stages,
            "data": {"vit_budget": 16, "token_budget": 160, **data}}  # fmt: skip
     path.write_text(json.dumps(doc))
@@ -59,6 +59,7 @@ def cases(tmp_path_factory):
     plan2 = [_stage(0, 2, [0, 4], [0, 1], True), _stage(1, 2, [4, 4], [1, 4], False)]
     plan_other_data = _plan(tmp / "plan_n.json", plan2, num_samples=999)
     plan_ok = _plan(tmp / "plan2.json", plan2)
+    plan_tp2 = _plan(tmp / "plan_tp2.json", plan2, tp=2)
     base = ["--omnibal", "--omnibal-lengths", str(good), "--omnibal-text-scale", "8",
             "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2",
             "--lr", "1e-3", "--transformer-impl", "local", "--pipeline-model-parallel-size",
@@ -70,6 +71,8 @@ def cases(tmp_path_factory):
          "llm layers add up to 3 over 2 stages, the model has 4"),
         ([*base, "--omnibal-plan", plan4],
          "plan is for pipeline size 4, this run has --pipeline-model-parallel-size 2"),
+        ([*base, "--omnibal-plan", plan_tp2],
+         f"--omnibal-plan {plan_tp2} was made for tp=2, this run has tp=1"),
         ([*base, "--omnibal-plan", plan_other_data],
          f"has 30 samples, but --omnibal-plan {plan_other_data} was made for a dataset of 999"),
         ([*base, *counts, "--omnibal-llm-pp-layers", "1,3", "--omnibal-lengths", str(llava)],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -319,18 +320,27 @@ def _budgets(args: argparse.Namespace, plan: dict | None) -> tuple[int, int]:
 
 
 def _check_plan_sizes(plan: dict, args: argparse.Namespace, micro: int) -> None:
+    """TP and PP must be the plan's (they shape every stage); another DP size or micro-batch
+    count only changes the global batch (a dry run of a large plan on a few CPU processes), so
+    rank 0 notes it."""
     where = f"--omnibal-plan {plan['_path']}"
     par = plan.get("parallel", {}) or {}
     for key, value in (
         ("tp", args.tensor_model_parallel_size),
         ("pp", args.pipeline_model_parallel_size),
-        ("dp", args.data_parallel_size),
-        ("micro_batches", micro),
     ):
-        planned = par.get(key, plan.get(key))
+        planned = par.get(key)
         if planned is not None and int(planned) != value:
             raise OmnibalArgsError(
                 f"{where} was made for {key}={planned}, this run has {key}={value}"
+            )
+    for key, value in (("dp", args.data_parallel_size), ("micro_batches", micro)):
+        planned = par.get(key)
+        if planned is not None and int(planned) != value and getattr(args, "rank", 0) == 0:
+            print(
+                f"pretrain_vlm: note: {where} was made for {key}={planned}, this run has "
+                f"{key}={value}",
+                file=sys.stderr,
             )
 
 
