@@ -2,7 +2,8 @@
 
 The checks run in a 2-process torchrun (so the pytest process itself is never patched); the
 oracles are a PP=1 run (for 1F1B at PP=2), the run without recompute (for recompute with
-dropout), and a torch.Generator seeded like the RNG tracker's stream.
+dropout), a torch.Generator seeded like the RNG tracker's stream, and torch's L2 norm of the
+whole model's gradients (for Megatron's gradient clipping at PP=2 and TP=2).
 """
 
 from __future__ import annotations
