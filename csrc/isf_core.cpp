@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <deque>
 #include <queue>
 #include <stdexcept>
 #include <tuple>

@@ -7,10 +7,11 @@ Two packers over the C++ core (csrc/isf_core.cpp; isf_reference.py is its pure-P
   tokens >= threshold), re-shuffle and re-pack the others, for `rounds` rounds, keeping the last
   round as it is. Unlike the reference it never drops a sample: oversize samples follow the
   oversize policy and the last open pack is kept.
-- `default` (fill-and-complete): the number of packs is fixed up front to a multiple of
-  dp * micro_batches, and each pack aims at the running mean of what is left (tiles and
-  weight). A pack is filled from a random stream and finished by the unused sample (or stream
-  sample + unused sample) that hits both targets, found in sorted buckets per tile count.
+- `default` (slot balancing, see csrc/isf_core.cpp): the pack count is a whole number of steps
+  from the start; each pack's tile slots are chosen so its tiles hit the target exactly, then
+  samples are dealt into slots of their tile count so that every pack carries the same weight
+  (tokens or a cost), and a swap repair evens out what is left. Samples too heavy for a full
+  pack start packs that give up tiles instead of going over on weight.
 
 `balance()` ties packer, oversize policy and layout together into a `BalancePlan`.
 """
