@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     bar.set_postfix_str("metrics")
     ours = metrics.summarize(plan, lengths, metric_cost, seed=args.seed)
     bar.update()
+    bar.set_postfix_str("random baseline")
     per_micro = args.baseline_samples or max(
         1, round(ours["samples_per_step"] / (args.dp * args.micro_batches)))
     base_plan = metrics.random_batching(lengths, dp_size=args.dp,
