@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from megatron_omnibal.planner.costs import LayerCosts
-from megatron_omnibal.planner.exact import certify, graph_1f1b, longest_paths
+from megatron_omnibal.planner.exact import (
+    bottleneck_signatures,
+    certify,
+    fill_drain_signatures,
+    graph_1f1b,
+    longest_paths,
+)
 from megatron_omnibal.planner.memory import inflight_1f1b, stage_memory_mib, stage_time_ms
 from megatron_omnibal.planner.partition import (
     NoFeasiblePartition,
@@ -283,3 +289,22 @@ def test_branch_and_bound_from_the_worst_split_reaches_the_optimum(seed):
     assert cert.step_ms == pytest.approx(min(steps), rel=1e-9)
     assert problem.evaluate(cert.bounds).step_ms == pytest.approx(min(steps), rel=1e-9)
     assert cert.lower_bound_ms <= min(steps) * (1 + 1e-9)
+
+
+FIELDS = ("forwards", "backwards", "crossings")
+
+
+def test_closed_form_signatures_never_exceed_the_longest_path():
+    """The bottleneck and fill-drain families seed the bound without being simulated, so
+    each must be a real path: priced with any stage times, never above the exact step."""
+    rng = np.random.default_rng(9)
+    for _ in range(80):
+        pp = int(rng.integers(2, 11))
+        m = int(rng.integers(1, pp + 1)) if rng.random() < 0.7 else int(rng.integers(pp, 3 * pp))
+        sigs = bottleneck_signatures(pp, m) + fill_drain_signatures(pp, m)
+        f, b = np.exp(rng.normal(0, 1.5, (2, 32, pp)))
+        c = np.exp(rng.normal(-1, 1.5, (32, pp - 1)))
+        span, _ = longest_paths(graph_1f1b(pp, m), f, b, c)
+        nf, nb, nc = (np.array([getattr(g, k) for g in sigs]) for k in FIELDS)
+        priced = f @ nf.T + b @ nb.T + c @ nc[:, : pp - 1].T
+        assert np.all(priced <= span[:, None] * (1 + 1e-12))

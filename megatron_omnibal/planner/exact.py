@@ -178,6 +178,24 @@ def bottleneck_signatures(pp: int, m: int) -> list[Signature]:
     return out
 
 
+def fill_drain_signatures(pp: int, m: int) -> list[Signature]:
+    """With m < pp, stages r <= pp - m run all their forwards before any backward (warm-up
+    min(pp - r - 1, m) >= m - 1), so a path may take micro-batch 0 down to stage k, all m
+    forwards there, micro-batch m - 1 on down to r = pp - m, turn to micro-batch 0's gradient
+    there, up to stage j, all m backwards there, and the last gradient up: the sum over
+    stages <= r of f + b plus (m - 1)(f_k + b_j), for every k, j <= r."""
+    r = pp - m
+    if r < 0 or m < 2:
+        return []
+    out = []
+    for k, j in itertools.product(range(r + 1), repeat=2):
+        nf = tuple(1 + (m - 1) * (s == k) if s <= r else 0 for s in range(pp))
+        nb = tuple(1 + (m - 1) * (s == j) if s <= r else 0 for s in range(pp))
+        nc = tuple(2 if s < r else 0 for s in range(pp))
+        out.append(Signature(nf, nb, nc))
+    return out
+
+
 def sampled_signatures(
     graph: Graph1F1B,
     forward_ms: np.ndarray,
@@ -318,13 +336,16 @@ def certify(
     tolerance: float = 1e-3,
     max_nodes: int = 200_000,
     batch: int = 32,
+    improve=None,
 ) -> Certificate:
     """Best partition under the exact 1F1B step, provably within `tolerance` of the optimum.
 
     `forward` (U+1, U+1): forward ms of segment [lo, hi); `backward[s]`: backward (with the
     stage's cheapest fitting recompute) of that segment as stage s, inf where it cannot fit;
     `p2p[b]`: one transfer across the boundary before unit b. `incumbent`: a good partition
-    (from the fast DPs) whose step seeds the pruning threshold.
+    (from the fast DPs) whose step seeds the pruning threshold. `improve(bounds, step) ->
+    (bounds, step)`, if given, is a local search run on every new best split (a lower
+    threshold sooner prunes more).
     """
     pp, units = len(backward), forward.shape[0] - 1
     bound = _Bound(forward, backward, p2p, m)
@@ -344,7 +365,7 @@ def certify(
     spans, sigs = run([incumbent])
     best, best_step = incumbent, float(spans[0])
     sigs += around(incumbent)
-    bound.add(sigs)
+    bound.add(fill_drain_signatures(pp, m) + sigs)
     simulated, expanded = {incumbent}, 0
     counter = itertools.count()
     heap: list = [(0.0, next(counter), (0,), np.zeros(bound.coef.shape[1]))]
@@ -383,6 +404,9 @@ def certify(
                 i = int(np.argmin(spans))
                 if spans[i] < best_step:
                     best, best_step = todo[i], float(spans[i])
+                    if improve is not None:
+                        best, best_step = improve(best, best_step)
+                        simulated.add(best)
                     sigs += around(best)
                 bound.add(sigs)
             continue

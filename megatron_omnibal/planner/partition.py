@@ -274,9 +274,9 @@ def search(
             best,
             tolerance=tolerance,
             max_nodes=max_nodes,
+            improve=lambda b, t: _polish(b, t, steps, max_evaluations),
         )
-        if cert.step_ms < best_step:  # polish again: cut short, the search may stop early
-            best, best_step = _polish(cert.bounds, cert.step_ms, steps, max_evaluations)
+        best, best_step = cert.bounds, cert.step_ms
         lower = max(lower, cert.lower_bound_ms)
     part = problem.evaluate(best)
     return replace(part, lower_bound_ms=min(lower, part.step_ms))
