@@ -344,10 +344,12 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
     target[p] = std::min(lo_w * unit, reach_w[p]);
     need[p] = target[p] - static_cast<i128>(packs) * tiles[p] * sum_w;
   }
+  Vec pack_tiles(packs, 0);
   for (size_t k = 0; k < heavy.size(); ++k) {
     members[k].push_back(heavy[k].id);
     need[k] -= heavy[k].key;
     pack_tokens[k] += tok[heavy[k].id];
+    pack_tiles[k] += vit[heavy[k].id];
   }
   auto slot_of = [&](i64 p, i64 c) -> i64* {
     for (auto& e : free[p])
@@ -397,13 +399,24 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n, i64
         break;
       }
       for (const HeapItem& e : stash) heap.push(e);
-      if (chosen < 0) {
-        res.leftover.push_back(i);
-        continue;
+      bool in_slot = chosen >= 0;
+      if (!in_slot) {
+        // No slot of its tile count has token room left: the neediest pack with room for its
+        // tiles and tokens takes it beyond its slots (rare: tiny or token-bound inputs).
+        for (i64 p = 0; p < packs; ++p)
+          if (pack_tiles[p] + c <= vit_budget && pack_tokens[p] + tok[i] <= token_budget &&
+              (chosen < 0 || need[p] > need[chosen]))
+            chosen = p;
+        if (chosen < 0) {
+          res.leftover.push_back(i);
+          continue;
+        }
       }
       members[chosen].push_back(i);
       pack_tokens[chosen] += tok[i];
+      pack_tiles[chosen] += c;
       need[chosen] -= item.key;
+      if (!in_slot) continue;
       i64* k = slot_of(chosen, c);
       *k -= 1;
       if (*k > 0) heap.push({need[chosen], chosen});

@@ -175,7 +175,25 @@ def test_text_only_and_mixed_samples():
     plan = balance(mixed, dp_size=8, vit_budget=18, token_budget=6016)
     _check_plan(plan, mixed, 8, 1, 18, 6016)
     figures = metrics.summarize(plan, mixed)
-    # Token-bound data (12 tiles' worth of tokens per pack) over few steps: tokens balance; the
-    # packs the core adds when the tiles do not fit exactly end light in tiles and lower the tile
-    # mean (a known weakness, docs/balance.md); random batching gives 1.64 / 1.36 here.
-    assert figures["tokens_max_mean"] < 1.02 and figures["tiles_max_mean"] < 1.1
+    # Token-bound data (12 tiles' worth of tokens per pack); random batching: 1.64 / 1.36.
+    assert figures["tokens_max_mean"] < 1.02 and figures["tiles_max_mean"] < 1.02
+
+
+@pytest.mark.parametrize("trial", range(24))
+def test_random_configurations_keep_every_invariant(trial):
+    rng = np.random.default_rng(1000 + trial)
+    n, vmax = int(rng.integers(1, 800)), int(rng.integers(0, 8))
+    vit = rng.integers(0, vmax + 1, n)
+    tokens = rng.integers(1, 3000, n) + 200 * vit
+    lengths = from_arrays(vit, tokens)
+    vb, tb = int(rng.integers(max(1, vmax), 30)), int(rng.integers(int(tokens.max()), 12000))
+    dp, micro = int(rng.integers(1, 70)), int(rng.integers(1, 9))
+    kw = dict(dp_size=dp, micro_batches=micro, vit_budget=vb, token_budget=tb, seed=trial,
+              algorithm=("default", "isf")[trial % 2], mode=("random", "grouped")[trial // 2 % 2],
+              cost=CostModel(1.0, 1.0, 0.001) if trial % 3 == 0 else None)
+    plan = balance(lengths, **kw)
+    _check_plan(plan, lengths, dp, micro, vb, tb)
+    if n <= 200:  # the pure-Python reference gives the same plan
+        ref = balance(lengths, reference=True, **kw)
+        assert np.array_equal(ref.samples, plan.samples)
+        assert np.array_equal(ref.pack_ptr, plan.pack_ptr)

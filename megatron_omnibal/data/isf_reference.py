@@ -237,10 +237,12 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
     need = [target[p] - packs * tiles[p] * sum_w for p in range(packs)]
     pack_tokens = [0] * packs
     members: list[list[int]] = [[] for _ in range(packs)]
+    pack_tiles = [0] * packs
     for k, (kh, _, h) in enumerate(heavy):
         members[k].append(h)
         need[k] -= kh
         pack_tokens[k] += tok[h]
+        pack_tiles[k] += v[h]
 
     def slot_of(p: int, c: int) -> list[int] | None:
         for e in free[p]:
@@ -286,12 +288,22 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, vit_bu
                 break
             for e in stash:
                 heapq.heappush(heap, e)
-            if chosen < 0:
-                leftover.append(i)
-                continue
+            in_slot = chosen >= 0
+            if not in_slot:
+                for p in range(packs):
+                    if pack_tiles[p] + c <= vit_budget and \
+                            pack_tokens[p] + tok[i] <= token_budget and \
+                            (chosen < 0 or need[p] > need[chosen]):
+                        chosen = p
+                if chosen < 0:
+                    leftover.append(i)
+                    continue
             members[chosen].append(i)
             pack_tokens[chosen] += tok[i]
+            pack_tiles[chosen] += c
             need[chosen] -= kv
+            if not in_slot:
+                continue
             slot = slot_of(chosen, c)
             slot[1] -= 1
             if slot[1] > 0:
