@@ -14,7 +14,7 @@ from megatron_omnibal.data.plan_io import load_plan
 def lengths_file(tmp_path):
     rng = np.random.default_rng(0)
     vit = rng.integers(1, 6, 2000)
-    stats = from_arrays(vit, 256 * vit + rng.integers(40, 800, 2000))
+    stats = from_arrays(vit, 256 * vit + rng.integers(20, 120, 2000))
     path = tmp_path / "lengths.jsonl"
     save_lengths(stats, path)
     return path
