@@ -337,6 +337,7 @@ def certify(
     max_nodes: int = 200_000,
     batch: int = 32,
     improve=None,
+    dive_every: int = 500,
 ) -> Certificate:
     """Best partition under the exact 1F1B step, provably within `tolerance` of the optimum.
 
@@ -345,7 +346,8 @@ def certify(
     `p2p[b]`: one transfer across the boundary before unit b. `incumbent`: a good partition
     (from the fast DPs) whose step seeds the pruning threshold. `improve(bounds, step) ->
     (bounds, step)`, if given, is a local search run on every new best split (a lower
-    threshold sooner prunes more).
+    threshold sooner prunes more). Every `dive_every` expansions, a greedy dive from the
+    current node (least-bound child down to a full split) looks for a better split.
     """
     pp, units = len(backward), forward.shape[0] - 1
     bound = _Bound(forward, backward, p2p, m)
@@ -411,6 +413,19 @@ def certify(
                 bound.add(sigs)
             continue
         expanded += 1
+        if expanded % dive_every == 0:  # primal heuristic: a greedy dive to a full split
+            leaf = _dive(bound, prefix, v, units)
+            if leaf is not None and leaf not in simulated:
+                spans, sigs = run([leaf])
+                simulated.add(leaf)
+                if spans[0] < best_step:
+                    best, best_step = leaf, float(spans[0])
+                    if improve is not None:
+                        best, best_step = improve(best, best_step)
+                        simulated.add(best)
+                    sigs += around(best)
+                bound.add(sigs)
+                v = np.concatenate([v, bound.prefix(prefix, len(v))])
         last_stage = s == pp - 1
         his = np.arange(units, units + 1) if last_stage else np.arange(lo + 1, units - pp + s + 2)
         child = v[:, None] + bound.children(s, lo, his)
@@ -428,3 +443,18 @@ def certify(
     return Certificate(
         best, best_step, lower, len(simulated), expanded, bound.coef.shape[1], complete
     )
+
+
+def _dive(bound: _Bound, prefix: tuple[int, ...], v: np.ndarray, units: int):
+    """Follow the least-bound child from a partial split down to a full one (None: dead end)."""
+    pp = bound.pp
+    while len(prefix) <= pp:
+        s, lo = len(prefix) - 1, prefix[-1]
+        his = np.arange(units, units + 1) if s == pp - 1 else np.arange(lo + 1, units - pp + s + 2)
+        child = v[:, None] + bound.children(s, lo, his)
+        lbs = bound.node_bound(child, s + 1, his)
+        j = int(np.argmin(lbs))
+        if not np.isfinite(lbs[j]):
+            return None
+        prefix, v = (*prefix, int(his[j])), child[:, j]
+    return prefix
