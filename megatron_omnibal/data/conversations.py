@@ -39,10 +39,8 @@ class ImageStyle:
     end: str
 
     def compact(self) -> str:
+        """The image with a single context token; the other n - 1 are counted, not spelled."""
         return f"{self.start}{self.context}{self.end}"
-
-    def expanded(self, tokens: int) -> str:
-        return f"{self.start}{self.context * tokens}{self.end}"
 
 
 INTERNVL_IMAGE = ImageStyle("<img>", "<IMG_CONTEXT>", "</img>")

@@ -91,5 +91,6 @@ def _pillow_size(path: str | os.PathLike) -> tuple[int, int]:
     try:
         with Image.open(path) as img:
             return img.size
-    except (UnidentifiedImageError, SyntaxError, ValueError) as exc:
+    except (UnidentifiedImageError, Image.DecompressionBombError, SyntaxError,
+            ValueError) as exc:
         raise ImageHeaderError(f"not a readable image ({exc})") from exc
