@@ -108,10 +108,8 @@ def test_data_parallel_ranks_train_each_sample_once_per_epoch(lengths_file, tmp_
     """DP=2 (PP=1): over one epoch of real training steps the two ranks' micro-batches hold
     every sample exactly once, and each rank's loss counts exactly its samples' loss tokens."""
     steps = _epoch_steps(lengths_file, dp=2)
-    # --variable-seq-lengths: `omnibal plan` lists it among the Megatron flags (not a 0.19 flag).
     flags = _flags(lengths_file, "--global-batch-size", "4", "--train-iters", str(steps),
-                   "--omnibal-vit-pp-layers", "4", "--omnibal-llm-pp-layers", "4",
-                   "--variable-seq-lengths")  # fmt: skip
+                   "--omnibal-vit-pp-layers", "4", "--omnibal-llm-pp-layers", "4")  # fmt: skip
     _ok(_torchrun(2, tmp_path / "dp", flags))
     records = _records(tmp_path / "dp")
     assert sorted(r["dp_rank"] for r in records.values()) == [0, 1]

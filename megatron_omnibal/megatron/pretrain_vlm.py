@@ -48,9 +48,6 @@ def main(
         spec = resolve_spec(_preparse(argv))
     except (OmnibalArgsError, ValueError) as exc:
         return _fail(exc)
-    # `omnibal plan` lists --variable-seq-lengths among its Megatron flags; megatron.training
-    # 0.19 has no such flag (validate_args forces it off), and --omnibal always sets it on.
-    argv = [a for a in argv if a != "--variable-seq-lengths"]
     if cpu and not any(a.split("=")[0] == "--distributed-backend" for a in argv):
         argv += ["--distributed-backend", "gloo"]
     from megatron.training.arguments import parse_and_validate_args

@@ -486,7 +486,6 @@ def megatron_flags(model: ModelSpec, setting: Setting, plan_path: str) -> list[s
         str(setting.m * setting.dp),
         "--bf16",
         "--use-distributed-optimizer",
-        "--variable-seq-lengths",
         "--calculate-per-token-loss",
         "--recompute-granularity",
         "full",

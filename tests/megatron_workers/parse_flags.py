@@ -1,0 +1,39 @@
+"""Parse flag lists with megatron.training's real argument parser (plus --omnibal*), in a
+process of its own because enable_cpu_megatron() patches torch.
+
+Usage: python parse_flags.py CASES.json OUT.json
+CASES.json: [[flag, ...], ...]; OUT.json: [{"ok": bool, "error": str}, ...]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+from pathlib import Path
+
+from megatron_omnibal.megatron.cpu import enable_cpu_megatron
+
+enable_cpu_megatron()  # on CPU-only torch: before megatron.training imports (Python 3.11)
+
+from megatron.training.arguments import parse_args  # noqa: E402
+
+from megatron_omnibal.megatron.args import add_omnibal_args  # noqa: E402
+
+
+def parse(flags: list[str]) -> dict:
+    """Megatron's parse_args reads sys.argv and exits (status 2) on a flag it does not know."""
+    sys.argv = ["pretrain_vlm.py", *flags]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            parse_args(extra_args_provider=add_omnibal_args)
+    except SystemExit:
+        return {"ok": False, "error": err.getvalue()}
+    return {"ok": True, "error": ""}
+
+
+if __name__ == "__main__":
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    Path(sys.argv[2]).write_text(json.dumps([parse(c) for c in cases]))

@@ -1,0 +1,51 @@
+"""Contract with megatron.training: every flag `omnibal plan` writes into plan.json's
+megatron_flags is accepted by Megatron 0.19's real argument parser (with our --omnibal* flags)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_omnibal.data.lengths import from_arrays
+from megatron_omnibal.planner.hardware import get_hardware
+from megatron_omnibal.planner.models import get_model
+from megatron_omnibal.planner.plan import make_plan
+
+pytestmark = pytest.mark.megatron
+
+WORKER = Path(__file__).resolve().parent / "megatron_workers" / "parse_flags.py"
+
+
+def _parse(cases: list[list[str]], tmp: Path) -> list[dict]:
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp / "cases.json"), str(tmp / "out.json")],
+        env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((tmp / "out.json").read_text())
+
+
+def test_planner_flags_are_accepted_by_megatron_parser(tmp_path):
+    rng = np.random.default_rng(0)
+    vit = rng.integers(1, 4, 400)
+    stats = from_arrays(vit, vit * 300 + rng.integers(20, 200, 400))
+    hw = get_hardware("A100-80G")
+    # TP=1 with RMSNorm + SwiGLU + GQA, TP=2 (sequence parallel), LayerNorm without GQA.
+    configs = (("internvl2-8b", 16, 1, 2), ("internvl2-8b", 16, 2, 2), ("llava-1.5-7b", 16, 2, 4))
+    flag_lists = []
+    for name, gpus, tp, pp in configs:
+        plan = make_plan(get_model(name), hw, stats, gpus, tp, pp, global_batch=64,
+                         plan_path=str(tmp_path / "plan.json"))  # fmt: skip
+        flag_lists.append(plan["megatron_flags"])
+    emitted = {f for flags in flag_lists for f in flags if f.startswith("--")}
+    assert {"--sequence-parallel", "--swiglu", "--group-query-attention"} <= emitted
+    # The control case: the parser refuses a flag megatron.training 0.19 lacks.
+    results = _parse([*flag_lists, [*flag_lists[0], "--variable-seq-lengths"]], tmp_path)
+    for flags, got in zip(flag_lists, results, strict=False):
+        assert got["ok"], (flags, got["error"])
+    assert not results[-1]["ok"] and "--variable-seq-lengths" in results[-1]["error"]
