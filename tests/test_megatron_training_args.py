@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 
 from megatron_omnibal.data.lengths import from_arrays, load_lengths, save_lengths
+from megatron_omnibal.planner.hardware import get_hardware
+from megatron_omnibal.planner.models import get_model
+from megatron_omnibal.planner.plan import make_plan
 
 pytestmark = pytest.mark.megatron
 
@@ -59,6 +62,11 @@ def cases(tmp_path_factory):
     plan2 = [_stage(0, 2, [0, 4], [0, 1], True), _stage(1, 2, [4, 4], [1, 4], False)]
     plan_other_data = _plan(tmp / "plan_n.json", plan2, num_samples=999)
     plan_ok = _plan(tmp / "plan2.json", plan2)
+    # A real `omnibal plan` made for another length file (40 samples; the run's has 30).
+    real_plan = make_plan(get_model("tiny"), get_hardware("A100-80G"),
+                          load_lengths(EXAMPLE).subset(np.arange(40)), 2, 1, 2, global_batch=8)
+    plan_other_file = tmp / "plan_other_file.json"
+    plan_other_file.write_text(json.dumps(real_plan))
     plan_tp2 = _plan(tmp / "plan_tp2.json", plan2, tp=2)
     base = ["--omnibal", "--omnibal-lengths", str(good), "--omnibal-text-scale", "8",
             "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2",
@@ -75,6 +83,8 @@ def cases(tmp_path_factory):
          f"--omnibal-plan {plan_tp2} was made for tp=2, this run has tp=1"),
         ([*base, "--omnibal-plan", plan_other_data],
          f"has 30 samples, but --omnibal-plan {plan_other_data} was made for a dataset of 999"),
+        ([*base, "--omnibal-plan", str(plan_other_file)],
+         f"has 30 samples, but --omnibal-plan {plan_other_file} was made for a dataset of 40"),
         ([*base, *counts, "--omnibal-llm-pp-layers", "1,3", "--omnibal-lengths", str(llava)],
          "length record 0: token_num 300 does not hold its 2 real tiles x 256 image tokens"),
         ([*base, "--omnibal-plan", plan_ok, "--omnibal-llm-recompute", "0,4"],

@@ -60,6 +60,7 @@ def test_plan_is_valid_and_tiles_both_towers(plan_6b20b):
     flags = plan["megatron_flags"]
     assert flags[flags.index("--pipeline-model-parallel-size") + 1] == "4"
     assert flags[flags.index("--omnibal-plan") + 1] == "p.json"
+    assert plan["data"]["num_samples"] == 70_706  # the shipped length file's samples
 
 
 def test_plan_beats_megatron_layout_on_the_same_batches(stats):
@@ -121,6 +122,7 @@ def test_search_over_parallel_sizes_and_round_trip(tmp_path, small_stats):
         (lambda p: p["parallel"].__setitem__("gpus", 7), "tp x pp x dp"),
         (lambda p: p["stages"][0].__setitem__("vit_recompute", 99), "recompute counts exceed"),
         (lambda p: p["stages"][0].__setitem__("head", True), "head must be true on the last"),
+        (lambda p: p["data"].__setitem__("num_samples", 0), "data.num_samples must be a positive"),
     ],
 )
 def test_load_plan_rejects_bad_plans(tmp_path, plan_6b20b, mutate, message):

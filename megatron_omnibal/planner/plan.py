@@ -552,6 +552,7 @@ def make_plan(
             "micro_batches": st.m,
             "global_batch_samples": global_batch,
             "seed": seed,
+            "num_samples": len(stats),
         },
         "predicted": {
             "step_ms": round(best.result.step_ms, 3),
@@ -678,6 +679,11 @@ def validate_plan(plan: dict, where: str = "plan") -> None:
     )
     need(sum(bool(st["projector"]) for st in stages) == 1, "exactly one stage holds the projector")
     need(isinstance(plan["megatron_flags"], list), "megatron_flags must be a list")
+    samples = plan["data"].get("num_samples") if isinstance(plan["data"], dict) else None
+    need(
+        samples is None or (isinstance(samples, int) and samples > 0),
+        f"data.num_samples must be a positive integer (the length file's samples), got {samples!r}",
+    )
 
 
 def partition_from_plan(
