@@ -46,7 +46,6 @@ demo: $(BUILT)
 
 lint: $(INSTALLED)
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
 
 bench: $(BUILT)
 	$(PY) bench/run_all.py
