@@ -1,5 +1,6 @@
 """Partition search against brute force over every contiguous partition and recompute choice."""
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -148,6 +149,33 @@ def test_search_matches_brute_force(seed):
     assert problem.fits(got)
     assert got.step_ms <= want_step * 1.005
     assert got.lower_bound_ms <= want_step * (1 + 1e-9)
+
+
+def _free_recompute(costs):
+    """The same profile with recompute measured as 0 ms (checkpointed minus plain in noise)."""
+    return dataclasses.replace(costs, recompute_ms=np.zeros(len(costs)))
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_zero_cost_recompute_is_chosen_only_when_memory_needs_it(uniform):
+    """A recompute cost of 0 ties with no recompute: ties go to fewer recomputed layers, so
+    with unlimited memory nothing is recomputed, and under a budget the fewest layers that fit
+    (the enumeration reference, which breaks ties the same way)."""
+    rng = np.random.default_rng(3)
+    costs = _free_recompute(random_costs(rng, 9, uniform=uniform))
+    for pp in (1, 2, 3):
+        part = search(Problem(costs, 4, np.inf), pp)
+        assert all(sum(c.values()) == 0 for c in part.recompute), part.recompute
+    for n in (1, 3):
+        for budget in (900.0, 1500.0):
+            problem = Problem(costs, 4, budget)
+            for lo, hi in itertools.combinations(range(10), 2):
+                want = cheapest_recompute(costs, lo, hi, n, budget)
+                got = problem.frontier.choice(lo, hi, n, budget)
+                assert (got is None) == (want is None)
+                if want is not None:
+                    assert sum(got.values()) == sum(want[0].values()), (lo, hi, got, want)
+                    assert stage_memory_mib(costs, lo, hi, got, n) <= budget + 1e-6
 
 
 def test_infeasible_names_stage_and_shortfall():

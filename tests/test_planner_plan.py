@@ -192,6 +192,29 @@ def test_partition_command_matches_brute_force(tmp_path, capsys):
     assert "pipeline size 12 is larger than the 9" in capsys.readouterr().err
 
 
+def test_recompute_measured_as_zero_is_floored_and_not_chosen(tmp_path, capsys):
+    """`omnibal profile` can measure recompute as ~0 ms (checkpointed minus plain fwd+bwd, in
+    noise): it is floored at the layer's forward (recomputation re-runs it), and with unlimited
+    memory no layer is recomputed."""
+    from megatron_omnibal.planner.costs import load_profile
+
+    rng = np.random.default_rng(5)
+    layers = [
+        {"name": f"l{i}", "forward_ms": float(f), "backward_ms": float(2 * f),
+         "recompute_ms": 0.0 if i != 3 else 9.0, "activation_mib": 100.0 + i,
+         "checkpoint_mib": 5.0, "weight_mib": 10.0, "group": "vit" if i < 4 else "llm"}
+        for i, f in enumerate(rng.uniform(1, 3, 8))
+    ]  # fmt: skip
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"micro_batches": 4, "layers": layers}))
+    costs, _ = load_profile(path)
+    want = [9.0 if i == 3 else x["forward_ms"] for i, x in enumerate(layers)]
+    assert costs.recompute_ms.tolist() == pytest.approx(want)
+    assert main(["partition", "--profile", str(path), "--pp", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recompute"] == [0, 0]
+
+
 def test_partition_command_is_optimal_with_few_micro_batches(tmp_path, capsys):
     """Fewer micro-batches (2) than stages (5), backward 0.3x..4x forward per layer: the
     command's step equals the best of every split simulated, and it proves its gap. (With this

@@ -38,18 +38,31 @@ def _group_prefixes(
 
 
 def _frontier(prefixes: list) -> tuple[np.ndarray, np.ndarray, list[tuple[int, ...]]]:
-    """Pareto front over all count combinations: saved ascending, cheapest cost for >= saved."""
+    """Pareto front over all count combinations: saved ascending, cheapest cost for >= saved.
+
+    Ties in cost go to the option with fewer recomputed layers: with a recompute cost measured
+    as 0, recomputing everything would otherwise "tie" with recomputing nothing and be chosen
+    although memory does not need it.
+    """
     if not prefixes:
         return np.zeros(1), np.zeros(1), [()]
     saved = np.zeros(1)
     cost = np.zeros(1)
+    layers = np.zeros(1, np.int64)
     for _, s, c in prefixes:
         saved = (saved[:, None] + s[None, :]).ravel()
         cost = (cost[:, None] + c[None, :]).ravel()
-    order = np.lexsort((cost, -saved))  # by saved descending, then cost ascending
-    sorted_cost = cost[order]
-    cheaper_above = np.concatenate([[np.inf], np.minimum.accumulate(sorted_cost)[:-1]])
-    keep = order[sorted_cost < cheaper_above][::-1]  # points cheaper than all saving more
+        layers = (layers[:, None] + np.arange(len(s))[None, :]).ravel()
+    # dense rank of (cost, layers): the lower, the better an answer for a given need
+    by_key = np.lexsort((layers, cost))
+    changed = (np.diff(cost[by_key]) != 0) | (np.diff(layers[by_key]) != 0)
+    new_key = np.concatenate([[True], changed])
+    rank = np.empty(len(cost), np.int64)
+    rank[by_key] = np.cumsum(new_key)
+    order = np.lexsort((rank, -saved))  # by saved descending, then best rank first
+    sorted_rank = rank[order]
+    best_above = np.concatenate([[np.iinfo(np.int64).max], np.minimum.accumulate(sorted_rank)[:-1]])
+    keep = order[sorted_rank < best_above][::-1]  # points better than all saving more
     shape = tuple(len(s) for _, s, _ in prefixes)
     combos = list(zip(*(k.tolist() for k in np.unravel_index(keep, shape)), strict=True))
     return saved[keep], cost[keep], combos
@@ -147,7 +160,7 @@ class SegmentFrontier:
         k1 = _count(need[:, None] - k0 * max(s0, 0.0), s1)
         ok = (k0 <= n0[:, None]) & (k1 <= n1[:, None])
         total = np.where(ok, k0 * c0 + k1 * c1, np.inf)
-        best = total.argmin(axis=1)
+        best = np.lexsort((k0 + k1, total), axis=-1)[:, 0]  # ties: fewer recomputed layers
         rows = np.arange(len(best))
         return total[rows, best], best, k1[rows, best]
 
@@ -213,7 +226,8 @@ def _count(need: np.ndarray, per_layer: float) -> np.ndarray:
 def cheapest_recompute(
     costs: LayerCosts, lo: int, hi: int, inflight: int, budget_mib: float
 ) -> tuple[dict[int, int], float] | None:
-    """Reference by enumeration: the least-time counts that fit, and that stage time (ms)."""
+    """Reference by enumeration: the least-time counts that fit (ties: fewest recomputed
+    layers), and that stage time (ms)."""
     groups = sorted({int(g) for g in costs.group[lo:hi] if g >= 0})
     sizes = [int(np.sum(costs.group[lo:hi] == g)) for g in groups]
     best = None
@@ -221,6 +235,10 @@ def cheapest_recompute(
         counts = dict(zip(groups, combo, strict=True))
         if stage_memory_mib(costs, lo, hi, counts, inflight) <= budget_mib + 1e-6:
             t = sum(stage_time_ms(costs, lo, hi, counts))
-            if best is None or t < best[1] - 1e-12:
+            if (
+                best is None
+                or t < best[1] - 1e-12
+                or (t <= best[1] + 1e-12 and sum(combo) < sum(best[0].values()))
+            ):
                 best = (counts, t)
     return best
