@@ -26,7 +26,6 @@ from megatron_omnibal.megatron.layout import (
 
 MODES = ("random", "grouped")
 ALGORITHMS = ("default", "isf")
-DATA_SOURCES = ("synthetic",)
 OVERSIZE = ("error", "solo", "skip")
 
 
@@ -161,9 +160,24 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     g.add_argument(
         "--omnibal-data",
-        choices=DATA_SOURCES,
         default="synthetic",
-        help="sample source: deterministic random samples shaped like the lengths",
+        metavar="synthetic|PATH",
+        help="sample source: 'synthetic' (deterministic random samples shaped like the "
+        "lengths) or the dataset the length file was computed from (LLaVA JSON/JSONL or "
+        "InternVL meta)",
+    )
+    g.add_argument(
+        "--omnibal-tokenizer",
+        default=None,
+        metavar="PATH",
+        help="with --omnibal-data PATH: the tokenizer `omnibal stats` counted with",
+    )
+    g.add_argument(
+        "--omnibal-stats-args",
+        default="",
+        metavar="'FLAGS'",
+        help="with --omnibal-data PATH: the other `omnibal stats` flags that made the length "
+        "file (--model, --tile-size, --tokens-per-tile, --max-tiles, --template, --image-root..)",
     )
     g.add_argument(
         "--omnibal-data-tokens-per-tile",

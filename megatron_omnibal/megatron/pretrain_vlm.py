@@ -61,6 +61,10 @@ def main(
         settings = validate_omnibal_args(
             args, vit_layers=spec.vit.num_layers, tokens_per_tile=spec.tokens_per_tile
         )
+        if settings.data != "synthetic":
+            from megatron_omnibal.megatron.dataset import open_source
+
+            open_source(args, settings.lengths, spec)  # count and a spread of samples
     except (OmnibalArgsError, ValueError) as exc:
         return _fail(exc)
     train(args, settings, spec, forward_step_func, build_iterators)
@@ -291,7 +295,12 @@ def build_data_iterators(
         oversize=settings.oversize,
         cost=settings.cost,
     )
-    make_sample = partial(synthetic_sample, lengths=settings.lengths, spec=spec, seed=args.seed)
+    if settings.data == "synthetic":
+        make_sample = partial(synthetic_sample, lengths=settings.lengths, spec=spec, seed=args.seed)
+    else:
+        from megatron_omnibal.megatron.dataset import open_source
+
+        make_sample = open_source(args, settings.lengths, spec, check=0)  # main() checked
     iterator = BalancedDataIterator(
         sampler,
         settings.micro_batches,

@@ -1,0 +1,76 @@
+"""Decode an image into the normalized pixel tiles the vision encoder runs (numpy + Pillow).
+
+The grid comes from data/tiling.py, the same function `omnibal stats` counted tiles with, so the
+tiles a training sample carries are exactly the vit_num of its length record.
+
+- dynamic (InternVL): resize to the grid (bicubic), crop the tiles row by row, then a thumbnail
+  of the whole image when the grid has more than one tile; ImageNet mean/std.
+- fixed (LLaVA-1.5, `image_aspect_ratio: pad`): pad to a square with the mean colour, resize to
+  one tile (bicubic); CLIP mean/std.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from PIL import Image
+
+from megatron_omnibal.data.tiling import TilingConfig, dynamic_grid, image_tiles
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def normalization(config: TilingConfig) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(mean, std) of the model family the tiling mode belongs to."""
+    return (CLIP_MEAN, CLIP_STD) if config.mode == "fixed" else (IMAGENET_MEAN, IMAGENET_STD)
+
+
+def tile_image(image: Image.Image, config: TilingConfig,
+               images_in_sample: int = 1) -> list[Image.Image]:
+    """The RGB tiles of one image of a sample holding `images_in_sample` images."""
+    image = image.convert("RGB")
+    tile = config.tile
+    if config.mode == "fixed":
+        side = max(image.size)
+        mean = tuple(int(m * 255) for m in CLIP_MEAN)
+        square = Image.new("RGB", (side, side), mean)
+        square.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
+        return [square.resize((tile, tile), Image.Resampling.BICUBIC)]
+    if config.mode != "dynamic":
+        raise ValueError(f"tiling mode {config.mode!r}: pixel tiles exist for dynamic and fixed "
+                         "tiling only")
+    max_tiles = max(1, config.max_tiles // max(1, images_in_sample))
+    cols, rows = dynamic_grid(image.width, image.height, tile, config.min_tiles, max_tiles)
+    resized = image.resize((cols * tile, rows * tile), Image.Resampling.BICUBIC)
+    tiles = [resized.crop((c * tile, r * tile, (c + 1) * tile, (r + 1) * tile))
+             for r in range(rows) for c in range(cols)]
+    if config.thumbnail and len(tiles) > 1:
+        tiles.append(image.resize((tile, tile), Image.Resampling.BICUBIC))
+    return tiles
+
+
+def load_tiles(path: str | os.PathLike, config: TilingConfig,
+               images_in_sample: int = 1) -> np.ndarray:
+    """float32 [tiles, 3, tile, tile] of the image at `path`, normalized for the encoder.
+
+    The count is checked against data/tiling.py's `image_tiles` (what the length file holds).
+    """
+    try:
+        with Image.open(path) as img:
+            img.load()
+            tiles = tile_image(img, config, images_in_sample)
+            size = img.size
+    except OSError as exc:
+        raise ValueError(f"cannot decode image {os.fspath(path)}: {exc}") from exc
+    expected, _ = image_tiles(size[0], size[1], config, images_in_sample)
+    if len(tiles) != expected:
+        raise ValueError(f"{os.fspath(path)}: {len(tiles)} tiles decoded, the tiling counts "
+                         f"{expected}")
+    mean, std = normalization(config)
+    pixels = np.stack([np.asarray(t, dtype=np.float32) for t in tiles]) / 255.0
+    pixels = (pixels - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return np.ascontiguousarray(pixels.transpose(0, 3, 1, 2), dtype=np.float32)

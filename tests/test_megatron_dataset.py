@@ -1,0 +1,320 @@
+"""Real-dataset samples for Megatron training, against `omnibal stats` and an independent rendering.
+
+A small dataset is built on the fly (noise PNG/JPEG images of varied sizes, single- and
+multi-image, text-only and multi-turn records, an InternVL meta file with repeat_time and
+max_dynamic_patch) with a BPE tokenizer trained on the fly, and measured with the real
+`omnibal stats` CLI. Every sample the source builds must have the length file's counts; its
+tokens and labels must equal an oracle that spells the image tokens out and tokenizes the
+template turn by turn (InternVL) or by prefixes (LLaVA); its tiles must equal an independent
+grid search, resize and numpy slicing of the image.
+"""
+
+import json
+import random
+import shlex
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from megatron_omnibal.cli import main as cli_main
+from megatron_omnibal.data.lengths import load_lengths
+from megatron_omnibal.megatron.dataset import DatasetError, open_source
+from megatron_omnibal.megatron.model import PRESETS
+
+SPEC = PRESETS["tiny"]  # 16-pixel tiles, 4 tokens per tile, vocab 128, image token 127
+WORDS = ["the", "a", "cat", "dog", "chart", "shows", "value", "of", "red", "blue", "what", "is",
+         "in", "this", "picture", "answer", "1", "2", "3", ",", ".", "?", "user", "assistant",
+         "system", "USER", "ASSISTANT", ":", "you", "help"]
+SIZES = [(16, 16), (40, 20), (20, 70), (100, 30), (33, 33), (8, 5), (64, 48), (17, 90)]
+INTERNVL_FLAGS = "--model internvl --tile-size 16 --tokens-per-tile 4 --max-tiles 6 " \
+                 "--system-prompt 'you help'"
+LLAVA_FLAGS = "--model llava15 --tile-size 16 --tokens-per-tile 4"
+MEAN = {"internvl": (0.485, 0.456, 0.406), "llava15": (0.48145466, 0.4578275, 0.40821073)}
+STD = {"internvl": (0.229, 0.224, 0.225), "llava15": (0.26862954, 0.26130258, 0.27577711)}
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIBAL_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _words(rng, lo, hi):
+    return " ".join(rng.choice(WORDS[:21]) for _ in range(rng.randrange(lo, hi)))
+
+
+def _records(rng, n, images, prefix):
+    recs = []
+    for i in range(n):
+        kind = i % 6
+        human = _words(rng, 2, 12)
+        conv = [{"from": "human", "value": human}, {"from": "gpt", "value": _words(rng, 1, 15)}]
+        rec = {"id": f"{prefix}{i}", "conversations": conv}
+        if kind == 0:
+            rec["image"] = rng.choice(images)
+            conv[0]["value"] = "<image>\n" + human
+        elif kind == 1:  # no placeholder: one goes in front of the first human turn
+            rec["image"] = rng.choice(images)
+        elif kind == 2:  # two images over two human turns
+            rec["image"] = rng.sample(images, 2)
+            conv[0]["value"] = "<image>\n" + human
+            conv += [{"from": "human", "value": "and <image> ?"}, {"from": "gpt", "value": "no"}]
+        elif kind == 3:  # text only, multi-turn
+            conv += [{"from": "human", "value": _words(rng, 1, 5)},
+                     {"from": "gpt", "value": _words(rng, 1, 5)}]
+        elif kind == 4:  # own system turn
+            rec["image"] = rng.choice(images)
+            conv.insert(0, {"from": "system", "value": "you answer " + _words(rng, 1, 4)})
+        recs.append(rec)
+    return recs
+
+
+def _tokenizer(rng, bos):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = [" ".join(rng.choice(WORDS) for _ in range(30)) for _ in range(200)]
+    trainer = trainers.BpeTrainer(vocab_size=90, special_tokens=[
+        "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"])
+    tok.train_from_iterator(corpus, trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return tok
+
+
+def _stats(dataset, tokenizer, flags, out):
+    argv = ["stats", str(dataset), "--tokenizer", str(tokenizer), "--out", str(out),
+            "--workers", "1", "--no-progress", *shlex.split(flags)]
+    assert cli_main(argv) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dataset")
+    rng = random.Random(3)
+    nrng = np.random.default_rng(3)
+    (root / "img").mkdir()
+    images = []
+    for k, (w, h) in enumerate(SIZES):
+        name = f"img/{k}.{'png' if k % 2 else 'jpg'}"
+        pixels = nrng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        Image.fromarray(pixels, "RGB").save(root / name)
+        images.append(name)
+    _tokenizer(random.Random(0), bos=False).save(str(root / "tok.json"))
+    _tokenizer(random.Random(0), bos=True).save(str(root / "tok_bos.json"))
+    recs = _records(rng, 18, images, "a")
+    (root / "data.json").write_text(json.dumps(recs, indent=1))
+    # InternVL meta: a JSONL dataset repeated twice with 2 tiles at most, and a second one.
+    for name, n in (("one", 7), ("two", 5)):
+        lines = [json.dumps(r) for r in _records(rng, n, images, name)]
+        (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    meta = {"one": {"root": str(root), "annotation": "one.jsonl", "repeat_time": 2,
+                    "max_dynamic_patch": 2},
+            "two": {"root": str(root), "annotation": "two.jsonl"}}
+    (root / "meta.json").write_text(json.dumps(meta))
+    return SimpleNamespace(root=root, recs=recs)
+
+
+def _args(data_path, tok, flags, lengths, **kw):
+    return SimpleNamespace(omnibal_data=str(data_path), omnibal_tokenizer=str(tok),
+                           omnibal_stats_args=flags, omnibal_lengths=str(lengths),
+                           omnibal_text_scale=kw.get("scale", 1),
+                           omnibal_data_tokens_per_tile=kw.get("tpt", 4))
+
+
+# --- the oracle ------------------------------------------------------------------------------
+
+def _oracle_grid(w, h, max_tiles, tile=16):
+    """Nearest aspect ratio over all grids; ties to the biggest grid under 2x the image."""
+    grids = sorted(((c, r) for c in range(1, 13) for r in range(1, 13) if c * r <= max_tiles),
+                   key=lambda g: (g[0] * g[1], g[0]))
+    best = min(abs(w / h - c / r) for c, r in grids)
+    ties = [g for g in grids if abs(w / h - g[0] / g[1]) == best]
+    fits = [g for g in ties if w * h > 0.5 * tile * tile * g[0] * g[1]]
+    return fits[-1] if fits and fits[0] == ties[0] else ties[0]
+
+
+def _oracle_pixels(path, model, max_tiles):
+    img = Image.open(path).convert("RGB")
+    if model == "llava15":
+        side = max(img.size)
+        arr = np.empty((side, side, 3), np.uint8)
+        arr[:] = [int(m * 255) for m in MEAN[model]]
+        x, y = (side - img.width) // 2, (side - img.height) // 2
+        arr[y:y + img.height, x:x + img.width] = np.asarray(img)
+        tiles = [np.asarray(Image.fromarray(arr).resize((16, 16), Image.BICUBIC))]
+    else:
+        c, r = _oracle_grid(img.width, img.height, max_tiles)
+        big = np.asarray(img.resize((16 * c, 16 * r), Image.BICUBIC))
+        tiles = [big[j * 16:(j + 1) * 16, i * 16:(i + 1) * 16] for j in range(r)
+                 for i in range(c)]
+        if c * r > 1:
+            tiles.append(np.asarray(img.resize((16, 16), Image.BICUBIC)))
+    x = np.stack(tiles).astype(np.float32) / 255
+    return ((x - np.float32(MEAN[model])) / np.float32(STD[model])).transpose(0, 3, 1, 2)
+
+
+def _oracle_turns(rec):
+    turns = [(m["from"], m["value"]) for m in rec["conversations"]]
+    images = rec.get("image") or []
+    images = [images] if isinstance(images, str) else images
+    if images and not any("<image>" in v for r, v in turns if r == "human"):
+        k = next(i for i, (r, _) in enumerate(turns) if r == "human")
+        turns[k] = ("human", "<image>\n" + turns[k][1])
+    return turns, images
+
+
+def _oracle_sample(rec, root, tok, model, max_tiles):
+    """(ids, labels, pixels) spelled out: every image token written in the text."""
+    turns, images = _oracle_turns(rec)
+    tiles = [_oracle_pixels(root / p, model, max(1, max_tiles // len(images))) for p in images]
+    ctx = "<IMG_CONTEXT>" if model == "internvl" else "<image>"
+    img_text = [("<img>" + ctx * (4 * len(t)) + "</img>") if model == "internvl"
+                else ctx * (4 * len(t)) for t in tiles]
+    k = 0
+    for i, (role, value) in enumerate(turns):
+        while "<image>" in value and role == "human" and k < len(img_text):
+            value = value.replace("<image>", "\0", 1)
+            k += 1
+        turns[i] = (role, value)
+    it = iter(img_text)
+    turns = [(r, "".join(next(it) if ch == "\0" else ch for ch in v)) for r, v in turns]
+    ids, target = [], []
+    enc = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
+    if model == "internvl":
+        system = turns.pop(0)[1] if turns[0][0] == "system" else "you help"
+        ids += enc(f"<|im_start|>system\n{system}<|im_end|>\n")
+        target += [False] * len(ids)
+        for role, value in turns:
+            name = "user" if role == "human" else "assistant"
+            piece = enc(f"<|im_start|>{name}\n{value}<|im_end|>\n")
+            head = len(enc(f"<|im_start|>{name}\n")) if role == "gpt" else len(piece)
+            ids += piece
+            target += [False] * head + [True] * (len(piece) - head)
+    else:
+        system = "A chat between a curious human and an artificial intelligence assistant. " \
+                 "The assistant gives helpful, detailed, and polite answers to the human's " \
+                 "questions."
+        if turns[0][0] == "system":
+            system = turns.pop(0)[1]
+        text, spans = system + " ", []
+        for role, value in turns:
+            if role == "human":
+                text += f"USER: {value} "
+            else:
+                text += "ASSISTANT: "
+                spans.append((len(text), len(text) + len(value) + 4))
+                text += value + "</s>"
+        ids = [tok.token_to_id("<s>"), *enc(text)]
+        target = [False] * len(ids)
+        for a, b in spans:  # LLaVA's way: token counts of the text prefixes
+            for j in range(len(enc(text[:a])), len(enc(text[:b]))):
+                target[j + 1] = True
+    ids = np.array([127 if t == tok.token_to_id(ctx) else t for t in ids])
+    target = np.array(target)
+    labels = np.full(len(ids), -100)
+    labels[:-1] = np.where(target[1:], ids[1:], -100)
+    pixels = np.concatenate(tiles) if tiles else np.zeros((1, 3, 16, 16), np.float32)
+    return ids, labels, pixels, sum(len(t) for t in tiles)
+
+
+def _fresh_tokenizer(path, model):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    tok.add_special_tokens(["<img>", "<IMG_CONTEXT>", "</img>"] if model == "internvl"
+                           else ["<image>"])
+    return tok
+
+
+def _check_all(source, lengths, oracle):
+    assert len(source) == len(lengths)
+    for i in range(len(source)):
+        s = source(i)
+        ids, labels, pixels, real = oracle(i)
+        assert (len(s.images), len(s.tokens), int(s.image_flags.sum())) == (
+            lengths.vit[i], lengths.tokens[i], lengths.image_flags[i]), i
+        assert s.tokens.tolist() == ids.tolist(), i
+        assert s.labels.tolist() == labels.tolist(), i
+        assert int(s.image_flags.sum()) == real
+        np.testing.assert_allclose(s.images.numpy(), pixels, atol=1e-5, err_msg=str(i))
+        assert (s.labels != -100).any()  # every record has an answer
+
+
+def test_internvl_json_list_samples_match_stats_and_oracle(data, tmp_path):
+    lengths_path = _stats(data.root / "data.json", data.root / "tok.json", INTERNVL_FLAGS,
+                          tmp_path / "lengths.json")
+    lengths = load_lengths(lengths_path)
+    source = open_source(_args(data.root / "data.json", data.root / "tok.json",
+                               INTERNVL_FLAGS, lengths_path), lengths, SPEC)
+    tok = _fresh_tokenizer(data.root / "tok.json", "internvl")
+    _check_all(source, lengths, lambda i: _oracle_sample(
+        data.recs[i], data.root, tok, "internvl", 6))
+    assert lengths.vit.max() > 3 and (lengths.image_flags == 0).any()  # tiled and text-only
+
+
+def test_meta_repeat_and_llava_fixed_tiles_with_bos(data, tmp_path):
+    """InternVL meta (repeat_time 2, per-dataset max tiles) with LLaVA-1.5 tiling, the vicuna
+    template and a BOS-adding tokenizer."""
+    tok_path = data.root / "tok_bos.json"
+    meta = _stats(data.root / "meta.json", tok_path, LLAVA_FLAGS, tmp_path / "meta_len.json")
+    lengths = load_lengths(meta)
+    source = open_source(_args(data.root / "meta.json", tok_path, LLAVA_FLAGS, meta),
+                         lengths, SPEC)
+    one = [json.loads(x) for x in (data.root / "one.jsonl").read_text().splitlines()]
+    two = [json.loads(x) for x in (data.root / "two.jsonl").read_text().splitlines()]
+    recs = one + one + two
+    tok = _fresh_tokenizer(tok_path, "llava15")
+    _check_all(source, lengths, lambda i: _oracle_sample(recs[i], data.root, tok, "llava15", 1))
+
+
+def test_internvl_meta_max_dynamic_patch(data, tmp_path):
+    meta = _stats(data.root / "meta.json", data.root / "tok.json", INTERNVL_FLAGS,
+                  tmp_path / "m.json")
+    lengths = load_lengths(meta)
+    source = open_source(_args(data.root / "meta.json", data.root / "tok.json",
+                               INTERNVL_FLAGS, meta), lengths, SPEC)
+    one = [json.loads(x) for x in (data.root / "one.jsonl").read_text().splitlines()]
+    two = [json.loads(x) for x in (data.root / "two.jsonl").read_text().splitlines()]
+    tok = _fresh_tokenizer(data.root / "tok.json", "internvl")
+    cases = [(r, 2) for r in one + one] + [(r, 6) for r in two]
+    _check_all(source, lengths, lambda i: _oracle_sample(cases[i][0], data.root, tok,
+                                                         "internvl", cases[i][1]))
+    assert lengths.vit[:14].max() <= 3  # max_dynamic_patch 2: 2 tiles + thumbnail
+
+
+def test_length_file_of_other_data_is_refused_naming_the_sample(data, tmp_path):
+    lengths_path = _stats(data.root / "data.json", data.root / "tok.json", INTERNVL_FLAGS,
+                          tmp_path / "lengths.json")
+    good = load_lengths(lengths_path)
+    args = _args(data.root / "data.json", data.root / "tok.json", INTERNVL_FLAGS, lengths_path)
+    tokens = good.tokens.copy()
+    tokens[0] += 1
+    changed = good.subset(np.arange(len(good)))
+    changed.tokens[:] = tokens
+    with pytest.raises(DatasetError, match=rf"id a0.*token_num={tokens[0]}.*token_num="
+                                           rf"{good.tokens[0]}"):
+        open_source(args, changed, SPEC)
+    with pytest.raises(DatasetError, match=f"has {len(good) - 1} samples.*gives {len(good)}"):
+        open_source(args, good.subset(np.arange(len(good) - 1)), SPEC)
+    # a record the spread check does not visit is caught when the sample is built
+    late = good.subset(np.arange(len(good)))
+    late.vit[5] += 1
+    source = open_source(args, late, SPEC, check=1)
+    with pytest.raises(DatasetError, match=r"id a5.*vit_num"):
+        source(5)
+    # other stats flags (6 tiles counted, the model counts with 2) are found up front
+    other = _args(data.root / "data.json", data.root / "tok.json",
+                  INTERNVL_FLAGS.replace("--max-tiles 6", "--max-tiles 2"), lengths_path)
+    with pytest.raises(DatasetError, match="vit_num"):
+        open_source(other, good, SPEC)
+    with pytest.raises(DatasetError, match="16-pixel tiles, 4 tokens"):
+        open_source(_args(data.root / "data.json", data.root / "tok.json",
+                          "--model internvl", lengths_path), good, SPEC)
+    with pytest.raises(DatasetError, match="--omnibal-text-scale 1"):
+        open_source(_args(data.root / "data.json", data.root / "tok.json", INTERNVL_FLAGS,
+                          lengths_path, scale=2), good, SPEC)
