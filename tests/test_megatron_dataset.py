@@ -10,8 +10,12 @@ grid search, resize and numpy slicing of the image.
 """
 
 import json
+import os
 import random
 import shlex
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,7 +23,7 @@ import pytest
 from PIL import Image
 
 from megatron_omnibal.cli import main as cli_main
-from megatron_omnibal.data.lengths import load_lengths
+from megatron_omnibal.data.lengths import load_lengths, save_lengths
 from megatron_omnibal.megatron.dataset import DatasetError, open_source
 from megatron_omnibal.megatron.model import PRESETS
 
@@ -318,3 +322,70 @@ def test_length_file_of_other_data_is_refused_naming_the_sample(data, tmp_path):
     with pytest.raises(DatasetError, match="--omnibal-text-scale 1"):
         open_source(_args(data.root / "data.json", data.root / "tok.json", INTERNVL_FLAGS,
                           lengths_path, scale=2), good, SPEC)
+
+
+# --- through the entry point (torchrun, gloo) --------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = ROOT / "tests" / "megatron_workers"
+
+
+def _entry_flags(data, lengths_path, lengths):
+    return ["--omnibal", "--omnibal-model", "tiny", "--omnibal-lengths", str(lengths_path),
+            "--omnibal-data", str(data.root / "data.json"),
+            "--omnibal-tokenizer", str(data.root / "tok.json"),
+            "--omnibal-stats-args", INTERNVL_FLAGS, "--omnibal-data-tokens-per-tile", "4",
+            "--omnibal-vit-budget", str(2 * int(lengths.vit.max())),
+            "--omnibal-token-budget", str(2 * int(lengths.tokens.max())),
+            "--pipeline-model-parallel-size", "2", "--omnibal-vit-pp-layers", "4,0",
+            "--omnibal-llm-pp-layers", "1,3", "--micro-batch-size", "1",
+            "--global-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
+            "--transformer-impl", "local", "--seed", "5", "--log-interval", "1"]
+
+
+@pytest.mark.megatron
+def test_pretrain_vlm_trains_on_the_dataset_and_refuses_other_lengths(data, tmp_path):
+    """PP=2 through torchrun: both stages read the same real samples, the last stage counts
+    exactly the oracle's answer tokens. A length file of other data stops the entry point with
+    the sample named, before any process group."""
+    lengths_path = _stats(data.root / "data.json", data.root / "tok.json", INTERNVL_FLAGS,
+                          tmp_path / "lengths.json")
+    lengths = load_lengths(lengths_path)
+    flags = _entry_flags(data, lengths_path, lengths)
+    bad = lengths.subset(np.arange(len(lengths)))
+    bad.tokens[len(bad) - 1] += 3
+    save_lengths(bad, tmp_path / "bad.json")
+    bad_flags = [str(tmp_path / "bad.json") if f == str(lengths_path) else f for f in flags]
+    no_tok = [f for f in flags if f not in ("--omnibal-tokenizer", str(data.root / "tok.json"))]
+    (tmp_path / "cases.json").write_text(json.dumps([bad_flags, no_tok]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS / "train_validate.py"), str(tmp_path / "cases.json"),
+         str(tmp_path / "refused.json")],
+        env={**env, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, capture_output=True,
+        text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    refused = json.loads((tmp_path / "refused.json").read_text())
+    assert [r["status"] for r in refused] == [2, 2]
+    assert not any(r["process_group"] for r in refused)
+    last = len(bad) - 1
+    assert f"id a{last}" in refused[0]["error"][0]
+    assert f"token_num={bad.tokens[last]}" in refused[0]["error"][0]
+    assert "needs --omnibal-tokenizer" in refused[1]["error"][0]
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(WORKERS / "train_record.py"), str(tmp_path / "run"), *flags],
+        env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = {json.loads(p.read_text())["pp_rank"]: json.loads(p.read_text())
+             for p in (tmp_path / "run").glob("rank*.json")}
+    first, second = ranks[0]["micro"], ranks[1]["micro"]
+    assert len(first) == len(second) == 6  # 3 steps x 2 micro-batches
+    assert [m["indices"] for m in first] == [m["indices"] for m in second]
+    tok = _fresh_tokenizer(data.root / "tok.json", "internvl")
+    for micro in second:
+        expected = sum(int((_oracle_sample(data.recs[i], data.root, tok, "internvl", 6)[1]
+                            != -100).sum()) for i in micro["indices"])
+        assert micro["tokens"] == expected
+        assert np.isfinite(micro["loss"]) and micro["loss"] > 0
