@@ -389,3 +389,28 @@ def test_pretrain_vlm_trains_on_the_dataset_and_refuses_other_lengths(data, tmp_
                             != -100).sum()) for i in micro["indices"])
         assert micro["tokens"] == expected
         assert np.isfinite(micro["loss"]) and micro["loss"] > 0
+
+
+def test_samples_skipped_by_stats_are_left_out_in_order(data, tmp_path):
+    """`omnibal stats --on-error skip` leaves bad records out of the length file; the source
+    reads its skipped report and maps every length record to the right annotation record."""
+    recs = list(data.recs)
+    recs[3] = {**recs[3], "image": "img/missing.png"}
+    recs[10] = {"id": "bad", "conversations": [{"from": "gpt", "value": "no question"}]}
+    (data.root / "skips.json").write_text(json.dumps(recs))
+    out = tmp_path / "skips_len.json"
+    argv = ["stats", str(data.root / "skips.json"), "--tokenizer", str(data.root / "tok.json"),
+            "--out", str(out), "--workers", "1", "--no-progress", "--on-error", "skip",
+            *shlex.split(INTERNVL_FLAGS)]
+    assert cli_main(argv) == 0
+    lengths = load_lengths(out)
+    assert len(lengths) == len(recs) - 2
+    source = open_source(_args(data.root / "skips.json", data.root / "tok.json", INTERNVL_FLAGS,
+                               out), lengths, SPEC)
+    kept = [r for k, r in enumerate(recs) if k not in (3, 10)]
+    tok = _fresh_tokenizer(data.root / "tok.json", "internvl")
+    _check_all(source, lengths, lambda i: _oracle_sample(kept[i], data.root, tok, "internvl", 6))
+    out.with_name(f"{out.stem}.skipped.json").unlink()
+    with pytest.raises(DatasetError, match=f"has {len(recs) - 2} samples.*gives {len(recs)}"):
+        open_source(_args(data.root / "skips.json", data.root / "tok.json", INTERNVL_FLAGS,
+                          out), lengths, SPEC)

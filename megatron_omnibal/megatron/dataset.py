@@ -84,6 +84,7 @@ class RealSampleSource:
             replace(tiling, max_tiles=s.max_tiles, min_tiles=min(tiling.min_tiles, s.max_tiles))
             for s in self.specs
         ]
+        self.skipped = skipped
         self.entries = self._entries(_skipped_indices(skipped, self.specs))
 
     def _entries(self, skipped: dict[str, set[int]]) -> list[tuple[int, RawRecord]]:
@@ -98,10 +99,13 @@ class RealSampleSource:
         if len(entries) != len(self.lengths):
             detail = ", ".join(f"'{s.name}': {n}" for s, n in zip(self.specs, per_dataset,
                                                                    strict=True))
+            report = (f"skipped report {self.skipped}" if skipped else
+                      f"no skipped report at {self.skipped}" if self.skipped else
+                      "no skipped report")
             raise DatasetError(
                 f"the length file has {len(self.lengths)} samples, the dataset gives "
-                f"{len(entries)} ({detail}, skipped-report samples left out): the length file "
-                "was made from other data")
+                f"{len(entries)} ({detail}; {report}): the length file was made from other "
+                "data, or its skipped report is not next to it")
         return entries
 
     def __len__(self) -> int:
