@@ -181,3 +181,13 @@ def test_checkpoint_keys_and_layer_numbers_are_global(results: Path) -> None:
                 want = list(range(first + 1, first + case[tower][stage] + 1))
                 assert r["layer_numbers"].get(tower, []) == want, (case["name"], stage, tower)
         assert sorted(keys) == ref, case["name"]
+
+
+def test_every_stage_carries_megatron_process_groups(results: Path) -> None:
+    """megatron.training's train() reads model.pg_collection (mp, pp, dp_cp): every stage of
+    every split holds parallel_state's groups itself, with no wrapper setting them."""
+    for case in CASES:
+        files = sorted(results.glob(f"{case['name']}.stage*.pt"))
+        assert len(files) == case["pp"]
+        for f in files:
+            assert torch.load(f)["process_groups"] == [True] * 4, f.name

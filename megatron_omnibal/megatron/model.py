@@ -30,6 +30,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -385,10 +386,16 @@ class VLMStage(MegatronModule):
         stage: int,
         configs: StageConfigs,
         use_te: bool | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
         super().__init__(config=configs.llm)
         # Megatron's schedules read model_type; the VLM pipeline is one decoder-style chain.
         self.model_type = ModelType.encoder_or_decoder
+        # megatron.training's train() reads the model's process groups (GPTModel keeps them
+        # the same way); default: parallel_state's groups, which the submodules use.
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self.pg_collection = pg_collection
         self.spec = spec
         self.layout = layouts[stage]
         self.stage = stage
@@ -421,6 +428,7 @@ class VLMStage(MegatronModule):
                 post_layer_norm=False,
                 pre_process=True,
                 post_process=False,
+                pg_collection=pg_collection,
             )
         self.projector = None
         self.embedding = None
@@ -456,6 +464,7 @@ class VLMStage(MegatronModule):
                 post_layer_norm=True,
                 pre_process=True,
                 post_process=lay.head,
+                pg_collection=pg_collection,
             )
             self.rotary = RotaryEmbedding(
                 configs.llm.kv_channels,

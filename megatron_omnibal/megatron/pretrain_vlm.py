@@ -252,22 +252,17 @@ def _model_provider(
     pg_collection: Any = None,
     **_: Any,
 ) -> Any:
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     from megatron_omnibal.megatron.provider import vlm_model_provider
 
-    model = vlm_model_provider(
+    return vlm_model_provider(
         spec,
         list(settings.layouts),
         pre_process,
         post_process,
         vp_stage,
         config_overrides=overrides,
+        pg_collection=pg_collection,
     )
-    if getattr(model, "pg_collection", None) is None:
-        # training.py train() reads the model's process groups (as GPTModel keeps them).
-        model.pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
-    return model
 
 
 def build_data_iterators(

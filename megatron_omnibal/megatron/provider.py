@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_omnibal.megatron.layout import LayoutError, StageLayout
 from megatron_omnibal.megatron.model import VLMSpec, VLMStage, stage_configs
@@ -21,9 +22,11 @@ def vlm_model_provider(
     post_process: bool = True,
     vp_stage: int | None = None,
     config_overrides: dict[str, Any] | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
 ) -> VLMStage:
     """This rank's stage. pre_process/post_process are accepted for megatron.training's
-    signature and checked against the layout (the layout decides what the stage holds)."""
+    signature and checked against the layout (the layout decides what the stage holds);
+    pg_collection is megatron.training's (None: parallel_state's groups)."""
     if vp_stage is not None:
         raise LayoutError("virtual pipeline stages are not supported by the VLM stage module")
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -37,4 +40,4 @@ def vlm_model_provider(
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     configs = stage_configs(spec, layouts, rank, tp, config_overrides)
-    return VLMStage(spec, layouts, rank, configs)
+    return VLMStage(spec, layouts, rank, configs, pg_collection=pg_collection)

@@ -153,6 +153,13 @@ def run_case(spec: VLMSpec, case: dict, weights: dict, batches: list, seed: int,
             # Checkpoint shards (megatron-core stacks a tower's layers along a global layer
             # axis: the offset holds the global layer index) and layer numbers.
             "checkpoint_keys": checkpoint_shards(model),
+            # megatron.training's train() takes the model's mp, pp and dp_cp groups.
+            "process_groups": [
+                model.pg_collection.mp is ps.get_model_parallel_group(),
+                model.pg_collection.pp is ps.get_pipeline_model_parallel_group(),
+                model.pg_collection.tp is ps.get_tensor_model_parallel_group(),
+                model.pg_collection.dp_cp is ps.get_data_parallel_group(with_context_parallel=True),
+            ],
             "layer_numbers": {
                 tower: [layer.layer_number for layer in getattr(model, tower).layers]
                 for tower in ("vit", "llm")
