@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_omnibal.data.conversations import SampleError
+
 
 @dataclass(frozen=True)
 class DatasetSpec:
@@ -35,6 +37,21 @@ class RawRecord:
     index: int  # position in the annotation file (0-based)
     line: int  # 1-based line where the record starts
     data: str | object
+
+
+def parse_record(raw: RawRecord) -> dict:
+    """The record's JSON object; one parser so `omnibal stats` and the training loader agree."""
+    data = raw.data
+    if isinstance(data, str):
+        if not data.strip():
+            raise SampleError("empty line")
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise SampleError(f"invalid JSON: {exc.msg} (column {exc.colno})") from exc
+    if not isinstance(data, dict):
+        raise SampleError(f"expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def read_inputs(path: str | os.PathLike, image_root: str | os.PathLike | None = None

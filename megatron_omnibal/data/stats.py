@@ -30,6 +30,7 @@ from megatron_omnibal.data.annotations import (
     DatasetSpec,
     RawRecord,
     chunks,
+    parse_record,
     read_inputs,
     read_records,
 )
@@ -204,7 +205,7 @@ def _run_chunk(task: tuple) -> _ChunkOut:
     ids: list[str | None] = [None] * n
     for k, raw in enumerate(chunk):
         try:
-            record = _parse(raw)
+            record = parse_record(raw)
             ids[k] = _sample_id(record)
             pieces, extra, vit[k], flags[k] = _measure(record, root, tiling, config, counter)
         except (conv.SampleError, ImageHeaderError) as exc:
@@ -225,20 +226,6 @@ def _run_chunk(task: tuple) -> _ChunkOut:
                                   f"{config.max_tokens}"))
     errors.sort(key=lambda e: e.index)
     return _ChunkOut(dataset, vit, tokens, flags, ok, errors)
-
-
-def _parse(raw: RawRecord) -> dict:
-    data = raw.data
-    if isinstance(data, str):
-        if not data.strip():
-            raise conv.SampleError("empty line")
-        try:
-            data = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise conv.SampleError(f"invalid JSON: {exc.msg} (column {exc.colno})") from exc
-    if not isinstance(data, dict):
-        raise conv.SampleError(f"expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _sample_id(record: dict) -> str | None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from megatron_omnibal.data import conversations as conv
-from megatron_omnibal.data.annotations import RawRecord, read_inputs, read_records
+from megatron_omnibal.data.annotations import RawRecord, parse_record, read_inputs, read_records
 from megatron_omnibal.data.image_header import ImageHeaderError, image_size
 from megatron_omnibal.data.image_tiles import load_tiles
 from megatron_omnibal.data.lengths import LengthStats
@@ -138,7 +138,7 @@ class RealSampleSource:
             raise IndexError(f"sample index {index} outside 0..{len(self.entries) - 1}")
         d, raw = self.entries[index]
         try:
-            record = _parse(raw)
+            record = parse_record(raw)
             images = conv.sample_images(record)
             turns = conv.sample_turns(record)
             turns = conv.place_images(turns, len(images), isinstance(record.get("image"), str))
@@ -252,21 +252,9 @@ def _answer_spans(text: str, turns: list[tuple[str, str]],
     return spans
 
 
-def _parse(raw: RawRecord) -> dict:
-    data = raw.data
-    if isinstance(data, str):
-        try:
-            data = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise conv.SampleError(f"invalid JSON: {exc.msg}") from exc
-    if not isinstance(data, dict):
-        raise conv.SampleError(f"expected a JSON object, got {type(data).__name__}")
-    return data
-
-
 def _record_id(raw: RawRecord) -> str | None:
     try:
-        value = _parse(raw).get("id")
+        value = parse_record(raw).get("id")
     except conv.SampleError:
         return None
     return None if value is None else str(value)
