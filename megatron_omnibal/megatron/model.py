@@ -40,6 +40,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_omnibal.megatron.layout import StageLayout, validate_layout
 from megatron_omnibal.megatron.projector import Projector
 from megatron_omnibal.megatron.vision import PatchEmbedding
+from megatron_omnibal.planner.models import ProjectorSpec
 
 try:  # Transformer Engine is an optional accelerator.
     import transformer_engine  # noqa: F401
@@ -61,13 +62,6 @@ class ViTSpec:
     image_size: int
     patch_size: int
     norm: str = "layernorm"
-
-
-@dataclass(frozen=True)
-class ProjectorSpec:
-    type: str = "pixel_shuffle_mlp"
-    downsample: float = 0.5
-    hidden_size: int = 0  # MLP width; 0 -> the LLM hidden size
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ class ProjectorSpec:
 
     type: str = "pixel_shuffle_mlp"
     downsample: float = 0.5
-    hidden_size: int = 0  # MLP width; the output width is the LLM's hidden size
+    hidden_size: int = 0  # MLP width (0: the LLM's hidden size); its output width is the LLM's
 
 
 @dataclass(frozen=True)
