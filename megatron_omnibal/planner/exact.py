@@ -376,6 +376,20 @@ def certify(
     def threshold() -> float:
         return best_step / (1.0 + tolerance)
 
+    def simulate(parts: list[tuple[int, ...]]) -> None:
+        """Simulate full splits: keep the best (locally improved), learn their signatures."""
+        nonlocal best, best_step
+        spans, sigs = run(parts)
+        simulated.update(parts)
+        i = int(np.argmin(spans))
+        if spans[i] < best_step:
+            best, best_step = parts[i], float(spans[i])
+            if improve is not None:
+                best, best_step = improve(best, best_step)
+                simulated.add(best)
+            sigs += around(best)
+        bound.add(sigs)
+
     while heap:
         lb, _, prefix, v = heap[0]
         if lb >= threshold():
@@ -401,30 +415,13 @@ def certify(
                 leaves.append(heapq.heappop(heap)[2])
             todo = [p for p in leaves if p not in simulated]
             if todo:
-                spans, sigs = run(todo)
-                simulated.update(todo)
-                i = int(np.argmin(spans))
-                if spans[i] < best_step:
-                    best, best_step = todo[i], float(spans[i])
-                    if improve is not None:
-                        best, best_step = improve(best, best_step)
-                        simulated.add(best)
-                    sigs += around(best)
-                bound.add(sigs)
+                simulate(todo)
             continue
         expanded += 1
         if expanded % dive_every == 0:  # primal heuristic: a greedy dive to a full split
             leaf = _dive(bound, prefix, v, units)
             if leaf is not None and leaf not in simulated:
-                spans, sigs = run([leaf])
-                simulated.add(leaf)
-                if spans[0] < best_step:
-                    best, best_step = leaf, float(spans[0])
-                    if improve is not None:
-                        best, best_step = improve(best, best_step)
-                        simulated.add(best)
-                    sigs += around(best)
-                bound.add(sigs)
+                simulate([leaf])
                 v = np.concatenate([v, bound.prefix(prefix, len(v))])
         last_stage = s == pp - 1
         his = np.arange(units, units + 1) if last_stage else np.arange(lo + 1, units - pp + s + 2)
