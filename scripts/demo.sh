@@ -44,7 +44,7 @@ echo "== 4. Megatron training on CPU: torchrun, 2 processes (gloo), PP=2, $STEPS
     --omnibal --omnibal-plan "$OUT/plan.json" --omnibal-lengths "$OUT/lengths.npz" \
     --omnibal-data-tokens-per-tile 4 \
     --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 4 \
-    --train-iters "$STEPS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --clip-grad 0 \
+    --train-iters "$STEPS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine \
     --transformer-impl local --seed 1 --log-interval 1 \
     --save "$OUT/checkpoints" --save-interval "$STEPS" --ckpt-format torch \
     >"$OUT/train.log" 2>&1 || {
