@@ -3,7 +3,9 @@
 The checks run in a 2-process torchrun (so the pytest process itself is never patched); the
 oracles are a PP=1 run (for 1F1B at PP=2), the run without recompute (for recompute with
 dropout), a torch.Generator seeded like the RNG tracker's stream, and torch's L2 norm of the
-whole model's gradients (for Megatron's gradient clipping at PP=2 and TP=2).
+whole model's gradients (for Megatron's gradient clipping at PP=2 and TP=2), the plain
+optimizer's step (for --use-distributed-optimizer at DP=2) and torch's AdamW on the same grads
+(for the step itself, fp32 and --bf16's fp32 main params).
 """
 
 from __future__ import annotations
@@ -143,3 +145,49 @@ def test_grad_clipping_matches_plain_torch(obs: list[dict], key: str) -> None:
     clipped = full_grads(obs, key, "clipped")
     for n, g in clipped.items():
         assert torch.allclose(g, grads[n] * coeff, rtol=1e-5, atol=1e-9), n
+
+
+OPTIMIZER_CLASS = {
+    ("plain", "fp32"): "FP32Optimizer",
+    ("plain", "bf16"): "Float16OptimizerWithFloat16Params",
+    ("dist", "fp32"): "DistributedOptimizer",
+    ("dist", "bf16"): "DistributedOptimizer",
+}
+
+
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_distributed_optimizer_step_matches_plain_optimizer(obs: list[dict], prec: str) -> None:
+    """--use-distributed-optimizer at DP=2 (reduce-scatter, each rank steps its half of the
+    parameters, all-gather): every rank ends with the weights of the plain optimizer's step."""
+    plain = obs[0][f"opt_plain_{prec}"]
+    for o in obs:  # the optimizers' constructors named CPU tensors as CUDA ones only inside
+        assert o["tensor_types_after"] == ["torch.FloatTensor", "torch.BFloat16Tensor"]
+        for kind in ("plain", "dist"):
+            assert o[f"opt_{kind}_{prec}"]["optimizers"] == [OPTIMIZER_CLASS[kind, prec]]
+            assert o[f"opt_{kind}_{prec}"]["ok"] is True
+        dist_run = o[f"opt_dist_{prec}"]
+        for n, w in plain["after"].items():
+            assert w.dtype == (torch.bfloat16 if prec == "bf16" else torch.float32), n
+            assert (w - plain["before"][n]).abs().max() > 1e-3, n  # the step moved it
+            assert (dist_run["after"][n].float() - w.float()).abs().max() <= 1e-6, n
+
+
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_optimizer_step_matches_torch_adamw(obs: list[dict], prec: str) -> None:
+    """The step Megatron took (fp32 main params: --bf16's copies of the bf16 weights) is torch's
+    fp32 AdamW from the same (bf16-rounded) start weights on the same DP-reduced (bf16) grads,
+    and --bf16's model weights are those main params rounded to bf16."""
+    run = obs[0][f"opt_plain_{prec}"]
+    for n, g in run["grads"].items():  # each rank trained on its own data: the DP reduction
+        assert torch.equal(g, obs[1][f"opt_plain_{prec}"]["grads"][n]), n
+        assert g.dtype == run["before"][n].dtype and g.abs().max() > 0, n
+    start = {n: w.float().clone().requires_grad_(True) for n, w in run["before"].items()}
+    adam = torch.optim.AdamW(start.values(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0)
+    for n, w in start.items():
+        w.grad = run["grads"][n].float()
+    adam.step()
+    for n, w in start.items():
+        main = run["main"][n]
+        assert main.dtype == torch.float32, n
+        assert (main - w.detach()).abs().max() <= 1e-6 * max(1.0, w.abs().max().item()), n
+        assert torch.equal(run["after"][n], main.to(run["after"][n].dtype)), n

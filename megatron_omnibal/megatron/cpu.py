@@ -266,6 +266,7 @@ def _patch_megatron() -> None:
         )
 
     _patch_clip_grads()
+    _patch_optimizer_param_types()
     _patch_megatron_training()
 
 
@@ -317,6 +318,63 @@ def _patch_clip_grads() -> None:
     mimo = sys.modules.get("megatron.core.models.mimo.optimizer")  # later imports read clip_grads
     if mimo is not None:
         mimo.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+# Tensor.type() names of the dtypes Megatron's optimizers sort parameters by, as on a GPU.
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+@contextlib.contextmanager
+def _cuda_type_names() -> typing.Iterator[None]:
+    """While active, ``Tensor.type()`` names a CPU float tensor as its CUDA twin."""
+    own = "type" in torch.Tensor.__dict__
+    orig = torch.Tensor.type
+
+    def tensor_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and self.device.type == "cpu":
+            name = _CUDA_TYPE_NAMES.get(self.dtype)
+            if name is not None:
+                return name
+        return orig(self, *args, **kwargs)
+
+    torch.Tensor.type = tensor_type  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own:
+            torch.Tensor.type = orig  # type: ignore[method-assign]
+        else:
+            del torch.Tensor.type
+
+
+def _patch_optimizer_param_types() -> None:
+    # optimizer/optimizer.py Float16OptimizerWithFloat16Params.__init__ (--bf16, --fp16) and
+    # optimizer/distrib_optimizer.py DistributedOptimizer.__init__ (its main_param loop and
+    # _build_model_and_main_param_groups; --use-distributed-optimizer) sort parameters by
+    # param.type() in 'torch.cuda.{Half,BFloat16,Float}Tensor' and raise TypeError for any
+    # other, CPU tensors included. Their constructors run with CPU tensors named as CUDA ones;
+    # everything after that compares dtypes, which are the same on both devices.
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    classes = (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer)
+    for cls in classes:
+        init = cls.__dict__["__init__"]
+        if not getattr(init, "__omnibal_cpu__", False):
+            cls.__init__ = _with_cuda_type_names(init)  # type: ignore[method-assign]
+
+
+def _with_cuda_type_names(init: Any) -> Any:
+    @functools.wraps(init)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> None:
+        with _cuda_type_names():
+            init(self, *args, **kwargs)
+
+    wrapped.__omnibal_cpu__ = True  # type: ignore[attr-defined]
+    return wrapped
 
 
 def _patch_megatron_training() -> None:

@@ -228,6 +228,85 @@ def clip_grad_run(tp: int, pp: int) -> dict:
     }
 
 
+def optimizer_step_run(distributed: bool, bf16: bool) -> dict:
+    """One Adam step (lr 1e-2) of Megatron's DDP + optimizer at DP=2 (TP=PP=1), each rank on
+    its own data: --use-distributed-optimizer (DistributedOptimizer) or not, --bf16
+    (Float16Module, bf16 grad buffers, Float16OptimizerWithFloat16Params' fp32 main params) or
+    fp32. Same start weights as gpt_run. Records the weights before and after the step, the
+    all-reduced grads the step used and, without the distributed optimizer, the fp32 main params.
+    """
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(SEED)
+    config = gpt_config(1, False, 0.0)
+    if bf16:
+        config.bf16 = True
+        config.params_dtype = config.pipeline_dtype = torch.bfloat16
+    model = GPTModel(
+        config,
+        get_gpt_layer_local_spec(),
+        vocab_size=64,
+        max_sequence_length=16,
+        share_embeddings_and_output_weights=False,
+    )
+    named = dict(model.named_parameters())
+    weights = torch.load(OUT / "gpt_weights.pt")
+    with torch.no_grad():
+        for n, p in named.items():
+            p.copy_(weights[n])
+    wrapped = Float16Module(config, model) if bf16 else model
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed)
+    ddp = DistributedDataParallel(config, ddp_config, wrapped)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=1e-2, weight_decay=0.0, clip_grad=0.0, bf16=bf16,
+            params_dtype=config.params_dtype, use_distributed_optimizer=distributed,
+        ),
+        [ddp],
+    )  # fmt: skip
+    before = {n: p.detach().clone() for n, p in named.items()}
+    g = torch.Generator().manual_seed(SEED + 10 + dist.get_rank())
+    data = [torch.randint(0, 64, (1, 16), generator=g) for _ in range(2)]
+
+    def step(it, m):
+        tok = next(it)
+        out = m(tok, torch.arange(16)[None], None, labels=tok)
+        return out, lambda o: (o.sum(), torch.tensor(o.numel(), dtype=torch.int), {})
+
+    config.calculate_per_token_loss = True
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter(data),
+        model=[ddp],
+        num_microbatches=2,
+        seq_length=16,
+        micro_batch_size=1,
+    )
+    finalize_model_grads([ddp])
+    grads = {n: p.main_grad.detach().clone() for n, p in named.items()}
+    ok, _, _ = opt.step()
+    return {
+        "ok": bool(ok),
+        "optimizers": [type(o).__name__ for o in getattr(opt, "chained_optimizers", [opt])],
+        "before": before,
+        "grads": grads,
+        "after": {n: p.detach().clone() for n, p in named.items()},
+        "main": {} if distributed else {
+            n: (p.main_param if bf16 else p).detach().clone() for n, p in named.items()
+        },
+    }  # fmt: skip
+
+
 def clip_check() -> None:
     """CLIPViTModel without Transformer Engine: builds its ln_pre and runs."""
     from megatron.core.models.vision.clip_vit_model import CLIPViTModel
@@ -269,6 +348,14 @@ if __name__ == "__main__":
     for tp, pp in ((1, 1), (1, 2), (2, 1)):
         obs[f"clip_tp{tp}_pp{pp}"] = clip_grad_run(tp, pp)
         dist.barrier()
+    for distributed in (False, True):
+        for bf16 in (False, True):
+            run = optimizer_step_run(distributed, bf16)
+            obs[f"opt_{'dist' if distributed else 'plain'}_{'bf16' if bf16 else 'fp32'}"] = run
+            dist.barrier()
+    obs["tensor_types_after"] = [
+        torch.ones(1, dtype=t).type() for t in (torch.float, torch.bfloat16)
+    ]
     torch.save(obs, OUT / f"rank{dist.get_rank()}.pt")
     ps.destroy_model_parallel()
     dist.destroy_process_group()
