@@ -366,6 +366,43 @@ def _patch_optimizer_param_types() -> None:
         if not getattr(init, "__omnibal_cpu__", False):
             cls.__init__ = _with_cuda_type_names(init)  # type: ignore[method-assign]
 
+    # optimizer/distrib_optimizer.py load_parameter_state_from_dp_zero (resuming a
+    # --use-distributed-optimizer --ckpt-format torch checkpoint): without apex/TE the optimizer
+    # is torch's AdamW, whose per-parameter state holds a "step" tensor. The checkpoint keeps
+    # "step" in param_groups only (load_state_dict restores it first), so
+    # _set_main_param_and_optimizer_states looked up tensors["step"] and raised KeyError.
+    # A non-tensor entry is what that method already skips. Its copy into fp32 main params
+    # (views of the model params, which require grad) also needs no_grad, which
+    # load_parameter_state_from_dp_zero lacks.
+    cls = distrib_optimizer.DistributedOptimizer
+    set_states = cls._set_main_param_and_optimizer_states
+    if not getattr(set_states, "__omnibal_cpu__", False):
+
+        @functools.wraps(set_states)
+        def set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: dict) -> Any:
+            with torch.no_grad():
+                return set_states(self, model_param, {"step": None, **tensors})
+
+        set_main_param_and_optimizer_states.__omnibal_cpu__ = True  # type: ignore[attr-defined]
+        cls._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+
+    # optimizer/distrib_optimizer.py DistributedOptimizer.load_state_dict ("Extract 'step', for
+    # non-Apex/TE support") puts ONE step tensor into every parameter's state; torch's AdamW
+    # adds 1 to it in place per parameter, so after a resume the bias correction used a step
+    # count off by the number of parameters. Each parameter gets its own copy.
+    load = cls.load_state_dict
+    if not getattr(load, "__omnibal_cpu__", False):
+
+        @functools.wraps(load)
+        def load_state_dict(self: Any, state_dict: dict) -> None:
+            load(self, state_dict)
+            for state in self.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
+
+        load_state_dict.__omnibal_cpu__ = True  # type: ignore[attr-defined]
+        cls.load_state_dict = load_state_dict
+
 
 def _with_cuda_type_names(init: Any) -> Any:
     @functools.wraps(init)
