@@ -158,7 +158,9 @@ OPTIMIZER_CLASS = {
 @pytest.mark.parametrize("prec", ["fp32", "bf16"])
 def test_distributed_optimizer_step_matches_plain_optimizer(obs: list[dict], prec: str) -> None:
     """--use-distributed-optimizer at DP=2 (reduce-scatter, each rank steps its half of the
-    parameters, all-gather): every rank ends with the weights of the plain optimizer's step."""
+    parameters, all-gather): every rank ends with the weights of the plain optimizer's step,
+    and again after a second step that follows a save and load of the optimizer state (as a
+    resume does: torch AdamW's per-parameter step count and moments restored)."""
     plain = obs[0][f"opt_plain_{prec}"]
     for o in obs:  # the optimizers' constructors named CPU tensors as CUDA ones only inside
         assert o["tensor_types_after"] == ["torch.FloatTensor", "torch.BFloat16Tensor"]
@@ -170,6 +172,9 @@ def test_distributed_optimizer_step_matches_plain_optimizer(obs: list[dict], pre
             assert w.dtype == (torch.bfloat16 if prec == "bf16" else torch.float32), n
             assert (w - plain["before"][n]).abs().max() > 1e-3, n  # the step moved it
             assert (dist_run["after"][n].float() - w.float()).abs().max() <= 1e-6, n
+            second = plain["after_second"][n]
+            assert (second - w).abs().max() > 1e-3, n
+            assert (dist_run["after_second"][n].float() - second.float()).abs().max() <= 1e-6, n
 
 
 @pytest.mark.parametrize("prec", ["fp32", "bf16"])

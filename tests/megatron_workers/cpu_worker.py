@@ -229,11 +229,13 @@ def clip_grad_run(tp: int, pp: int) -> dict:
 
 
 def optimizer_step_run(distributed: bool, bf16: bool) -> dict:
-    """One Adam step (lr 1e-2) of Megatron's DDP + optimizer at DP=2 (TP=PP=1), each rank on
-    its own data: --use-distributed-optimizer (DistributedOptimizer) or not, --bf16
-    (Float16Module, bf16 grad buffers, Float16OptimizerWithFloat16Params' fp32 main params) or
-    fp32. Same start weights as gpt_run. Records the weights before and after the step, the
-    all-reduced grads the step used and, without the distributed optimizer, the fp32 main params.
+    """Two Adam steps (lr 1e-2) of Megatron's DDP + optimizer at DP=2 (TP=PP=1), each rank on
+    its own data: --use-distributed-optimizer (DistributedOptimizer, its state saved and loaded
+    between the steps as a resume does) or not, --bf16 (Float16Module, bf16 grad buffers,
+    Float16OptimizerWithFloat16Params' fp32 main params) or fp32. Same start weights as
+    gpt_run. Records the weights before and after the first step, the all-reduced grads it
+    used, without the distributed optimizer the fp32 main params, and the weights after the
+    second step.
     """
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -274,28 +276,31 @@ def optimizer_step_run(distributed: bool, bf16: bool) -> dict:
     )  # fmt: skip
     before = {n: p.detach().clone() for n, p in named.items()}
     g = torch.Generator().manual_seed(SEED + 10 + dist.get_rank())
-    data = [torch.randint(0, 64, (1, 16), generator=g) for _ in range(2)]
 
     def step(it, m):
         tok = next(it)
         out = m(tok, torch.arange(16)[None], None, labels=tok)
         return out, lambda o: (o.sum(), torch.tensor(o.numel(), dtype=torch.int), {})
 
+    def train_step() -> tuple[bool, dict[str, torch.Tensor]]:
+        data = [torch.randint(0, 64, (1, 16), generator=g) for _ in range(2)]
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iter(data),
+            model=[ddp],
+            num_microbatches=2,
+            seq_length=16,
+            micro_batch_size=1,
+        )
+        finalize_model_grads([ddp])
+        grads = {n: p.main_grad.detach().clone() for n, p in named.items()}
+        return opt.step()[0], grads
+
     config.calculate_per_token_loss = True
-    ddp.zero_grad_buffer()
-    opt.zero_grad()
-    get_forward_backward_func()(
-        forward_step_func=step,
-        data_iterator=iter(data),
-        model=[ddp],
-        num_microbatches=2,
-        seq_length=16,
-        micro_batch_size=1,
-    )
-    finalize_model_grads([ddp])
-    grads = {n: p.main_grad.detach().clone() for n, p in named.items()}
-    ok, _, _ = opt.step()
-    return {
+    ok, grads = train_step()
+    run = {
         "ok": bool(ok),
         "optimizers": [type(o).__name__ for o in getattr(opt, "chained_optimizers", [opt])],
         "before": before,
@@ -305,6 +310,15 @@ def optimizer_step_run(distributed: bool, bf16: bool) -> dict:
             n: (p.main_param if bf16 else p).detach().clone() for n, p in named.items()
         },
     }  # fmt: skip
+    if distributed:  # what a --ckpt-format torch save and resume do with the optimizer
+        state = opt.state_dict()
+        opt.save_parameter_state(str(OUT / "dist_optimizer_state.pt"))
+        dist.barrier()
+        opt.load_state_dict(state)
+        opt.load_parameter_state(str(OUT / "dist_optimizer_state.pt"))
+    train_step()
+    run["after_second"] = {n: p.detach().clone() for n, p in named.items()}
+    return run
 
 
 def clip_check() -> None:
