@@ -104,14 +104,25 @@ def _epoch_steps(lengths_file, dp):
     return sampler.steps_per_epoch
 
 
-def test_data_parallel_ranks_train_each_sample_once_per_epoch(lengths_file, tmp_path):
-    """DP=2 (PP=1): over one epoch of real training steps the two ranks' micro-batches hold
-    every sample exactly once, and each rank's loss counts exactly its samples' loss tokens."""
+@pytest.fixture(scope="module")
+def dp_run(lengths_file, tmp_path_factory):
+    """One epoch of DP=2 (PP=1) training with dropout, checkpointed two steps before its end
+    (--save-interval without --exit-interval: the run goes on and its records are whole)."""
     steps = _epoch_steps(lengths_file, dp=2)
+    stop = steps - 2
     flags = _flags(lengths_file, "--global-batch-size", "4", "--train-iters", str(steps),
                    "--omnibal-vit-pp-layers", "4", "--omnibal-llm-pp-layers", "4")  # fmt: skip
-    _ok(_torchrun(2, tmp_path / "dp", flags))
-    records = _records(tmp_path / "dp")
+    out = tmp_path_factory.mktemp("dp")
+    ckpt = out / "ckpt"
+    _ok(_torchrun(2, out / "whole", [*flags, "--save", str(ckpt), "--save-interval", str(stop)]))
+    return flags, out / "whole", ckpt, stop
+
+
+def test_data_parallel_ranks_train_each_sample_once_per_epoch(lengths_file, dp_run):
+    """DP=2 (PP=1): over one epoch of real training steps the two ranks' micro-batches hold
+    every sample exactly once, and each rank's loss counts exactly its samples' loss tokens."""
+    _, whole, _, _ = dp_run
+    records = _records(whole)
     assert sorted(r["dp_rank"] for r in records.values()) == [0, 1]
     seen = Counter(i for r in records.values() for m in r["micro"] for i in m["indices"])
     assert sorted(seen) == list(range(40)) and max(seen.values()) == 1
@@ -126,6 +137,27 @@ def test_data_parallel_ranks_train_each_sample_once_per_epoch(lengths_file, tmp_
             want = sum(int((synthetic_sample(i, data, spec, 7).labels >= 0).sum())
                        for i in m["indices"])  # fmt: skip
             assert m["tokens"] == want
+
+
+def test_data_parallel_resume_with_dropout_continues_with_the_uninterrupted_losses(
+    dp_run, tmp_path
+):
+    """DP=2 with dropout: resuming from the checkpoint two steps before the end gives both ranks
+    the uninterrupted run's samples and losses. The ranks' micro-batches differ in shape, so
+    their dropout RNG streams diverge; each must resume with its own RNG state (rank 1 would
+    differ on the first resumed step) and the all-reduced update must match (both ranks on the
+    second)."""
+    flags, whole, ckpt, stop = dp_run
+    _ok(_torchrun(2, tmp_path / "resumed", [*flags, "--load", str(ckpt), "--ckpt-step",
+                                            str(stop)]))  # fmt: skip
+    w, r = _records(whole), _records(tmp_path / "resumed")
+    for rank in (0, 1):
+        assert r[rank]["start"] == stop
+        tail = w[rank]["micro"][2 * stop :]
+        got = r[rank]["micro"]
+        assert len(got) == len(tail) == 4
+        assert [m["indices"] for m in got] == [m["indices"] for m in tail]
+        assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in tail], rel=1e-6)
 
 
 def test_bad_layout_stops_both_torchrun_ranks_without_a_hang(lengths_file, tmp_path):

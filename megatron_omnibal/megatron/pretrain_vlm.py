@@ -50,6 +50,12 @@ def main(
         return _fail(exc)
     if cpu and not any(a.split("=")[0] == "--distributed-backend" for a in argv):
         argv += ["--distributed-backend", "gloo"]
+    if "--data-parallel-random-init" not in argv:
+        # DP ranks draw different micro-batch shapes, so their dropout RNG streams diverge;
+        # Megatron checkpoints (and restores) each DP rank's RNG state only with this flag,
+        # otherwise every rank resumes with DP rank 0's. Parameters start equal either way
+        # (it broadcasts them from DP rank 0).
+        argv.append("--data-parallel-random-init")
     from megatron.training.arguments import parse_and_validate_args
 
     sys.argv = [sys.argv[0], *argv]  # Megatron's parser reads sys.argv
