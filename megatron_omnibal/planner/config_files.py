@@ -17,6 +17,17 @@ from megatron_omnibal.planner.hardware import Hardware, get_hardware
 from megatron_omnibal.planner.models import LLMSpec, ModelSpec, ProjectorSpec, ViTSpec, get_model
 
 
+def read_json(path: str | Path, what: str) -> Any:
+    """Parse a JSON file; errors name the file and what it was meant to be."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such {what} file")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+
+
 def read_config(path: str | Path) -> dict:
     """Parse a JSON or YAML mapping (YAML by suffix .yaml/.yml)."""
     path = Path(path)

@@ -12,12 +12,12 @@ the projector unit.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from megatron_omnibal.planner.config_files import read_json
 from megatron_omnibal.planner.hardware import Hardware
 from megatron_omnibal.planner.models import ModelSpec
 
@@ -266,14 +266,7 @@ def load_profile(path: str | Path) -> tuple[LayerCosts, dict]:
     still stores, default 0), `output_mib` (tensor sent to the next stage, default 0), `group`
     ("vit"/"llm"/"none": recompute block, default one block for all layers).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such profile file")
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
-    return profile_from_dict(doc, str(path))
+    return profile_from_dict(read_json(path, "profile"), str(path))
 
 
 def profile_from_dict(doc: dict, where: str = "profile") -> tuple[LayerCosts, dict]:

@@ -9,13 +9,13 @@ Megatron side.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from megatron_omnibal.data.lengths import LengthStats
+from megatron_omnibal.planner.config_files import read_json
 from megatron_omnibal.planner.costs import (
     GROUP_LLM,
     GROUP_NONE,
@@ -589,13 +589,7 @@ _STAGE_KEYS = {
 
 def load_plan(path: str | Path) -> dict:
     """Read and validate plan.json; errors name the file and the field."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such plan file")
-    try:
-        plan = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+    plan = read_json(path, "plan")
     validate_plan(plan, str(path))
     return plan
 
