@@ -143,6 +143,30 @@ def gpt_run(pp: int, recompute: bool, dropout: float) -> dict:
     }
 
 
+def ddp_grads(ddp, opt, named: dict, data: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Zero the grads, run Megatron's schedule over `data` (one micro-batch each, summed token
+    loss) and finalize: the DP-reduced main grads, before any optimizer step."""
+    from megatron.core.distributed import finalize_model_grads
+
+    def step(it, m):
+        tok = next(it)
+        out = m(tok, torch.arange(16)[None], None, labels=tok)
+        return out, lambda o: (o.sum(), torch.tensor(o.numel(), dtype=torch.int), {})
+
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter(data),
+        model=[ddp],
+        num_microbatches=len(data),
+        seq_length=16,
+        micro_batch_size=1,
+    )
+    finalize_model_grads([ddp])
+    return {n: p.main_grad.detach().clone() for n, p in named.items()}
+
+
 def clip_grad_run(tp: int, pp: int) -> dict:
     """One optimizer step of Megatron's DDP + FP32Optimizer with --clip-grad 1.0 (SGD, lr 1).
 
@@ -153,7 +177,6 @@ def clip_grad_run(tp: int, pp: int) -> dict:
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
-        finalize_model_grads,
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -196,24 +219,8 @@ def clip_grad_run(tp: int, pp: int) -> dict:
     g = torch.Generator().manual_seed(SEED)
     data = [torch.randint(0, 64, (1, 16), generator=g) for _ in range(4)]
 
-    def step(it, m):
-        tok = next(it)
-        out = m(tok, torch.arange(16)[None], None, labels=tok)
-        return out, lambda o: (o.sum(), torch.tensor(o.numel(), dtype=torch.int), {})
-
     config.calculate_per_token_loss = True
-    ddp.zero_grad_buffer()
-    opt.zero_grad()
-    get_forward_backward_func()(
-        forward_step_func=step,
-        data_iterator=iter(data),
-        model=[ddp],
-        num_microbatches=4,
-        seq_length=16,
-        micro_batch_size=1,
-    )
-    finalize_model_grads([ddp])
-    unclipped = {n: p.main_grad.detach().clone() for n, p in named.items()}
+    unclipped = ddp_grads(ddp, opt, named, data)
     _, grad_norm, zeros = opt.step()
     return {
         "grad_norm": float(grad_norm),
@@ -240,7 +247,6 @@ def optimizer_step_run(distributed: bool, bf16: bool) -> dict:
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
-        finalize_model_grads,
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
@@ -277,25 +283,9 @@ def optimizer_step_run(distributed: bool, bf16: bool) -> dict:
     before = {n: p.detach().clone() for n, p in named.items()}
     g = torch.Generator().manual_seed(SEED + 10 + dist.get_rank())
 
-    def step(it, m):
-        tok = next(it)
-        out = m(tok, torch.arange(16)[None], None, labels=tok)
-        return out, lambda o: (o.sum(), torch.tensor(o.numel(), dtype=torch.int), {})
-
     def train_step() -> tuple[bool, dict[str, torch.Tensor]]:
         data = [torch.randint(0, 64, (1, 16), generator=g) for _ in range(2)]
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=step,
-            data_iterator=iter(data),
-            model=[ddp],
-            num_microbatches=2,
-            seq_length=16,
-            micro_batch_size=1,
-        )
-        finalize_model_grads([ddp])
-        grads = {n: p.main_grad.detach().clone() for n, p in named.items()}
+        grads = ddp_grads(ddp, opt, named, data)
         return opt.step()[0], grads
 
     config.calculate_per_token_loss = True
