@@ -43,20 +43,19 @@ TEXT_SCALE = 8
 MODEL_SPEC = {
     "name": "bench-6+20b-shape",
     "vit": {"num_layers": 8, "hidden_size": 96, "ffn_hidden_size": 384,
-            "num_attention_heads": 4, "image_size": 64, "patch_size": 8, "norm": "layernorm"},
+            "num_attention_heads": 4, "image_size": 64, "patch_size": 8, "norm": "layernorm",
+            "class_token": False},
     "projector": {"type": "pixel_shuffle_mlp", "downsample": 0.5, "hidden_size": 128},
     "llm": {"num_layers": 8, "hidden_size": 128, "ffn_hidden_size": 352,
             "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 1024,
             "norm": "rmsnorm"},
-    "vit_class_token": False,  # the VLM stage module's ViT has none
-    "llm_gated_mlp": True,
 }  # fmt: skip
 
 
 def vlm_spec():
-    from megatron_omnibal.megatron.model import VLMSpec
+    from megatron_omnibal.models.spec import ModelSpec
 
-    return VLMSpec.from_dict(MODEL_SPEC)
+    return ModelSpec.from_dict(MODEL_SPEC)
 
 
 def model_json(path: Path) -> Path:

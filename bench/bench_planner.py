@@ -30,13 +30,13 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from megatron_omnibal.data.lengths import load_lengths  # noqa: E402
+from megatron_omnibal.models.presets import get_preset  # noqa: E402
 from megatron_omnibal.planner.costs import GROUP_LLM, GROUP_VIT  # noqa: E402
 from megatron_omnibal.planner.hardware import get_hardware  # noqa: E402
 from megatron_omnibal.planner.memory import (  # noqa: E402
     inflight_interleaved,
     stage_memory_mib,
 )
-from megatron_omnibal.planner.models import get_model  # noqa: E402
 from megatron_omnibal.planner.partition import Problem, search  # noqa: E402
 from megatron_omnibal.planner.plan import (  # noqa: E402
     budget_mib,
@@ -82,7 +82,7 @@ def ablation_rows(setting, hw, gpus: int, global_batch: int) -> list[dict]:
 
 def ablation(name: str, hw_name: str, gpus: int, stats, global_batch: int) -> dict:
     """Ablation at PP 4, 8, 16 (tp=1, 4 micro-batches per stage) and at the planner's pick."""
-    model, hw = get_model(name), get_hardware(hw_name)
+    model, hw = get_preset(name), get_hardware(hw_name)
     t0, c0 = time.perf_counter(), time.process_time()
     ranked = plan_candidates(model, hw, stats, gpus, global_batch=global_batch)
     search = {
@@ -134,7 +134,7 @@ def optimality_check(stats, gpus: int, hw_name: str, pps: tuple[int, ...] = (3, 
     Every split is scored by the exact 1F1B lower bound max_s(work before s + m t_s); only
     splits whose bound is below the searched step can beat it, and those are all simulated.
     """
-    model, hw = get_model("internvl-6b-20b"), get_hardware(hw_name)
+    model, hw = get_preset("internvl-6b-20b"), get_hardware(hw_name)
     out = []
     for pp in pps:
         setting = make_setting(model, hw, stats, 1, pp, gpus // pp, 4 * pp, 1024)
@@ -170,7 +170,7 @@ def certificates(stats, gpus: int, hw_name: str) -> list[dict]:
     """Certified search on the full-size 6+20B at PP 4, 8, 16 and 2 or 4 micro-batches per
     stage: the DPs + polish alone (tolerance None) against the branch and bound, and the
     proven gap of the result (step / lower bound - 1)."""
-    model, hw = get_model("internvl-6b-20b"), get_hardware(hw_name)
+    model, hw = get_preset("internvl-6b-20b"), get_hardware(hw_name)
     out = []
     for pp, per in itertools.product((4, 8, 16), (2, 4)):
         setting = make_setting(model, hw, stats, 1, pp, gpus // pp, per * pp, 1024)
@@ -206,7 +206,7 @@ def interleaved_check(stats, gpus: int, hw_name: str) -> list[dict]:
     gradient sync as the plan. Rank memory: both chunks' static state plus Megatron's
     interleaved in-flight chunk-micro-batches times the larger chunk's stored activations.
     """
-    model, hw = get_model("internvl-6b-20b"), get_hardware(hw_name)
+    model, hw = get_preset("internvl-6b-20b"), get_hardware(hw_name)
     out = []
     for pp in (4, 8, 16):
         m = 4 * pp
@@ -266,7 +266,7 @@ def plan_times(stats, gpus: int, hw_name: str) -> list[dict]:
         t0, c0 = time.perf_counter(), time.process_time()
         try:
             plan = make_plan(
-                get_model("internvl-6b-20b"), get_hardware(hw_name), stats, gpus, 1, pp
+                get_preset("internvl-6b-20b"), get_hardware(hw_name), stats, gpus, 1, pp
             )
             step = plan["predicted"]["step_ms"]
         except ValueError:  # too few stages to fit memory is an answer too, timed as well

@@ -14,7 +14,7 @@ from megatron_omnibal.data.lengths import LengthsError, from_arrays, load_length
 from megatron_omnibal.data.sampler import BalancedBatchSampler
 from megatron_omnibal.megatron.batch import collate, synthetic_sample
 from megatron_omnibal.megatron.data import BalancedDataIterator, model_lengths
-from megatron_omnibal.megatron.model import PRESETS
+from megatron_omnibal.models.presets import PRESETS
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "internvl_subset.npz"
 SPEC = PRESETS["tiny"]

@@ -25,7 +25,7 @@ from PIL import Image
 from megatron_omnibal.cli import main as cli_main
 from megatron_omnibal.data.lengths import load_lengths, save_lengths
 from megatron_omnibal.megatron.dataset import DatasetError, open_source
-from megatron_omnibal.megatron.model import PRESETS
+from megatron_omnibal.models.presets import PRESETS
 
 SPEC = PRESETS["tiny"]  # 16-pixel tiles, 4 tokens per tile, vocab 128, image token 127
 WORDS = ["the", "a", "cat", "dog", "chart", "shows", "value", "of", "red", "blue", "what", "is",

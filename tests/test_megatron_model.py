@@ -32,6 +32,7 @@ SPEC = {
         "num_attention_heads": 4,
         "image_size": 16,
         "patch_size": 4,
+        "class_token": True,  # as InternViT: one more ViT token, dropped before the projector
     },
     "projector": {"type": "pixel_shuffle_mlp", "downsample": 0.5, "hidden_size": 48},
     "llm": {
@@ -42,7 +43,6 @@ SPEC = {
         "num_query_groups": 2,
         "vocab_size": 256,
     },
-    "vit_class_token": True,  # as InternViT: one more ViT token, dropped before the projector
 }
 # [vit_num, token_num, image_flags] per sample, per micro-batch (4 image tokens per real tile):
 # images, a text-only sample with a dummy tile, a micro-batch with no tile at all, many tiles.

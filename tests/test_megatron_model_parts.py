@@ -1,6 +1,6 @@
 """Pieces of the VLM stage module checked against brute-force references, in-process:
 the packed attention mask, pixel shuffle, micro-batch packing, synthetic samples, the per-token
-loss and the model spec of a plan."""
+loss."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import torch
 
 from megatron_omnibal.data.lengths import from_arrays
 from megatron_omnibal.megatron.batch import IGNORE_INDEX, Sample, collate, synthetic_sample
-from megatron_omnibal.megatron.model import PRESETS, VLMSpec, packed_causal_mask, padded_vocab
+from megatron_omnibal.megatron.model import packed_causal_mask, padded_vocab
 from megatron_omnibal.megatron.projector import pixel_shuffle
 from megatron_omnibal.megatron.step import loss_func
+from megatron_omnibal.models.presets import PRESETS
 
 TINY = PRESETS["tiny"]
 
@@ -115,64 +116,9 @@ def test_loss_func_sums_masked_tokens() -> None:
         loss_func(mask[:, :3], losses)
 
 
-def test_spec_from_plan_schema() -> None:
-    plan = {
-        "model_spec": {
-            "vit": {
-                "num_layers": 45,
-                "hidden_size": 3200,
-                "ffn_hidden_size": 12800,
-                "num_attention_heads": 25,
-                "image_size": 448,
-                "patch_size": 14,
-                "norm": "rmsnorm",
-            },
-            "projector": {"type": "pixel_shuffle_mlp", "downsample": 0.5, "hidden_size": 6144},
-            "llm": {
-                "num_layers": 48,
-                "hidden_size": 6144,
-                "ffn_hidden_size": 16384,
-                "num_attention_heads": 48,
-                "num_query_groups": 8,
-                "vocab_size": 92553,
-                "norm": "rmsnorm",
-            },
-            "tokens_per_tile": 256,
-        }
-    }
-    spec = VLMSpec.from_plan(plan)
-    assert spec.tokens_per_tile == 256 and spec.image_token_id == 92552
-    assert spec.vit.num_layers == 45 and spec.llm.num_query_groups == 8
-    plan["model_spec"]["tokens_per_tile"] = 1024
-    with pytest.raises(ValueError, match="tokens_per_tile=1024.*gives 256"):
-        VLMSpec.from_plan(plan)
-    plan["model_spec"]["tokens_per_tile"] = 256
-    plan["model_spec"]["llm"]["heads"] = 3
-    with pytest.raises(ValueError, match="model_spec.llm:.*heads"):
-        VLMSpec.from_plan(plan)
-
-
-def test_llava_projector_tokens_per_tile() -> None:
-    spec = VLMSpec.from_dict(
-        {**TINY.to_dict(), "projector": {"type": "mlp", "hidden_size": 8}, "tokens_per_tile": 0}
-    )
-    assert spec.tokens_per_tile == 16  # (16 / 4)^2 patches, no pixel shuffle
-
-
 def test_padded_vocab() -> None:
     assert padded_vocab(92553, 1) == 92672 and padded_vocab(92553, 2) % 256 == 0
     assert padded_vocab(256, 2) == 256
-
-
-def test_spec_from_the_planners_model_spec() -> None:
-    """plan.json's model_spec as `omnibal plan` writes it (planner presets) builds a VLMSpec."""
-    from megatron_omnibal.planner.models import MODELS
-
-    spec = VLMSpec.from_plan({"model_spec": MODELS["internvl-6b-20b"].spec_dict()})
-    assert spec.vit_class_token and spec.llm_gated_mlp
-    assert spec.tokens_per_tile == 256 and spec.projector.hidden_size == 6144
-    llava = VLMSpec.from_plan({"model_spec": MODELS["llava-1.5-7b"].spec_dict()})
-    assert llava.tokens_per_tile == 576 and llava.projector.type == "mlp"
 
 
 def test_validate_batch_names_what_is_wrong() -> None:

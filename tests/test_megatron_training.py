@@ -96,7 +96,7 @@ def test_resume_after_stop_continues_with_the_uninterrupted_losses(lengths_file,
 def _epoch_steps(lengths_file, dp):
     from megatron_omnibal.data.sampler import BalancedBatchSampler
     from megatron_omnibal.megatron.data import model_lengths
-    from megatron_omnibal.megatron.model import PRESETS
+    from megatron_omnibal.models.presets import PRESETS
 
     data = model_lengths(load_lengths(lengths_file), 256, PRESETS["tiny"].tokens_per_tile, 8)
     sampler = BalancedBatchSampler(data, dp_size=dp, dp_rank=0, micro_batches=2, vit_budget=16,
@@ -128,7 +128,7 @@ def test_data_parallel_ranks_train_each_sample_once_per_epoch(lengths_file, dp_r
     assert sorted(seen) == list(range(40)) and max(seen.values()) == 1
     from megatron_omnibal.megatron.batch import synthetic_sample
     from megatron_omnibal.megatron.data import model_lengths
-    from megatron_omnibal.megatron.model import PRESETS
+    from megatron_omnibal.models.presets import PRESETS
 
     spec = PRESETS["tiny"]
     data = model_lengths(load_lengths(lengths_file), 256, spec.tokens_per_tile, 8)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from megatron_omnibal.data.lengths import from_arrays, load_lengths, save_lengths
+from megatron_omnibal.models.presets import get_preset
 from megatron_omnibal.planner.hardware import get_hardware
-from megatron_omnibal.planner.models import get_model
 from megatron_omnibal.planner.plan import make_plan
 
 pytestmark = pytest.mark.megatron
@@ -63,7 +63,7 @@ def cases(tmp_path_factory):
     plan_other_data = _plan(tmp / "plan_n.json", plan2, num_samples=999)
     plan_ok = _plan(tmp / "plan2.json", plan2)
     # A real `omnibal plan` made for another length file (40 samples; the run's has 30).
-    real_plan = make_plan(get_model("tiny"), get_hardware("A100-80G"),
+    real_plan = make_plan(get_preset("tiny"), get_hardware("A100-80G"),
                           load_lengths(EXAMPLE).subset(np.arange(40)), 2, 1, 2, global_batch=8)
     plan_other_file = tmp / "plan_other_file.json"
     plan_other_file.write_text(json.dumps(real_plan))

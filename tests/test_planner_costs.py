@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from megatron_omnibal.models.presets import PRESETS, get_preset
 from megatron_omnibal.planner.costs import LayerCosts, analytic_costs, workload_features
 from megatron_omnibal.planner.hardware import HARDWARE, get_hardware
 from megatron_omnibal.planner.memory import (
@@ -11,11 +12,10 @@ from megatron_omnibal.planner.memory import (
     stage_memory_mib,
     stage_time_ms,
 )
-from megatron_omnibal.planner.models import MODELS, get_model
 
 
 def llm_params(name):
-    m = get_model(name)
+    m = get_preset(name)
     return m.llm.num_layers * m.llm.layer_params + 2 * m.llm.vocab_size * m.llm.hidden_size
 
 
@@ -34,30 +34,32 @@ def test_llm_parameter_counts_match_published(name, published):
 
 
 def test_vit_parameter_counts_match_published():
-    vit6 = get_model("internvl-6b-20b")
+    vit6 = get_preset("internvl-6b-20b")
     # InternViT-6B-448px-V1-5 model card: 5.5B (45 layers)
     assert vit6.vit.num_layers * vit6.vit.layer_params == pytest.approx(5.54e9, rel=0.02)
-    clip = get_model("llava-1.5-7b")  # CLIP ViT-L/14: 304M
-    assert clip.vit.num_layers * clip.vit.layer_params == pytest.approx(304e6, rel=0.02)
+    clip = get_preset("llava-1.5-7b")  # CLIP ViT-L/14: 304M
+    # LLaVA runs 23 of its 24 layers (vision_feature_layer -2); the checkpoint holds 24
+    assert clip.vit.num_layers == 23
+    assert 24 * clip.vit.layer_params == pytest.approx(304e6, rel=0.02)
 
 
 def test_tokens_per_tile():
-    assert get_model("internvl-6b-20b").tokens_per_tile == 256  # (448/14)^2 / 4
-    assert get_model("llava-1.5-7b").tokens_per_tile == 576  # (336/14)^2
-    assert get_model("internvl-6b-20b").projector_in == 12800
+    assert get_preset("internvl-6b-20b").tokens_per_tile == 256  # (448/14)^2 / 4
+    assert get_preset("llava-1.5-7b").tokens_per_tile == 576  # (336/14)^2
+    assert get_preset("internvl-6b-20b").projector_in == 12800
 
 
 def test_unknown_presets_are_clear_errors():
     with pytest.raises(ValueError, match="unknown model preset 'gpt5'.*internvl-6b-20b"):
-        get_model("gpt5")
+        get_preset("gpt5")
     with pytest.raises(ValueError, match="unknown hardware preset 'V100'.*A100-80G"):
         get_hardware("V100")
     assert {"A100-40G", "A100-80G", "H100-80G", "H200"} <= set(HARDWARE)
-    assert "tiny" in MODELS
+    assert "tiny" in PRESETS
 
 
 def test_llm_time_follows_flops_and_gqa():
-    model, hw = get_model("internvl-6b-20b"), get_hardware("A100-80G")
+    model, hw = get_preset("internvl-6b-20b"), get_hardware("A100-80G")
     cm = analytic_costs(model, hw)
     llm = model.llm
     h, kv = llm.hidden_size, llm.kv_size
@@ -76,7 +78,7 @@ def test_llm_time_follows_flops_and_gqa():
 
 
 def test_static_memory_distributed_optimizer():
-    model, hw = get_model("llava-1.5-7b"), get_hardware("A100-80G")
+    model, hw = get_preset("llava-1.5-7b"), get_hardware("A100-80G")
     unit = model.vit.num_layers + 1
     for dp in (1, 8):
         cm = analytic_costs(model, hw, tp=2, dp=dp)
@@ -120,7 +122,7 @@ def test_profile_cost_model_scales_measured_numbers():
     from megatron_omnibal.planner.costs import costs_to_profile, profile_cost_model
 
     hw = replace(get_hardware("A100-80G"), op_overhead_ms=0.0)
-    cm = analytic_costs(get_model("tiny"), hw)
+    cm = analytic_costs(get_preset("tiny"), hw)
     doc = costs_to_profile(cm.at(workload_features(4, 256, 0)), 8)
     doc["measured"] = {"tiles": 4, "tokens": 256}
     got = profile_cost_model(doc).at(workload_features(12, 768, 0))

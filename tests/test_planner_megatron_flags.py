@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from megatron_omnibal.data.lengths import from_arrays
+from megatron_omnibal.models.presets import get_preset
 from megatron_omnibal.planner.hardware import get_hardware
-from megatron_omnibal.planner.models import get_model
 from megatron_omnibal.planner.plan import make_plan
 
 pytestmark = pytest.mark.megatron
@@ -39,7 +39,7 @@ def test_planner_flags_are_accepted_by_megatron_parser(tmp_path):
     configs = (("internvl2-8b", 16, 1, 2), ("internvl2-8b", 16, 2, 2), ("llava-1.5-7b", 16, 2, 4))
     flag_lists = []
     for name, gpus, tp, pp in configs:
-        plan = make_plan(get_model(name), hw, stats, gpus, tp, pp, global_batch=64,
+        plan = make_plan(get_preset(name), hw, stats, gpus, tp, pp, global_batch=64,
                          plan_path=str(tmp_path / "plan.json"))  # fmt: skip
         flag_lists.append(plan["megatron_flags"])
     emitted = {f for flags in flag_lists for f in flags if f.startswith("--")}

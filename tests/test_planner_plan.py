@@ -12,9 +12,10 @@ import pytest
 
 from megatron_omnibal.cli import main
 from megatron_omnibal.data.lengths import from_arrays, load_lengths
-from megatron_omnibal.planner.config_files import resolve_hardware, resolve_model
+from megatron_omnibal.models.presets import get_preset
+from megatron_omnibal.models.resolve import resolve_model
+from megatron_omnibal.planner.config_files import resolve_hardware
 from megatron_omnibal.planner.hardware import get_hardware
-from megatron_omnibal.planner.models import get_model
 from megatron_omnibal.planner.partition import NoFeasiblePartition
 from megatron_omnibal.planner.plan import (
     baseline,
@@ -43,7 +44,7 @@ def small_stats():
 @pytest.fixture(scope="module")
 def plan_6b20b(stats):
     return make_plan(
-        get_model("internvl-6b-20b"), get_hardware("A100-80G"), stats, 64, 1, 4, plan_path="p.json"
+        get_preset("internvl-6b-20b"), get_hardware("A100-80G"), stats, 64, 1, 4, plan_path="p.json"
     )
 
 
@@ -66,7 +67,7 @@ def test_plan_is_valid_and_tiles_both_towers(plan_6b20b):
 def test_plan_beats_megatron_layout_on_the_same_batches(stats):
     """Oracle: the searched partition against Megatron's layout, same data and same simulator."""
     setting = make_setting(
-        get_model("internvl-6b-20b"), get_hardware("A100-80G"), stats, 1, 4, 16, 16, 1024
+        get_preset("internvl-6b-20b"), get_hardware("A100-80G"), stats, 1, 4, 16, 16, 1024
     )
     searched, _ = choose_partition(setting, "exact")
     megatron, _ = choose_partition(setting, "megatron")
@@ -81,7 +82,7 @@ def test_plan_beats_megatron_layout_on_the_same_batches(stats):
 
 
 def test_less_memory_means_more_recompute(stats):
-    model = get_model("internvl-6b-20b")
+    model = get_preset("internvl-6b-20b")
     counts = []
     for hw in ("H200", "A100-80G"):
         setting = make_setting(model, get_hardware(hw), stats, 1, 8, 4, 16, 1024)
@@ -93,11 +94,11 @@ def test_less_memory_means_more_recompute(stats):
 
 def test_model_that_does_not_fit_names_stage_and_gib(stats):
     with pytest.raises(NoFeasiblePartition, match=r"stage [01] \(.*\) [0-9.]+ GiB short"):
-        make_plan(get_model("internvl-6b-34b"), get_hardware("A100-40G"), stats, 2, 1, 2)
+        make_plan(get_preset("internvl-6b-34b"), get_hardware("A100-40G"), stats, 2, 1, 2)
 
 
 def test_bad_parallel_sizes(small_stats):
-    tiny, hw = get_model("tiny"), get_hardware("A100-80G")
+    tiny, hw = get_preset("tiny"), get_hardware("A100-80G")
     with pytest.raises(ValueError, match="--pp 10: must be between 1 and the 9 partition units"):
         make_plan(tiny, hw, small_stats, 10, 1, 10)
     with pytest.raises(ValueError, match="--tp 3: must divide the attention heads"):
@@ -107,7 +108,7 @@ def test_bad_parallel_sizes(small_stats):
 
 
 def test_search_over_parallel_sizes_and_round_trip(tmp_path, small_stats):
-    plan = make_plan(get_model("tiny"), get_hardware("H100-80G"), small_stats, 8, global_batch=64)
+    plan = make_plan(get_preset("tiny"), get_hardware("H100-80G"), small_stats, 8, global_batch=64)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
     assert load_plan(path) == plan
@@ -135,12 +136,12 @@ def test_load_plan_rejects_bad_plans(tmp_path, plan_6b20b, mutate, message):
 
 
 def test_user_model_and_gpu_files(tmp_path):
-    spec = get_model("llava-1.5-7b").spec_dict()
+    spec = get_preset("llava-1.5-7b").to_dict()
     (tmp_path / "m.json").write_text(json.dumps(spec))
     model = resolve_model(str(tmp_path / "m.json"))
     assert (
-        model.spec_dict() == spec
-        and model.llm.layer_params == get_model("llava-1.5-7b").llm.layer_params
+        model.to_dict() == spec
+        and model.llm.layer_params == get_preset("llava-1.5-7b").llm.layer_params
     )
     (tmp_path / "gpu.yaml").write_text(
         "name: MyGPU\npeak_tflops: 500\nmemory_gib: 48\nnvlink_gbs: 200\nnetwork_gbs: 25\n"
@@ -326,7 +327,7 @@ def test_plans_are_accepted_by_the_megatron_layout(stats):
     from megatron_omnibal.megatron.layout import layout_from_plan
 
     for name, gpus, pp in (("internvl-6b-20b", 64, 8), ("llava-1.5-7b", 16, 4)):
-        plan = make_plan(get_model(name), get_hardware("A100-80G"), stats, gpus, None, pp)
+        plan = make_plan(get_preset(name), get_hardware("A100-80G"), stats, gpus, None, pp)
         layout = layout_from_plan(plan, pp)
         assert [list(s.vit_layers) for s in layout] == [s["vit_layers"] for s in plan["stages"]]
         assert [s.llm_recompute for s in layout] == [s["llm_recompute"] for s in plan["stages"]]
@@ -335,7 +336,7 @@ def test_plans_are_accepted_by_the_megatron_layout(stats):
 def test_plan_from_a_measured_profile(small_stats):
     from megatron_omnibal.planner.costs import analytic_costs, costs_to_profile, workload_features
 
-    tiny, hw = get_model("tiny"), get_hardware("A100-80G")
+    tiny, hw = get_preset("tiny"), get_hardware("A100-80G")
     doc = costs_to_profile(analytic_costs(tiny, hw).at(workload_features(4, 256, 0)), 8)
     doc["measured"] = {"tiles": 4, "tokens": 256}
     plan = make_plan(tiny, hw, small_stats, 4, None, 2, global_batch=64, profile=doc)

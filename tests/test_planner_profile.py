@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from megatron_omnibal.data.lengths import from_arrays
+from megatron_omnibal.models.presets import get_preset
 from megatron_omnibal.planner.costs import load_profile
 from megatron_omnibal.planner.hardware import get_hardware
-from megatron_omnibal.planner.models import get_model
 from megatron_omnibal.planner.partition import Problem, search
 from megatron_omnibal.planner.plan import make_plan, validate_plan
 
@@ -43,14 +43,14 @@ def test_profile_tiny_model(tmp_path):
         timeout=300,
     )
     doc = json.loads(out.read_text())
-    tiny = get_model("tiny")
+    tiny = get_preset("tiny")
     names = [x["name"] for x in doc["layers"]]
     assert names == [f"vit.{i}" for i in range(4)] + ["projector"] + [f"llm.{i}" for i in range(4)]
     by = {x["name"]: x for x in doc["layers"]}
     mib = 2.0**20
     # a recomputed layer keeps exactly its input (fp32 on CPU): [seq, batch, hidden]
-    assert by["vit.1"]["checkpoint_mib"] == tiny.vit.seq_per_tile * 2 * 64 * 4 / mib
-    assert by["llm.1"]["checkpoint_mib"] == 64 * 1 * 64 * 4 / mib
+    assert by["vit.1"]["checkpoint_mib"] == tiny.vit.seq_per_tile * 2 * tiny.vit.hidden_size * 4 / mib
+    assert by["llm.1"]["checkpoint_mib"] == 64 * 1 * tiny.llm.hidden_size * 4 / mib
     assert by["llm.1"]["activation_mib"] > 4 * by["llm.1"]["checkpoint_mib"]
     # megatron-core's layer has exactly the planner's LLM parameter count
     assert doc["measured"]["llm_layer_params"] == tiny.llm.layer_params

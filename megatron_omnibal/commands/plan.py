@@ -88,7 +88,8 @@ def print_table(plan: dict, out=sys.stdout) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_omnibal.data.lengths import load_lengths
-    from megatron_omnibal.planner.config_files import resolve_hardware, resolve_model
+    from megatron_omnibal.models.resolve import resolve_model
+    from megatron_omnibal.planner.config_files import resolve_hardware
     from megatron_omnibal.planner.plan import make_plan
 
     model = resolve_model(args.model)
@@ -96,9 +97,9 @@ def run(args: argparse.Namespace) -> int:
     stats = load_lengths(args.lengths or EXAMPLE_LENGTHS)
     profile = None
     if args.profile:
-        from megatron_omnibal.planner.config_files import read_config
+        from megatron_omnibal.models.resolve import read_mapping
 
-        profile = read_config(args.profile)
+        profile = read_mapping(args.profile)
     plan = make_plan(
         model,
         hw,

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_omnibal.megatron.profile import profile_model
-    from megatron_omnibal.planner.config_files import resolve_model
+    from megatron_omnibal.models.resolve import resolve_model
 
     for name in ("tiles", "tokens", "repeats", "dp", "micro_batches"):
         if getattr(args, name) < 1:

@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_omnibal.commands.plan import EXAMPLE_LENGTHS
     from megatron_omnibal.data.lengths import load_lengths
-    from megatron_omnibal.planner.config_files import model_from_dict, resolve_hardware
+    from megatron_omnibal.models.spec import ModelSpec
+    from megatron_omnibal.planner.config_files import resolve_hardware
     from megatron_omnibal.planner.hardware import Hardware
     from megatron_omnibal.planner.plan import (
         baseline,
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_omnibal.planner.simulate import simulate
 
     plan = load_plan(args.plan)
-    model = model_from_dict(dict(plan["model_spec"], name=plan["model"]), f"{args.plan}: model")
+    model = ModelSpec.from_dict(plan["model_spec"], f"{args.plan}: model_spec")
     hw = (
         Hardware(**plan["hardware_spec"])
         if "hardware_spec" in plan

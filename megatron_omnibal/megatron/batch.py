@@ -20,7 +20,7 @@ import torch
 from megatron_omnibal.data.lengths import LengthStats
 
 if TYPE_CHECKING:
-    from megatron_omnibal.megatron.model import VLMSpec
+    from megatron_omnibal.models.spec import ModelSpec
 
 IGNORE_INDEX = -100
 
@@ -108,7 +108,7 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
     )
 
 
-def synthetic_sample(index: int, lengths: LengthStats, spec: VLMSpec, seed: int = 0) -> Sample:
+def synthetic_sample(index: int, lengths: LengthStats, spec: ModelSpec, seed: int = 0) -> Sample:
     """A deterministic random sample shaped like length record `index`.
 
     `vit` tiles of 3 x image_size x image_size pixels (the first `image_flags` real, the rest

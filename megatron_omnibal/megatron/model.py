@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_omnibal.megatron.layout import StageLayout, validate_layout
 from megatron_omnibal.megatron.projector import Projector
 from megatron_omnibal.megatron.vision import PatchEmbedding
-from megatron_omnibal.planner.models import ProjectorSpec
+from megatron_omnibal.models.spec import ModelSpec
 
 try:  # Transformer Engine is an optional accelerator.
     import transformer_engine  # noqa: F401
@@ -53,109 +54,17 @@ except ImportError:
     HAVE_TE = False
 
 
-@dataclass(frozen=True)
-class ViTSpec:
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    image_size: int
-    patch_size: int
-    norm: str = "layernorm"
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CLIP's activation: x * sigmoid(1.702 x)."""
+    return x * torch.sigmoid(1.702 * x)
 
 
-@dataclass(frozen=True)
-class LLMSpec:
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    vocab_size: int
-    num_query_groups: int | None = None
-    norm: str = "rmsnorm"
-    max_position_embeddings: int = 32768
-    rotary_base: int = 10000
-
-
-@dataclass(frozen=True)
-class VLMSpec:
-    """Dimensions of the whole VLM (the plan's model_spec)."""
-
-    vit: ViTSpec
-    projector: ProjectorSpec
-    llm: LLMSpec
-    tokens_per_tile: int = 0  # 0 -> derived from the ViT grid and the projector
-    image_token_id: int = -1  # -1 -> the last vocabulary id
-    vit_class_token: bool = False  # InternViT/CLIP prepend one; the projector drops it
-    llm_gated_mlp: bool = True  # SwiGLU (InternLM2, Vicuna); False: GELU MLP
-
-    def __post_init__(self) -> None:
-        grid = self.vit.image_size // self.vit.patch_size
-        factor = round(1 / self.projector.downsample) if self.projector.type != "mlp" else 1
-        derived = (grid // factor) ** 2
-        if self.tokens_per_tile == 0:
-            object.__setattr__(self, "tokens_per_tile", derived)
-        elif self.tokens_per_tile != derived:
-            raise ValueError(
-                f"model_spec: tokens_per_tile={self.tokens_per_tile}, but a {self.vit.image_size}"
-                f"px tile with patch {self.vit.patch_size} and projector {self.projector.type} "
-                f"gives {derived}"
-            )
-        if self.image_token_id < 0:
-            object.__setattr__(self, "image_token_id", self.llm.vocab_size - 1)
-        if self.projector.hidden_size == 0:
-            object.__setattr__(
-                self, "projector", replace(self.projector, hidden_size=self.llm.hidden_size)
-            )
-
-    @classmethod
-    def from_plan(cls, plan: dict[str, Any]) -> VLMSpec:
-        """The spec in plan.json's "model_spec" (unknown keys are errors, naming the key)."""
-        try:
-            ms = plan["model_spec"]
-        except KeyError:
-            raise ValueError("plan: no 'model_spec'") from None
-        return cls.from_dict(ms)
-
-    @classmethod
-    def from_dict(cls, ms: dict[str, Any]) -> VLMSpec:
-        def build(kind: type, key: str) -> Any:
-            try:
-                return kind(**ms[key])
-            except KeyError:
-                raise ValueError(f"model_spec: no '{key}' section") from None
-            except TypeError as e:
-                raise ValueError(f"model_spec.{key}: {e}") from None
-
-        return cls(
-            vit=build(ViTSpec, "vit"),
-            projector=build(ProjectorSpec, "projector"),
-            llm=build(LLMSpec, "llm"),
-            tokens_per_tile=int(ms.get("tokens_per_tile", 0)),
-            image_token_id=int(ms.get("image_token_id", -1)),
-            vit_class_token=bool(ms.get("vit_class_token", False)),
-            llm_gated_mlp=bool(ms.get("llm_gated_mlp", True)),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-PRESETS: dict[str, VLMSpec] = {
-    # For multi-process CPU tests: a few layers, tiny dims, 4 tokens per 16px tile.
-    "tiny": VLMSpec(
-        vit=ViTSpec(4, 32, 64, 4, image_size=16, patch_size=4),
-        projector=ProjectorSpec("pixel_shuffle_mlp", 0.5, 48),
-        llm=LLMSpec(4, 32, 64, 4, vocab_size=128, num_query_groups=2),
-    ),
-    # For the CPU demo and bench: on the shipped InternVL data (mean 3.95 tiles, 1135 tokens of
-    # which 256 per real tile, here 16) the ViT's matmul FLOPs per sample are ~1.05x the LLM's,
-    # as in InternVL-Chat-V1.2 6+20B (~1.04x): vision costs as much relative to the LLM.
-    "small": VLMSpec(
-        vit=ViTSpec(12, 192, 768, 6, image_size=64, patch_size=8),
-        projector=ProjectorSpec("pixel_shuffle_mlp", 0.5, 256),
-        llm=LLMSpec(8, 256, 704, 8, vocab_size=2048, num_query_groups=4),
-    ),
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": partial(F.gelu, approximate="tanh"),
+    "quick_gelu": quick_gelu,
+    "silu": F.silu,
+    "relu": F.relu,
 }
 
 
@@ -185,7 +94,7 @@ def _tower_layout(layouts: list[StageLayout], tower: str) -> list[list[str]]:
 
 
 def stage_configs(
-    spec: VLMSpec,
+    spec: ModelSpec,
     layouts: list[StageLayout],
     stage: int,
     tp_size: int = 1,
@@ -254,9 +163,6 @@ def stage_configs(
         return {"pipeline_model_parallel_layout": _tower_layout(layouts, tower)} if pp > 1 else {}
 
     norm = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
-    for t in (spec.vit, spec.llm):
-        if t.norm not in norm:
-            raise ValueError(f"model_spec: norm {t.norm!r}, expected 'layernorm' or 'rmsnorm'")
     vit = TransformerConfig(
         **{
             **base,
@@ -265,10 +171,11 @@ def stage_configs(
             "ffn_hidden_size": spec.vit.ffn_hidden_size,
             "num_attention_heads": spec.vit.num_attention_heads,
             "normalization": norm[spec.vit.norm],
+            "layernorm_epsilon": spec.vit.norm_eps,
             "add_bias_linear": True,
             "add_qkv_bias": True,
             "gated_linear_unit": False,
-            "activation_func": F.gelu,
+            "activation_func": ACTIVATIONS[spec.vit.activation],
             **recompute(st.vit_recompute),
             **layout_arg("vit"),
         }
@@ -281,9 +188,10 @@ def stage_configs(
             "hidden_size": spec.llm.hidden_size,
             "ffn_hidden_size": spec.projector.hidden_size,
             "num_attention_heads": spec.llm.num_attention_heads,
+            "layernorm_epsilon": spec.projector.norm_eps,
             "add_bias_linear": True,
             "gated_linear_unit": False,
-            "activation_func": F.gelu,
+            "activation_func": ACTIVATIONS[spec.projector.activation],
         }
     )
     llm = TransformerConfig(
@@ -295,9 +203,11 @@ def stage_configs(
             "num_attention_heads": spec.llm.num_attention_heads,
             "num_query_groups": spec.llm.num_query_groups,
             "normalization": norm[spec.llm.norm],
+            "layernorm_epsilon": spec.llm.norm_eps,
             "add_bias_linear": False,
-            "gated_linear_unit": spec.llm_gated_mlp,
-            "activation_func": F.silu if spec.llm_gated_mlp else F.gelu,
+            "add_qkv_bias": spec.llm.qkv_bias,
+            "gated_linear_unit": spec.llm.gated_mlp,
+            "activation_func": ACTIVATIONS[spec.llm.activation],
             **recompute(st.llm_recompute),
             **layout_arg("llm"),
         }
@@ -332,7 +242,7 @@ def packed_causal_mask(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 def validate_batch(
-    spec: VLMSpec,
+    spec: ModelSpec,
     tokens: torch.Tensor,
     labels: torch.Tensor | None,
     images: torch.Tensor,
@@ -375,7 +285,7 @@ class VLMStage(MegatronModule):
 
     def __init__(
         self,
-        spec: VLMSpec,
+        spec: ModelSpec,
         layouts: list[StageLayout],
         stage: int,
         configs: StageConfigs,
@@ -408,7 +318,7 @@ class VLMStage(MegatronModule):
         self.vision_stage = stage <= next(r for r, s in enumerate(layouts) if s.projector)
         self.patch_embed = (
             PatchEmbedding(
-                configs.vit, spec.vit.image_size, spec.vit.patch_size, spec.vit_class_token
+                configs.vit, spec.vit.image_size, spec.vit.patch_size, spec.vit.class_token
             )
             if lay.patch_embed
             else None
@@ -433,7 +343,7 @@ class VLMStage(MegatronModule):
                 spec.vit.hidden_size,
                 grid,
                 spec.projector.downsample,
-                skip_tokens=int(spec.vit_class_token),
+                skip_tokens=int(spec.vit.class_token),
             )
         if lay.llm_embed:
             self.embedding = LanguageModelEmbedding(

@@ -106,8 +106,10 @@ def _preparse(argv: list[str]) -> argparse.Namespace:
 
 
 def resolve_spec(pre: argparse.Namespace) -> Any:
-    """The VLMSpec: --omnibal-model (a preset or a model_spec file), else the plan's model_spec."""
-    from megatron_omnibal.megatron.model import PRESETS, VLMSpec
+    """The ModelSpec: --omnibal-model (a preset, a model_spec file or an HF checkpoint
+    directory), else the plan's model_spec; both given must agree."""
+    from megatron_omnibal.models.resolve import resolve_model
+    from megatron_omnibal.models.spec import ModelSpec
 
     from_plan = None
     if pre.omnibal_plan:
@@ -115,25 +117,21 @@ def resolve_spec(pre: argparse.Namespace) -> Any:
 
         plan = load_plan(pre.omnibal_plan)
         if "model_spec" in plan:
-            from_plan = VLMSpec.from_plan(plan)
+            from_plan = ModelSpec.from_dict(
+                plan["model_spec"], f"--omnibal-plan {pre.omnibal_plan}: model_spec"
+            )
     if pre.omnibal_model is None:
         if from_plan is None:
             raise OmnibalArgsError(
-                "no model: give --omnibal-model NAME|FILE or a --omnibal-plan with a model_spec"
+                "no model: give --omnibal-model NAME|FILE|HF_DIR or a --omnibal-plan with a "
+                "model_spec"
             )
         return from_plan
     name = pre.omnibal_model
-    if name in PRESETS:
-        spec = PRESETS[name]
-    else:
-        from megatron_omnibal.planner.config_files import resolve_model
-
-        try:
-            spec = VLMSpec.from_dict(resolve_model(name).spec_dict())
-        except ValueError as exc:
-            raise OmnibalArgsError(
-                f"--omnibal-model {name}: {exc} (Megatron-side presets: {', '.join(PRESETS)})"
-            ) from exc
+    try:
+        spec = resolve_model(name)
+    except ValueError as exc:
+        raise OmnibalArgsError(f"--omnibal-model {name}: {exc}") from exc
     if from_plan is not None and from_plan != spec:
         raise OmnibalArgsError(
             f"--omnibal-model {name} differs from the model_spec of --omnibal-plan "

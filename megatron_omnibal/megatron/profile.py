@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_omnibal.megatron.cpu import enable_cpu_megatron
-from megatron_omnibal.planner.models import ModelSpec
+from megatron_omnibal.models.spec import ModelSpec
 
 MIB = 2.0**20
 

@@ -12,11 +12,12 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_omnibal.megatron.layout import LayoutError, StageLayout
-from megatron_omnibal.megatron.model import VLMSpec, VLMStage, stage_configs
+from megatron_omnibal.megatron.model import VLMStage, stage_configs
+from megatron_omnibal.models.spec import ModelSpec
 
 
 def vlm_model_provider(
-    spec: VLMSpec,
+    spec: ModelSpec,
     layouts: list[StageLayout],
     pre_process: bool = True,
     post_process: bool = True,

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.config_files import read_json
 from megatron_omnibal.planner.hardware import Hardware
-from megatron_omnibal.planner.models import ModelSpec
 
 MIB = 2.0**20
 GROUP_NONE, GROUP_VIT, GROUP_LLM = -1, 0, 1

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_omnibal.data.lengths import LengthStats
+from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.config_files import read_json
 from megatron_omnibal.planner.costs import (
     GROUP_LLM,
@@ -28,7 +29,6 @@ from megatron_omnibal.planner.costs import (
 )
 from megatron_omnibal.planner.hardware import Hardware
 from megatron_omnibal.planner.memory import GIB_MIB
-from megatron_omnibal.planner.models import ModelSpec
 from megatron_omnibal.planner.partition import (
     NoFeasiblePartition,
     Partition,
@@ -543,7 +543,7 @@ def make_plan(
             "micro_batches": st.m,
             "gpus": gpus,
         },
-        "model_spec": model.spec_dict(),
+        "model_spec": model.to_dict(),
         "hardware_spec": hw.to_dict(),
         "stages": stage_entries(model, best.part),
         "data": {

@@ -31,9 +31,10 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noq
 from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
 from megatron_omnibal.megatron.batch import collate, synthetic_sample  # noqa: E402
 from megatron_omnibal.megatron.layout import layout_from_counts  # noqa: E402
-from megatron_omnibal.megatron.model import VLMSpec, global_named_parameters  # noqa: E402
+from megatron_omnibal.megatron.model import global_named_parameters  # noqa: E402
 from megatron_omnibal.megatron.provider import vlm_model_provider  # noqa: E402
 from megatron_omnibal.megatron.step import forward_step  # noqa: E402
+from megatron_omnibal.models.spec import ModelSpec  # noqa: E402
 
 
 def is_gated_fc1(name: str) -> bool:
@@ -66,7 +67,7 @@ def unshard(part: torch.Tensor, p: torch.nn.Parameter, name: str) -> torch.Tenso
     return torch.cat(parts, d)
 
 
-def build(spec: VLMSpec, case: dict, seed: int) -> torch.nn.Module:
+def build(spec: ModelSpec, case: dict, seed: int) -> torch.nn.Module:
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(case["tp"], case["pp"])
     model_parallel_cuda_manual_seed(seed)
@@ -87,7 +88,7 @@ def build(spec: VLMSpec, case: dict, seed: int) -> torch.nn.Module:
     )
 
 
-def reference_weights(spec: VLMSpec, seed: int) -> dict[str, torch.Tensor]:
+def reference_weights(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     """Full TP=1 weights, perturbed so that no norm weight is a trivial 1 or bias a 0."""
     model = build(
         spec, {"tp": 1, "pp": 1, "vit": [spec.vit.num_layers], "llm": [spec.llm.num_layers]}, seed
@@ -123,7 +124,7 @@ def checkpoint_shards(model: torch.nn.Module) -> list[tuple]:
     )
 
 
-def run_case(spec: VLMSpec, case: dict, weights: dict, batches: list, seed: int, out: Path):
+def run_case(spec: ModelSpec, case: dict, weights: dict, batches: list, seed: int, out: Path):
     model = build(spec, case, seed)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     named = global_named_parameters(model)
@@ -173,7 +174,7 @@ def main() -> None:
     cfg = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     dist.init_process_group("gloo")
-    spec = VLMSpec.from_dict(cfg["spec"])
+    spec = ModelSpec.from_dict(cfg["spec"])
     seed = cfg["seed"]
     records = [r for mb in cfg["batches"] for r in mb]
     lengths = from_arrays([r[0] for r in records], [r[1] for r in records], [r[2] for r in records])

@@ -1,0 +1,1 @@
+"""Model specs: one type for the planner, the Megatron stage module and the HF converters."""

@@ -1,0 +1,199 @@
+"""Named model specs: the real architectures the planner prices by name, and toy models for
+tests, the demo and the CPU benchmarks. Each real preset names the config it was read from;
+`omnibal ... --model HF_DIR` reads a checkpoint's own config.json instead (models.hf_config).
+"""
+
+from __future__ import annotations
+
+from megatron_omnibal.models.spec import LanguageSpec, ModelSpec, ProjectorSpec, VisionSpec
+
+# OpenGVLab/InternViT-6B-448px-V1-5 (and -V1-2, whose 48 layers were cut to the same 45):
+# hidden 3200, MLP 12800, 25 heads of 128, RMSNorm eps 1e-6, no qkv bias, QK-norm, layer scale.
+INTERNVIT_6B = VisionSpec(
+    num_layers=45,
+    hidden_size=3200,
+    ffn_hidden_size=12800,
+    num_attention_heads=25,
+    image_size=448,
+    patch_size=14,
+    norm="rmsnorm",
+    qkv_bias=False,
+    qk_norm=True,
+    layer_scale=True,
+)
+# OpenGVLab/InternViT-300M-448px: 24 layers, 1024, 4096, 16 heads, LayerNorm, qkv bias.
+INTERNVIT_300M = VisionSpec(
+    num_layers=24,
+    hidden_size=1024,
+    ffn_hidden_size=4096,
+    num_attention_heads=16,
+    image_size=448,
+    patch_size=14,
+    layer_scale=True,
+)
+# openai/clip-vit-large-patch14-336 under LLaVA-1.5: vision_feature_layer -2 runs 23 of its 24
+# layers; pre-LayerNorm, quick_gelu, LayerNorm eps 1e-5, no patch-embedding bias.
+CLIP_L_336 = VisionSpec(
+    num_layers=23,
+    hidden_size=1024,
+    ffn_hidden_size=4096,
+    num_attention_heads=16,
+    image_size=336,
+    patch_size=14,
+    norm_eps=1e-5,
+    activation="quick_gelu",
+    patch_bias=False,
+    pre_norm=True,
+)
+_PIXEL_SHUFFLE = ProjectorSpec(type="pixel_shuffle_mlp", downsample=0.5)
+_MLP2X_GELU = ProjectorSpec(type="mlp", downsample=1.0)
+
+PRESETS: dict[str, ModelSpec] = {
+    "internvl-6b-20b": ModelSpec(
+        name="internvl-6b-20b",
+        vit=INTERNVIT_6B,
+        projector=_PIXEL_SHUFFLE,
+        # OpenGVLab/InternVL-Chat-V1-5 llm_config (InternLM2-chat-20B): 48 layers, 6144, 16384,
+        # 48 heads, 8 KV heads, vocab 92553, RMSNorm eps 1e-5, rope_theta 1e6.
+        llm=LanguageSpec(
+            num_layers=48,
+            hidden_size=6144,
+            ffn_hidden_size=16384,
+            num_attention_heads=48,
+            num_query_groups=8,
+            vocab_size=92553,
+            norm_eps=1e-5,
+            rotary_base=1e6,
+        ),
+        source="OpenGVLab/InternVL-Chat-V1-5 (the OmniBal paper's 6+20B)",
+    ),
+    "internvl-6b-34b": ModelSpec(
+        name="internvl-6b-34b",
+        vit=INTERNVIT_6B,
+        projector=_PIXEL_SHUFFLE,
+        # NousResearch/Nous-Hermes-2-Yi-34B (InternVL-Chat-V1-2's LLM): 60 layers, 7168, 20480,
+        # 56 heads, 8 KV heads, vocab 64000, RMSNorm eps 1e-5, rope_theta 5e6.
+        llm=LanguageSpec(
+            num_layers=60,
+            hidden_size=7168,
+            ffn_hidden_size=20480,
+            num_attention_heads=56,
+            num_query_groups=8,
+            vocab_size=64000,
+            norm_eps=1e-5,
+            rotary_base=5e6,
+            max_position_embeddings=4096,
+        ),
+        source="OpenGVLab/InternVL-Chat-V1-2 (the OmniBal paper's 6+34B)",
+    ),
+    "internvl2-8b": ModelSpec(
+        name="internvl2-8b",
+        vit=INTERNVIT_300M,
+        projector=_PIXEL_SHUFFLE,
+        # OpenGVLab/InternVL2-8B llm_config (InternLM2.5-7B-chat): 32 layers, 4096, 14336,
+        # 32 heads, 8 KV heads, vocab 92553, RMSNorm eps 1e-5, rope_theta 1e6.
+        llm=LanguageSpec(
+            num_layers=32,
+            hidden_size=4096,
+            ffn_hidden_size=14336,
+            num_attention_heads=32,
+            num_query_groups=8,
+            vocab_size=92553,
+            norm_eps=1e-5,
+            rotary_base=1e6,
+        ),
+        source="OpenGVLab/InternVL2-8B",
+    ),
+    "llava-1.5-7b": ModelSpec(
+        name="llava-1.5-7b",
+        vit=CLIP_L_336,
+        projector=_MLP2X_GELU,
+        # llava-hf/llava-1.5-7b-hf text_config (Vicuna-7B v1.5): 32 layers, 4096, 11008,
+        # 32 heads, vocab 32064 with <image> = 32000, RMSNorm eps 1e-5, 4096 positions.
+        llm=LanguageSpec(
+            num_layers=32,
+            hidden_size=4096,
+            ffn_hidden_size=11008,
+            num_attention_heads=32,
+            vocab_size=32064,
+            norm_eps=1e-5,
+            max_position_embeddings=4096,
+        ),
+        image_token_id=32000,
+        source="llava-hf/llava-1.5-7b-hf",
+    ),
+    "llava-1.5-13b": ModelSpec(
+        name="llava-1.5-13b",
+        vit=CLIP_L_336,
+        projector=_MLP2X_GELU,
+        # llava-hf/llava-1.5-13b-hf text_config (Vicuna-13B v1.5): 40 layers, 5120, 13824,
+        # 40 heads, vocab 32064.
+        llm=LanguageSpec(
+            num_layers=40,
+            hidden_size=5120,
+            ffn_hidden_size=13824,
+            num_attention_heads=40,
+            vocab_size=32064,
+            norm_eps=1e-5,
+            max_position_embeddings=4096,
+        ),
+        image_token_id=32000,
+        source="llava-hf/llava-1.5-13b-hf",
+    ),
+    # Tests: a few layers, tiny widths, 16px tiles of 4px patches -> 4 tokens per tile.
+    "tiny": ModelSpec(
+        name="tiny",
+        vit=VisionSpec(
+            num_layers=4,
+            hidden_size=32,
+            ffn_hidden_size=64,
+            num_attention_heads=4,
+            image_size=16,
+            patch_size=4,
+        ),
+        projector=ProjectorSpec(type="pixel_shuffle_mlp", downsample=0.5, hidden_size=48),
+        llm=LanguageSpec(
+            num_layers=4,
+            hidden_size=32,
+            ffn_hidden_size=64,
+            num_attention_heads=4,
+            num_query_groups=2,
+            vocab_size=128,
+        ),
+        source="test model",
+    ),
+    # The CPU demo and benchmark: on the shipped InternVL data (mean 3.95 tiles, 1135 tokens of
+    # which 256 per real tile, here 16) the ViT's matmul FLOPs per sample are ~1.05x the LLM's,
+    # as in InternVL-Chat-V1-2 6+20B (~1.04x): vision costs as much relative to the LLM.
+    "small": ModelSpec(
+        name="small",
+        vit=VisionSpec(
+            num_layers=12,
+            hidden_size=192,
+            ffn_hidden_size=768,
+            num_attention_heads=6,
+            image_size=64,
+            patch_size=8,
+        ),
+        projector=ProjectorSpec(type="pixel_shuffle_mlp", downsample=0.5, hidden_size=256),
+        llm=LanguageSpec(
+            num_layers=8,
+            hidden_size=256,
+            ffn_hidden_size=704,
+            num_attention_heads=8,
+            num_query_groups=4,
+            vocab_size=2048,
+        ),
+        source="CPU demo model",
+    ),
+}
+
+
+def get_preset(name: str) -> ModelSpec:
+    """The preset `name`, or an error listing the known ones."""
+    if name not in PRESETS:
+        raise ValueError(
+            f"unknown model preset '{name}' (known: {', '.join(PRESETS)}; or give a JSON/YAML "
+            "model_spec file or a Hugging Face checkpoint directory)"
+        )
+    return PRESETS[name]

@@ -1,0 +1,389 @@
+"""One model spec for the whole project: every architectural fact the planner, the Megatron stage
+module and the Hugging Face converters need about a vision-language model.
+
+Why one type: the planner prices the same layers the Megatron side builds, and a checkpoint
+converted from Hugging Face must land in exactly the modules the spec describes. A spec is
+frozen, validated when built, and round-trips through a JSON dict (plan.json's `model_spec`);
+unknown or missing keys are errors that name the key.
+
+Model order is [patch embedding, ViT layers, projector, LLM embedding, LLM layers, head]. The
+ViT's `num_layers` counts the layers the model runs: with LLaVA's `vision_feature_layer=-2` the
+checkpoint's last layer is never used, so the spec does not build or price it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu")
+PROJECTORS = ("pixel_shuffle_mlp", "mlp")
+
+
+class SpecError(ValueError):
+    """A model spec that cannot describe a buildable model; the message names the field."""
+
+
+def _need(cond: bool, where: str, msg: str) -> None:
+    if not cond:
+        raise SpecError(f"{where}: {msg}")
+
+
+def _check_positive(obj: Any, where: str, names: tuple[str, ...]) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        _need(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0,
+            f"{where}.{n}",
+            f"expected a positive integer, got {v!r}",
+        )
+
+
+def _check_choice(value: str, where: str, choices: tuple[str, ...]) -> None:
+    _need(value in choices, where, f"{value!r} is not one of {', '.join(choices)}")
+
+
+def _check_eps(value: float, where: str) -> None:
+    _need(
+        isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1,
+        where,
+        f"expected a small positive number, got {value!r}",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class VisionSpec:
+    """The ViT: each layer sees one tile as `patches (+ class token)` tokens; tiles are the batch.
+
+    Covers InternViT (RMSNorm or LayerNorm, optional qkv bias, layer scale, QK-norm over all
+    heads at once) and CLIP (pre-LayerNorm, quick_gelu, no patch-embedding bias).
+    """
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    norm: str = "layernorm"
+    norm_eps: float = 1e-6
+    activation: str = "gelu"
+    qkv_bias: bool = True
+    # RMSNorm of the whole projected q (and k) vector across all heads (InternViT-6B), not
+    # megatron-core's per-head qk_layernorm.
+    qk_norm: bool = False
+    qk_norm_eps: float = 1e-6
+    layer_scale: bool = False  # residual branches scaled by learned per-channel vectors
+    class_token: bool = True
+    patch_bias: bool = True  # bias of the patch-embedding convolution (CLIP has none)
+    pre_norm: bool = False  # LayerNorm after the embeddings, before layer 0 (CLIP)
+    post_norm: bool = False  # LayerNorm after the last used layer (InternVL, no mean pooling)
+    drop_class_token: bool = True  # the projector sees patches only ("default" feature select)
+
+    def __post_init__(self) -> None:
+        w = "model_spec.vit"
+        _check_positive(
+            self,
+            w,
+            (
+                "num_layers",
+                "hidden_size",
+                "ffn_hidden_size",
+                "num_attention_heads",
+                "image_size",
+                "patch_size",
+            ),
+        )
+        _check_choice(self.norm, f"{w}.norm", NORMS)
+        _check_choice(self.activation, f"{w}.activation", ACTIVATIONS)
+        _check_eps(self.norm_eps, f"{w}.norm_eps")
+        _check_eps(self.qk_norm_eps, f"{w}.qk_norm_eps")
+        _need(
+            self.hidden_size % self.num_attention_heads == 0,
+            f"{w}.hidden_size",
+            f"{self.hidden_size} is not a multiple of the {self.num_attention_heads} heads",
+        )
+        _need(
+            self.image_size % self.patch_size == 0,
+            f"{w}.image_size",
+            f"{self.image_size} is not a multiple of patch_size {self.patch_size}",
+        )
+
+    @property
+    def grid(self) -> int:
+        """Patches per tile side."""
+        return self.image_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid**2
+
+    @property
+    def seq_per_tile(self) -> int:
+        """Tokens every ViT layer sees per tile."""
+        return self.num_patches + int(self.class_token)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def layer_params(self) -> int:
+        h, f = self.hidden_size, self.ffn_hidden_size
+        biases = (3 * h if self.qkv_bias else 0) + h + f + h
+        norms = (2 if self.norm == "rmsnorm" else 4) * h  # two norms: weight (and bias)
+        norms += (2 * h if self.qk_norm else 0) + (2 * h if self.layer_scale else 0)
+        return 4 * h * h + 2 * h * f + biases + norms
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProjectorSpec:
+    """Vision-to-language bridge: optional pixel shuffle + LayerNorm, then a two-layer MLP."""
+
+    type: str = "pixel_shuffle_mlp"
+    downsample: float = 0.5  # pixel shuffle keeps 1/downsample^2 of the tokens, 4x channels
+    hidden_size: int = 0  # MLP width; 0: the LLM's hidden size (InternVL, LLaVA)
+    norm_eps: float = 1e-5  # the pixel-shuffle projector's LayerNorm
+    activation: str = "gelu"
+
+    def __post_init__(self) -> None:
+        w = "model_spec.projector"
+        _check_choice(self.type, f"{w}.type", PROJECTORS)
+        _check_choice(self.activation, f"{w}.activation", ACTIVATIONS)
+        _check_eps(self.norm_eps, f"{w}.norm_eps")
+        _need(
+            isinstance(self.hidden_size, int) and self.hidden_size >= 0,
+            f"{w}.hidden_size",
+            f"expected an integer >= 0, got {self.hidden_size!r}",
+        )
+        if self.type == "pixel_shuffle_mlp":
+            factor = round(1 / self.downsample) if self.downsample > 0 else 0
+            _need(
+                factor >= 1 and abs(factor * self.downsample - 1) < 1e-6,
+                f"{w}.downsample",
+                f"{self.downsample} must be 1/k for an integer k",
+            )
+
+    @property
+    def factor(self) -> int:
+        """Patches folded per side by the pixel shuffle (1: none)."""
+        return round(1 / self.downsample) if self.type == "pixel_shuffle_mlp" else 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LanguageSpec:
+    """A decoder-only LLM (Llama, Qwen2, InternLM2, Mistral, Vicuna): RoPE, grouped-query
+    attention, gated (SwiGLU) or plain MLP."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    num_query_groups: int = 0  # KV heads; 0: as many as attention heads (MHA)
+    kv_channels: int = 0  # head dimension; 0: hidden_size / num_attention_heads
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-6
+    activation: str = "silu"
+    gated_mlp: bool = True
+    qkv_bias: bool = False  # Qwen2
+    rotary_base: float = 10000.0
+    max_position_embeddings: int = 32768
+    tie_embeddings: bool = False  # the output head reuses the input embedding
+
+    def __post_init__(self) -> None:
+        w = "model_spec.llm"
+        if self.num_query_groups == 0:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        if self.kv_channels == 0 and self.num_attention_heads > 0:
+            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
+        _check_positive(
+            self,
+            w,
+            (
+                "num_layers",
+                "hidden_size",
+                "ffn_hidden_size",
+                "num_attention_heads",
+                "vocab_size",
+                "num_query_groups",
+                "kv_channels",
+                "max_position_embeddings",
+            ),
+        )
+        _check_choice(self.norm, f"{w}.norm", NORMS)
+        _check_choice(self.activation, f"{w}.activation", ACTIVATIONS)
+        _check_eps(self.norm_eps, f"{w}.norm_eps")
+        _need(
+            self.num_attention_heads % self.num_query_groups == 0,
+            f"{w}.num_query_groups",
+            f"{self.num_query_groups} does not divide the {self.num_attention_heads} heads",
+        )
+        _need(self.rotary_base > 0, f"{w}.rotary_base", f"must be > 0, got {self.rotary_base}")
+
+    @property
+    def kv_size(self) -> int:
+        """Width of K (and of V): KV heads x head dimension."""
+        return self.kv_channels * self.num_query_groups
+
+    @property
+    def q_size(self) -> int:
+        return self.kv_channels * self.num_attention_heads
+
+    @property
+    def layer_params(self) -> int:
+        h, f = self.hidden_size, self.ffn_hidden_size
+        mlp = (3 if self.gated_mlp else 2) * h * f
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        bias = self.q_size + 2 * self.kv_size if self.qkv_bias else 0
+        return attn + bias + mlp + 2 * h
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A vision-language model: [patch embedding, ViT layers, projector, LLM layers, head].
+
+    `tokens_per_tile` (0: derived) is what one real tile becomes in the LLM sequence;
+    `image_token_id` is the placeholder id those tokens carry (-1: the last vocabulary id).
+    InternVL wraps each image's placeholders in `image_start_id` / `image_end_id` (-1: none).
+    """
+
+    name: str
+    vit: VisionSpec
+    projector: ProjectorSpec
+    llm: LanguageSpec
+    tokens_per_tile: int = 0
+    image_token_id: int = -1
+    image_start_id: int = -1
+    image_end_id: int = -1
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        v, p = self.vit, self.projector
+        _need(
+            v.grid % p.factor == 0,
+            "model_spec.projector.downsample",
+            f"a {v.grid}x{v.grid} patch grid cannot be pixel-shuffled by {p.factor}",
+        )
+        derived = (v.grid // p.factor) ** 2
+        if not v.drop_class_token and v.class_token:
+            _need(
+                p.type == "mlp",
+                "model_spec.vit.drop_class_token",
+                "a pixel-shuffle projector needs the class token dropped",
+            )
+            derived += 1
+        if self.tokens_per_tile == 0:
+            object.__setattr__(self, "tokens_per_tile", derived)
+        _need(
+            self.tokens_per_tile == derived,
+            "model_spec.tokens_per_tile",
+            f"{self.tokens_per_tile}, but a {v.image_size}px tile with patch {v.patch_size} and "
+            f"projector {p.type} gives {derived}",
+        )
+        if self.image_token_id < 0:
+            object.__setattr__(self, "image_token_id", self.llm.vocab_size - 1)
+        for key in ("image_token_id", "image_start_id", "image_end_id"):
+            value = getattr(self, key)
+            _need(
+                value == -1 or 0 <= value < self.llm.vocab_size,
+                f"model_spec.{key}",
+                f"{value} is outside the vocabulary of {self.llm.vocab_size}",
+            )
+        if p.hidden_size == 0:
+            object.__setattr__(self, "projector", replace(p, hidden_size=self.llm.hidden_size))
+
+    # Sizes the planner prices.
+    @property
+    def projector_in(self) -> int:
+        """Width entering the projector MLP (pixel shuffle folds patches into channels)."""
+        return self.vit.hidden_size * self.projector.factor**2
+
+    @property
+    def projector_hidden(self) -> int:
+        return self.projector.hidden_size
+
+    @property
+    def projector_params(self) -> int:
+        i, m, o = self.projector_in, self.projector_hidden, self.llm.hidden_size
+        norm = 2 * i if self.projector.type == "pixel_shuffle_mlp" else 0
+        return i * m + m * o + m + o + norm
+
+    @property
+    def patch_embed_params(self) -> int:
+        v = self.vit
+        conv = 3 * v.patch_size**2 * v.hidden_size + (v.hidden_size if v.patch_bias else 0)
+        return conv + (v.seq_per_tile + int(v.class_token)) * v.hidden_size
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Sequence tokens of a one-tile image, the start/end markers included."""
+        return self.tokens_per_tile + (self.image_start_id >= 0) + (self.image_end_id >= 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (plan.json's `model_spec`)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: Any, where: str = "model_spec") -> ModelSpec:
+        """A spec from its JSON form; unknown, missing or mistyped keys name themselves."""
+        if not isinstance(doc, dict):
+            raise SpecError(f"{where}: expected a mapping, got {type(doc).__name__}")
+        parts = {"vit": VisionSpec, "projector": ProjectorSpec, "llm": LanguageSpec}
+        top = {k: v for k, v in doc.items() if k not in parts}
+        kwargs = _fields(cls, top, where, skip=tuple(parts))
+        for key, kind in parts.items():
+            if key not in doc:
+                if key == "projector":
+                    kwargs[key] = ProjectorSpec()
+                    continue
+                raise SpecError(f"{where}: missing section '{key}'")
+            kwargs[key] = kind(**_fields(kind, doc[key], f"{where}.{key}"))
+        kwargs.setdefault("name", "model")
+        return cls(**kwargs)
+
+
+def _fields(cls: type, doc: Any, where: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Check `doc` against the fields of dataclass `cls`: names and basic types."""
+    if not isinstance(doc, dict):
+        raise SpecError(f"{where}: expected a mapping, got {type(doc).__name__}")
+    known = {f.name: f for f in dataclasses.fields(cls) if f.name not in skip}
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        if key not in known:
+            raise SpecError(f"{where}: unknown field '{key}' (known: {', '.join(known)})")
+        kind = known[key].type
+        if kind == "bool":
+            _need(isinstance(value, bool), f"{where}.{key}", f"expected true/false, got {value!r}")
+        elif kind == "int":
+            _need(
+                isinstance(value, int) and not isinstance(value, bool),
+                f"{where}.{key}",
+                f"expected an integer, got {value!r}",
+            )
+        elif kind == "float":
+            _need(
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value),
+                f"{where}.{key}",
+                f"expected a number, got {value!r}",
+            )
+            value = float(value)
+        elif kind == "str":
+            _need(isinstance(value, str), f"{where}.{key}", f"expected a string, got {value!r}")
+        out[key] = value
+    missing = [
+        n
+        for n, f in known.items()
+        if n not in out
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and n != "name"
+    ]
+    if missing:
+        raise SpecError(f"{where}: missing field(s) {', '.join(missing)}")
+    return out
