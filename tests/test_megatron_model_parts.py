@@ -9,7 +9,8 @@ import torch
 
 from megatron_omnibal.data.lengths import from_arrays
 from megatron_omnibal.megatron.batch import IGNORE_INDEX, Sample, collate, synthetic_sample
-from megatron_omnibal.megatron.model import packed_causal_mask, padded_vocab
+from megatron_omnibal.megatron.configs import padded_vocab
+from megatron_omnibal.megatron.model import packed_causal_mask
 from megatron_omnibal.megatron.projector import pixel_shuffle
 from megatron_omnibal.megatron.step import loss_func
 from megatron_omnibal.models.presets import PRESETS
@@ -33,18 +34,20 @@ def test_packed_mask_rejects_wrong_length() -> None:
         packed_causal_mask(torch.tensor([0, 4], dtype=torch.int32), 5)
 
 
-def test_pixel_shuffle_matches_loop() -> None:
+def test_pixel_shuffle_matches_transformers_internvl() -> None:
+    """Oracle: transformers' own InternVLModel.pixel_shuffle (ps_version v2 order)."""
+    from transformers.models.internvl.modeling_internvl import InternVLModel
+
     grid, f, n, c = 4, 2, 3, 5
-    x = torch.randn(grid * grid, n, c)
-    out = pixel_shuffle(x, grid, f)
+    x = torch.randn(n, grid * grid, c)
+    hf = InternVLModel.pixel_shuffle(None, x.reshape(n, grid, grid, c), scale_factor=1 / f)
+    assert torch.equal(pixel_shuffle(x, grid, f), hf.reshape(n, -1, c * f * f))
+    # ps_version v1 leaves the shuffled grid transposed
     g = grid // f
-    assert out.shape == (g * g, n, c * f * f)
-    for i in range(g):
-        for j in range(g):
-            want = torch.cat(
-                [x[(i * f + a) * grid + (j * f + b)] for a in range(f) for b in range(f)], dim=-1
-            )
-            assert torch.equal(out[i * g + j], want)
+    v1 = pixel_shuffle(x, grid, f, version=1).reshape(n, g, g, -1)
+    assert torch.equal(v1.transpose(1, 2), hf)
+    with pytest.raises(ValueError, match="15 patches are not a 4x4 grid"):
+        pixel_shuffle(x[:, :15], grid, f)
 
 
 def sample(tokens: list[int], labels: list[int], tiles: int, real: int) -> Sample:

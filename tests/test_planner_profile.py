@@ -49,7 +49,9 @@ def test_profile_tiny_model(tmp_path):
     by = {x["name"]: x for x in doc["layers"]}
     mib = 2.0**20
     # a recomputed layer keeps exactly its input (fp32 on CPU): [seq, batch, hidden]
-    assert by["vit.1"]["checkpoint_mib"] == tiny.vit.seq_per_tile * 2 * tiny.vit.hidden_size * 4 / mib
+    assert (
+        by["vit.1"]["checkpoint_mib"] == tiny.vit.seq_per_tile * 2 * tiny.vit.hidden_size * 4 / mib
+    )
     assert by["llm.1"]["checkpoint_mib"] == 64 * 1 * tiny.llm.hidden_size * 4 / mib
     assert by["llm.1"]["activation_mib"] > 4 * by["llm.1"]["checkpoint_mib"]
     # megatron-core's layer has exactly the planner's LLM parameter count

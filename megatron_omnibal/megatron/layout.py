@@ -11,7 +11,7 @@ ranges are half-open and use GLOBAL layer numbering per tower.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -255,3 +255,15 @@ def layout_from_counts(
         t += llm_counts[r]
     validate_layout(out, vit_layers, llm_layers)
     return out
+
+
+def embedding_ranks(layouts: Sequence[StageLayout]) -> Callable[..., list[int]]:
+    """Megatron's `get_embedding_ranks` for this layout: the stage holding the word embedding
+    (the projector's) and the head's, so a tied output head's gradient is summed with the
+    embedding's (parallel_state assumes the first and last stage)."""
+    embed = next(r for r, st in enumerate(layouts) if st.llm_embed)
+
+    def ranks(pp_ranks: list[int], *_: Any) -> list[int]:
+        return sorted({pp_ranks[embed], pp_ranks[-1]})
+
+    return ranks

@@ -1,231 +1,45 @@
 """The VLM pipeline-stage module: one rank's contiguous slice of the model.
 
-Model order: [patch embedding, ViT layers, projector (+ merge of image embeddings into the text
-sequence), LLM embedding, LLM layers, final norm + output head]. Pipeline rank r builds only what
-its StageLayout names, with megatron-core TransformerBlocks whose layers carry GLOBAL layer
-numbers (checkpoints and the RNG depend on them) and the stage's own recompute counts.
+Model order: [patch embedding, ViT layers, (ViT final norm), projector (+ merge of image
+embeddings into the text sequence), LLM embedding, LLM layers, final norm + output head].
+Pipeline rank r builds only what its StageLayout names, with megatron-core TransformerBlocks whose
+layers carry GLOBAL layer numbers (checkpoints and the RNG depend on them) and the stage's own
+recompute counts. The architecture is the spec's (models.spec): InternViT or CLIP, pixel-shuffle
+or MLP projector, a Llama/Qwen2/InternLM2-style LLM, tied or separate output head.
 
 Exactly one tensor flows between stages: the ViT hidden states [patches, tiles, Cv] before the
-projector's stage, the LLM hidden states [S, 1, H] after it. Shapes vary per micro-batch
-(variable_seq_lengths). The projector stage embeds the token ids itself (every PP rank reads the
-same micro-batch). Packed samples: with the local (torch) layer specs, attention gets a
-block-diagonal causal mask built from cu_seqlens (DotProductAttention does not take
-PackedSeqParams); with Transformer Engine specs, PackedSeqParams (THD) do the same job.
+projector's stage, the LLM hidden states [S, 1, H] (S / TP under sequence parallelism) after
+it. Shapes vary per micro-batch (variable_seq_lengths). The projector stage embeds the token ids
+itself (every PP rank reads the same micro-batch). Packed samples: with the local (torch) layer
+specs, attention gets a block-diagonal causal mask built from cu_seqlens (DotProductAttention
+does not take PackedSeqParams); with Transformer Engine specs, PackedSeqParams (THD) do the same
+job. Under sequence parallelism the sequence is padded to a multiple of TP with a segment of its
+own, stripped again at the head.
 """
 
 from __future__ import annotations
 
-import copy
-import math
-from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
-from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_omnibal.megatron.layout import StageLayout, validate_layout
+from megatron_omnibal.megatron.configs import StageConfigs
+from megatron_omnibal.megatron.layer_specs import HAVE_TE, block_spec
+from megatron_omnibal.megatron.layout import StageLayout
 from megatron_omnibal.megatron.projector import Projector
 from megatron_omnibal.megatron.vision import PatchEmbedding
 from megatron_omnibal.models.spec import ModelSpec
-
-try:  # Transformer Engine is an optional accelerator.
-    import transformer_engine  # noqa: F401
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-
-    HAVE_TE = True
-except ImportError:
-    HAVE_TE = False
-
-
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    """CLIP's activation: x * sigmoid(1.702 x)."""
-    return x * torch.sigmoid(1.702 * x)
-
-
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_tanh": partial(F.gelu, approximate="tanh"),
-    "quick_gelu": quick_gelu,
-    "silu": F.silu,
-    "relu": F.relu,
-}
-
-
-@dataclass
-class StageConfigs:
-    """TransformerConfigs of one stage: ViT layers, projector MLP, LLM (embedding/layers/head)."""
-
-    vit: TransformerConfig
-    projector: TransformerConfig
-    llm: TransformerConfig
-    padded_vocab_size: int
-
-
-def padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Vocab rounded up to a multiple of divisible_by * tp, as Megatron pads it."""
-    m = divisible_by * tp
-    return int(math.ceil(vocab_size / m) * m)
-
-
-def _tower_layout(layouts: list[StageLayout], tower: str) -> list[list[str]]:
-    rows = []
-    for r, st in enumerate(layouts):
-        n = getattr(st, f"num_{tower}_layers")
-        row = (["embedding"] if r == 0 else []) + ["decoder"] * n
-        rows.append(row + (["loss"] if r == len(layouts) - 1 else []))
-    return rows
-
-
-def stage_configs(
-    spec: ModelSpec,
-    layouts: list[StageLayout],
-    stage: int,
-    tp_size: int = 1,
-    overrides: dict[str, Any] | None = None,
-) -> StageConfigs:
-    """The TransformerConfigs stage `stage` builds with: per-tower PP layout (so megatron-core
-    numbers the layers globally), this stage's recompute counts, and shared training settings.
-
-    `overrides` are TransformerConfig fields applied to every tower (dtype, dropout, fusions...).
-    """
-    validate_layout(layouts, spec.vit.num_layers, spec.llm.num_layers)
-    pp = len(layouts)
-    st = layouts[stage]
-    base: dict[str, Any] = {
-        "tensor_model_parallel_size": tp_size,
-        "pipeline_model_parallel_size": pp,
-        "pipeline_dtype": torch.float32,
-        "params_dtype": torch.float32,
-        "variable_seq_lengths": True,
-        # TransformerConfig rejects variable_seq_lengths with the default allgather dispatcher,
-        # even without MoE.
-        "moe_token_dispatcher_type": "alltoall",
-        "calculate_per_token_loss": True,
-        "hidden_dropout": 0.0,
-        "attention_dropout": 0.0,
-        "layernorm_epsilon": 1e-6,
-        "bias_activation_fusion": False,
-        "masked_softmax_fusion": False,
-        "apply_rope_fusion": False,
-        "gradient_accumulation_fusion": False,
-        "persist_layer_norm": False,
-        # As megatron.training does: free sent activations (stage outputs are never views).
-        "deallocate_pipeline_outputs": True,
-    }
-    base.update(overrides or {})
-    if base.get("sequence_parallel"):
-        # The projector stage merges image embeddings into the full text sequence, and the ViT
-        # batch is tiles, not tokens: neither is split along the sequence.
-        raise ValueError("sequence_parallel is not supported by the VLM stage module")
-    groups = spec.llm.num_query_groups or spec.llm.num_attention_heads
-    if spec.llm.num_attention_heads % tp_size or groups % tp_size:
-        raise ValueError(
-            f"tensor parallel size {tp_size} must divide the LLM's attention heads "
-            f"({spec.llm.num_attention_heads}) and query groups ({groups})"
-        )
-    if spec.vit.num_attention_heads % tp_size:
-        raise ValueError(
-            f"tensor parallel size {tp_size} must divide the ViT's attention heads "
-            f"({spec.vit.num_attention_heads})"
-        )
-
-    def recompute(k: int) -> dict[str, Any]:
-        if k == 0:
-            return {
-                "recompute_granularity": None,
-                "recompute_method": None,
-                "recompute_num_layers": None,
-            }
-        return {
-            "recompute_granularity": "full",
-            "recompute_method": "block",
-            "recompute_num_layers": k,
-        }
-
-    def layout_arg(tower: str) -> dict[str, Any]:
-        return {"pipeline_model_parallel_layout": _tower_layout(layouts, tower)} if pp > 1 else {}
-
-    norm = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
-    vit = TransformerConfig(
-        **{
-            **base,
-            "num_layers": spec.vit.num_layers,
-            "hidden_size": spec.vit.hidden_size,
-            "ffn_hidden_size": spec.vit.ffn_hidden_size,
-            "num_attention_heads": spec.vit.num_attention_heads,
-            "normalization": norm[spec.vit.norm],
-            "layernorm_epsilon": spec.vit.norm_eps,
-            "add_bias_linear": True,
-            "add_qkv_bias": True,
-            "gated_linear_unit": False,
-            "activation_func": ACTIVATIONS[spec.vit.activation],
-            **recompute(st.vit_recompute),
-            **layout_arg("vit"),
-        }
-    )
-    projector = TransformerConfig(
-        **{
-            **base,
-            "num_layers": 1,
-            "pipeline_model_parallel_size": 1,
-            "hidden_size": spec.llm.hidden_size,
-            "ffn_hidden_size": spec.projector.hidden_size,
-            "num_attention_heads": spec.llm.num_attention_heads,
-            "layernorm_epsilon": spec.projector.norm_eps,
-            "add_bias_linear": True,
-            "gated_linear_unit": False,
-            "activation_func": ACTIVATIONS[spec.projector.activation],
-        }
-    )
-    llm = TransformerConfig(
-        **{
-            **base,
-            "num_layers": spec.llm.num_layers,
-            "hidden_size": spec.llm.hidden_size,
-            "ffn_hidden_size": spec.llm.ffn_hidden_size,
-            "num_attention_heads": spec.llm.num_attention_heads,
-            "num_query_groups": spec.llm.num_query_groups,
-            "normalization": norm[spec.llm.norm],
-            "layernorm_epsilon": spec.llm.norm_eps,
-            "add_bias_linear": False,
-            "add_qkv_bias": spec.llm.qkv_bias,
-            "gated_linear_unit": spec.llm.gated_mlp,
-            "activation_func": ACTIVATIONS[spec.llm.activation],
-            **recompute(st.llm_recompute),
-            **layout_arg("llm"),
-        }
-    )
-    return StageConfigs(vit, projector, llm, padded_vocab(spec.llm.vocab_size, tp_size))
-
-
-def _layer_spec(config: TransformerConfig, use_te: bool, mask_type: AttnMaskType) -> ModuleSpec:
-    """megatron-core's GPT layer spec (TE when importable, else local torch modules) with the
-    self-attention mask type of this tower."""
-    if use_te:
-        spec = get_gpt_layer_with_transformer_engine_spec(normalization=config.normalization)
-    else:
-        spec = get_gpt_layer_local_spec(normalization=config.normalization)
-    spec = copy.deepcopy(spec)
-    attn = spec.submodules.self_attention
-    attn.params = {**attn.params, "attn_mask_type": mask_type}
-    return spec
 
 
 def packed_causal_mask(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -280,7 +94,10 @@ class VLMStage(MegatronModule):
     """Pipeline rank `stage`'s slice of the VLM (see the module docstring).
 
     forward(...) returns the tensor for the next stage, or on the head stage the per-token
-    cross-entropy [1, S] (unmasked; step.loss_func applies the loss mask).
+    cross-entropy [1, S] (unmasked; step.loss_func applies the loss mask), or with labels=None
+    the logits [1, S, padded vocab] gathered over TP. Set `capture` to a dict to also get the
+    ViT features entering the projector ("vit", [tiles, tokens, Cv]) and the LLM's final hidden
+    states ("llm", [S, H]) of the last forward on the stages that hold them.
     """
 
     def __init__(
@@ -305,52 +122,59 @@ class VLMStage(MegatronModule):
         self.stage = stage
         self.num_stages = len(layouts)
         self.configs = configs
+        # finalize_model_grads finds the model by `pre_process` and reduces the gradient of a
+        # tied embedding between the embedding's stage and the head's.
+        self.pre_process = stage == 0
+        self.post_process = stage == self.num_stages - 1
+        self.share_embeddings_and_output_weights = spec.llm.tie_embeddings
+        self.capture: dict[str, torch.Tensor] | None = None
         if use_te is None:  # TE when importable, unless the config asks for local modules
             use_te = HAVE_TE and configs.llm.transformer_impl == "transformer_engine"
         if use_te and not HAVE_TE:
             raise ValueError("use_te=True but transformer_engine does not import")
         self.use_te = use_te
         self.input_tensor: torch.Tensor | None = None
-        lay = self.layout
-        grid = spec.vit.image_size // spec.vit.patch_size
+        lay, v = self.layout, spec.vit
 
         # The stage before (or at) the projector carries ViT hidden states.
         self.vision_stage = stage <= next(r for r, s in enumerate(layouts) if s.projector)
-        self.patch_embed = (
-            PatchEmbedding(
-                configs.vit, spec.vit.image_size, spec.vit.patch_size, spec.vit.class_token
-            )
-            if lay.patch_embed
-            else None
-        )
+        self.patch_embed = PatchEmbedding(configs.vit, v) if lay.patch_embed else None
         self.vit = None
         if lay.num_vit_layers:
             self.vit = TransformerBlock(
                 configs.vit,
                 # Every patch of a tile sees every other one.
-                _layer_spec(configs.vit, self.use_te, AttnMaskType.no_mask),
+                block_spec(
+                    configs.vit,
+                    lay.num_vit_layers,
+                    self.use_te,
+                    AttnMaskType.no_mask,
+                    qkv_bias=v.qkv_bias,
+                    layer_scale=v.layer_scale,
+                    qk_norm=v.qk_norm,
+                    real_heads=configs.vit_real_heads,
+                    qk_norm_eps=v.qk_norm_eps,
+                ),
                 post_layer_norm=False,
                 pre_process=True,
                 post_process=False,
                 pg_collection=pg_collection,
             )
+        self.vit_final_norm = None
         self.projector = None
         self.embedding = None
         if lay.projector:
-            self.projector = Projector(
-                configs.projector,
-                spec.projector.type,
-                spec.vit.hidden_size,
-                grid,
-                spec.projector.downsample,
-                skip_tokens=int(spec.vit.class_token),
-            )
+            if v.post_norm:
+                self.vit_final_norm = torch.nn.LayerNorm(v.hidden_size, eps=v.norm_eps)
+            self.projector = Projector(configs.projector, spec)
         if lay.llm_embed:
             self.embedding = LanguageModelEmbedding(
                 configs.llm,
                 vocab_size=configs.padded_vocab_size,
                 max_sequence_length=spec.llm.max_position_embeddings,
                 position_embedding_type="rope",
+                # Image embeddings are merged into the full sequence first, then scattered.
+                scatter_to_sequence_parallel=False,
             )
         self.llm = None
         self.rotary = None
@@ -360,8 +184,9 @@ class VLMStage(MegatronModule):
                 # Local specs: the block-diagonal causal mask from packed_causal_mask, applied
                 # as an "arbitrary" mask (fused softmax kernels would otherwise assume plain
                 # causal). TE: causal inside each sample via PackedSeqParams.
-                _layer_spec(
+                block_spec(
                     configs.llm,
+                    lay.num_llm_layers,
                     self.use_te,
                     AttnMaskType.causal if self.use_te else AttnMaskType.arbitrary,
                 ),
@@ -385,7 +210,41 @@ class VLMStage(MegatronModule):
                 init_method=configs.llm.init_method,
                 bias=False,
                 gather_output=False,
+                # A tied head on the embedding's own stage uses the embedding's weight.
+                skip_weight_param_allocation=self._tied_on_this_stage,
             )
+        self._setup_tied_head()
+
+    @property
+    def _tied_on_this_stage(self) -> bool:
+        """A tied head on the embedding's own stage (it uses the embedding's weight)."""
+        lay = self.layout
+        return self.share_embeddings_and_output_weights and lay.llm_embed and lay.head
+
+    def shared_embedding_or_output_weight(self) -> torch.nn.Parameter | None:
+        """The tied word embedding (embedding stage) or its copy in the head (last stage)."""
+        if self.embedding is not None:
+            return self.embedding.word_embeddings.weight
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return None
+
+    def _setup_tied_head(self) -> None:
+        """Tied embeddings across stages, as megatron-core's LanguageModule: the head's copy
+        starts equal to the embedding (zero + all-reduce over the embedding group), and the
+        gradients are summed there by finalize_model_grads."""
+        if not self.share_embeddings_and_output_weights or self._tied_on_this_stage:
+            return
+        weight = self.shared_embedding_or_output_weight()
+        if weight is None:
+            return
+        weight.shared_embedding = True
+        if self.output_layer is not None:
+            weight.shared = True  # counted once in the gradient norm
+            with torch.no_grad():
+                weight.zero_()
+        if torch.distributed.is_initialized() and parallel_state.is_rank_in_embedding_group():
+            torch.distributed.all_reduce(weight.data, group=parallel_state.get_embedding_group())
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
         """Called by Megatron's pipeline schedules with the previous stage's output."""
@@ -408,6 +267,8 @@ class VLMStage(MegatronModule):
         # Every stage checks the (shared) micro-batch before any communication, so a bad one
         # stops all pipeline ranks with the same error instead of hanging the others.
         validate_batch(self.spec, tokens, labels, images, image_flags, cu_seqlens)
+        seq = tokens.shape[1]
+        position_ids, cu_seqlens = self._pad_for_sequence_parallel(position_ids, cu_seqlens)
         x = None if self.stage == 0 else self.input_tensor
         if self.vision_stage:
             if self.patch_embed is not None:
@@ -421,31 +282,69 @@ class VLMStage(MegatronModule):
                 x = x.clone()
             if self.projector is None:
                 return x
-            x = self._merge(tokens, position_ids, image_flags, self.projector(x, image_flags))
+            if self.vit_final_norm is not None:
+                x = self.vit_final_norm(x)
+            if self.capture is not None:
+                self.capture["vit"] = x.detach().transpose(0, 1)
+            x = self._merge(tokens, position_ids[:, :seq], self.projector(x, image_flags))
         if self.llm is not None:
             x = self._llm(x, position_ids, cu_seqlens)
         if self.output_layer is None:
             return x
-        logits, _ = self.output_layer(x)  # [S, 1, V/tp]
+        if self.capture is not None:
+            hidden = x
+            if self.configs.llm.sequence_parallel:
+                hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                    x, tensor_parallel_output_grad=False
+                )
+            self.capture["llm"] = hidden.detach()[:seq, 0]
+        tied = self.shared_embedding_or_output_weight() if self._tied_on_this_stage else None
+        logits, _ = self.output_layer(x, weight=tied)  # [S_pad, 1, V/tp]
+        logits = logits[:seq]
+        if labels is None:
+            full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            return full.transpose(0, 1).contiguous()  # [1, S, V]
         target = labels.transpose(0, 1).contiguous().clamp(min=0)
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target)
         return loss.transpose(0, 1).contiguous()  # [1, S]
+
+    def _pad_for_sequence_parallel(
+        self, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under sequence parallelism the LLM sequence is padded to a multiple of TP: the pad
+        tokens form a segment of their own (no real token attends to them) and are dropped at
+        the head. Every stage derives the same padded length from the micro-batch."""
+        tp = self.configs.llm.tensor_model_parallel_size
+        seq = position_ids.shape[1]
+        pad = (-seq) % tp if self.configs.llm.sequence_parallel else 0
+        if pad == 0:
+            return position_ids, cu_seqlens
+        extra = torch.arange(pad, dtype=position_ids.dtype, device=position_ids.device)
+        position_ids = torch.cat([position_ids, extra[None]], dim=1)
+        end = cu_seqlens.new_tensor([seq + pad])
+        return position_ids, torch.cat([cu_seqlens, end])
 
     def _merge(
         self,
         tokens: torch.Tensor,
         position_ids: torch.Tensor,
-        image_flags: torch.Tensor,
         image_embeds: torch.Tensor,
     ) -> torch.Tensor:
         text = self.embedding(input_ids=tokens, position_ids=position_ids)  # [S, 1, H]
         is_image = (tokens == self.spec.image_token_id).transpose(0, 1)[..., None]  # [S, 1, 1]
-        return text.masked_scatter(is_image, image_embeds.to(text.dtype))
+        x = text.masked_scatter(is_image, image_embeds.to(text.dtype))
+        if self.configs.llm.sequence_parallel:
+            tp = self.configs.llm.tensor_model_parallel_size
+            pad = (-x.shape[0]) % tp
+            if pad:
+                x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+            x = tensor_parallel.scatter_to_sequence_parallel_region(x)
+        return x
 
     def _llm(
         self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
     ) -> torch.Tensor:
-        seq = x.shape[0]
+        seq = position_ids.shape[1]
         max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         if self.use_te:
             # With THD packing megatron-core applies RoPE per sample from cu_seqlens.
@@ -466,17 +365,27 @@ class VLMStage(MegatronModule):
         return self.llm(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
 
 
-def global_named_parameters(stage: VLMStage) -> dict[str, torch.nn.Parameter]:
-    """This stage's parameters under model-wide names: local layer indices become global.
+# TE's fused modules hold the layer norms inside the next linear layer; model-wide names use the
+# local modules' names so that a checkpoint reads the same with and without TE.
+_TE_NAMES = (
+    (".self_attention.linear_qkv.layer_norm_", ".input_layernorm."),
+    (".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."),
+)
 
-    `vit.layers.{i}` / `llm.layers.{i}` with i the 0-based global layer index, so the same
-    parameter has the same name whatever the pipeline split (checkpoint conversion, tests).
-    """
-    out = {}
-    for name, p in stage.named_parameters():
-        parts = name.split(".")
-        if parts[0] in ("vit", "llm") and len(parts) > 2 and parts[1] == "layers":
-            block = getattr(stage, parts[0])
-            parts[2] = str(block.layers[int(parts[2])].layer_number - 1)
-        out[".".join(parts)] = p
-    return out
+
+def global_name(stage: VLMStage, local_name: str) -> str:
+    """A parameter's model-wide name: `vit.layers.{i}` / `llm.layers.{i}` with i the 0-based
+    GLOBAL layer index, so the same parameter has the same name whatever the pipeline split."""
+    parts = local_name.split(".")
+    if parts[0] in ("vit", "llm") and len(parts) > 2 and parts[1] == "layers":
+        block = getattr(stage, parts[0])
+        parts[2] = str(block.layers[int(parts[2])].layer_number - 1)
+    name = ".".join(parts)
+    for te, local in _TE_NAMES:
+        name = name.replace(te, local)
+    return name
+
+
+def global_named_parameters(stage: VLMStage) -> dict[str, torch.nn.Parameter]:
+    """This stage's parameters under model-wide names (see global_name)."""
+    return {global_name(stage, n): p for n, p in stage.named_parameters()}

@@ -13,59 +13,57 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_omnibal.models.spec import ModelSpec
 
-def pixel_shuffle(x: torch.Tensor, grid: int, factor: int) -> torch.Tensor:
-    """[P, n, C] patch tokens on a grid x grid image -> [P / factor^2, n, C * factor^2].
 
-    Each factor x factor neighbourhood of patches is concatenated into one token.
+def pixel_shuffle(x: torch.Tensor, grid: int, factor: int, version: int = 2) -> torch.Tensor:
+    """[n, grid^2, C] patch tokens of n tiles -> [n, (grid/factor)^2, C factor^2].
+
+    Each factor x factor neighbourhood of patches becomes one token, in the order transformers'
+    InternVL (OpenGVLab's ps_version v2) produces; version 1 keeps ps_version v1's transposed
+    grid.
     """
-    p, n, c = x.shape
-    if grid % factor:
-        raise ValueError(f"pixel shuffle: grid {grid} is not a multiple of factor {factor}")
+    n, p, c = x.shape
+    if p != grid * grid or grid % factor:
+        raise ValueError(
+            f"pixel shuffle: {p} patches are not a {grid}x{grid} grid divisible by {factor}"
+        )
     g = grid // factor
-    x = x.permute(1, 0, 2).reshape(n, g, factor, g, factor, c)
-    x = x.permute(0, 1, 3, 2, 4, 5).reshape(n, g * g, factor * factor * c)
-    return x.permute(1, 0, 2)
+    x = x.reshape(n, grid, g, c * factor)  # fold `factor` neighbours along one side
+    x = x.permute(0, 2, 1, 3).reshape(n, g, g, c * factor * factor)  # ... then the other
+    if version == 2:
+        x = x.permute(0, 2, 1, 3)
+    return x.reshape(n, g * g, c * factor * factor)
 
 
 class Projector(MegatronModule):
-    """ViT hidden [skip + P, n, Cv] -> image embeddings [n_real * tokens_per_tile, H]
-    (tile-major); the first `skip_tokens` (a class token) are not image patches."""
+    """ViT hidden [cls + P, n, Cv] -> image embeddings [n_real * tokens_per_tile, H]
+    (tile-major), for the real tiles only (image_flags 1)."""
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        kind: str,
-        vit_hidden: int,
-        grid: int,
-        downsample: float,
-        skip_tokens: int = 0,
-    ) -> None:
+    def __init__(self, config: TransformerConfig, spec: ModelSpec) -> None:
         super().__init__(config=config)
-        if kind not in ("pixel_shuffle_mlp", "mlp"):
-            raise ValueError(f"projector type {kind!r}: expected 'pixel_shuffle_mlp' or 'mlp'")
-        self.kind = kind
-        self.grid = grid
-        self.skip_tokens = skip_tokens  # leading non-patch tokens (class token) to drop
-        self.factor = 1
-        in_size = vit_hidden
-        if kind == "pixel_shuffle_mlp":
-            self.factor = round(1 / downsample)
-            if abs(self.factor * downsample - 1) > 1e-6:
-                raise ValueError(f"projector downsample {downsample}: must be 1/k for integer k")
-            in_size = vit_hidden * self.factor**2
-            self.norm = torch.nn.LayerNorm(in_size, eps=config.layernorm_epsilon)
+        p, v = spec.projector, spec.vit
+        self.kind = p.type
+        self.grid = v.grid
+        self.factor = p.factor
+        self.version = p.shuffle_version
+        self.skip_tokens = int(v.class_token and v.drop_class_token)
+        self.norm = (
+            torch.nn.LayerNorm(spec.projector_in, eps=p.norm_eps)
+            if p.type == "pixel_shuffle_mlp"
+            else None
+        )
         self.mlp = MLP(
             config=config,
             submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-            input_size=in_size,
+            input_size=spec.projector_in,
         )
 
     def forward(self, vit_hidden: torch.Tensor, image_flags: torch.Tensor) -> torch.Tensor:
-        x = vit_hidden[self.skip_tokens :]
+        x = vit_hidden[self.skip_tokens :].permute(1, 0, 2)  # [n, tokens, C]
         if self.kind == "pixel_shuffle_mlp":
-            x = self.norm(pixel_shuffle(x, self.grid, self.factor))
-        out, bias = self.mlp(x)  # [t, n, H]
+            x = self.norm(pixel_shuffle(x, self.grid, self.factor, self.version))
+        out, bias = self.mlp(x.permute(1, 0, 2))  # [t, n, H]
         if bias is not None:
             out = out + bias
         out = out.permute(1, 0, 2)  # [n, t, H]

@@ -11,8 +11,9 @@ from typing import Any
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_omnibal.megatron.configs import stage_configs
 from megatron_omnibal.megatron.layout import LayoutError, StageLayout
-from megatron_omnibal.megatron.model import VLMStage, stage_configs
+from megatron_omnibal.megatron.model import VLMStage
 from megatron_omnibal.models.spec import ModelSpec
 
 

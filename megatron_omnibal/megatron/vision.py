@@ -11,35 +11,37 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_omnibal.models.spec import VisionSpec
+
 
 class PatchEmbedding(MegatronModule):
     """Tiles [n, 3, H, W] -> tokens [cls + P, n, hidden] (sequence first, as Megatron expects).
 
-    A strided convolution, an optional class token and a learned position embedding, as in
-    InternViT/CLIP. Replicated across tensor-parallel ranks.
+    A strided convolution (with a bias for InternViT, without for CLIP), an optional class
+    token, a learned position embedding and, for CLIP, a LayerNorm before the first layer
+    (`pre_layrnorm`). Replicated across tensor-parallel ranks.
     """
 
-    def __init__(
-        self, config: TransformerConfig, image_size: int, patch_size: int, class_token: bool = False
-    ) -> None:
+    def __init__(self, config: TransformerConfig, vit: VisionSpec) -> None:
         super().__init__(config=config)
-        if image_size % patch_size:
-            raise ValueError(
-                f"image_size {image_size} is not a multiple of patch_size {patch_size}"
-            )
-        self.grid = image_size // patch_size
+        self.grid = vit.grid
         self.conv = torch.nn.Conv2d(
-            3, config.hidden_size, kernel_size=patch_size, stride=patch_size, bias=True
-        )
+            3, vit.hidden_size, kernel_size=vit.patch_size, stride=vit.patch_size,
+            bias=vit.patch_bias,
+        )  # fmt: skip
         self.class_token = (
-            torch.nn.Parameter(torch.empty(1, config.hidden_size)) if class_token else None
+            torch.nn.Parameter(torch.empty(1, vit.hidden_size)) if vit.class_token else None
         )
         self.position_embeddings = torch.nn.Parameter(
-            torch.empty(self.grid * self.grid + int(class_token), config.hidden_size)
+            torch.empty(vit.seq_per_tile, vit.hidden_size)
+        )
+        self.pre_norm = (
+            torch.nn.LayerNorm(vit.hidden_size, eps=vit.norm_eps) if vit.pre_norm else None
         )
         with torch.no_grad():
             config.init_method(self.conv.weight)
-            self.conv.bias.zero_()
+            if self.conv.bias is not None:
+                self.conv.bias.zero_()
             config.init_method(self.position_embeddings)
             if self.class_token is not None:
                 config.init_method(self.class_token)
@@ -51,4 +53,6 @@ class PatchEmbedding(MegatronModule):
             cls = self.class_token[:, None, :].expand(1, x.shape[1], x.shape[2])
             x = torch.cat([cls, x], dim=0)
         x = x + self.position_embeddings[:, None, :]
+        if self.pre_norm is not None:
+            x = self.pre_norm(x)
         return x.contiguous()  # p2p sends need contiguous tensors, also with 0 tiles

@@ -148,10 +148,19 @@ class ProjectorSpec:
     hidden_size: int = 0  # MLP width; 0: the LLM's hidden size (InternVL, LLaVA)
     norm_eps: float = 1e-5  # the pixel-shuffle projector's LayerNorm
     activation: str = "gelu"
+    bias: bool = True  # biases of the two linear layers (LLaVA's multimodal_projector_bias)
+    # Token order of the pixel shuffle: 2 is transformers' InternVL (and OpenGVLab's
+    # ps_version v2); 1 is ps_version v1 (InternVL-Chat-V1-5), which leaves the grid transposed.
+    shuffle_version: int = 2
 
     def __post_init__(self) -> None:
         w = "model_spec.projector"
         _check_choice(self.type, f"{w}.type", PROJECTORS)
+        _need(
+            self.shuffle_version in (1, 2),
+            f"{w}.shuffle_version",
+            f"expected 1 or 2, got {self.shuffle_version!r}",
+        )
         _check_choice(self.activation, f"{w}.activation", ACTIVATIONS)
         _check_eps(self.norm_eps, f"{w}.norm_eps")
         _need(
@@ -310,7 +319,7 @@ class ModelSpec:
     def projector_params(self) -> int:
         i, m, o = self.projector_in, self.projector_hidden, self.llm.hidden_size
         norm = 2 * i if self.projector.type == "pixel_shuffle_mlp" else 0
-        return i * m + m * o + m + o + norm
+        return i * m + m * o + (m + o if self.projector.bias else 0) + norm
 
     @property
     def patch_embed_params(self) -> int:

@@ -1,0 +1,307 @@
+"""Tiny random Hugging Face VLMs for the tests, built from config objects with the installed
+transformers and saved locally (nothing is downloaded), plus their reference outputs.
+
+Families (each shaped like the real one, a few layers wide):
+- internvl_6b: transformers' InternVL with an InternViT-6B-like tower (RMSNorm, QK-norm across
+  heads, layer scale, no qkv bias, a final LayerNorm) and a Qwen2 LLM (qkv bias, tied head);
+  3 vision heads, so TP=2 needs a padded dummy head, as InternViT-6B's 25 heads do.
+- internvl_300m: InternViT-300M-like (LayerNorm, qkv bias) and a Llama LLM (GQA, own head).
+- internvl_chat: OpenGVLab's remote-code layout (`vision_model.*`, fused `attn.qkv`, `mlp1.*`,
+  InternLM2's fused `wqkv`), written from a transformers InternVL model by an independent inverse
+  mapping, so transformers' forward of that model is the oracle.
+- llava: LLaVA-1.5-like (CLIP with pre-LayerNorm and quick_gelu, feature layer -2, MLP
+  projector, Llama).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+IMG_CONTEXT, IMG_START, IMG_END = 150, 151, 152  # InternVL's special tokens in the tiny vocab
+LLAVA_IMAGE = 120
+
+
+@dataclass
+class Built:
+    path: Path
+    model: torch.nn.Module  # the transformers model whose forward is the oracle
+    family: str
+    image_token: int
+    tokens_per_tile: int
+    image_size: int
+
+
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    """No norm weight stays 1, no bias 0, no layer scale 0.1: a mapping mistake shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def _text_config(kind: str, vocab: int, tie: bool) -> dict:
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[kind]
+    return cls(
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        vocab_size=vocab,
+        rms_norm_eps=1e-5,
+        rope_theta=5000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+    ).to_dict()
+
+
+def _tokenizer_files(path: Path, tokens: dict[str, int]) -> None:
+    """The added-token part of a tokenizer config (all the converter reads of it)."""
+    decoder = {str(i): {"content": c, "special": True} for c, i in tokens.items()}
+    (path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": decoder}))
+
+
+def internvl(
+    path: Path,
+    six_b: bool,
+    text: str | None = None,
+    tie: bool | None = None,
+    final_norm: bool | None = None,
+    seed: int = 0,
+) -> Built:
+    """transformers' InternVL: 6B-like tower (default: Qwen2, tied, final LayerNorm) or
+    300M-like (default: Llama, own head, no final LayerNorm)."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+    from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
+
+    text = text or ("qwen2" if six_b else "llama")
+    tie = six_b if tie is None else tie
+    final_norm = six_b if final_norm is None else final_norm
+    heads = 3 if six_b else 4
+    vision = InternVLVisionConfig(
+        hidden_size=16 * heads,
+        num_hidden_layers=4,
+        num_attention_heads=heads,
+        intermediate_size=64,
+        image_size=16,
+        patch_size=4,
+        norm_type="rms_norm" if six_b else "layer_norm",
+        use_qk_norm=six_b,
+        attention_bias=not six_b,
+        use_mean_pooling=not final_norm,
+        layer_norm_eps=1e-6,
+    )
+    cfg = InternVLConfig(
+        vision_config=vision.to_dict(),
+        text_config=_text_config(text, 160, tie=tie),
+        image_token_id=IMG_CONTEXT,
+        image_seq_length=4,
+        downsample_ratio=0.5,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(seed)
+    model = InternVLForConditionalGeneration(cfg).eval()
+    _perturb(model, seed + 1)
+    model.save_pretrained(path)
+    _tokenizer_files(path, {"<IMG_CONTEXT>": IMG_CONTEXT, "<img>": IMG_START, "</img>": IMG_END})
+    return Built(path, model, "internvl", IMG_CONTEXT, 4, 16)
+
+
+def internvl_chat(path: Path, seed: int = 0) -> Built:
+    """OpenGVLab's layout of a transformers InternVL model (RMSNorm + QK-norm tower without a
+    final norm, Llama-shaped LLM stored as InternLM2 with its own head)."""
+    from safetensors.torch import save_file
+
+    native = internvl(
+        path.with_name(path.name + "_native"), six_b=True, text="llama", tie=False,
+        final_norm=False, seed=seed,
+    )  # fmt: skip
+    model = native.model
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    vc, tc = model.config.vision_config, model.config.text_config
+    heads, groups = tc.num_attention_heads, tc.num_key_value_heads
+    dim = tc.hidden_size // heads
+    V, T = "model.vision_tower.", "model.language_model."
+    out = {
+        "vision_model.embeddings.class_embedding": sd[V + "embeddings.cls_token"],
+        "vision_model.embeddings.position_embedding": sd[V + "embeddings.position_embeddings"],
+    }
+    for p in ("weight", "bias"):
+        out[f"vision_model.embeddings.patch_embedding.{p}"] = sd[
+            V + f"embeddings.patch_embeddings.projection.{p}"
+        ]
+    for i in range(vc.num_hidden_layers):
+        src, dst = f"{V}encoder.layer.{i}.", f"vision_model.encoder.layers.{i}."
+        a = src + "attention."
+        out[dst + "attn.qkv.weight"] = torch.cat(
+            [sd[a + f"{x}_proj.weight"] for x in "qkv"]
+        )  # [Q_all; K_all; V_all]
+        for x in ("q_norm", "k_norm"):
+            out[dst + f"attn.{x}.weight"] = sd[a + f"{x}.weight"]
+        for p in ("weight", "bias"):
+            out[dst + f"attn.proj.{p}"] = sd[a + f"projection_layer.{p}"]
+            out[dst + f"mlp.fc1.{p}"] = sd[src + f"mlp.fc1.{p}"]
+            out[dst + f"mlp.fc2.{p}"] = sd[src + f"mlp.fc2.{p}"]
+        out[dst + "norm1.weight"] = sd[src + "layernorm_before.weight"]
+        out[dst + "norm2.weight"] = sd[src + "layernorm_after.weight"]
+        out[dst + "ls1"] = sd[src + "lambda_1"]
+        out[dst + "ls2"] = sd[src + "lambda_2"]
+    for dst, src in (("mlp1.0", "layer_norm"), ("mlp1.1", "linear_1"), ("mlp1.3", "linear_2")):
+        for p in ("weight", "bias"):
+            out[f"{dst}.{p}"] = sd[f"model.multi_modal_projector.{src}.{p}"]
+    out["language_model.model.tok_embeddings.weight"] = sd[T + "embed_tokens.weight"]
+    out["language_model.model.norm.weight"] = sd[T + "norm.weight"]
+    out["language_model.output.weight"] = sd["lm_head.weight"]
+    for i in range(tc.num_hidden_layers):
+        src, dst = f"{T}layers.{i}.", f"language_model.model.layers.{i}."
+        q = sd[src + "self_attn.q_proj.weight"].reshape(groups, heads // groups, dim, -1)
+        k, v = (sd[src + f"self_attn.{x}_proj.weight"].reshape(groups, 1, dim, -1) for x in "kv")
+        out[dst + "attention.wqkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, q.shape[-1])
+        out[dst + "attention.wo.weight"] = sd[src + "self_attn.o_proj.weight"]
+        out[dst + "attention_norm.weight"] = sd[src + "input_layernorm.weight"]
+        out[dst + "ffn_norm.weight"] = sd[src + "post_attention_layernorm.weight"]
+        out[dst + "feed_forward.w1.weight"] = sd[src + "mlp.gate_proj.weight"]
+        out[dst + "feed_forward.w3.weight"] = sd[src + "mlp.up_proj.weight"]
+        out[dst + "feed_forward.w2.weight"] = sd[src + "mlp.down_proj.weight"]
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in out.items()}, str(path / "model.safetensors"))
+    config = {
+        "model_type": "internvl_chat",
+        "architectures": ["InternVLChatModel"],
+        "select_layer": -1,
+        "downsample_ratio": 0.5,
+        "ps_version": "v2",
+        "template": "internlm2-chat",
+        "force_image_size": 16,
+        "vision_config": {
+            "hidden_size": vc.hidden_size,
+            "num_hidden_layers": vc.num_hidden_layers,
+            "num_attention_heads": vc.num_attention_heads,
+            "intermediate_size": vc.intermediate_size,
+            "image_size": 16,
+            "patch_size": 4,
+            "qkv_bias": False,
+            "qk_normalization": True,
+            "norm_type": "rms_norm",
+            "layer_norm_eps": 1e-6,
+            "hidden_act": "gelu",
+        },
+        "llm_config": {
+            "architectures": ["InternLM2ForCausalLM"],
+            "hidden_size": tc.hidden_size,
+            "num_hidden_layers": tc.num_hidden_layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": groups,
+            "intermediate_size": tc.intermediate_size,
+            "vocab_size": tc.vocab_size,
+            "rms_norm_eps": tc.rms_norm_eps,
+            "rope_theta": 5000.0,
+            "max_position_embeddings": 256,
+            "bias": False,
+            "tie_word_embeddings": False,
+        },
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    _tokenizer_files(path, {"<IMG_CONTEXT>": IMG_CONTEXT, "<img>": IMG_START, "</img>": IMG_END})
+    return Built(path, model, "internvl_chat", IMG_CONTEXT, 4, 16)
+
+
+def llava(path: Path, seed: int = 0) -> Built:
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=4,
+        hidden_act="quick_gelu",
+        layer_norm_eps=1e-5,
+    )
+    cfg = LlavaConfig(
+        vision_config=vision.to_dict(),
+        text_config=_text_config("llama", 128, tie=False),
+        image_token_id=LLAVA_IMAGE,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        image_seq_length=16,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    _perturb(model, seed + 1)
+    model.save_pretrained(path)
+    return Built(path, model, "llava", LLAVA_IMAGE, 16, 16)
+
+
+def samples(built: Built, seed: int = 0) -> list[dict]:
+    """A micro-batch's samples: two images (2 tiles and 1 tile) and a text-only sample with
+    InternVL's dummy tile (LLaVA: none). Token ids, image tiles and flags per sample."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = 100  # plain text ids stay clear of the special tokens
+
+    def text(n: int) -> list[int]:
+        return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+    def image(tiles: int) -> list[int]:
+        ctx = [built.image_token] * (built.tokens_per_tile * tiles)
+        return [IMG_START, *ctx, IMG_END] if built.family != "llava" else ctx
+
+    size = built.image_size
+    tiles_per_image = (2, 1) if built.family != "llava" else (1, 1)
+    out = []
+    for t, n_text in zip(tiles_per_image, (5, 9), strict=True):
+        ids = [0, *text(3), *image(t), *text(n_text)]
+        out.append(
+            {
+                "tokens": torch.tensor(ids),
+                "labels": torch.full((len(ids),), -100),
+                "images": torch.randn(t, 3, size, size, generator=g),
+                "image_flags": torch.ones(t, dtype=torch.int64),
+            }
+        )
+    dummy = 1 if built.family != "llava" else 0
+    ids = [0, *text(10)]  # an odd total length: sequence parallelism must pad
+    out.append(
+        {
+            "tokens": torch.tensor(ids),
+            "labels": torch.full((len(ids),), -100),
+            "images": torch.randn(dummy, 3, size, size, generator=g),
+            "image_flags": torch.zeros(dummy, dtype=torch.int64),
+        }
+    )
+    return out
+
+
+def reference(built: Built, batch: list[dict]) -> dict[str, torch.Tensor]:
+    """transformers' forward, one sample at a time: logits [S, V] and LLM final hidden states
+    [S, H] of the packed sequence, and the ViT features entering the projector for the real
+    tiles [tiles, tokens, C]."""
+    model = built.model
+    logits, hidden, feats = [], [], []
+    with torch.no_grad():
+        for s in batch:
+            real = s["images"][s["image_flags"].bool()]
+            pixels = real if len(real) else None
+            ids = s["tokens"][None]
+            out = model(input_ids=ids, pixel_values=pixels)
+            base = model.model(input_ids=ids, pixel_values=pixels)
+            logits.append(out.logits[0])
+            hidden.append(base.last_hidden_state[0])
+            if pixels is not None:
+                feats.append(vision_features(built, pixels))
+    return {"logits": torch.cat(logits), "llm": torch.cat(hidden), "vit": torch.cat(feats)}
+
+
+def vision_features(built: Built, pixels: torch.Tensor) -> torch.Tensor:
+    """What the projector receives, as transformers selects it (before dropping the CLS)."""
+    tower = built.model.model.vision_tower
+    if built.family == "llava":
+        return tower(pixels, output_hidden_states=True).hidden_states[-2]
+    return tower(pixel_values=pixels).last_hidden_state

@@ -1,0 +1,116 @@
+"""torchrun worker: load Hugging Face checkpoints into the VLM stages at several TP/PP layouts
+and save what each layout computes (logits, ViT features, LLM final hidden states).
+
+Usage: torchrun --nproc-per-node N hf_worker.py CASES.json OUT_DIR
+CASES.json: {"models": {name: {"hf_dir": path, "batch": path to a torch-saved list of samples
+             (tokens, images, image_flags)}}, "cases": [{"name", "tp", "pp", "vit", "llm",
+             "sequence_parallel"?}]}
+Weights go through the package's own path: models.hf_weights (HF -> canonical tensors) and
+megatron.stage_weights / tp_shard (canonical -> this rank's piece). The test compares the saved
+outputs with transformers' forward on the same inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_omnibal.megatron.cpu import enable_cpu_megatron
+
+enable_cpu_megatron()
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
+
+from megatron_omnibal.megatron.batch import Sample, collate  # noqa: E402
+from megatron_omnibal.megatron.layout import embedding_ranks, layout_from_counts  # noqa: E402
+from megatron_omnibal.megatron.provider import vlm_model_provider  # noqa: E402
+from megatron_omnibal.megatron.stage_weights import load_into  # noqa: E402
+from megatron_omnibal.models.hf_config import read_hf  # noqa: E402
+from megatron_omnibal.models.hf_weights import SafetensorsReader, canonical_tensors  # noqa: E402
+
+
+def build(spec, case: dict):
+    layouts = layout_from_counts(
+        case["vit"], case["llm"], vit_layers=spec.vit.num_layers, llm_layers=spec.llm.num_layers
+    )
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        case["tp"], case["pp"], get_embedding_ranks=embedding_ranks(layouts)
+    )
+    model_parallel_cuda_manual_seed(0)
+    rank, pp = ps.get_pipeline_model_parallel_rank(), case["pp"]
+    overrides = {"sequence_parallel": bool(case.get("sequence_parallel"))}
+    return vlm_model_provider(
+        spec, layouts, rank == 0, rank == pp - 1, config_overrides=overrides
+    )
+
+
+def run(name: str, spec, tensors: dict, batch, case: dict, out: Path) -> None:
+    model = build(spec, case)
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    load_into(model, spec, tensors, tp, tp_rank)
+    model.eval()
+    model.capture = {}
+    kept: dict[str, torch.Tensor] = {}
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        output = model(
+            tokens=b.tokens,
+            position_ids=b.position_ids,
+            labels=None,
+            images=b.images,
+            image_flags=b.image_flags,
+            cu_seqlens=b.cu_seqlens,
+        )
+
+        def keep(output_tensor):
+            kept["logits"] = output_tensor.detach()[0, :, : spec.llm.vocab_size]
+            return output_tensor.sum() * 0, torch.tensor(1), {}
+
+        return output, keep
+
+    with torch.no_grad():
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter([batch]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=batch.tokens.shape[1],
+            micro_batch_size=1,
+            forward_only=True,
+        )
+    kept.update({k: v for k, v in model.capture.items()})
+    if ps.get_data_parallel_rank() == 0 and tp_rank == 0:
+        stage = ps.get_pipeline_model_parallel_rank()
+        torch.save(kept, out / f"{name}.{case['name']}.stage{stage}.pt")
+
+
+def main() -> None:
+    cfg = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    for name, m in cfg["models"].items():
+        hf = read_hf(m["hf_dir"])
+        tensors = dict(canonical_tensors(hf, SafetensorsReader(hf)))
+        samples = [Sample(**s) for s in torch.load(m["batch"])]
+        batch = collate(samples)
+        for case in cfg["cases"]:
+            run(name, hf.spec, tensors, batch, case, out)
+            dist.barrier()
+        if dist.get_rank() == 0:
+            print(f"{name} done", flush=True)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
