@@ -16,6 +16,7 @@ from pathlib import Path
 
 from megatron_omnibal.data.isf import CostModel
 from megatron_omnibal.data.lengths import LengthsError, LengthStats, load_lengths
+from megatron_omnibal.megatron.finetune import add_finetune_args
 from megatron_omnibal.megatron.layout import (
     LayoutError,
     StageLayout,
@@ -186,6 +187,7 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="image tokens per real tile counted in the length file's token_num "
         "(InternVL: 256); the model's own count replaces them",
     )
+    add_finetune_args(g)
     g.add_argument(
         "--omnibal-text-scale",
         type=int,

@@ -33,6 +33,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from megatron_omnibal.megatron.configs import StageConfigs
 from megatron_omnibal.megatron.layer_specs import HAVE_TE, block_spec
@@ -245,6 +247,32 @@ class VLMStage(MegatronModule):
                 weight.zero_()
         if torch.distributed.is_initialized() and parallel_state.is_rank_in_embedding_group():
             torch.distributed.all_reduce(weight.data, group=parallel_state.get_embedding_group())
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """megatron-core's default, with the output head as GPTModel saves it: vocabulary
+        padding may differ between layouts, and a tied head on another stage than the embedding
+        is a copy of the embedding (stored once, under the embedding's key), so a checkpoint
+        loads whichever stages hold the two."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        key = f"{prefix}output_layer.weight"
+        if key not in state:
+            return state
+        if self.share_embeddings_and_output_weights:
+            dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+            state[key] = make_tp_sharded_tensor_for_checkpoint(
+                tensor=self.output_layer.weight,
+                key=f"{prefix}embedding.word_embeddings.weight",
+                replica_id=(1, 0, dp_rank),  # a copy: the embedding's stage saves it
+                allow_shape_mismatch=True,
+                tp_group=self.pg_collection.tp,
+                dp_cp_group=metadata["dp_cp_group"],
+            )
+        else:
+            state[key].allow_shape_mismatch = True
+        return state
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
         """Called by Megatron's pipeline schedules with the previous stage's output."""

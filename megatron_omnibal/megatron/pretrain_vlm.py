@@ -11,6 +11,7 @@ group. On a CPU-only torch it runs through enable_cpu_megatron() with gloo; on G
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -23,6 +24,12 @@ from megatron_omnibal.megatron.args import (
     validate_omnibal_args,
 )
 from megatron_omnibal.megatron.cpu import enable_cpu_megatron
+from megatron_omnibal.megatron.finetune import (
+    FinetuneSettings,
+    finetune_settings,
+    install_vit_lr_override,
+)
+from megatron_omnibal.megatron.layout import embedding_ranks
 
 ForwardStep = Callable[[Any, Any], Any]
 IteratorsBuilder = Callable[..., tuple[Any, Any, Any]]
@@ -71,9 +78,13 @@ def main(
             from megatron_omnibal.megatron.dataset import open_source
 
             open_source(args, settings.lengths, spec)  # count and a spread of samples
+        finetune = finetune_settings(args)
     except (OmnibalArgsError, ValueError) as exc:
         return _fail(exc)
-    train(args, settings, spec, forward_step_func, build_iterators)
+    # Saved with Megatron's args in every checkpoint: the export reads the model and layout.
+    args.omnibal_model_spec = json.dumps(spec.to_dict())
+    args.omnibal_stages = json.dumps([st.to_dict() for st in settings.layouts])
+    train(args, settings, spec, forward_step_func, build_iterators, finetune)
     return 0
 
 
@@ -205,6 +216,7 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "init_method_std": args.init_method_std,
         "use_cpu_initialization": args.use_cpu_initialization,
         "deallocate_pipeline_outputs": True,
+        "sequence_parallel": args.sequence_parallel,  # the LLM's (megatron.configs)
     }
 
 
@@ -214,6 +226,7 @@ def train(
     spec: Any,
     forward_step_func: ForwardStep | None = None,
     build_iterators: IteratorsBuilder | None = None,
+    finetune: FinetuneSettings | None = None,
 ) -> None:
     """megatron.training.pretrain with the VLM stage provider and the balanced iterator."""
     from megatron.core.enums import ModelType
@@ -223,6 +236,8 @@ def train(
     from megatron_omnibal.megatron.step import forward_step
 
     args.calculate_per_token_loss = True  # losses are token sums; Megatron divides globally
+    if finetune is not None:
+        install_vit_lr_override(finetune.vit_lr_mult)
     args.variable_seq_lengths = True  # balanced micro-batches differ in shape
     args.eval_iters = 0  # the balanced stream is for training; there is no validation split
     cfg = pretrain_cfg_container_from_args(args)
@@ -234,15 +249,16 @@ def train(
         data_provider,
         ModelType.encoder_or_decoder,
         forward_step_func or forward_step,
-        model_provider=partial(_model_provider, settings, spec, config_overrides(args)),
-        # Word embedding and output head are separate weights (not tied), so no embedding group
-        # spans stages; a one-rank group makes finalize_model_grads skip that all-reduce.
-        get_embedding_ranks=_first_rank,
+        model_provider=partial(
+            _model_provider, settings, spec, config_overrides(args), finetune
+        ),
+        # A tied output head's gradient is summed with the embedding's between their stages.
+        get_embedding_ranks=embedding_ranks(settings.layouts),
         get_position_embedding_ranks=_first_rank,
     )
 
 
-def _first_rank(pp_ranks: list[int]) -> list[int]:
+def _first_rank(pp_ranks: list[int], *_: Any) -> list[int]:
     return list(pp_ranks[:1])
 
 
@@ -250,6 +266,7 @@ def _model_provider(
     settings: OmnibalSettings,
     spec: Any,
     overrides: dict[str, Any],
+    finetune: FinetuneSettings | None,
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
@@ -266,6 +283,7 @@ def _model_provider(
         vp_stage,
         config_overrides=overrides,
         pg_collection=pg_collection,
+        finetune=finetune,
     )
 
 

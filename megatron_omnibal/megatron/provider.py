@@ -12,6 +12,7 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_omnibal.megatron.configs import stage_configs
+from megatron_omnibal.megatron.finetune import FinetuneSettings, apply_to_stage
 from megatron_omnibal.megatron.layout import LayoutError, StageLayout
 from megatron_omnibal.megatron.model import VLMStage
 from megatron_omnibal.models.spec import ModelSpec
@@ -25,10 +26,12 @@ def vlm_model_provider(
     vp_stage: int | None = None,
     config_overrides: dict[str, Any] | None = None,
     pg_collection: ProcessGroupCollection | None = None,
+    finetune: FinetuneSettings | None = None,
 ) -> VLMStage:
     """This rank's stage. pre_process/post_process are accepted for megatron.training's
     signature and checked against the layout (the layout decides what the stage holds);
-    pg_collection is megatron.training's (None: parallel_state's groups)."""
+    pg_collection is megatron.training's (None: parallel_state's groups); `finetune` freezes
+    parts and marks the ViT for its learning-rate multiplier."""
     if vp_stage is not None:
         raise LayoutError("virtual pipeline stages are not supported by the VLM stage module")
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -42,4 +45,7 @@ def vlm_model_provider(
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     configs = stage_configs(spec, layouts, rank, tp, config_overrides)
-    return VLMStage(spec, layouts, rank, configs, pg_collection=pg_collection)
+    stage = VLMStage(spec, layouts, rank, configs, pg_collection=pg_collection)
+    if finetune is not None:
+        apply_to_stage(stage, finetune)
+    return stage

@@ -295,6 +295,10 @@ def rules_for(model: HFModel) -> list[Rule]:
     return _vision_rules(model) + _projector_rules(model) + _language_rules(model)
 
 
+# Where a checkpoint may store its tied output head (transformers ties it again on load).
+TIED_HEAD_COPIES = ("language_model.lm_head.weight", "language_model.output.weight")
+
+
 def unused_hf_names(model: HFModel, names: set[str]) -> set[str]:
     """HF tensors the model legitimately never uses: ViT layers past the feature layer,
     CLIP's post-LayerNorm (only on its pooled output), a tied head's stored copy."""
@@ -303,14 +307,13 @@ def unused_hf_names(model: HFModel, names: set[str]) -> set[str]:
         r"^(vision_tower\.vision_model\.encoder\.layers|vision_tower\.encoder\.layer|"
         r"vision_model\.encoder\.layers)\.(\d+)\."
     )
-    head_copies = ("language_model.lm_head.weight", "language_model.output.weight")
     head_norm = ("vision_tower.layernorm.weight", "vision_tower.layernorm.bias")
     out = set()
     for n in names:
         m = pattern.match(n)
         past_feature_layer = bool(m) and int(m.group(2)) >= v.num_layers
         clip_post_norm = n.startswith("vision_tower.vision_model.post_layernorm.")
-        tied_copy = model.spec.llm.tie_embeddings and n in head_copies
+        tied_copy = model.spec.llm.tie_embeddings and n in TIED_HEAD_COPIES
         unused_norm = n in head_norm and not v.post_norm
         if past_feature_layer or clip_post_norm or tied_copy or unused_norm:
             out.add(n)

@@ -1,0 +1,243 @@
+"""`omnibal convert`: Hugging Face checkpoints into Megatron checkpoints of the VLM stages at a
+TP/PP layout, and trained Megatron checkpoints back into Hugging Face checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HELP = "convert HF InternVL/LLaVA checkpoints to Megatron checkpoints (any TP/PP) and back"
+
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"layer counts must be >= 0, got {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _size(text: str) -> int:
+    """'5GB', '500MB', '1024' (bytes) -> bytes."""
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+    t = text.strip().upper()
+    for unit, mult in units.items():
+        if t.endswith(unit):
+            try:
+                value = float(t[: -len(unit)]) * mult
+            except ValueError:
+                break
+            if value > 0:
+                return int(value)
+    if t.isdigit() and int(t) > 0:
+        return int(t)
+    raise argparse.ArgumentTypeError(f"expected a size like 5GB or 500MB, got {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    to_meg = sub.add_parser(
+        "hf-to-megatron",
+        help="HF checkpoint -> Megatron checkpoint for a TP/PP layout",
+        description="Write a Megatron checkpoint of the VLM stages that pretrain_vlm starts "
+        "from with --pretrained-checkpoint (or --load DIR --finetune --no-load-optim "
+        "--no-load-rng). The layout comes from a plan or from the flags.",
+    )
+    to_meg.add_argument("hf_dir", type=Path, help="HF checkpoint directory (config.json, "
+                        "safetensors)")  # fmt: skip
+    to_meg.add_argument("--out", type=Path, required=True, help="checkpoint directory to create")
+    to_meg.add_argument("--plan", type=Path, help="plan.json from `omnibal plan` (layout, TP)")
+    to_meg.add_argument("--tp", type=_positive, help="tensor parallel size (without --plan)")
+    to_meg.add_argument("--pp", type=_positive, help="pipeline stages (without --plan)")
+    to_meg.add_argument("--omnibal-vit-pp-layers", type=_counts, metavar="N,N,..",
+                        help="ViT layers per stage (without --plan)")  # fmt: skip
+    to_meg.add_argument("--omnibal-llm-pp-layers", type=_counts, metavar="N,N,..",
+                        help="LLM layers per stage (without --plan)")  # fmt: skip
+    to_meg.add_argument("--ckpt-format", choices=("torch", "torch_dist"), default="torch",
+                        help="Megatron checkpoint format (torch_dist: written by Megatron itself "
+                             "in TP x PP local processes)")  # fmt: skip
+    to_meg.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
+    to_meg.add_argument("--force", action="store_true", help="write into an existing --out")
+    to_meg.add_argument("--no-progress", action="store_true", help="no progress bar")
+    to_hf = sub.add_parser(
+        "megatron-to-hf",
+        help="Megatron checkpoint -> HF checkpoint shaped like the original",
+        description="Write safetensors (sharded as transformers does), the config and the "
+        "tokenizer/processor files of --like, so that transformers loads the result.",
+    )
+    to_hf.add_argument("ckpt_dir", type=Path, help="Megatron checkpoint directory")
+    to_hf.add_argument("--like", type=Path, required=True,
+                       help="the HF checkpoint the model came from")  # fmt: skip
+    to_hf.add_argument("--out", type=Path, required=True, help="HF directory to create")
+    to_hf.add_argument("--iteration", type=int, help="iteration to export (default: latest)")
+    to_hf.add_argument("--dtype", choices=DTYPES, help="cast (default: --like's dtypes)")
+    to_hf.add_argument("--max-shard-size", type=_size, default=5 * 2**30,
+                       help="largest safetensors shard (default 5GB)")  # fmt: skip
+    to_hf.add_argument("--force", action="store_true", help="write into an existing --out")
+    to_hf.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _out_dir(path: Path, force: bool) -> None:
+    """Create `path` before any work; refuse a non-empty one without --force."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {path}: exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not force:
+        raise ValueError(f"--out {path}: not empty (use --force to write into it)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {path}: cannot create ({exc.strerror})") from exc
+
+
+def _dtype(name: str | None):
+    import torch
+
+    return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        name
+    ]
+
+
+def _layouts(args: argparse.Namespace, spec) -> tuple[list, int]:
+    from megatron_omnibal.megatron.configs import check_tensor_parallel
+    from megatron_omnibal.megatron.layout import layout_from_counts, layout_from_plan
+    from megatron_omnibal.models.spec import ModelSpec
+    from megatron_omnibal.planner.config_files import read_json
+
+    flags = (args.tp, args.pp, args.omnibal_vit_pp_layers, args.omnibal_llm_pp_layers)
+    if args.plan is not None:
+        if any(f is not None for f in flags):
+            raise ValueError("give --plan or the layout flags (--tp --pp --omnibal-*-pp-layers)")
+        plan = read_json(args.plan, "plan")
+        planned = ModelSpec.from_dict(plan.get("model_spec", {}), f"{args.plan}: model_spec")
+        if planned != spec:
+            raise ValueError(
+                f"--plan {args.plan} was made for another model than {args.hf_dir} "
+                "(their model specs differ; plan with `omnibal plan --model HF_DIR`)"
+            )
+        tp = int(plan["parallel"]["tp"])
+        layouts = layout_from_plan(
+            plan, int(plan["parallel"]["pp"]), spec.vit.num_layers, spec.llm.num_layers
+        )
+    else:
+        if args.omnibal_vit_pp_layers is None or args.omnibal_llm_pp_layers is None:
+            raise ValueError(
+                "give --plan, or --omnibal-vit-pp-layers and --omnibal-llm-pp-layers (with --tp)"
+            )
+        tp = args.tp or 1
+        layouts = layout_from_counts(
+            args.omnibal_vit_pp_layers,
+            args.omnibal_llm_pp_layers,
+            vit_layers=spec.vit.num_layers,
+            llm_layers=spec.llm.num_layers,
+        )
+        if args.pp is not None and args.pp != len(layouts):
+            raise ValueError(
+                f"--pp {args.pp} but --omnibal-vit-pp-layers lists {len(layouts)} stages"
+            )
+    check_tensor_parallel(spec, tp)
+    return layouts, tp
+
+
+def _bar(total: int, desc: str, off: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", disable=off or None, file=sys.stderr)
+
+
+def _hf_to_megatron(args: argparse.Namespace) -> int:
+    from megatron_omnibal.models.hf_config import read_hf
+    from megatron_omnibal.models.hf_weights import canonical_shapes
+
+    hf = read_hf(args.hf_dir)
+    layouts, tp = _layouts(args, hf.spec)
+    _out_dir(args.out, args.force)
+    total = len(canonical_shapes(hf)) + int(hf.spec.llm.tie_embeddings)
+    with _bar(total, "convert", args.no_progress) as bar:
+        if args.ckpt_format == "torch":
+            from megatron_omnibal.megatron.hf_checkpoint import write_torch_checkpoint
+
+            written = write_torch_checkpoint(
+                hf, layouts, tp, args.out, _dtype(args.dtype), bar.update
+            )
+        else:
+            from megatron_omnibal.megatron.dist_convert import write_dist_checkpoint
+
+            written = write_dist_checkpoint(hf, layouts, tp, args.out, args.dtype)
+            bar.update(total)
+    stages = " | ".join(
+        f"vit {st.vit_layers[0]}-{st.vit_layers[1]} llm {st.llm_layers[0]}-{st.llm_layers[1]}"
+        for st in layouts
+    )
+    print(
+        f"wrote {args.out} ({args.ckpt_format}, TP {tp} x PP {len(layouts)}: {stages}; "
+        f"{len(written)} files)"
+    )
+    return 0
+
+
+def _megatron_to_hf(args: argparse.Namespace) -> int:
+    from megatron_omnibal.megatron.checkpoint_reader import canonical_groups, open_checkpoint
+    from megatron_omnibal.models.hf_config import read_hf
+    from megatron_omnibal.models.hf_export import export_hf
+    from megatron_omnibal.models.hf_weights import canonical_shapes
+
+    like = read_hf(args.like)
+    ckpt = open_checkpoint(args.ckpt_dir, args.iteration)
+    if ckpt.spec != like.spec:
+        raise ValueError(
+            f"{args.ckpt_dir} holds another model than --like {args.like} (model specs differ)"
+        )
+    _out_dir(args.out, args.force)
+    with _bar(len(canonical_shapes(like)), "export", args.no_progress) as bar:
+        with _single_process_group(ckpt.format == "torch_dist"):
+            shards = export_hf(
+                canonical_groups(ckpt), like, args.out, _dtype(args.dtype), args.max_shard_size,
+                bar.update,
+            )  # fmt: skip
+    print(f"wrote {args.out} from {ckpt.path} ({len(shards)} safetensors shard(s))")
+    return 0
+
+
+class _single_process_group:
+    """Megatron's torch_dist reader runs collectives: a one-process gloo group for it."""
+
+    def __init__(self, needed: bool) -> None:
+        self.needed = needed
+        self.created = False
+
+    def __enter__(self) -> None:
+        import torch.distributed as dist
+
+        if self.needed and not dist.is_initialized():
+            from megatron_omnibal.megatron.cpu import enable_cpu_megatron
+
+            enable_cpu_megatron()
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+            self.created = True
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        if self.created:
+            dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.direction == "hf-to-megatron":
+        return _hf_to_megatron(args)
+    return _megatron_to_hf(args)
