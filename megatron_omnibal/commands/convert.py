@@ -16,7 +16,9 @@ def _counts(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"layer counts must be >= 0, got {text!r}")
     return values
@@ -203,12 +205,12 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
             f"{args.ckpt_dir} holds another model than --like {args.like} (model specs differ)"
         )
     _out_dir(args.out, args.force)
-    with _bar(len(canonical_shapes(like)), "export", args.no_progress) as bar:
-        with _single_process_group(ckpt.format == "torch_dist"):
-            shards = export_hf(
-                canonical_groups(ckpt), like, args.out, _dtype(args.dtype), args.max_shard_size,
-                bar.update,
-            )  # fmt: skip
+    bar = _bar(len(canonical_shapes(like)), "export", args.no_progress)
+    with bar, _single_process_group(ckpt.format == "torch_dist"):
+        shards = export_hf(
+            canonical_groups(ckpt), like, args.out, _dtype(args.dtype), args.max_shard_size,
+            bar.update,
+        )  # fmt: skip
     print(f"wrote {args.out} from {ckpt.path} ({len(shards)} safetensors shard(s))")
     return 0
 
