@@ -323,8 +323,9 @@ def test_cli_writes_a_loadable_length_file(data, oracle_tok, tmp_path, capsys):
     one_image = [r for r in data.recs if not isinstance(r.get("image"), list)]
     (tmp_path / "llava.json").write_text(json.dumps(one_image))
     rc = cli_main(["stats", str(tmp_path / "llava.json"), "--model", "llava-1.5-7b", "--tiling",
-                   "anyres", "--template", "hf", "--image-root", str(data.root), "--tokenizer", data.tok_dir, "--out",
-                   str(tmp_path / "next.npz"), "--workers", "2", "--no-progress"])
+                   "anyres", "--template", "hf", "--image-root", str(data.root), "--tokenizer",
+                   data.tok_dir, "--out", str(tmp_path / "next.npz"), "--workers", "2",
+                   "--no-progress"])
     assert rc == 0
     _check(load_lengths(tmp_path / "next.npz"),
            [_oracle(r, data.root, oracle_tok, "llava_next") for r in one_image])
