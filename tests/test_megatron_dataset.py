@@ -364,34 +364,54 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "megatron_workers"
 
 
-def _entry_flags(data, lengths_path, lengths):
+def _entry_flags(data_path, lengths_path, lengths, steps):
     return ["--omnibal", "--omnibal-model", "tiny", "--omnibal-lengths", str(lengths_path),
-            "--omnibal-data", str(data.root / "data.json"),
-            "--omnibal-tokenizer", str(data.root / "tok.json"),
-            "--omnibal-stats-args", INTERNVL_FLAGS, "--omnibal-data-tokens-per-tile", "4",
+            "--omnibal-data", str(data_path),
             "--omnibal-vit-budget", str(2 * int(lengths.vit.max())),
             "--omnibal-token-budget", str(2 * int(lengths.tokens.max())),
             "--pipeline-model-parallel-size", "2", "--omnibal-vit-pp-layers", "4,0",
             "--omnibal-llm-pp-layers", "1,3", "--micro-batch-size", "1",
-            "--global-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
-            "--transformer-impl", "local", "--seed", "5", "--log-interval", "1"]
+            "--global-batch-size", "2", "--train-iters", str(steps), "--lr", "1e-3",
+            "--transformer-impl", "local", "--seed", "5", "--log-interval", "1",
+            "--num-workers", "2"]
 
 
 @pytest.mark.megatron
-def test_pretrain_vlm_trains_on_the_dataset_and_refuses_other_lengths(data, tmp_path):
-    """PP=2 through torchrun: both stages read the same real samples, the last stage counts
-    exactly the oracle's answer tokens. A length file of other data stops the entry point with
-    the sample named, before any process group."""
-    lengths_path = _stats(data.root / "data.json", data.root / "tok.json", INTERNVL_FLAGS,
-                          tmp_path / "lengths.json")
+def test_pretrain_vlm_trains_on_the_dataset_skips_or_stops_at_a_bad_image(data, tmp_path):
+    """PP=2 through torchrun, 2 DataLoader workers per rank, one epoch. A truncated JPEG
+    passes `omnibal stats` (its header is intact). With --omnibal-bad-sample skip both stages
+    leave that sample out and read the same micro-batches, the last stage counts exactly the
+    oracle's answer tokens of the other samples, the report names it, and only the first stage
+    opens image files; by default the run stops naming it. Length files of other data or
+    without a stored configuration stop the entry point before any process group."""
+    import shutil
+
+    from megatron_omnibal.data.lengths import load_image_tiles, read_stats_config
+    from megatron_omnibal.data.sampler import BalancedBatchSampler
+
+    root = tmp_path / "copy"
+    shutil.copytree(data.root / "img", root / "img")
+    full = (root / "img" / "0.jpg").read_bytes()
+    (root / "img" / "cut.jpg").write_bytes(full[: len(full) // 2])
+    recs = [dict(r) for r in data.recs]
+    recs[0]["image"] = "img/cut.jpg"
+    (root / "data.json").write_text(json.dumps(recs))
+    lengths_path = _stats(root / "data.json", data.root / "tok.json", INTERNVL_FLAGS,
+                          tmp_path / "lengths.npz")
     lengths = load_lengths(lengths_path)
-    flags = _entry_flags(data, lengths_path, lengths)
+    steps = BalancedBatchSampler(lengths, dp_size=1, dp_rank=0, micro_batches=2,
+                                 vit_budget=2 * int(lengths.vit.max()),
+                                 token_budget=2 * int(lengths.tokens.max()),
+                                 seed=5).steps_per_epoch
+    flags = _entry_flags(root / "data.json", lengths_path, lengths, steps)
     bad = lengths.subset(np.arange(len(lengths)))
     bad.tokens[len(bad) - 1] += 3
-    save_lengths(bad, tmp_path / "bad.json")
-    bad_flags = [str(tmp_path / "bad.json") if f == str(lengths_path) else f for f in flags]
-    no_tok = [f for f in flags if f not in ("--omnibal-tokenizer", str(data.root / "tok.json"))]
-    (tmp_path / "cases.json").write_text(json.dumps([bad_flags, no_tok]))
+    save_lengths(bad, tmp_path / "bad.npz", config=read_stats_config(lengths_path),
+                 image_tiles=load_image_tiles(lengths_path))
+    save_lengths(lengths, tmp_path / "plain.json")
+    cases = [[str(tmp_path / name) if f == str(lengths_path) else f for f in flags]
+             for name in ("bad.npz", "plain.json")]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     proc = subprocess.run(
         [sys.executable, str(WORKERS / "train_validate.py"), str(tmp_path / "cases.json"),
@@ -405,24 +425,46 @@ def test_pretrain_vlm_trains_on_the_dataset_and_refuses_other_lengths(data, tmp_
     last = len(bad) - 1
     assert f"id a{last}" in refused[0]["error"][0]
     assert f"token_num={bad.tokens[last]}" in refused[0]["error"][0]
-    assert "needs --omnibal-tokenizer" in refused[1]["error"][0]
+    assert "holds no stats configuration" in refused[1]["error"][0]
+
+    report = tmp_path / "bad_samples.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(WORKERS / "train_record.py"), str(tmp_path / "run"), *flags,
+         "--omnibal-bad-sample", "skip", "--omnibal-bad-sample-report", str(report)],
+        env={**env, "OMNIBAL_WATCH_DIR": str(root / "img")}, capture_output=True, text=True,
+        timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = {}
+    for p in (tmp_path / "run").glob("rank*.json"):
+        doc = json.loads(p.read_text())
+        opened = tmp_path / "run" / f"opened_rank{doc['rank']}.txt"
+        doc["opened"] = opened.read_text().split() if opened.exists() else []
+        ranks[doc["pp_rank"]] = doc
+    first, second = ranks[0]["micro"], ranks[1]["micro"]
+    assert len(first) == len(second) == 2 * steps
+    assert [m["indices"] for m in first] == [m["indices"] for m in second]
+    assert sorted(i for m in first for i in m["indices"]) == list(range(len(lengths)))
+    assert ranks[0]["opened"] and not ranks[1]["opened"]  # pixels on the first stage only
+    assert str(root / "img" / "cut.jpg") in ranks[0]["opened"]
+    tok = _fresh_tokenizer(data.root / "tok.json", "internvl")
+    for micro in second:
+        expected = sum(int((_oracle_sample(recs[i], root, tok, "internvl", 6)[1]
+                            != -100).sum()) for i in micro["indices"] if i != 0)
+        assert micro["tokens"] == expected
+        assert np.isfinite(micro["loss"]) and micro["loss"] > 0
+    skipped = [json.loads(x) for x in report.read_text().splitlines()]
+    assert [(e["index"], "id a0" in e["sample"]) for e in skipped] == [(0, True)]
+    assert "cannot decode image" in skipped[0]["reason"]
+    assert "1 sample(s) could not be loaded and were skipped" in proc.stderr
 
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(WORKERS / "train_record.py"), str(tmp_path / "run"), *flags],
+         str(WORKERS / "train_record.py"), str(tmp_path / "stop"), *flags],
         env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    ranks = {json.loads(p.read_text())["pp_rank"]: json.loads(p.read_text())
-             for p in (tmp_path / "run").glob("rank*.json")}
-    first, second = ranks[0]["micro"], ranks[1]["micro"]
-    assert len(first) == len(second) == 6  # 3 steps x 2 micro-batches
-    assert [m["indices"] for m in first] == [m["indices"] for m in second]
-    tok = _fresh_tokenizer(data.root / "tok.json", "internvl")
-    for micro in second:
-        expected = sum(int((_oracle_sample(data.recs[i], data.root, tok, "internvl", 6)[1]
-                            != -100).sum()) for i in micro["indices"])
-        assert micro["tokens"] == expected
-        assert np.isfinite(micro["loss"]) and micro["loss"] > 0
+    assert proc.returncode != 0
+    stops = [x for x in proc.stderr.splitlines() if x.startswith("pretrain_vlm: error:")]
+    assert stops and "sample 0 (id a0)" in stops[0] and "cannot decode image" in stops[0]
 
 
 def test_samples_skipped_by_stats_are_left_out_in_order(data, tmp_path):
