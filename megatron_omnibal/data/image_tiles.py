@@ -91,7 +91,19 @@ def load_tiles(path: str | os.PathLike, config: TilingConfig, images_in_sample: 
         raise ImageDecodeError(f"{os.fspath(path)}: {len(tiles)} tiles from the decoded "
                                f"{img.width}x{img.height} image, the length file counts "
                                f"{expected} (the image changed since `omnibal stats`)")
-    mean, std = normalization(config)
-    pixels = np.stack([np.asarray(t, dtype=np.float32) for t in tiles]) / 255.0
-    pixels = (pixels - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
-    return np.ascontiguousarray(pixels.transpose(0, 3, 1, 2), dtype=np.float32)
+    return normalize(np.stack([np.asarray(t, dtype=np.uint8) for t in tiles]), config)
+
+
+def normalize(tiles: np.ndarray, config: TilingConfig) -> np.ndarray:
+    """uint8 [n, H, W, 3] tiles -> float32 [n, 3, H, W], (x / 255 - mean) / std.
+
+    Two passes over the output (a scaled copy, then the offset) instead of one per operation:
+    this runs for every tile of every micro-batch.
+    """
+    mean, std = (np.asarray(v, np.float64) for v in normalization(config))
+    scale = (1.0 / (255.0 * std)).astype(np.float32)[None, :, None, None]
+    offset = (-mean / std).astype(np.float32)[None, :, None, None]
+    out = np.empty((tiles.shape[0], 3, tiles.shape[1], tiles.shape[2]), np.float32)
+    np.multiply(tiles.transpose(0, 3, 1, 2), scale, out=out)
+    out += offset
+    return out

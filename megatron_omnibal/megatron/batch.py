@@ -10,6 +10,7 @@ their image tiles. No real images ship with the project: `synthetic_sample` turn
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
@@ -130,6 +131,18 @@ def drop_samples(batch: MicroBatch, drop: Sequence[int], tiles: Sequence[int]) -
     )
 
 
+def _output(tiles: int, tile_shape: tuple[int, ...]) -> torch.Tensor:
+    """The batch's pixel tensor; inside a DataLoader worker it is allocated in shared memory,
+    so handing it to the training process copies nothing (as torch's default_collate does)."""
+    from torch.utils.data import get_worker_info
+
+    if get_worker_info() is None:
+        return torch.empty((tiles, *tile_shape), dtype=torch.float32)
+    numel = tiles * math.prod(tile_shape)
+    storage = torch.UntypedStorage._new_shared(numel * 4)
+    return torch.empty(0, dtype=torch.float32).set_(storage).view(tiles, *tile_shape)
+
+
 def collate(samples: Sequence[Sample]) -> MicroBatch:
     """Pack samples into one micro-batch (order kept; every sample appears exactly once)."""
     if not samples:
@@ -161,7 +174,8 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
     elif any(is_shape_only(s.images) for s in samples):
         raise ValueError("collate: samples with pixels and shape-only samples mixed")
     else:
-        images = torch.cat([s.images.reshape(-1, *tile_shape) for s in samples])
+        images = torch.cat([s.images.reshape(-1, *tile_shape) for s in samples],
+                           out=_output(n_tiles, tile_shape))
     flags = torch.cat([s.image_flags for s in samples]).to(torch.int64)
     return MicroBatch(
         tokens=tokens,
