@@ -82,6 +82,10 @@ class BalancedDataIterator:
             num_workers=num_workers,
             prefetch_factor=prefetch if num_workers else None,
             pin_memory=pin_memory,
+            # The DataLoader draws its workers' base seed when iterated; from the global torch
+            # RNG that draw would shift the dropout stream of a resumed run (its RNG state is
+            # restored from the checkpoint before this iterator exists). Samples use no torch RNG.
+            generator=torch.Generator(),
         )
         self._batches = iter(loader)
         self.last_indices: list[int] = []  # the sample indices of the last micro-batch drawn
