@@ -26,7 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_omnibal.data.stats import StatsConfig, compute_stats
+from megatron_omnibal.data.stats import compute_stats
+from megatron_omnibal.data.stats_config import StatsConfig
 
 WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by",
          "at", "from", "it", "an", "be", "this", "which", "or", "are", "chart", "table", "value",

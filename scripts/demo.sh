@@ -42,7 +42,6 @@ echo "== 4. Megatron training on CPU: torchrun, 2 processes (gloo), PP=2, $STEPS
 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
     -m megatron_omnibal.pretrain_vlm \
     --omnibal --omnibal-plan "$OUT/plan.json" --omnibal-lengths "$OUT/lengths.npz" \
-    --omnibal-data-tokens-per-tile 4 \
     --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 4 \
     --train-iters "$STEPS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine \
     --transformer-impl local --seed 1 --log-interval 1 \

@@ -1,7 +1,9 @@
 """The balanced Megatron data iterator: exactly-once per epoch across DP ranks, resume positions
-equal to an uninterrupted stream, collated micro-batches holding exactly the drawn samples, and
-the model-side lengths (no Megatron process group needed)."""
+equal to an uninterrupted stream, collated micro-batches holding exactly the drawn samples, the
+same micro-batches with 0 and 2 DataLoader workers, skipped samples dropped alike on the deciding
+and the other ranks, and the model-side lengths (no Megatron process group needed)."""
 
+import json
 from collections import Counter
 from itertools import islice
 from pathlib import Path
@@ -12,8 +14,15 @@ import torch
 
 from megatron_omnibal.data.lengths import LengthsError, from_arrays, load_lengths
 from megatron_omnibal.data.sampler import BalancedBatchSampler
-from megatron_omnibal.megatron.batch import collate, synthetic_sample
+from megatron_omnibal.megatron.batch import is_shape_only, synthetic_sample
 from megatron_omnibal.megatron.data import BalancedDataIterator, model_lengths
+from megatron_omnibal.megatron.loader import (
+    BadSampleChannel,
+    BadSamplePolicy,
+    MicroBatchDataset,
+    SampleLoadError,
+)
+from megatron_omnibal.megatron.pretrain_vlm import filler_sample
 from megatron_omnibal.models.presets import PRESETS
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "internvl_subset.npz"
@@ -41,14 +50,26 @@ def _sampler(lengths, dp, rank, micro=2, **kw):
     )
 
 
-def _iterator(lengths, dp, rank, start=0, micro=2, **kw):
+def _dataset(lengths, pixels=False):
+    return MicroBatchDataset(
+        lambda i: synthetic_sample(i, lengths, SPEC, seed=3, pixels=pixels),
+        lambda: filler_sample(SPEC),
+    )
+
+
+def _iterator(lengths, dp, rank, start=0, micro=2, pixels=False, workers=0, **kw):
     return BalancedDataIterator(
         _sampler(lengths, dp, rank, micro, **kw),
         micro,
-        lambda i: synthetic_sample(i, lengths, SPEC, seed=3),
-        collate,
+        _dataset(lengths, pixels),
         start_step=start,
+        num_workers=workers,
     )
+
+
+def _draw(it):
+    next(it)
+    return it.last_indices
 
 
 def _epoch_steps(lengths, dp, epoch, **kw):
@@ -66,7 +87,7 @@ def test_each_sample_exactly_once_per_epoch_across_dp_ranks(lengths, dp):
         it = _iterator(lengths, dp, r)
         for e in range(2):
             for _ in range(steps[e] * 2):
-                epochs[e].update(it.next_indices())
+                epochs[e].update(_draw(it))
     for e, seen in enumerate(epochs):
         assert sorted(seen) == list(range(len(lengths))), f"epoch {e}: samples lost"
         assert max(seen.values()) == 1, f"epoch {e}: samples repeated"
@@ -80,11 +101,9 @@ def test_skipped_samples_are_the_only_ones_missing(lengths):
     steps = _epoch_steps(data, 2, 0, oversize="skip")
     seen = Counter()
     for rank in range(2):
-        it = BalancedDataIterator(
-            _sampler(data, 2, rank, oversize="skip"), 2, lambda i: i, lambda s: s
-        )
+        it = BalancedDataIterator(_sampler(data, 2, rank, oversize="skip"), 2, _dataset(data))
         for _ in range(steps * 2):
-            seen.update(it.next_indices())
+            seen.update(_draw(it))
     assert sorted(seen) == sorted(set(range(len(data))) - {big})
     assert max(seen.values()) == 1
 
@@ -94,13 +113,13 @@ def test_resumed_iterator_continues_the_uninterrupted_stream(lengths, start):
     """Seeking to step k (across epochs of different lengths) == drawing k steps and going on."""
     for rank in range(2):
         whole = _iterator(lengths, 2, rank)
-        expected = [whole.next_indices() for _ in range((start + 6) * 2)][start * 2 :]
+        expected = [_draw(whole) for _ in range((start + 6) * 2)][start * 2 :]
         resumed = _iterator(lengths, 2, rank, start=start)
-        assert [resumed.next_indices() for _ in range(12)] == expected
+        assert [_draw(resumed) for _ in range(12)] == expected
 
 
 def test_collated_batch_holds_exactly_the_drawn_samples(lengths):
-    it = _iterator(lengths, 2, 1)
+    it = _iterator(lengths, 2, 1, pixels=True)
     for batch in islice(it, 5):
         idx = it.last_indices
         want = [synthetic_sample(i, lengths, SPEC, seed=3) for i in idx]
@@ -108,14 +127,14 @@ def test_collated_batch_holds_exactly_the_drawn_samples(lengths):
         assert np.diff(cu).tolist() == [int(lengths.tokens[i]) for i in idx]
         assert torch.equal(batch.tokens[0], torch.cat([s.tokens for s in want]))
         assert torch.equal(batch.labels[0], torch.cat([s.labels for s in want]))
-        assert batch.images.shape[0] == int(lengths.vit[idx].sum())
+        assert torch.equal(batch.images, torch.cat([s.images for s in want]))
         assert int(batch.image_flags.sum()) == int(lengths.image_flags[idx].sum())
 
 
 def test_micro_batches_respect_the_budgets(lengths):
     it = _iterator(lengths, 1, 0)
     for _ in range(40):
-        idx = it.next_indices()
+        idx = _draw(it)
         assert lengths.vit[idx].sum() <= 24 and lengths.tokens[idx].sum() <= 256
 
 
@@ -154,15 +173,96 @@ class _Packs:
 
 
 def test_an_empty_pack_becomes_a_filler_without_loss_tokens(lengths):
-    from megatron_omnibal.megatron.pretrain_vlm import filler_sample
-
-    it = BalancedDataIterator(
-        _Packs([[3, 4], []], 2), 2, lambda i: synthetic_sample(i, lengths, SPEC, 3), collate,
-        filler=lambda: filler_sample(SPEC))  # fmt: skip
+    it = BalancedDataIterator(_Packs([[3, 4], []], 2), 2, _dataset(lengths))
     full, empty = next(it), next(it)
     assert full.num_samples == 2 and full.loss_mask.sum() > 0
     assert empty.num_samples == 1 and empty.tokens.shape == (1, 1)
     assert empty.loss_mask.sum() == 0 and empty.image_flags.tolist() == [0]
-    bare = BalancedDataIterator(_Packs([[]], 1), 1, lambda i: i, collate)
-    with pytest.raises(RuntimeError, match="empty micro-batch at step 0"):
-        next(bare)
+
+
+def _fields(batch):
+    return {k: v.clone() for k, v in batch.as_dict().items()}
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_workers_give_the_same_micro_batches_in_the_same_order_and_resume(lengths):
+    """0 and 2 DataLoader workers: identical indices, tokens, labels, pixels, also when
+    resumed in the middle of an epoch."""
+    steps = _epoch_steps(lengths, 1, 0)
+    start = steps // 2  # mid-epoch
+    runs = {}
+    for workers in (0, 2):
+        it = _iterator(lengths, 1, 0, pixels=True, workers=workers)
+        runs[workers] = [(list(it.last_indices), _fields(b)) for b in islice(it, 2 * (start + 3))]
+        resumed = _iterator(lengths, 1, 0, start=start, pixels=True, workers=workers)
+        runs[workers, "resumed"] = [(list(resumed.last_indices), _fields(b))
+                                    for b in islice(resumed, 6)]
+    for key in (0, 2):
+        got = runs[key, "resumed"]
+        want = runs[0][2 * start:]
+        assert [g[0] for g in got] == [w[0] for w in want]
+        for (_, a), (_, b) in zip(got, want, strict=True):
+            _same(a, b)
+    assert [r[0] for r in runs[2]] == [r[0] for r in runs[0]]
+    for (_, a), (_, b) in zip(runs[2], runs[0], strict=True):
+        _same(a, b)
+
+
+def test_ranks_without_pixels_get_the_same_tokens_and_shape_only_tiles(lengths):
+    with_pixels = _iterator(lengths, 2, 0, pixels=True)
+    without = _iterator(lengths, 2, 0, pixels=False, workers=1)
+    for a, b in islice(zip(with_pixels, without, strict=False), 6):
+        assert is_shape_only(b.images) and b.images.shape == a.images.shape
+        for key in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens",
+                    "image_flags"):
+            assert torch.equal(getattr(a, key), getattr(b, key)), key
+
+
+class _Failing(MicroBatchDataset):
+    """Synthetic samples; `bad` samples fail to load (on the ranks that load pixels)."""
+
+    def __init__(self, lengths, bad, pixels):
+        def make(i):
+            if pixels and i in bad:
+                raise SampleLoadError(f"sample {i}: cannot decode image x{i}.jpg")
+            return synthetic_sample(i, lengths, SPEC, seed=3, pixels=pixels)
+
+        super().__init__(make, lambda: filler_sample(SPEC))
+
+
+def test_a_failed_sample_stops_the_run_or_is_skipped_alike_on_every_rank(lengths, tmp_path):
+    from torch.distributed import HashStore
+
+    stream = _iterator(lengths, 1, 0)
+    first = [_draw(stream) for _ in range(6)]
+    bad = {first[1][0], first[4][-1]}
+    decider_it = BalancedDataIterator(_sampler(lengths, 1, 0), 2, _Failing(lengths, bad, True))
+    with pytest.raises(SampleLoadError, match=f"sample {first[1][0]}: cannot decode.*skip"):
+        for _ in range(6):
+            next(decider_it)
+    store = HashStore()
+    report = tmp_path / "bad.jsonl"
+    decider = BadSamplePolicy(mode="skip", decides=True, channel=BadSampleChannel(store, 0, 4),
+                              report=report, describe=lambda i: f"id s{i}")
+    follower = BadSamplePolicy(mode="skip", decides=False,
+                               channel=BadSampleChannel(store, 0, 4))
+    its = [BalancedDataIterator(_sampler(lengths, 1, 0), 2, _Failing(lengths, bad, pixels),
+                                num_workers=workers, policy=policy)
+           for pixels, workers, policy in ((True, 2, decider), (False, 0, follower))]
+    for k in range(6):
+        a, b = next(its[0]), next(its[1])  # the decider reaches micro-batch k first
+        kept = [i for i in first[k] if i not in bad]
+        want = [synthetic_sample(i, lengths, SPEC, seed=3) for i in kept]
+        for batch in (a, b):
+            assert torch.equal(batch.tokens[0], torch.cat([s.tokens for s in want]))
+            assert batch.images.shape[0] == sum(len(s.images) for s in want)
+        assert torch.equal(a.images, torch.cat([s.images for s in want]))
+    lines = [json.loads(x) for x in report.read_text().splitlines()]
+    assert sorted(e["index"] for e in lines) == sorted(bad)
+    assert {e["sample"] for e in lines} == {f"id s{i}" for i in bad}
+    assert decider.skipped == 2 and "2 sample(s)" in decider.summary()

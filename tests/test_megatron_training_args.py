@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_omnibal.data.lengths import from_arrays, load_lengths, save_lengths
+from megatron_omnibal.data.lengths import from_arrays, load_lengths, read_stats_config, save_lengths
 from megatron_omnibal.models.presets import get_preset
 from megatron_omnibal.planner.hardware import get_hardware
 from megatron_omnibal.planner.plan import make_plan
@@ -52,10 +52,11 @@ def _plan(path, stages, tp=1, **data):
 def cases(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad")
     real = load_lengths(EXAMPLE).subset(np.arange(30))
+    counted = read_stats_config(EXAMPLE)  # 256 image tokens per tile
     good = tmp / "lengths.npz"
-    save_lengths(real, good)
+    save_lengths(real, good, config=counted)
     llava = tmp / "llava.npz"  # 300 tokens cannot hold 2 tiles x 256 image tokens
-    save_lengths(from_arrays([2, 3], [300, 700], [2, 3]), llava)
+    save_lengths(from_arrays([2, 3], [300, 700], [2, 3]), llava, config=counted)
     plan4 = _plan(tmp / "plan4.json", [
         _stage(0, 4, [0, 4], [0, 0], True), _stage(1, 4, [4, 4], [0, 1], False),
         _stage(2, 4, [4, 4], [1, 3], False), _stage(3, 4, [4, 4], [3, 4], False)])  # fmt: skip

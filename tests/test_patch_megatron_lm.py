@@ -66,12 +66,12 @@ def test_patch_touches_only_pretrain_vlm_and_only_adds(patched_checkout: Path) -
 @pytest.fixture(scope="module")
 def lengths_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """40 real records of the shipped example data."""
-    from megatron_omnibal.data.lengths import load_lengths, save_lengths
+    from megatron_omnibal.data.lengths import load_lengths, read_stats_config, save_lengths
 
     real = load_lengths(EXAMPLE)
     pick = np.sort(np.random.default_rng(1).choice(len(real), 40, replace=False))
     path = tmp_path_factory.mktemp("lengths") / "lengths.npz"
-    save_lengths(real.subset(pick), path)
+    save_lengths(real.subset(pick), path, config=read_stats_config(EXAMPLE))  # 256 per tile
     return path
 
 

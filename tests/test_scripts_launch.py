@@ -243,11 +243,13 @@ def test_single_node_cpu_trains_a_pipeline(tmp_path: Path) -> None:
     PP=2 for 3 steps and each pipeline stage writes its own checkpoint shard."""
     import numpy as np
 
-    from megatron_omnibal.data.lengths import load_lengths, save_lengths
+    from megatron_omnibal.data.lengths import load_lengths, read_stats_config, save_lengths
 
     real = load_lengths(ROOT / "examples" / "data" / "internvl_subset.npz")
     lengths = tmp_path / "lengths.npz"
-    save_lengths(real.subset(np.arange(0, len(real), len(real) // 40)[:40]), lengths)
+    counted = read_stats_config(ROOT / "examples" / "data" / "internvl_subset.npz")
+    save_lengths(real.subset(np.arange(0, len(real), len(real) // 40)[:40]), lengths,
+                 config=counted)
     flags = [
         "--omnibal", "--omnibal-model", "tiny", "--omnibal-lengths", str(lengths),
         "--omnibal-vit-budget", "16", "--omnibal-token-budget", "160",

@@ -19,7 +19,8 @@ from PIL import Image
 from megatron_omnibal.cli import main as cli_main
 from megatron_omnibal.data.conversations import INTERNVL_SYSTEM, LLAVA_IMAGE, VICUNA_SYSTEM
 from megatron_omnibal.data.lengths import load_lengths
-from megatron_omnibal.data.stats import StatsConfig, StatsError, compute_stats, write_outputs
+from megatron_omnibal.data.stats import StatsError, compute_stats, write_outputs
+from megatron_omnibal.data.stats_config import StatsConfig
 from megatron_omnibal.data.tiling import DEFAULT_PINPOINTS, TilingConfig
 
 WORDS = ["the", "a", "cat", "dog", "image", "chart", "shows", "value", "of", "year", "red",
@@ -312,24 +313,27 @@ def test_bad_samples_stop_the_run_or_are_listed_as_skipped(data, oracle_tok, tmp
 
 
 def test_cli_writes_a_loadable_length_file(data, oracle_tok, tmp_path, capsys):
-    out = tmp_path / "lengths.jsonl"
-    rc = cli_main(["stats", str(data.root / "data.json"), "--tokenizer", data.tok_dir,
-                   "--out", str(out), "--workers", "1", "--max-tiles", "6", "--no-progress"])
+    out = tmp_path / "lengths.json"
+    rc = cli_main(["stats", str(data.root / "data.json"), "--model", "internvl2-8b",
+                   "--tokenizer", data.tok_dir, "--out", str(out), "--format", "jsonl",
+                   "--workers", "1", "--max-tiles", "6", "--no-progress"])
     assert rc == 0
     _check(load_lengths(out), [_oracle(r, data.root, oracle_tok, max_tiles=6) for r in data.recs])
     assert f"{len(data.recs)} samples in 1 dataset(s), 0 skipped" in capsys.readouterr().err
     one_image = [r for r in data.recs if not isinstance(r.get("image"), list)]
     (tmp_path / "llava.json").write_text(json.dumps(one_image))
-    rc = cli_main(["stats", str(tmp_path / "llava.json"), "--model", "llava_next", "--template",
-                   "hf", "--image-root", str(data.root), "--tokenizer", data.tok_dir, "--out",
-                   str(tmp_path / "next.npz"), "--workers", "2", "--no-progress"])
+    rc = cli_main(["stats", str(tmp_path / "llava.json"), "--model", "llava-1.5-7b", "--tiling",
+                   "anyres", "--template", "hf", "--image-root", str(data.root), "--tokenizer",
+                   data.tok_dir, "--out", str(tmp_path / "next.npz"), "--workers", "2",
+                   "--no-progress"])
     assert rc == 0
     _check(load_lengths(tmp_path / "next.npz"),
            [_oracle(r, data.root, oracle_tok, "llava_next") for r in one_image])
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"id": "x", "image": "nope.png",
                                 "conversations": [{"from": "human", "value": "a"}]}]))
-    rc = cli_main(["stats", str(bad), "--tokenizer", data.tok_dir, "--out",
+    rc = cli_main(["stats", str(bad), "--model", "internvl2-8b", "--tokenizer", data.tok_dir,
+                   "--out",
                    str(tmp_path / "bad_out.json"), "--workers", "1", "--no-progress"])
     assert rc == 1 and "sample 0 (id x): cannot read image" in capsys.readouterr().err
     assert not (tmp_path / "bad_out.json").exists()

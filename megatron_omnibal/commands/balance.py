@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the plan (.npz, DESIGN.md 'Balance plan')")
     parser.add_argument("--json", dest="json_out", help="write the figures as JSON")
+    parser.add_argument("--png", help="plot per-step, per-rank tiles and tokens of the plan "
+                                      "beside random batching to this PNG file")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         save_plan(plan, args.out)
     _print_table(plan.meta, ours, base, per_micro, elapsed, len(lengths))
+    if args.png:
+        from megatron_omnibal.data.plots import plot_balance
+
+        print(f"wrote {plot_balance(plan, base_plan, lengths, args.png)}")
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump({"meta": plan.meta, "plan": ours, "random_batching": base,

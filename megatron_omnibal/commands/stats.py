@@ -8,56 +8,64 @@ import sys
 
 HELP = "compute per-sample length statistics (image tiles, tokens) of a VLM dataset"
 
-# Model presets: the vision tiling and the text side each model family uses.
-PRESETS = {
-    "internvl": dict(mode="dynamic", tile=448, max_tiles=12, tokens_per_tile=256,
-                     template="internvl2_5", style="internvl"),
-    "llava15": dict(mode="fixed", tile=336, max_tiles=1, tokens_per_tile=576,
-                    template="vicuna_v1", style="llava"),
-    "llava_next": dict(mode="anyres", tile=336, max_tiles=1, tokens_per_tile=576,
-                       template="vicuna_v1", style="llava"),
-}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dataset", help="LLaVA-style JSON list, JSONL, or InternVL meta JSON")
-    parser.add_argument("--tokenizer", required=True,
-                        help="local tokenizer: a Hugging Face directory or a tokenizer.json")
+    parser.add_argument("dataset", help="LLaVA-style JSON list, JSONL, ShareGPT/messages "
+                        "records, or InternVL meta JSON")
+    parser.add_argument("--model", required=True, metavar="NAME|FILE|HF_DIR",
+                        help="the model the lengths are for: a preset (omnibal presets), a "
+                             "model_spec JSON/YAML, or a Hugging Face checkpoint directory "
+                             "(its tiling, template and tokenizer are read from it)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="local tokenizer: a Hugging Face directory or a tokenizer.json "
+                             "(default: the --model checkpoint directory's)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow a tokenizer directory's own Python code (auto_map), e.g. "
+                             "InternLM2's; it runs on this machine")
     parser.add_argument("--out", required=True,
-                        help="length file (.json/.jsonl/.npz); for a meta input the meta .json")
-    parser.add_argument("--model", choices=sorted(PRESETS), default="internvl",
-                        help="preset for tiling, tokens per tile and template (default internvl)")
+                        help="length file: .npz (one file), or .json (a meta file naming one "
+                             "length file per dataset, in --format); the configuration of this "
+                             "run is stored in it")
     parser.add_argument("--template", choices=["internvl2_5", "vicuna_v1", "hf"],
-                        help="chat template; 'hf' uses the tokenizer's own chat template")
+                        help="chat template (default: the model's); 'hf' uses the tokenizer's "
+                             "own chat template")
     parser.add_argument("--system-prompt", default=None,
                         help="system message (default: the template's own)")
-    parser.add_argument("--tile-size", type=int, help="tile side in pixels (448 / 336)")
-    parser.add_argument("--min-tiles", type=int, default=1, help="InternVL min_dynamic_patch")
+    parser.add_argument("--tiling", choices=["dynamic", "fixed", "anyres"],
+                        help="image tiling (default: the model's; anyres = LLaVA-NeXT)")
+    parser.add_argument("--min-tiles", type=int, help="InternVL min_dynamic_patch")
     parser.add_argument("--max-tiles", type=int,
-                        help="InternVL max_dynamic_patch (default 12; a meta entry's "
-                             "max_dynamic_patch overrides it)")
+                        help="InternVL max_dynamic_patch (default: the model's, else 12; a meta "
+                             "entry's max_dynamic_patch overrides it)")
     parser.add_argument("--no-thumbnail", action="store_true",
                         help="InternVL without the thumbnail tile (use_thumbnail=False)")
-    parser.add_argument("--tokens-per-tile", type=int,
-                        help="LLM tokens per tile (256 InternVL, 576 CLIP-L/336)")
     parser.add_argument("--pinpoints", default=None,
                         help="LLaVA-NeXT grid resolutions as HxW list, e.g. 336x672,672x336")
     parser.add_argument("--no-dummy-tile", action="store_true",
                         help="text-only samples get vit_num 0 instead of one blank tile")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="samples with more tokens are errors (or skipped)")
+    parser.add_argument("--verify-images", action="store_true",
+                        help="decode every image fully (in the worker processes), not only its "
+                             "header: truncated or corrupt files become bad samples")
+    parser.add_argument("--extra-keys", default="",
+                        help="comma-separated record keys that carry no content, accepted "
+                             "besides the known ones (unknown keys are errors)")
     parser.add_argument("--on-error", choices=["error", "skip"], default="error",
                         help="bad sample: stop (default) or leave it out and list it in the "
                              "skipped report")
     parser.add_argument("--skipped", default=None,
                         help="skipped report path (default: <out stem>.skipped.json)")
     parser.add_argument("--format", choices=["json", "jsonl", "npz"], default="json",
-                        help="per-dataset file format for a meta input (default json)")
+                        help="per-dataset file format of a .json (meta) output (default json)")
     parser.add_argument("--image-root", default=None,
                         help="image folder of a JSON/JSONL input (default: its folder)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="worker processes (default: all cores)")
     parser.add_argument("--chunk-size", type=int, default=256, help="samples per work item")
+    parser.add_argument("--png", default=None,
+                        help="also plot the tiles and tokens distributions per dataset to this "
+                             "PNG file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -70,27 +78,39 @@ def _pinpoints(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def build_config(args: argparse.Namespace):
-    """The StatsConfig of the chosen preset with the flags given on top."""
-    from megatron_omnibal.data import conversations as conv
-    from megatron_omnibal.data.stats import StatsConfig
-    from megatron_omnibal.data.tiling import DEFAULT_PINPOINTS, TilingConfig
+    """The StatsConfig of the model's data side with the flags given on top."""
+    from dataclasses import replace
+    from pathlib import Path
 
-    preset = PRESETS[args.model]
-    tiling = TilingConfig(
-        mode=preset["mode"],
-        tile=args.tile_size or preset["tile"],
-        min_tiles=args.min_tiles,
-        max_tiles=args.max_tiles or preset["max_tiles"],
-        thumbnail=not args.no_thumbnail,
-        tokens_per_tile=args.tokens_per_tile or preset["tokens_per_tile"],
-        pinpoints=_pinpoints(args.pinpoints) if args.pinpoints else DEFAULT_PINPOINTS,
-        features_per_side=round((args.tokens_per_tile or preset["tokens_per_tile"]) ** 0.5),
-    )
-    style = conv.INTERNVL_IMAGE if preset["style"] == "internvl" else conv.LLAVA_IMAGE
-    return StatsConfig(tokenizer=args.tokenizer, tiling=tiling,
-                       template=args.template or preset["template"], image_style=style,
-                       system=args.system_prompt, dummy_tile=not args.no_dummy_tile,
-                       max_tokens=args.max_tokens)
+    from megatron_omnibal.data.model_data import model_data_side
+    from megatron_omnibal.data.stats_config import ModelLayout, StatsConfig
+    from megatron_omnibal.models.resolve import resolve_model
+
+    spec = resolve_model(args.model)
+    side = model_data_side(spec, args.model if Path(args.model).is_dir() else None)
+    tiling = side.tiling
+    if args.tiling and args.tiling != tiling.mode:
+        tiling = replace(tiling, mode=args.tiling, max_tiles=12 if args.tiling == "dynamic"
+                         else 1, features_per_side=spec.vit.image_size // spec.vit.patch_size)
+    overrides = {"min_tiles": args.min_tiles, "max_tiles": args.max_tiles,
+                 "pinpoints": _pinpoints(args.pinpoints) if args.pinpoints else None}
+    tiling = replace(tiling, **{k: v for k, v in overrides.items() if v is not None})
+    if args.no_thumbnail:
+        tiling = replace(tiling, thumbnail=False)
+    template = args.template or side.template
+    if template is None:
+        raise ValueError(f"{side.template_note}: give --template (internvl2_5, vicuna_v1, or "
+                         "hf for the tokenizer's own chat template)")
+    tokenizer = args.tokenizer or side.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"--model {args.model} holds no tokenizer: give --tokenizer")
+    return StatsConfig(tokenizer=tokenizer, tiling=tiling, template=template,
+                       image_style=side.image_style, system=args.system_prompt,
+                       dummy_tile=not args.no_dummy_tile, max_tokens=args.max_tokens,
+                       trust_remote_code=args.trust_remote_code,
+                       verify_images=args.verify_images,
+                       extra_keys=tuple(k for k in args.extra_keys.split(",") if k),
+                       model=ModelLayout.from_spec(spec))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"omnibal stats: error: {exc}", file=sys.stderr)
         return 1
     written = write_outputs(result, args.out, args.format, args.skipped)
+    if args.png:
+        from megatron_omnibal.data.plots import plot_stats
+
+        written.append(plot_stats(result.stats, args.png))
     stats = result.stats
     n = sum(result.records)
     rate = n / result.seconds if result.seconds > 0 else float("inf")

@@ -1,9 +1,8 @@
 """One dataset record -> its images and the text pieces the LLM tokenizer will see.
 
-Records are LLaVA/InternVL style: {"id", "image": path | [paths] (optional), "conversations":
-[{"from": "system"|"human"|"gpt", "value"}...]}. The k-th `<image>` placeholder in the human
-turns stands for the k-th image; a single image without a placeholder gets one in front of the
-first human turn (as InternVL's loader does). Each placeholder becomes the model's image tokens.
+Turns come from data/records.py as (role, text) with role human/gpt/system and every image's
+`<image>` placeholder in place; the k-th placeholder in the human turns stands for the k-th
+image. Each placeholder becomes the model's image tokens.
 
 Image tokens are counted, not spelled out: a placeholder is rendered with ONE image-context
 token and `extra` carries the other n - 1. That is exact because the context token is an added
@@ -45,62 +44,6 @@ class ImageStyle:
 
 INTERNVL_IMAGE = ImageStyle("<img>", "<IMG_CONTEXT>", "</img>")
 LLAVA_IMAGE = ImageStyle("", "<image>", "")
-
-
-def sample_images(record: dict) -> list[str]:
-    """The record's image paths, in order ([] for a text-only sample)."""
-    if record.get("video"):
-        raise SampleError("video samples are not supported (frames are sampled at load time)")
-    image = record.get("image")
-    if image is None or image == "" or image == []:
-        return []
-    if isinstance(image, str):
-        return [image]
-    if isinstance(image, list) and all(isinstance(p, str) and p for p in image):
-        return list(image)
-    raise SampleError(f"'image' must be a path or a list of paths, got {image!r:.80}")
-
-
-def sample_turns(record: dict) -> list[tuple[str, str]]:
-    """(role, text) turns, checked: optional system first, then human/gpt alternating."""
-    conv = record.get("conversations")
-    if not isinstance(conv, list) or not conv:
-        raise SampleError("'conversations' must be a non-empty list")
-    turns = []
-    for k, msg in enumerate(conv):
-        if not isinstance(msg, dict) or not isinstance(msg.get("value"), str):
-            raise SampleError(f"conversation turn {k} must be {{'from', 'value': str}}")
-        role = msg.get("from")
-        if role not in ROLES:
-            raise SampleError(f"conversation turn {k}: unknown role {role!r} "
-                              "(expected human, gpt or system)")
-        turns.append((role, msg["value"]))
-    first = 1 if turns[0][0] == "system" else 0
-    for k in range(first, len(turns)):
-        expected = "human" if (k - first) % 2 == 0 else "gpt"
-        if turns[k][0] != expected:
-            raise SampleError(f"conversation turn {k}: expected '{expected}', "
-                              f"got '{turns[k][0]}'")
-    if first == len(turns):
-        raise SampleError("conversation has no human turn")
-    return turns
-
-
-def place_images(turns: list[tuple[str, str]], n_images: int,
-                 single_path: bool) -> list[tuple[str, str]]:
-    """Check that placeholders match images; add the missing one of a single-image sample."""
-    found = sum(text.count(IMAGE_PLACEHOLDER) for role, text in turns if role == "human")
-    if found == 0 and n_images == 1 and single_path:
-        k = next(i for i, (role, _) in enumerate(turns) if role == "human")
-        turns = list(turns)
-        turns[k] = ("human", f"{IMAGE_PLACEHOLDER}\n{turns[k][1]}")
-        found = 1
-    if found != n_images:
-        raise SampleError(f"{n_images} image(s) but {found} '{IMAGE_PLACEHOLDER}' "
-                          "placeholder(s) in the human turns")
-    if any(IMAGE_PLACEHOLDER in text for role, text in turns if role != "human"):
-        raise SampleError(f"'{IMAGE_PLACEHOLDER}' placeholder outside a human turn")
-    return turns
 
 
 def expand_images(turns: list[tuple[str, str]], image_text: Sequence[str]) -> list[tuple[str, str]]:

@@ -42,7 +42,19 @@ def image_size(path: str | os.PathLike) -> tuple[int, int]:
         raise ImageHeaderError(f"corrupt image {os.fspath(path)}: {exc}") from exc
     if size[0] <= 0 or size[1] <= 0:
         raise ImageHeaderError(f"corrupt image {os.fspath(path)}: size {size[0]}x{size[1]}")
+    check_pixel_limit(path, size)
     return size
+
+
+def check_pixel_limit(path: str | os.PathLike, size: tuple[int, int]) -> None:
+    """Refuse what Pillow refuses to decode (a decompression bomb): 2x Image.MAX_IMAGE_PIXELS."""
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit and size[0] * size[1] > 2 * limit:
+        raise ImageHeaderError(
+            f"decompression bomb {os.fspath(path)}: {size[0]}x{size[1]} = "
+            f"{size[0] * size[1]:,} pixels, over Pillow's limit of {2 * limit:,}")
 
 
 def _png_size(head: bytes) -> tuple[int, int]:
@@ -91,6 +103,7 @@ def _pillow_size(path: str | os.PathLike) -> tuple[int, int]:
     try:
         with Image.open(path) as img:
             return img.size
-    except (UnidentifiedImageError, Image.DecompressionBombError, SyntaxError,
-            ValueError) as exc:
+    except Image.DecompressionBombError as exc:
+        raise ImageHeaderError(f"decompression bomb ({exc})") from exc
+    except (UnidentifiedImageError, SyntaxError, ValueError) as exc:
         raise ImageHeaderError(f"not a readable image ({exc})") from exc

@@ -53,24 +53,57 @@ def tile_image(image: Image.Image, config: TilingConfig,
     return tiles
 
 
-def load_tiles(path: str | os.PathLike, config: TilingConfig,
-               images_in_sample: int = 1) -> np.ndarray:
-    """float32 [tiles, 3, tile, tile] of the image at `path`, normalized for the encoder.
+class ImageDecodeError(ValueError):
+    """An image that cannot be decoded: missing, truncated, corrupt, or a decompression bomb."""
 
-    The count is checked against data/tiling.py's `image_tiles` (what the length file holds).
+
+def decode_image(path: str | os.PathLike) -> Image.Image:
+    """The fully decoded image at `path` (every pixel read), or ImageDecodeError naming it.
+
+    A truncated JPEG passes a header read and fails only here; Pillow refuses images over
+    2x Image.MAX_IMAGE_PIXELS (decompression bombs) before decoding them.
     """
+    where = os.fspath(path)
     try:
         with Image.open(path) as img:
             img.load()
-            tiles = tile_image(img, config, images_in_sample)
-            size = img.size
-    except OSError as exc:
-        raise ValueError(f"cannot decode image {os.fspath(path)}: {exc}") from exc
-    expected, _ = image_tiles(size[0], size[1], config, images_in_sample)
+            return img.copy() if img.mode == "RGB" else img.convert("RGB")
+    except Image.DecompressionBombError as exc:
+        raise ImageDecodeError(f"decompression bomb {where}: {exc}") from exc
+    except FileNotFoundError as exc:
+        raise ImageDecodeError(f"cannot read image {where}: {exc.strerror}") from exc
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise ImageDecodeError(f"cannot decode image {where}: {exc}") from exc
+
+
+def load_tiles(path: str | os.PathLike, config: TilingConfig, images_in_sample: int = 1,
+               expected: int | None = None) -> np.ndarray:
+    """float32 [tiles, 3, tile, tile] of the image at `path`, normalized for the encoder.
+
+    The count is checked against `expected` (what the length file holds), else against
+    data/tiling.py's `image_tiles` of the decoded size.
+    """
+    img = decode_image(path)
+    tiles = tile_image(img, config, images_in_sample)
+    if expected is None:
+        expected, _ = image_tiles(img.width, img.height, config, images_in_sample)
     if len(tiles) != expected:
-        raise ValueError(f"{os.fspath(path)}: {len(tiles)} tiles decoded, the tiling counts "
-                         f"{expected}")
-    mean, std = normalization(config)
-    pixels = np.stack([np.asarray(t, dtype=np.float32) for t in tiles]) / 255.0
-    pixels = (pixels - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
-    return np.ascontiguousarray(pixels.transpose(0, 3, 1, 2), dtype=np.float32)
+        raise ImageDecodeError(f"{os.fspath(path)}: {len(tiles)} tiles from the decoded "
+                               f"{img.width}x{img.height} image, the length file counts "
+                               f"{expected} (the image changed since `omnibal stats`)")
+    return normalize(np.stack([np.asarray(t, dtype=np.uint8) for t in tiles]), config)
+
+
+def normalize(tiles: np.ndarray, config: TilingConfig) -> np.ndarray:
+    """uint8 [n, H, W, 3] tiles -> float32 [n, 3, H, W], (x / 255 - mean) / std.
+
+    Two passes over the output (a scaled copy, then the offset) instead of one per operation:
+    this runs for every tile of every micro-batch.
+    """
+    mean, std = (np.asarray(v, np.float64) for v in normalization(config))
+    scale = (1.0 / (255.0 * std)).astype(np.float32)[None, :, None, None]
+    offset = (-mean / std).astype(np.float32)[None, :, None, None]
+    out = np.empty((tiles.shape[0], 3, tiles.shape[1], tiles.shape[2]), np.float32)
+    np.multiply(tiles.transpose(0, 3, 1, 2), scale, out=out)
+    out += offset
+    return out

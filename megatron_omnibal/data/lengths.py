@@ -5,6 +5,10 @@ the LLM sees (`token_num`), plus `image_flags`, the real (non-dummy) tiles. They
 OmniBal JSON list, as a meta JSON naming one such file per dataset, as JSONL, or as our compact
 `.npz`. Every record is checked, and an error names the file and the record index, because a
 silently wrong length becomes a silently unbalanced (or crashing) training job days later.
+
+`omnibal stats` also stores how it counted (data/stats_config.py) in a `.npz` (`stats_config`)
+or in each entry of a meta JSON, and the tiles of each image of a multi-image sample
+(`image_tiles`), which the training loader needs on ranks that never open the images.
 """
 
 from __future__ import annotations
@@ -122,10 +126,27 @@ def load_lengths(path: str | os.PathLike, cache: bool = True) -> LengthStats:
     return stats
 
 
-def save_lengths(stats: LengthStats, path: str | os.PathLike) -> None:
-    """Write statistics as `.npz` (compact), `.jsonl` or a `.json` list, chosen by suffix."""
+ImageTiles = dict[int, tuple[int, ...]]  # sample index -> tiles of each image (2+ images)
+
+
+def save_lengths(stats: LengthStats, path: str | os.PathLike, config: dict | None = None,
+                 image_tiles: ImageTiles | None = None) -> None:
+    """Write statistics as `.npz` (compact), `.jsonl` or a `.json` list, chosen by suffix.
+
+    `config` (the stats configuration) is stored in a `.npz` only; a JSON list keeps the
+    OmniBal record format (a meta JSON entry carries the configuration instead).
+    """
     path = Path(path)
+    tiles = image_tiles or {}
+    bad = [i for i, t in tiles.items() if not 0 <= i < len(stats) or sum(t)
+           != stats.image_flags[i]]
+    if bad:
+        raise LengthsError(f"{path}: image_tiles of sample {bad[0]} do not add up to its "
+                           "image_flags")
     if path.suffix == ".npz":
+        order = sorted(tiles)
+        ptr = np.cumsum([0, *(len(tiles[i]) for i in order)])
+        extra = {"stats_config": np.array(json.dumps(config))} if config is not None else {}
         np.savez_compressed(
             path,
             vit=stats.vit.astype(_smallest_uint(stats.vit)),
@@ -134,15 +155,85 @@ def save_lengths(stats: LengthStats, path: str | os.PathLike) -> None:
             dataset=stats.dataset.astype(_smallest_uint(stats.dataset)),
             names=np.array(json.dumps(list(stats.names))),
             version=np.array(FORMAT_VERSION),
+            multi_index=np.asarray(order, np.int64),
+            multi_ptr=ptr.astype(np.int64),
+            multi_tiles=np.asarray([t for i in order for t in tiles[i]], np.int64),
+            **extra,
         )
         return
     records = [{"vit_num": int(v), "token_num": int(t), "image_flags": int(f)}
                for v, t, f in zip(stats.vit, stats.tokens, stats.image_flags, strict=True)]
+    for i, t in tiles.items():
+        records[i]["image_tiles"] = [int(x) for x in t]
     with open(path, "w") as fh:
         if path.suffix == ".jsonl":
             fh.writelines(json.dumps(r) + "\n" for r in records)
         else:
             json.dump(records, fh)
+
+
+def read_stats_config(path: str | os.PathLike) -> dict | None:
+    """The stats configuration stored in a length file (None: none stored, e.g. a plain
+    OmniBal JSON list). A meta JSON's entries must all carry the same one, or none."""
+    path = Path(path)
+    if path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as z:
+            return json.loads(str(z["stats_config"])) if "stats_config" in z.files else None
+    meta = _meta_doc(path)
+    if meta is None:
+        return None
+    configs = [entry.get("stats_config") for entry in meta.values()]
+    if any(c != configs[0] for c in configs):
+        raise LengthsError(f"{path}: the datasets carry different stats configurations "
+                           "(made by separate `omnibal stats` runs); measure them in one run")
+    return configs[0]
+
+
+def load_image_tiles(path: str | os.PathLike) -> ImageTiles:
+    """Tiles of each image of the multi-image samples, by sample index (meta order)."""
+    path = Path(path)
+    meta = _meta_doc(path)
+    if meta is None:
+        return _image_tiles(path)
+    out: ImageTiles = {}
+    offset = 0
+    for entry in meta.values():
+        child = (path.parent / str(entry["token_lengths"])).resolve()
+        out.update({offset + i: t for i, t in _image_tiles(child).items()})
+        offset += len(load_lengths(child))
+    return out
+
+
+def _image_tiles(path: Path) -> ImageTiles:
+    if path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as z:
+            if "multi_index" not in z.files:
+                return {}
+            index, ptr, tiles = z["multi_index"], z["multi_ptr"], z["multi_tiles"]
+        return {int(i): tuple(int(t) for t in tiles[ptr[k]:ptr[k + 1]])
+                for k, i in enumerate(index)}
+    text = path.read_text()
+    records = (json.loads(line) for line in text.splitlines() if line.strip()) \
+        if path.suffix == ".jsonl" else json.loads(text)
+    return {i: tuple(r["image_tiles"]) for i, r in enumerate(records)
+            if isinstance(r, dict) and "image_tiles" in r}
+
+
+def _meta_doc(path: Path) -> dict | None:
+    """The meta JSON object of a length file, or None if it is not one."""
+    if path.suffix == ".npz":
+        return None
+    try:
+        with open(path) as fh:
+            if fh.read(4096).lstrip()[:1] != "{":
+                return None
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or _is_record(doc) or not all(
+            isinstance(e, dict) and "token_lengths" in e for e in doc.values()):
+        return None
+    return doc
 
 
 def _load_npz(path: Path) -> LengthStats:

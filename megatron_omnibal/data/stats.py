@@ -3,7 +3,8 @@
 For every sample: `vit_num` (image tiles the vision encoder runs, a text-only sample's dummy tile
 included), `image_flags` (the real tiles) and `token_num` (tokens of the whole conversation after
 the chat template, image placeholders expanded to the image tokens). Images are measured from
-their headers and tokens counted with the model's tokenizer, in worker processes.
+their headers (or fully decoded, with `verify_images`) and tokens counted with the model's
+tokenizer, in worker processes. The configuration is stored with the lengths (stats_config.py).
 
 A sample that cannot be measured (missing or corrupt image, bad conversation, more tokens than
 `max_tokens`) stops the run (`on_error="error"`) or is left out of the length file and listed in
@@ -20,7 +21,7 @@ import re
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,16 @@ from megatron_omnibal.data.annotations import (
     read_records,
 )
 from megatron_omnibal.data.image_header import ImageHeaderError, image_size
-from megatron_omnibal.data.lengths import LengthStats, concat, from_arrays, save_lengths
+from megatron_omnibal.data.image_tiles import ImageDecodeError, decode_image
+from megatron_omnibal.data.lengths import (
+    ImageTiles,
+    LengthStats,
+    concat,
+    from_arrays,
+    save_lengths,
+)
+from megatron_omnibal.data.records import read_sample
+from megatron_omnibal.data.stats_config import StatsConfig, config_to_dict
 from megatron_omnibal.data.tiling import TilingConfig, image_tiles
 from megatron_omnibal.data.tokenization import TokenCounter
 
@@ -44,26 +54,6 @@ ON_ERROR = ("error", "skip")
 
 class StatsError(ValueError):
     """Samples that could not be measured, under on_error="error"; names file, line and id."""
-
-
-@dataclass(frozen=True)
-class StatsConfig:
-    """What the model does with a sample: tokenizer, chat template, image tiling."""
-
-    tokenizer: str
-    tiling: TilingConfig = field(default_factory=TilingConfig)
-    template: str = "internvl2_5"
-    image_style: conv.ImageStyle = conv.INTERNVL_IMAGE
-    system: str | None = None  # None: the template's default system message
-    dummy_tile: bool = True  # a text-only sample still runs one blank tile through the ViT
-    max_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.template not in conv.TEMPLATES:
-            raise ValueError(f"unknown template {self.template!r} "
-                             f"(choose from {', '.join(conv.TEMPLATES)})")
-        if self.max_tokens is not None and self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
 
 
 @dataclass(frozen=True)
@@ -88,6 +78,8 @@ class StatsResult:
     seconds: float
     is_meta: bool
     added_tokens: list[str]
+    image_tiles: list[ImageTiles]  # per dataset: tiles of each image of multi-image samples
+    config: dict  # the stored configuration (stats_config.config_to_dict)
 
     @property
     def stats(self) -> LengthStats:
@@ -102,6 +94,7 @@ class _ChunkOut:
     flags: np.ndarray
     ok: np.ndarray
     errors: list[Skipped]
+    multi: dict[int, tuple[int, ...]]  # chunk position -> tiles per image (2+ images)
 
 
 _STATE: dict = {}
@@ -116,13 +109,15 @@ def compute_stats(path: str | os.PathLike, config: StatsConfig,
         raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
     start = time.perf_counter()
     specs, is_meta = read_inputs(path, image_root)
+    config = replace(config, tokenizer=str(Path(config.tokenizer).resolve()))
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     if workers > 1:
         # Worker processes are the parallelism; the tokenizer's own thread pool would not
         # survive the fork (and would oversubscribe the cores). Restored when done.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        return _compute(specs, is_meta, config, on_error, workers, chunk_size, progress, start)
+        return _compute(specs, is_meta, config, on_error, workers, chunk_size, progress, start,
+                        image_root)
     finally:
         _STATE.clear()
         if saved is None:
@@ -132,8 +127,9 @@ def compute_stats(path: str | os.PathLike, config: StatsConfig,
 
 
 def _compute(specs: list[DatasetSpec], is_meta: bool, config: StatsConfig, on_error: str,
-             workers: int, chunk_size: int, progress: bool, start: float) -> StatsResult:
-    counter = TokenCounter(config.tokenizer, config.image_style)
+             workers: int, chunk_size: int, progress: bool, start: float,
+             image_root: str | os.PathLike | None) -> StatsResult:
+    counter = TokenCounter(config.tokenizer, config.image_style, config.trust_remote_code)
     _STATE.update(config=config, counter=counter)
     if config.template == "hf":
         counter.render_chat([("human", "check"), ("gpt", "check")], config.system)
@@ -160,7 +156,7 @@ def _compute(specs: list[DatasetSpec], is_meta: bool, config: StatsConfig, on_er
         if pool is not None:
             pool.terminate()
             pool.join()
-    datasets = []
+    datasets, multi = [], []
     for d, spec in enumerate(specs):
         mine = [o for o in outs if o.dataset == d]
         keep = np.concatenate([o.ok for o in mine]) if mine else np.zeros(0, bool)
@@ -174,8 +170,38 @@ def _compute(specs: list[DatasetSpec], is_meta: bool, config: StatsConfig, on_er
         vit, tokens, flags = (np.tile(a, repeat) for a in arrays)
         datasets.append(from_arrays(vit, tokens, flags, names=(spec.name,),
                                     source=str(spec.annotation)))
+        multi.append(_kept_image_tiles(mine, keep, repeat))
     return StatsResult(specs, datasets, skipped, [len(r) for r in records],
-                       time.perf_counter() - start, is_meta, counter.added)
+                       time.perf_counter() - start, is_meta, counter.added, multi,
+                       _stored_config(config, counter, specs, is_meta, image_root))
+
+
+def _kept_image_tiles(outs: list[_ChunkOut], keep: np.ndarray, repeat: int) -> ImageTiles:
+    """Per-image tiles of the multi-image samples, by position in the (repeated) length file."""
+    position = np.cumsum(keep) - 1  # record position -> length entry (kept records only)
+    found: ImageTiles = {}
+    start = 0
+    for out in outs:
+        for k, tiles in out.multi.items():
+            found[int(position[start + k])] = tiles
+        start += len(out.ok)
+    kept = int(keep.sum())
+    return {i + r * kept: t for r in range(repeat) for i, t in found.items()}
+
+
+def _stored_config(config: StatsConfig, counter: TokenCounter, specs: list[DatasetSpec],
+                   is_meta: bool, image_root: str | os.PathLike | None) -> dict:
+    style = config.image_style
+    ids = {part: counter.token_id(getattr(style, part)) if getattr(style, part) else None
+           for part in ("start", "context", "end")}
+    root = None if is_meta or image_root is None else str(Path(image_root).resolve())
+    return config_to_dict(config, {
+        "tokenizer_fingerprint": counter.fingerprint(),
+        "added_tokens": list(counter.added),
+        "image_token_ids": ids,
+        "image_root": root,
+        "datasets": [s.name for s in specs],
+    })
 
 
 def _tasks(specs: list[DatasetSpec], records: list[list[RawRecord]], config: StatsConfig,
@@ -202,17 +228,22 @@ def _run_chunk(task: tuple) -> _ChunkOut:
     errors: list[Skipped] = []
     texts: list[str] = []
     owner: list[int] = []
+    multi: dict[int, tuple[int, ...]] = {}
     ids: list[str | None] = [None] * n
     for k, raw in enumerate(chunk):
         try:
             record = parse_record(raw)
             ids[k] = _sample_id(record)
-            pieces, extra, vit[k], flags[k] = _measure(record, root, tiling, config, counter)
-        except (conv.SampleError, ImageHeaderError) as exc:
+            pieces, extra, per_image = _measure(record, root, tiling, config, counter)
+        except (conv.SampleError, ImageHeaderError, ImageDecodeError) as exc:
             ok[k] = False
             errors.append(Skipped(name, raw.index, raw.line, ids[k], str(exc)))
             continue
         tokens[k] = extra
+        flags[k] = sum(per_image)
+        vit[k] = flags[k] if per_image else int(config.dummy_tile)
+        if len(per_image) > 1:
+            multi[k] = tuple(per_image)
         texts.extend(pieces)
         owner.extend([k] * len(pieces))
     if texts:
@@ -225,7 +256,8 @@ def _run_chunk(task: tuple) -> _ChunkOut:
                                   f"over-long: {int(tokens[k])} tokens > --max-tokens "
                                   f"{config.max_tokens}"))
     errors.sort(key=lambda e: e.index)
-    return _ChunkOut(dataset, vit, tokens, flags, ok, errors)
+    return _ChunkOut(dataset, vit, tokens, flags, ok, errors,
+                     {k: t for k, t in multi.items() if ok[k]})
 
 
 def _sample_id(record: dict) -> str | None:
@@ -234,18 +266,22 @@ def _sample_id(record: dict) -> str | None:
 
 
 def _measure(record: dict, root: str, tiling: TilingConfig, config: StatsConfig,
-             counter: TokenCounter) -> tuple[list[str], int, int, int]:
-    """(text pieces, image tokens beyond one per image, vit_num, image_flags) of a sample."""
-    images = conv.sample_images(record)
-    turns = conv.sample_turns(record)
-    turns = conv.place_images(turns, len(images), isinstance(record.get("image"), str))
+             counter: TokenCounter) -> tuple[list[str], int, list[int]]:
+    """(text pieces, image tokens beyond one per image, tiles of each image) of a sample."""
+    images, turns = read_sample(record, config.extra_keys)
     style = config.image_style
-    tiles = 0
+    per_image = []
     extra = 0
     for rel in images:
-        width, height = image_size(os.path.join(root, rel))
+        path = os.path.join(root, rel)
+        width, height = image_size(path)
+        if config.verify_images:
+            decoded = decode_image(path).size
+            if decoded != (width, height):
+                raise ImageDecodeError(f"image {path}: the header says {width}x{height}, "
+                                       f"the decoded image is {decoded[0]}x{decoded[1]}")
         n_tiles, n_tokens = image_tiles(width, height, tiling, len(images))
-        tiles += n_tiles
+        per_image.append(n_tiles)
         extra += n_tokens - 1
     if images:
         turns = conv.expand_images(turns, [style.compact()] * len(images))
@@ -254,8 +290,7 @@ def _measure(record: dict, root: str, tiling: TilingConfig, config: StatsConfig,
     else:
         pieces = conv.render(turns, config.template, config.system)
         extra += counter.specials
-    vit = tiles if images else int(config.dummy_tile)
-    return pieces, extra, vit, tiles
+    return pieces, extra, per_image
 
 
 def _error_message(errors: list[Skipped], specs: list[DatasetSpec]) -> str:
@@ -275,39 +310,58 @@ def write_outputs(result: StatsResult, out: str | os.PathLike, fmt: str = "json"
                   skipped_path: str | os.PathLike | None = None) -> list[Path]:
     """Write the length file(s) and the skipped report; returns the paths written.
 
-    A single dataset goes to `out` (.json list, .jsonl or .npz, by suffix). A meta input gives
-    one `<name>_token_lengths.<fmt>` per dataset next to `out`, and `out` itself is the meta JSON
-    {"name": {"token_lengths": file}} that load_lengths reads back in the same order.
+    `out` ending in `.npz`: one file holding every dataset (names kept), the stats
+    configuration and the per-image tiles. `out` ending in `.json`: a meta JSON
+    {"name": {"token_lengths": file, "stats_config": {...}}} with one
+    `<name>_token_lengths.<fmt>` per dataset next to it (a plain OmniBal record list for
+    `json`); load_lengths reads either back in dataset order.
     """
     out = Path(out)
-    if out.suffix not in (".json", ".jsonl", ".npz"):
-        raise ValueError(f"{out}: the output must end in .json, .jsonl or .npz")
+    if out.suffix not in (".json", ".npz"):
+        raise ValueError(f"{out}: the output must end in .npz (one file) or .json (a meta file "
+                         "naming one length file per dataset, in --format)")
     if fmt not in ("json", "jsonl", "npz"):
         raise ValueError(f"format must be json, jsonl or npz, got {fmt!r}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    written = []
-    if result.is_meta:
-        if out.suffix != ".json":
-            raise ValueError(f"{out}: for a meta input the output is a meta .json file")
+    _check_result(result)
+    written = [out]
+    if out.suffix == ".npz":
+        tiles, offset = {}, 0
+        for stats, multi in zip(result.datasets, result.image_tiles, strict=True):
+            tiles.update({offset + i: t for i, t in multi.items()})
+            offset += len(stats)
+        save_lengths(result.stats, out, config=result.config, image_tiles=tiles)
+    else:
         meta = {}
         used: set[str] = set()
-        for spec, stats in zip(result.specs, result.datasets, strict=True):
+        for spec, stats, multi in zip(result.specs, result.datasets, result.image_tiles,
+                                      strict=True):
             stem = re.sub(r"[^A-Za-z0-9._-]", "_", spec.name) or "dataset"
             while stem in used:
                 stem += "_"
             used.add(stem)
             child = out.parent / f"{stem}_token_lengths.{fmt}"
-            save_lengths(stats, child)
+            save_lengths(stats, child, config=result.config, image_tiles=multi)
             written.append(child)
-            meta[spec.name] = {"token_lengths": child.name}
+            meta[spec.name] = {"token_lengths": child.name, "stats_config": result.config}
         out.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
-    else:
-        save_lengths(result.datasets[0], out)
-    written.insert(0, out)
     report = Path(skipped_path) if skipped_path else out.with_name(f"{out.stem}.skipped.json")
     report.write_text(json.dumps(skipped_report(result), indent=1, ensure_ascii=False) + "\n")
     written.append(report)
     return written
+
+
+def _check_result(result: StatsResult) -> None:
+    """The invariants of what is about to be written: every record measured or skipped once."""
+    for spec, stats, n, multi in zip(result.specs, result.datasets, result.records,
+                                     result.image_tiles, strict=True):
+        repeat = int(spec.repeat_time) if spec.repeat_time > 1 else 1
+        skipped = sum(1 for s in result.skipped if s.dataset == spec.name)
+        if len(stats) != (n - skipped) * repeat:
+            raise RuntimeError(f"{spec.annotation}: {len(stats)} length entries for {n} "
+                               f"records, {skipped} skipped, repeat {repeat}")
+        if any(sum(t) != stats.image_flags[i] for i, t in multi.items()):
+            raise RuntimeError(f"{spec.annotation}: per-image tiles do not add up")
 
 
 def skipped_report(result: StatsResult) -> dict:

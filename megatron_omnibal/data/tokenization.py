@@ -1,13 +1,17 @@
 """Token counts with the model's own tokenizer, loaded from a local path (nothing downloaded).
 
 A directory is loaded with transformers' AutoTokenizer (its chat template included); a
-`tokenizer.json` file with the `tokenizers` library. Image tokens the tokenizer lacks are added
+`tokenizer.json` file with the `tokenizers` library. A directory whose tokenizer comes with its own
+Python code (tokenizer_config.json `auto_map`, e.g. InternLM2's for InternVL2.5) is loaded only
+with `trust_remote_code`: that code runs on this machine. Image tokens the tokenizer lacks are added
 as special tokens, as InternVL's training script does before training, so that counting here
 matches what the model will see. Encoding goes through the Rust backend in batches.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +25,8 @@ _CACHE_ENTRIES = 1 << 18
 class TokenCounter:
     """Counts the tokens of text pieces; `specials` is what the tokenizer adds per sequence."""
 
-    def __init__(self, path: str | os.PathLike, image_style: ImageStyle) -> None:
+    def __init__(self, path: str | os.PathLike, image_style: ImageStyle,
+                 trust_remote_code: bool = False) -> None:
         path = Path(path)
         self.path = path
         self.hf = None
@@ -36,9 +41,15 @@ class TokenCounter:
         elif path.is_dir():
             from transformers import AutoTokenizer
 
+            custom = _custom_code(path)
+            if custom and not trust_remote_code:
+                raise ValueError(f"{path}: the tokenizer comes with its own code ({custom}); "
+                                 "pass --trust-remote-code to run it (only for a tokenizer "
+                                 "you trust)")
             try:
-                self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-            except (OSError, ValueError) as exc:
+                self.hf = AutoTokenizer.from_pretrained(
+                    str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+            except (OSError, ValueError, ImportError) as exc:
                 raise ValueError(f"{path}: cannot load a tokenizer ({exc})") from exc
             self.backend = self.hf.backend_tokenizer if self.hf.is_fast else None
         else:
@@ -49,6 +60,30 @@ class TokenCounter:
             self.specials = self.backend.num_special_tokens_to_add(False)
         else:
             self.specials = self.hf.num_special_tokens_to_add(pair=False)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a single-token string (None if it is not one token)."""
+        ids = self._encode(token)
+        return None if ids is None else ids[0]
+
+    def fingerprint(self) -> str:
+        """A hash of what decides the token ids: the vocabulary (added tokens included), the
+        per-sequence special tokens and the ids of probe texts (normalizer, pre-tokenizer).
+        Training compares it with the one `omnibal stats` stored, so a length file is never
+        used with another tokenizer by accident."""
+        if self.backend is not None:
+            vocab = self.backend.get_vocab(with_added_tokens=True)
+        else:
+            vocab = self.hf.get_vocab()
+        probe = ["Hello, world! 12 34", "  two  spaces\nnew line", "é中文 <image> ok"]
+        doc = {"vocab": sorted(vocab.items(), key=lambda kv: (kv[1], kv[0])),
+               "specials": self.specials, "probe": [self._ids(t) for t in probe]}
+        return hashlib.sha256(json.dumps(doc, ensure_ascii=False).encode()).hexdigest()[:16]
+
+    def _ids(self, text: str) -> list[int]:
+        if self.backend is not None:
+            return list(self.backend.encode(text, add_special_tokens=False).ids)
+        return list(self.hf.encode(text, add_special_tokens=False))
 
     def count(self, texts: Sequence[str]) -> list[int]:
         """Tokens of each text, without the tokenizer's per-sequence special tokens.
@@ -89,10 +124,7 @@ class TokenCounter:
         return self._encode(token) is not None
 
     def _encode(self, text: str) -> list[int] | None:
-        if self.backend is not None:
-            ids = self.backend.encode(text, add_special_tokens=False).ids
-        else:
-            ids = self.hf.encode(text, add_special_tokens=False)
+        ids = self._ids(text)
         return ids if len(ids) == 1 else None
 
     def _add_missing(self, tokens: Sequence[str]) -> list[str]:
@@ -110,3 +142,18 @@ class TokenCounter:
         if five - one != 4:
             raise ValueError(f"{self.path}: '{context}' is not encoded as one token per "
                              "occurrence; image tokens cannot be counted")
+
+
+def _custom_code(path: Path) -> str | None:
+    """What a tokenizer directory's auto_map asks transformers to import, if anything."""
+    for name in ("tokenizer_config.json", "config.json"):
+        try:
+            doc = json.loads((path / name).read_text())
+        except (OSError, ValueError):
+            continue
+        entry = (doc.get("auto_map") or {}).get("AutoTokenizer") if isinstance(doc, dict) \
+            else None
+        if entry:
+            names = [e for e in (entry if isinstance(entry, list) else [entry]) if e]
+            return f"{name} auto_map AutoTokenizer: {', '.join(names)}"
+    return None

@@ -25,6 +25,7 @@ from megatron_omnibal.megatron.layout import (
     validate_layout,
 )
 
+BAD_SAMPLE = ("error", "skip")
 MODES = ("random", "grouped")
 ALGORITHMS = ("default", "isf")
 OVERSIZE = ("error", "solo", "skip")
@@ -171,28 +172,30 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--omnibal-tokenizer",
         default=None,
         metavar="PATH",
-        help="with --omnibal-data PATH: the tokenizer `omnibal stats` counted with",
+        help="with --omnibal-data PATH: the tokenizer `omnibal stats` counted with, where it is "
+        "now (default: the path stored in the length file; checked by fingerprint)",
     )
     g.add_argument(
-        "--omnibal-stats-args",
-        default="",
-        metavar="'FLAGS'",
-        help="with --omnibal-data PATH: the other `omnibal stats` flags that made the length "
-        "file (--model, --tile-size, --tokens-per-tile, --max-tiles, --template, --image-root..)",
+        "--omnibal-bad-sample",
+        choices=BAD_SAMPLE,
+        default="error",
+        help="a sample whose image cannot be loaded: stop naming it (default), or skip it on "
+        "every rank of its replica, log it and list it in the report",
     )
     g.add_argument(
-        "--omnibal-data-tokens-per-tile",
-        type=int,
-        default=256,
-        help="image tokens per real tile counted in the length file's token_num "
-        "(InternVL: 256); the model's own count replaces them",
+        "--omnibal-bad-sample-report",
+        default=None,
+        metavar="FILE.jsonl",
+        help="report of skipped samples (default: omnibal_bad_samples.jsonl in --save, else in "
+        "the working directory; .dpN per data-parallel replica when DP > 1)",
     )
     add_finetune_args(g)
     g.add_argument(
         "--omnibal-text-scale",
         type=int,
         default=1,
-        help="divide each sample's text tokens by this (CPU dry runs of long data)",
+        help="synthetic data only: divide each sample's text tokens by this (a CPU dry run of "
+        "long real lengths on a small model)",
     )
     return parser
 
@@ -380,11 +383,19 @@ def _load_lengths(
         )
     if tokens_per_tile is None:
         return lengths
+    from megatron_omnibal.data.lengths import read_stats_config
+    from megatron_omnibal.data.stats_config import data_tokens_per_tile
     from megatron_omnibal.megatron.data import model_lengths
 
     try:
+        # The length file says how many image tokens per tile it counted; a plain length file
+        # (no stored configuration) is taken as counted for this model.
+        counted = data_tokens_per_tile(read_stats_config(args.omnibal_lengths))
         return model_lengths(
-            lengths, args.omnibal_data_tokens_per_tile, tokens_per_tile, args.omnibal_text_scale
+            lengths,
+            tokens_per_tile if counted is None else counted,
+            tokens_per_tile,
+            args.omnibal_text_scale,
         )
     except (LengthsError, ValueError) as exc:
         raise OmnibalArgsError(f"--omnibal-lengths {args.omnibal_lengths}: {exc}") from exc

@@ -10,6 +10,7 @@ their image tiles. No real images ship with the project: `synthetic_sample` turn
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
@@ -57,9 +58,19 @@ class MicroBatch:
         return len(self.cu_seqlens) - 1
 
     def to(self, device: torch.device | str | int) -> MicroBatch:
-        """A copy with every tensor on `device` (the iterator yields CPU tensors)."""
+        """A copy with every tensor on `device` (the iterator yields CPU tensors); shape-only
+        images stay shape-only (nothing is copied for them)."""
+        return MicroBatch(**{f.name: _move(getattr(self, f.name), device) for f in fields(self)})
+
+    def pin_memory(self) -> MicroBatch:
+        """Pinned host copies for fast host-to-GPU copies (the DataLoader's pin thread calls
+        it); shape-only images are left as they are."""
         return MicroBatch(
-            **{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)}
+            **{
+                f.name: t if is_shape_only(t) else t.pin_memory()
+                for f in fields(self)
+                for t in [getattr(self, f.name)]
+            }
         )
 
     def as_dict(self) -> dict[str, torch.Tensor]:
@@ -68,6 +79,68 @@ class MicroBatch:
     @classmethod
     def from_dict(cls, d: dict[str, torch.Tensor]) -> MicroBatch:
         return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+def shape_only_images(tiles: int, size: int) -> torch.Tensor:
+    """A float32 [tiles, 3, size, size] tensor that holds no pixels (one zero, broadcast).
+
+    Pipeline ranks without the patch embedding never read pixels, but the micro-batch they
+    check and pass on must still say how many tiles it has; this costs no memory and no copy.
+    """
+    return torch.zeros((), dtype=torch.float32).expand(tiles, 3, size, size)
+
+
+def is_shape_only(t: torch.Tensor) -> bool:
+    """Whether `t` is a shape-only (broadcast, pixel-free) image tensor."""
+    return t.dim() == 4 and t.numel() > 1 and all(s == 0 for s in t.stride())
+
+
+def _move(t: torch.Tensor, device: torch.device | str | int) -> torch.Tensor:
+    if is_shape_only(t):
+        return torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
+    return t.to(device, non_blocking=True)
+
+
+def drop_samples(batch: MicroBatch, drop: Sequence[int], tiles: Sequence[int]) -> MicroBatch | None:
+    """The micro-batch without the samples at positions `drop` (`tiles`: tiles per sample).
+
+    None when nothing is left. Used when a sample that failed to load is skipped on every
+    pipeline rank: the packed tensors are cut at the samples' boundaries.
+    """
+    drop = set(drop)
+    keep = [k for k in range(batch.num_samples) if k not in drop]
+    if not keep:
+        return None
+    cu = batch.cu_seqlens.tolist()
+    starts = [0, *torch.cumsum(torch.tensor(list(tiles), dtype=torch.int64), 0).tolist()]
+    tok = torch.cat([torch.arange(cu[k], cu[k + 1]) for k in keep])
+    img = torch.cat([torch.arange(starts[k], starts[k + 1]) for k in keep])
+    lengths = torch.tensor([cu[k + 1] - cu[k] for k in keep], dtype=torch.int64)
+    new_cu = torch.zeros(len(keep) + 1, dtype=torch.int32)
+    new_cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
+    images = batch.images
+    images = shape_only_images(len(img), images.shape[-1]) if is_shape_only(images) else images[img]
+    return MicroBatch(
+        tokens=batch.tokens[:, tok],
+        labels=batch.labels[:, tok],
+        loss_mask=batch.loss_mask[:, tok],
+        position_ids=batch.position_ids[:, tok],
+        cu_seqlens=new_cu,
+        images=images,
+        image_flags=batch.image_flags[img],
+    )
+
+
+def _output(tiles: int, tile_shape: tuple[int, ...]) -> torch.Tensor:
+    """The batch's pixel tensor; inside a DataLoader worker it is allocated in shared memory,
+    so handing it to the training process copies nothing (as torch's default_collate does)."""
+    from torch.utils.data import get_worker_info
+
+    if get_worker_info() is None:
+        return torch.empty((tiles, *tile_shape), dtype=torch.float32)
+    numel = tiles * math.prod(tile_shape)
+    storage = torch.UntypedStorage._new_shared(numel * 4)
+    return torch.empty(0, dtype=torch.float32).set_(storage).view(tiles, *tile_shape)
 
 
 def collate(samples: Sequence[Sample]) -> MicroBatch:
@@ -95,7 +168,14 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
     if len(shapes) > 1:
         raise ValueError(f"collate: image tiles of different shapes {sorted(shapes)}")
     tile_shape = shapes.pop() if shapes else tuple(samples[0].images.shape[1:])
-    images = torch.cat([s.images.reshape(-1, *tile_shape) for s in samples])
+    n_tiles = sum(len(s.images) for s in samples)
+    if all(is_shape_only(s.images) or not len(s.images) for s in samples):
+        images = shape_only_images(n_tiles, tile_shape[-1])
+    elif any(is_shape_only(s.images) for s in samples):
+        raise ValueError("collate: samples with pixels and shape-only samples mixed")
+    else:
+        images = torch.cat([s.images.reshape(-1, *tile_shape) for s in samples],
+                           out=_output(n_tiles, tile_shape))
     flags = torch.cat([s.image_flags for s in samples]).to(torch.int64)
     return MicroBatch(
         tokens=tokens,
@@ -103,18 +183,21 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
         loss_mask=(labels != IGNORE_INDEX).float(),
         position_ids=position_ids,
         cu_seqlens=cu,
-        images=images.float(),
+        images=images if images.dtype == torch.float32 else images.float(),
         image_flags=flags,
     )
 
 
-def synthetic_sample(index: int, lengths: LengthStats, spec: ModelSpec, seed: int = 0) -> Sample:
+def synthetic_sample(
+    index: int, lengths: LengthStats, spec: ModelSpec, seed: int = 0, pixels: bool = True
+) -> Sample:
     """A deterministic random sample shaped like length record `index`.
 
     `vit` tiles of 3 x image_size x image_size pixels (the first `image_flags` real, the rest
     dummy tiles), `token_num` tokens of which tokens_per_tile per real tile are image
     placeholders right after a BOS token; the loss covers the second half of the text (the
-    "answer"). Same (index, seed) -> same sample, on every rank and every run.
+    "answer"). Same (index, seed) -> same sample, on every rank and every run. Without
+    `pixels` the tiles are shape-only (ranks that do not embed patches).
     """
     image_size, tokens_per_tile = spec.vit.image_size, spec.tokens_per_tile
     vocab_size, image_token_id = spec.llm.vocab_size, spec.image_token_id
@@ -144,12 +227,17 @@ def synthetic_sample(index: int, lengths: LengthStats, spec: ModelSpec, seed: in
     n_text = n_tok - n_img
     answer_start = 1 + n_img + (n_text - 1) // 2
     targets[answer_start - 1 : n_tok - 1] = ids[answer_start:]
-    pixels = rng.standard_normal((n_tiles, 3, image_size, image_size), dtype=np.float32)
+    if pixels:
+        images = torch.from_numpy(
+            rng.standard_normal((n_tiles, 3, image_size, image_size), dtype=np.float32)
+        )
+    else:
+        images = shape_only_images(n_tiles, image_size)
     flags = np.zeros(n_tiles, dtype=np.int64)
     flags[:n_real] = 1
     return Sample(
         tokens=torch.from_numpy(ids.astype(np.int64)),
         labels=torch.from_numpy(targets),
-        images=torch.from_numpy(pixels),
+        images=images,
         image_flags=torch.from_numpy(flags),
     )

@@ -4,7 +4,8 @@ Megatron's schedule calls `next(data_iterator)` once per micro-batch on every pi
 rank builds its own iterator over the balanced sampler with its data-parallel rank, so all stages
 of one pipeline read the same stream without a broadcast (the stage that merges image embeddings
 needs the token ids, the last one the labels), and the ranks of a data-parallel group read
-disjoint micro-batches.
+disjoint micro-batches. Micro-batches are built by a torch DataLoader (loader.py): worker
+processes, prefetch, pinned memory on GPUs, in exactly the sampler's order.
 
 Position: the sampler is deterministic given its seed, budgets and DP layout, and every training
 step consumes exactly `micro_batches` micro-batches per rank, so the position after a checkpoint
@@ -15,12 +16,14 @@ and sees exactly the batches the uninterrupted run would have seen.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 import numpy as np
 
 from megatron_omnibal.data.lengths import LengthsError, LengthStats
+from megatron_omnibal.megatron.batch import MicroBatch, collate
+from megatron_omnibal.megatron.loader import BadSamplePolicy, MicroBatchDataset, identity
 
 
 class MicroBatchSampler(Protocol):
@@ -36,19 +39,30 @@ class MicroBatchSampler(Protocol):
 
 
 class BalancedDataIterator:
-    """This rank's collated micro-batches, starting at training step `start_step`."""
+    """This rank's micro-batches, starting at training step `start_step`.
+
+    `num_workers` processes build them (0: in this process), `prefetch` micro-batches ahead
+    per worker; `pin_memory` pins them for the copy to the GPU. `policy` decides what a
+    sample that fails to load does (error, or skipped on every rank of the replica).
+    """
 
     def __init__(
         self,
         sampler: MicroBatchSampler,
         micro_batches: int,
-        make_sample: Callable[[int], Any],
-        collate: Callable[[list[Any]], Any],
+        dataset: MicroBatchDataset,
         start_step: int = 0,
-        filler: Callable[[], Any] | None = None,
+        num_workers: int = 0,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+        policy: BadSamplePolicy | None = None,
     ) -> None:
+        import torch.utils.data
+
         if micro_batches <= 0:
             raise ValueError(f"micro_batches must be > 0, got {micro_batches}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if sampler.steps_per_epoch <= 0:
             raise ValueError(
                 "the balanced sampler yields no training step per epoch "
@@ -56,15 +70,27 @@ class BalancedDataIterator:
             )
         self._sampler = sampler
         self._micro = micro_batches
-        self._make_sample = make_sample
-        self._collate = collate
-        self._filler = filler
+        self._dataset = dataset
+        self._policy = policy or BadSamplePolicy()
         self._consumed = 0
-        self._indices = self._seek(start_step)
         self.start_step = start_step
+        self._seek(start_step)
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=_Batches(sampler),
+            collate_fn=identity,
+            num_workers=num_workers,
+            prefetch_factor=prefetch if num_workers else None,
+            pin_memory=pin_memory,
+            # The DataLoader draws its workers' base seed when iterated; from the global torch
+            # RNG that draw would shift the dropout stream of a resumed run (its RNG state is
+            # restored from the checkpoint before this iterator exists). Samples use no torch RNG.
+            generator=torch.Generator(),
+        )
+        self._batches = iter(loader)
         self.last_indices: list[int] = []  # the sample indices of the last micro-batch drawn
 
-    def _seek(self, step: int) -> Iterator[list[int]]:
+    def _seek(self, step: int) -> None:
         """Position the sampler at global training step `step` (epochs differ in length)."""
         if step < 0:
             raise ValueError(f"start step must be >= 0, got {step}")
@@ -81,40 +107,39 @@ class BalancedDataIterator:
                 break
             epoch, left = epoch + 1, left - steps
         self._sampler.load_state_dict({"epoch": epoch, "step": left, "micro": 0})
-        return iter(self._sampler)
 
     @property
     def step(self) -> float:
         """Training steps consumed since step 0 (fractional inside a step)."""
         return self.start_step + self._consumed / self._micro
 
-    def next_indices(self) -> list[int]:
-        """The sample indices of the next micro-batch (advances the iterator, builds nothing)."""
-        try:
-            indices = next(self._indices)
-        except StopIteration:
-            raise RuntimeError(
-                "the balanced sampler ran out of micro-batches at step "
-                f"{self.step:g}; it must continue into later epochs"
-            ) from None
-        self._consumed += 1
-        self.last_indices = list(indices)
-        return self.last_indices
+    @property
+    def policy(self) -> BadSamplePolicy:
+        return self._policy
 
     def __iter__(self) -> BalancedDataIterator:
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> MicroBatch:
         step = int(self.step)
-        indices = self.next_indices()
-        if not indices:
-            # The balancer leaves a pack empty only when the data has fewer samples than the
-            # step's slots. Every pipeline stage must still run M micro-batches in lockstep: a
-            # filler sample without loss tokens keeps the schedule and trains nothing.
-            if self._filler is None:
-                raise RuntimeError(f"empty micro-batch at step {step} and no filler sample to run")
-            return self._collate([self._filler()])
-        return self._collate([self._make_sample(i) for i in indices])
+        micro = self.start_step * self._micro + self._consumed
+        loaded = next(self._batches)
+        self._consumed += 1
+        self.last_indices = list(loaded.indices)
+        batch = self._policy.resolve(micro, step, loaded)
+        if batch is None:  # every sample of the pack failed and was skipped
+            batch = collate([self._dataset.filler()])
+        return batch
+
+
+class _Batches:
+    """The sampler as the DataLoader's (endless) batch sampler, from its current position."""
+
+    def __init__(self, sampler: MicroBatchSampler) -> None:
+        self._sampler = sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self._sampler)
 
 
 def model_lengths(
@@ -138,8 +163,8 @@ def model_lengths(
         raise LengthsError(
             f"length record {i}: token_num {int(lengths.tokens[i])} does not hold its "
             f"{int(lengths.image_flags[i])} real tiles x {data_tokens_per_tile} image tokens plus "
-            f"text ({bad.size} such records); is --omnibal-data-tokens-per-tile right for this "
-            "length file?"
+            f"text ({bad.size} such records); the length file was counted for another model "
+            "(its stored stats configuration says how many image tokens a tile has)"
         )
     text = np.maximum(-(-text // text_scale), 2)
     tokens = (text + lengths.image_flags * model_tokens_per_tile).astype(np.int64)

@@ -1,13 +1,19 @@
-"""Training samples from a real LLaVA/InternVL dataset, exactly as `omnibal stats` measured them.
+"""Training samples from a real VLM dataset, exactly as `omnibal stats` measured them.
 
 The balancer plans micro-batches from the length file (vit_num, token_num, image_flags per
 sample); the samples it then draws must have exactly those lengths, or the balance (and the
-planned memory) is fiction. So this source reuses what `omnibal stats` used: the annotation
-reader, the record checks, the tiling, the chat template and the tokenizer (image tokens added the
-same way). It renders each conversation, spells out tokens_per_tile image tokens per real tile,
-sets the loss on assistant answers only, decodes and tiles the images, and compares every sample
-it builds with its length record: a mismatch stops the run naming the sample and both counts.
-`open_source` also checks the sample count and a spread of records before training starts.
+planned memory) is fiction. So this source rebuilds what `omnibal stats` used from the
+configuration stored in the length file: the record reader, the tiling, the chat template and
+the tokenizer (image tokens added the same way, checked by fingerprint). It renders each
+conversation, spells out tokens_per_tile image tokens per real tile, sets the loss on assistant
+answers only and compares every sample with its length record: a mismatch stops the run naming
+the sample and both counts.
+
+Only ranks that embed patches (`pixels=True`) open image files: they decode and tile them and
+check the tile count against the length file. The other ranks take each image's tile count from
+the length file (`image_tiles` for multi-image samples) and carry shape-only tiles.
+`open_source` checks the configuration, the sample count and a spread of records before
+training starts.
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,11 +29,21 @@ import numpy as np
 
 from megatron_omnibal.data import conversations as conv
 from megatron_omnibal.data.annotations import RawRecord, parse_record, read_inputs, read_records
-from megatron_omnibal.data.image_header import ImageHeaderError, image_size
-from megatron_omnibal.data.image_tiles import load_tiles
-from megatron_omnibal.data.lengths import LengthStats
-from megatron_omnibal.data.stats import StatsConfig
-from megatron_omnibal.data.tiling import image_tiles
+from megatron_omnibal.data.image_tiles import ImageDecodeError, load_tiles
+from megatron_omnibal.data.lengths import (
+    ImageTiles,
+    LengthsError,
+    LengthStats,
+    load_image_tiles,
+    read_stats_config,
+)
+from megatron_omnibal.data.records import read_sample
+from megatron_omnibal.data.stats_config import (
+    StatsConfig,
+    StatsConfigError,
+    check_model,
+    config_from_dict,
+)
 from megatron_omnibal.data.tokenization import TokenCounter
 
 if TYPE_CHECKING:
@@ -52,28 +67,21 @@ class RealSampleSource:
     """`source(index) -> Sample` for length record `index` of a real dataset."""
 
     def __init__(self, data: str | os.PathLike, config: StatsConfig, lengths: LengthStats,
-                 tokens_per_tile: int, image_size: int, vocab_size: int, image_token_id: int,
-                 image_root: str | os.PathLike | None = None,
-                 skipped: str | os.PathLike | None = None) -> None:
+                 spec: Any, image_tiles: ImageTiles, image_root: str | os.PathLike | None = None,
+                 skipped: str | os.PathLike | None = None, pixels: bool = True) -> None:
         tiling = config.tiling
         if config.template not in TURN_MARKS:
             raise DatasetError(f"template {config.template!r}: training samples are built for "
                                f"the {' and '.join(TURN_MARKS)} templates only")
-        if tiling.mode not in ("dynamic", "fixed"):
-            raise DatasetError(f"tiling mode {tiling.mode!r}: the model takes tokens_per_tile "
-                               "tokens per tile, which only dynamic and fixed tiling give")
-        if tiling.tile != image_size or tiling.tokens_per_tile != tokens_per_tile:
-            raise DatasetError(
-                f"the length file's tiling ({tiling.tile}-pixel tiles, {tiling.tokens_per_tile} "
-                f"tokens per tile) is not the model's ({image_size}-pixel tiles, "
-                f"{tokens_per_tile} tokens per tile): run `omnibal stats` with --tile-size "
-                f"{image_size} --tokens-per-tile {tokens_per_tile}")
         self.config = config
         self.lengths = lengths
-        self.tokens_per_tile = tokens_per_tile
-        self.vocab_size = vocab_size
-        self.image_token_id = image_token_id
-        self.counter = TokenCounter(config.tokenizer, config.image_style)
+        self.tokens_per_tile = spec.tokens_per_tile
+        self.vocab_size = spec.llm.vocab_size
+        self.image_token_id = spec.image_token_id
+        self.image_tiles = image_tiles
+        self.pixels = pixels
+        self.counter = TokenCounter(config.tokenizer, config.image_style,
+                                    config.trust_remote_code)
         if self.counter.backend is None:
             raise DatasetError(f"{config.tokenizer}: training samples need a fast tokenizer "
                                "(token offsets locate the answers)")
@@ -132,25 +140,35 @@ class RealSampleSource:
     def render(self, index: int) -> tuple[np.ndarray, np.ndarray, list[str], list[int]]:
         """(token ids, loss flags per token, image paths, tiles per image) of a sample.
 
-        Image placeholders are already expanded to the model's image token id.
+        Image placeholders are already expanded to the model's image token id. Tiles per image
+        come from the length file: nothing here opens an image.
         """
         if not 0 <= index < len(self.entries):
             raise IndexError(f"sample index {index} outside 0..{len(self.entries) - 1}")
         d, raw = self.entries[index]
         try:
             record = parse_record(raw)
-            images = conv.sample_images(record)
-            turns = conv.sample_turns(record)
-            turns = conv.place_images(turns, len(images), isinstance(record.get("image"), str))
-            paths = [os.path.join(self.specs[d].image_root, rel) for rel in images]
-            tiles = [image_tiles(*image_size(p), self.tilings[d], len(images))[0] for p in paths]
-        except (conv.SampleError, ImageHeaderError) as exc:
+            images, turns = read_sample(record, self.config.extra_keys)
+        except conv.SampleError as exc:
             raise DatasetError(f"{self.describe(index)}: {exc}") from exc
+        paths = [os.path.join(self.specs[d].image_root, rel) for rel in images]
+        tiles = self._tiles(index, len(images))
         if images:
             turns = conv.expand_images(turns, [self.config.image_style.compact()] * len(images))
         pieces = conv.render(turns, self.config.template, self.config.system)
         ids, target = self._tokenize(index, pieces, turns)
         return (*self._expand(index, ids, target, tiles), paths, tiles)
+
+    def _tiles(self, index: int, n_images: int) -> list[int]:
+        """Each image's tiles as the length file counted them."""
+        if n_images > 1:
+            tiles = self.image_tiles.get(index)
+            if tiles is None or len(tiles) != n_images:
+                raise DatasetError(f"{self.describe(index)}: {n_images} images, but the length "
+                                   f"file has no tiles for each of them ({tiles}); rerun "
+                                   "`omnibal stats`")
+            return list(tiles)
+        return [int(self.lengths.image_flags[index])] if n_images else []
 
     def _tokenize(self, index: int, pieces: list[str],
                   turns: list[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray]:
@@ -193,7 +211,7 @@ class RealSampleSource:
         return np.repeat(ids, counts), np.repeat(target, counts)
 
     def measure(self, index: int) -> tuple[int, int, int]:
-        """(vit_num, token_num, image_flags) of a sample, from image headers (no decoding)."""
+        """(vit_num, token_num, image_flags) of a sample as built from its text."""
         ids, _, paths, tiles = self.render(index)
         real = sum(tiles)
         return (real if paths else int(self.config.dummy_tile)), len(ids), real
@@ -201,32 +219,36 @@ class RealSampleSource:
     def __call__(self, index: int) -> Sample:
         import torch
 
-        from megatron_omnibal.megatron.batch import Sample
+        from megatron_omnibal.megatron.batch import Sample, shape_only_images
+        from megatron_omnibal.megatron.loader import SampleLoadError
 
         ids, target, paths, tiles = self.render(index)
-        tiling = self.tilings[self.entries[index][0]]
-        try:
-            pixels = [load_tiles(p, tiling, len(paths)) for p in paths]
-        except ValueError as exc:
-            raise DatasetError(f"{self.describe(index)}: {exc}") from exc
-        real = sum(len(p) for p in pixels)
-        if real != sum(tiles):
-            raise DatasetError(f"{self.describe(index)}: {real} tiles decoded, {sum(tiles)} "
-                               "from the image headers")
-        size = tiling.tile
-        if not paths:
-            pixels = [np.zeros((int(self.config.dummy_tile), 3, size, size), np.float32)]
-        images = np.concatenate(pixels)
-        self.check(index, len(images), len(ids), real)
+        real = sum(tiles)
+        vit = real if paths else int(self.config.dummy_tile)
+        self.check(index, vit, len(ids), real)
+        size = self.config.tiling.tile
+        if not self.pixels:
+            images = shape_only_images(vit, size)
+        elif paths:
+            tiling = self.tilings[self.entries[index][0]]
+            try:
+                images = torch.from_numpy(np.concatenate([
+                    load_tiles(p, tiling, len(paths), expected=t)
+                    for p, t in zip(paths, tiles, strict=True)]))
+            except ImageDecodeError as exc:
+                raise SampleLoadError(f"{self.describe(index)}: {exc}") from exc
+        else:
+            images = torch.zeros((vit, 3, size, size), dtype=torch.float32)
         labels = np.full(len(ids), IGNORE_INDEX, np.int64)
         labels[:-1] = np.where(target[1:], ids[1:], IGNORE_INDEX)
-        flags = np.zeros(len(images), np.int64)
+        flags = np.zeros(vit, np.int64)
         flags[:real] = 1
         return Sample(tokens=torch.from_numpy(ids), labels=torch.from_numpy(labels),
-                      images=torch.from_numpy(images), image_flags=torch.from_numpy(flags))
+                      images=images, image_flags=torch.from_numpy(flags))
 
     def check_spread(self, count: int) -> None:
-        """Measure `count` records spread over the dataset (the first and last included)."""
+        """Build `count` records spread over the dataset (the first and last included) from
+        their text and compare them with the length file (no image is opened)."""
         if count <= 0 or not len(self):
             return
         for index in np.unique(np.linspace(0, len(self) - 1, count).round().astype(np.int64)):
@@ -278,45 +300,56 @@ def _skipped_indices(path: str | os.PathLike | None, specs: list) -> dict[str, s
     return out
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise DatasetError(f"--omnibal-stats-args: {message}")
-
-
-def stats_config(data: str, tokenizer: str, flags: str) -> tuple[StatsConfig, str | None]:
-    """The StatsConfig and image root `omnibal stats <data> --tokenizer T <flags>` used."""
-    from megatron_omnibal.commands import stats as command
-
-    parser = _Parser(prog="omnibal stats", add_help=False)
-    command.add_arguments(parser)
-    ns = parser.parse_args([*shlex.split(flags), data, "--tokenizer", tokenizer,
-                            "--out", "unused.json"])
-    return command.build_config(ns), ns.image_root
-
-
-def open_source(args: argparse.Namespace, lengths: LengthStats, spec: Any,
-                check: int = 32) -> RealSampleSource:
-    """The source of --omnibal-data PATH, checked against --omnibal-lengths (no process group).
-
-    `check` records spread over the dataset are measured now; every sample again when built.
-    """
-    if args.omnibal_tokenizer is None:
-        raise DatasetError(f"--omnibal-data {args.omnibal_data} needs --omnibal-tokenizer "
-                           "(the tokenizer `omnibal stats` counted with)")
-    if args.omnibal_text_scale != 1 or args.omnibal_data_tokens_per_tile != spec.tokens_per_tile:
+def stored_config(lengths_path: str | os.PathLike) -> tuple[StatsConfig, dict]:
+    """The configuration `omnibal stats` stored in the length file, and its run facts."""
+    try:
+        doc = read_stats_config(lengths_path)
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"--omnibal-lengths {lengths_path}: {exc}") from exc
+    if doc is None:
         raise DatasetError(
-            f"with a real dataset the length file is used as it is: --omnibal-text-scale 1 and "
-            f"--omnibal-data-tokens-per-tile {spec.tokens_per_tile} (the model's), got "
-            f"{args.omnibal_text_scale} and {args.omnibal_data_tokens_per_tile}")
-    config, image_root = stats_config(args.omnibal_data, args.omnibal_tokenizer,
-                                      args.omnibal_stats_args)
+            f"--omnibal-lengths {lengths_path} holds no stats configuration: a real dataset "
+            "trains only from a length file that `omnibal stats --model` wrote (.npz or its "
+            "meta .json), which says how the data was tiled, templated and tokenized")
+    try:
+        return config_from_dict(doc, f"--omnibal-lengths {lengths_path}")
+    except StatsConfigError as exc:
+        raise DatasetError(str(exc)) from exc
+
+
+def open_source(args: argparse.Namespace, lengths: LengthStats, spec: Any, pixels: bool = True,
+                check: int = 32) -> RealSampleSource:
+    """The source of --omnibal-data PATH, checked against --omnibal-lengths and the model (no
+    process group). `check` records spread over the dataset are built now, every sample
+    again when drawn. `pixels`: this rank decodes images (its stage embeds patches)."""
+    where = f"--omnibal-lengths {args.omnibal_lengths}"
+    if args.omnibal_text_scale != 1:
+        raise DatasetError(f"--omnibal-text-scale {args.omnibal_text_scale}: with a real "
+                           "dataset the length file is used as it is (the scale is for "
+                           "synthetic dry runs)")
+    config, run = stored_config(args.omnibal_lengths)
+    try:
+        check_model(config, run, spec, where)
+    except StatsConfigError as exc:
+        raise DatasetError(str(exc)) from exc
+    if args.omnibal_tokenizer:
+        config = replace(config, tokenizer=args.omnibal_tokenizer)
+    config = replace(config, trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
     report = Path(args.omnibal_lengths)
     try:
+        tiles = load_image_tiles(args.omnibal_lengths)
         source = RealSampleSource(
-            args.omnibal_data, config, lengths, spec.tokens_per_tile, spec.vit.image_size,
-            spec.llm.vocab_size, spec.image_token_id, image_root,
-            skipped=report.with_name(f"{report.stem}.skipped.json"))
-    except OSError as exc:  # a missing dataset, annotation or tokenizer
+            args.omnibal_data, config, lengths, spec, tiles, run.get("image_root"),
+            skipped=report.with_name(f"{report.stem}.skipped.json"), pixels=pixels)
+    except (OSError, LengthsError) as exc:  # a missing dataset, annotation or tokenizer
         raise DatasetError(f"--omnibal-data {args.omnibal_data}: {exc}") from exc
+    except ValueError as exc:  # a tokenizer that cannot be loaded (the message says why)
+        raise DatasetError(f"{where}: {exc}") from exc
+    fingerprint = source.counter.fingerprint()
+    if fingerprint != run.get("tokenizer_fingerprint"):
+        raise DatasetError(
+            f"tokenizer {config.tokenizer} is not the one {where} was counted with (fingerprint "
+            f"{fingerprint}, stored {run.get('tokenizer_fingerprint')}); give the same "
+            "tokenizer with --omnibal-tokenizer or rerun `omnibal stats`")
     source.check_spread(check)
     return source

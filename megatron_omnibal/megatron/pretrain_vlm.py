@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -77,14 +78,20 @@ def main(
         if settings.data != "synthetic":
             from megatron_omnibal.megatron.dataset import open_source
 
-            open_source(args, settings.lengths, spec)  # count and a spread of samples
+            # configuration, count and a spread of samples (from their text: no image opened)
+            open_source(args, settings.lengths, spec, pixels=False)
         finetune = finetune_settings(args)
     except (OmnibalArgsError, ValueError) as exc:
         return _fail(exc)
     # Saved with Megatron's args in every checkpoint: the export reads the model and layout.
     args.omnibal_model_spec = json.dumps(spec.to_dict())
     args.omnibal_stages = json.dumps([st.to_dict() for st in settings.layouts])
-    train(args, settings, spec, forward_step_func, build_iterators, finetune)
+    from megatron_omnibal.megatron.loader import SampleLoadError
+
+    try:
+        train(args, settings, spec, forward_step_func, build_iterators, finetune)
+    except SampleLoadError as exc:  # a sample that cannot be loaded (--omnibal-bad-sample)
+        return _fail(exc)
     return 0
 
 
@@ -290,19 +297,28 @@ def _model_provider(
 def build_data_iterators(
     settings: OmnibalSettings, spec: Any, _num_samples: Any = None
 ) -> tuple[Any, None, None]:
-    """(train iterator, no validation, no test) for this rank, at Megatron's iteration."""
+    """(train iterator, no validation, no test) for this rank, at Megatron's iteration.
+
+    Only ranks whose stage holds the patch embedding decode pixels; the others get token ids,
+    labels and shape-only tiles. Micro-batches come from Megatron's --num-workers processes.
+    """
+    import atexit
+
+    import torch
     from megatron.core import parallel_state
     from megatron.training import get_args
 
     from megatron_omnibal.data.sampler import BalancedBatchSampler
-    from megatron_omnibal.megatron.batch import collate, synthetic_sample
+    from megatron_omnibal.megatron.batch import synthetic_sample
     from megatron_omnibal.megatron.data import BalancedDataIterator
+    from megatron_omnibal.megatron.loader import MicroBatchDataset
 
     args = get_args()
+    dp_rank = parallel_state.get_data_parallel_rank()
     sampler = BalancedBatchSampler(
         settings.lengths,
         dp_size=parallel_state.get_data_parallel_world_size(),
-        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_rank=dp_rank,
         micro_batches=settings.micro_batches,
         vit_budget=settings.vit_budget,
         token_budget=settings.token_budget,
@@ -312,21 +328,70 @@ def build_data_iterators(
         oversize=settings.oversize,
         cost=settings.cost,
     )
+    pixels = settings.layouts[parallel_state.get_pipeline_model_parallel_rank()].patch_embed
     if settings.data == "synthetic":
-        make_sample = partial(synthetic_sample, lengths=settings.lengths, spec=spec, seed=args.seed)
+        make_sample = partial(
+            synthetic_sample, lengths=settings.lengths, spec=spec, seed=args.seed, pixels=pixels
+        )
+        describe = str
     else:
         from megatron_omnibal.megatron.dataset import open_source
 
-        make_sample = open_source(args, settings.lengths, spec, check=0)  # main() checked
+        make_sample = open_source(args, settings.lengths, spec, pixels=pixels, check=0)
+        describe = make_sample.describe
+    if args.num_workers:
+        # The worker processes are the parallelism; a forked tokenizer's thread pool is not.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    policy = bad_sample_policy(args, pixels, describe, dp_rank, settings.micro_batches)
     iterator = BalancedDataIterator(
         sampler,
         settings.micro_batches,
-        make_sample,
-        collate,
+        MicroBatchDataset(make_sample, partial(filler_sample, spec)),
         start_step=args.iteration,
-        filler=partial(filler_sample, spec),
+        num_workers=args.num_workers,
+        pin_memory=torch.cuda.is_available(),
+        policy=policy,
     )
+    atexit.register(_report_skipped, policy)
     return iterator, None, None
+
+
+def bad_sample_policy(
+    args: argparse.Namespace, pixels: bool, describe: Any, dp_rank: int, micro_batches: int
+) -> Any:
+    """The skip/error policy of this rank; under skip, the decoding rank of each replica (first
+    stage, TP rank 0) tells the other ranks through the job's store which samples failed."""
+    from megatron.core import parallel_state
+
+    from megatron_omnibal.megatron.loader import BadSampleChannel, BadSamplePolicy, report_path
+
+    decides = pixels and parallel_state.get_tensor_model_parallel_rank() == 0
+    channel = None
+    others = (
+        parallel_state.get_pipeline_model_parallel_world_size()
+        * parallel_state.get_tensor_model_parallel_world_size()
+        > 1
+    )
+    if args.omnibal_bad_sample == "skip" and others:
+        import torch.distributed as dist
+
+        # the decision of micro-batch k is read before step k/M + 2 ends: keep three steps
+        channel = BadSampleChannel(
+            dist.distributed_c10d._get_default_store(), dp_rank, 3 * micro_batches
+        )
+    return BadSamplePolicy(
+        mode=args.omnibal_bad_sample,
+        decides=decides,
+        channel=channel,
+        report=report_path(args, dp_rank) if decides else None,
+        describe=describe,
+    )
+
+
+def _report_skipped(policy: Any) -> None:
+    summary = policy.summary()
+    if summary:
+        print(summary, file=sys.stderr, flush=True)
 
 
 def filler_sample(spec: Any) -> Any:

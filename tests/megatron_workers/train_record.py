@@ -6,11 +6,16 @@ Writes OUT_DIR/rank{R}.json: {"rank", "pp_rank", "dp_rank", "start", "micro": [{
 "loss"?, "tokens"?}, ...]} in the order Megatron's schedule drew the micro-batches, and exits
 with main()'s status (2 on a bad flag, before any process group). A stop by --exit-interval
 (Megatron's sys.exit after its checkpoint) still writes the records.
+
+With OMNIBAL_WATCH_DIR set, every file this rank or its DataLoader worker processes open under
+that folder is appended to OUT_DIR/opened_rank{R}.txt (a Python audit hook, inherited by the
+forked workers; it sees Pillow's opens too).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,8 +42,25 @@ def recording_forward_step(data_iterator, model):
     return output, recorded_loss
 
 
+def watch_opens(out: Path) -> None:
+    watched = os.environ.get("OMNIBAL_WATCH_DIR")
+    if not watched:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / f"opened_rank{os.environ['RANK']}.txt", os.O_WRONLY | os.O_CREAT |
+                 os.O_APPEND)
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open" and isinstance(args[0], str | Path) and str(args[0]).startswith(
+                watched):
+            os.write(fd, f"{args[0]}\n".encode())
+
+    sys.addaudithook(hook)
+
+
 def run() -> int:
     out = Path(sys.argv[1])
+    watch_opens(out)
     try:
         status = main(sys.argv[2:], forward_step_func=recording_forward_step)
     except SystemExit as stop:  # --exit-interval: Megatron saves, then sys.exit()s

@@ -1,0 +1,177 @@
+"""Throughput of the training data loader on a generated dataset of real JPEG/PNG files.
+
+The bench writes, in a temp dir: `--images` JPEG/PNG files (smooth colour fields with noise, 200
+to 1600 pixels a side), `--samples` records over them in two layouts (InternVL meta + JSONL with
+`<img>...</img>` images, dynamic 448-pixel tiles; LLaVA JSON list, one padded 336-pixel tile),
+and a BPE tokenizer trained on the fly; `omnibal stats` measures both. Then, side by side in
+one run, it draws balanced micro-batches through the real loader (BalancedDataIterator over
+RealSampleSource) as a first-stage rank does (decode, resize, tile, normalize) with 0, 1 and 2
+DataLoader workers, and as a later-stage rank does (tokens and labels, no image opened).
+
+Figures per case: micro-batches/s delivered to the training process (after a warm-up
+micro-batch per worker, so worker start-up is not counted), and CPU seconds per sample spent on
+the training process's own thread (time.thread_time: what a training step would lose).
+Targets on a 2-core machine: 2 workers >= 1.6x no worker; a later-stage rank >= 10x the first
+stage's (both without workers).
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_data.py --json bench_data.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+WORDS = ["the", "of", "and", "to", "in", "is", "chart", "table", "value", "year", "total",
+         "figure", "shows", "what", "how", "many", "image", "picture", "left", "right", "red",
+         "blue", "green", "number", "text", "page", "answer", "question", "percent"]
+LAYOUTS = {  # model preset, stats flags, budgets (tiles, tokens) per micro-batch
+    "internvl": ("internvl2-8b", ["--max-tiles", "6"], 40, 12_000),
+    "llava": ("llava-1.5-7b", [], 8, 6_000),
+}
+
+
+def generate(root: Path, samples: int, images: int, seed: int) -> None:
+    """Images, the InternVL meta + JSONL, the LLaVA JSON list and a tokenizer under root."""
+    from PIL import Image
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    rng = random.Random(seed)
+    nrng = np.random.default_rng(seed)
+    (root / "images").mkdir(parents=True)
+    files = []
+    for k in range(images):
+        w, h = rng.randint(200, 1600), rng.randint(200, 1600)
+        y, x = np.mgrid[0:h, 0:w]
+        base = np.stack([(x * 255 // w), (y * 255 // h), np.full_like(x, k % 256)], -1)
+        noise = nrng.integers(0, 40, (h, w, 3))
+        img = Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8), "RGB")
+        name = f"{k:04d}.{'png' if k % 5 == 0 else 'jpg'}"
+        img.save(root / "images" / name, **({"compress_level": 1} if k % 5 == 0 else
+                                            {"quality": 85}))
+        files.append(name)
+
+    def words(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    recs = []
+    for i in range(samples):
+        conv = [{"from": "human", "value": "<image>\n" + words(5, 30)},
+                {"from": "gpt", "value": words(10, 120)}]
+        recs.append({"id": f"s{i}", "image": rng.choice(files), "conversations": conv})
+    (root / "llava.json").write_text(json.dumps(recs))
+    (root / "part.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (root / "meta.json").write_text(json.dumps(
+        {"part": {"root": str(root / "images"), "annotation": "part.jsonl"}}))
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([words(20, 60) for _ in range(300)], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]))
+    tok.save(str(root / "tokenizer.json"))
+
+
+def measure(root: Path, layout: str, pixels: bool, workers: int, micro: int) -> dict:
+    """Draw `micro` balanced micro-batches as one rank does; time the training thread."""
+    from megatron_omnibal.data.lengths import load_lengths
+    from megatron_omnibal.data.sampler import BalancedBatchSampler
+    from megatron_omnibal.megatron.data import BalancedDataIterator
+    from megatron_omnibal.megatron.dataset import open_source
+    from megatron_omnibal.megatron.loader import MicroBatchDataset
+    from megatron_omnibal.megatron.pretrain_vlm import filler_sample
+    from megatron_omnibal.models.presets import get_preset
+
+    preset, _, vit_budget, token_budget = LAYOUTS[layout]
+    spec = get_preset(preset)
+    data = root / ("meta.json" if layout == "internvl" else "llava.json")
+    lengths_path = root / f"{layout}_lengths.npz"
+    lengths = load_lengths(lengths_path)
+    args = SimpleNamespace(omnibal_data=str(data), omnibal_lengths=str(lengths_path),
+                           omnibal_tokenizer=None, omnibal_text_scale=1,
+                           trust_remote_code=False)
+    source = open_source(args, lengths, spec, pixels=pixels, check=0)
+    sampler = BalancedBatchSampler(lengths, dp_size=1, dp_rank=0, micro_batches=1,
+                                   vit_budget=vit_budget, token_budget=token_budget, seed=0)
+    it = BalancedDataIterator(sampler, 1, MicroBatchDataset(source, lambda: filler_sample(spec)),
+                              num_workers=workers)
+    for _ in range(max(1, workers)):  # warm-up: worker start-up and first batches
+        next(it)
+    samples = 0
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(micro):
+        batch = next(it)
+        samples += batch.num_samples
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    del it
+    return {"layout": layout, "rank": "first stage" if pixels else "later stage",
+            "workers": workers, "micro_batches": micro, "samples": samples,
+            "micro_per_s": micro / wall, "main_thread_cpu_s_per_sample": cpu / samples}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=600)
+    parser.add_argument("--images", type=int, default=120)
+    parser.add_argument("--micro-batches", type=int, default=20,
+                        help="micro-batches timed per case (first stage)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the figures as JSON")
+    args = parser.parse_args(argv)
+    from megatron_omnibal.cli import main as cli_main
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        generate(root, args.samples, args.images, args.seed)
+        for layout, (preset, flags, _, _) in LAYOUTS.items():
+            data = root / ("meta.json" if layout == "internvl" else "llava.json")
+            root_flag = ["--image-root", str(root / "images")] if layout == "llava" else []
+            rc = cli_main(["stats", str(data), "--model", preset, "--tokenizer",
+                           str(root / "tokenizer.json"), "--workers", "2", "--out",
+                           str(root / f"{layout}_lengths.npz"), "--no-progress", *root_flag,
+                           *flags])
+            if rc:
+                return rc
+        load = os.getloadavg()[0]
+        for layout in LAYOUTS:
+            for workers in (0, 1, 2):
+                results.append(measure(root, layout, True, workers, args.micro_batches))
+            results.append(measure(root, layout, False, 0, 10 * args.micro_batches))
+            results.append(measure(root, layout, False, 2, 10 * args.micro_batches))
+    print(f"{'layout':<10}{'rank':<13}{'workers':>8}{'micro-batches/s':>17}"
+          f"{'samples/micro':>15}{'main-thread CPU ms/sample':>27}")
+    for r in results:
+        print(f"{r['layout']:<10}{r['rank']:<13}{r['workers']:>8}{r['micro_per_s']:>17.2f}"
+              f"{r['samples'] / r['micro_batches']:>15.1f}"
+              f"{1000 * r['main_thread_cpu_s_per_sample']:>27.3f}")
+    ratios = {}
+    for layout in LAYOUTS:
+        rows = {(r["rank"], r["workers"]): r for r in results if r["layout"] == layout}
+        base = rows["first stage", 0]["micro_per_s"]
+        ratios[layout] = {
+            "two_workers_vs_none": rows["first stage", 2]["micro_per_s"] / base,
+            "one_worker_vs_none": rows["first stage", 1]["micro_per_s"] / base,
+            "later_stage_vs_first_stage": rows["later stage", 0]["micro_per_s"] / base,
+        }
+        r = ratios[layout]
+        print(f"{layout}: 2 workers / none = {r['two_workers_vs_none']:.2f}x (target >= 1.6), "
+              f"1 worker / none = {r['one_worker_vs_none']:.2f}x, later stage / first stage "
+              f"(no workers) = {r['later_stage_vs_first_stage']:.1f}x (target >= 10)")
+    print(f"load average before the timings: {load:.1f} ({os.cpu_count()} cores)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "ratios": ratios,
+                                               "load_avg": load, "args": vars(args)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

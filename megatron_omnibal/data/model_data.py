@@ -1,0 +1,130 @@
+"""The data side of a model: how its images are tiled, its chat template, its image tokens.
+
+`omnibal stats --model NAME|FILE|HF_DIR` counts a dataset the way that model's training loader
+sees it. Tile size, tokens per tile and the image token ids come from the ModelSpec; the rest
+from the family (InternVL: dynamic tiles with a thumbnail, `<img>` + `<IMG_CONTEXT>` x n +
+`</img>`, the internvl2_5 template; LLaVA: one padded tile, `<image>` x n, vicuna_v1) and, for a
+Hugging Face checkpoint directory, from its own files:
+
+- OpenGVLab `internvl_chat` config.json: min/max_dynamic_patch, use_thumbnail,
+  dynamic_image_size, force_image_size and `template`;
+- transformers `internvl`: preprocessor_config.json (GotOcr2 image processor) min_patches,
+  max_patches, size. InternVLProcessor crops to patches whatever the image processor's own
+  `crop_to_patches` says (its call default), so tiles are always dynamic here;
+- transformers `llava` / `llava_next`: preprocessor_config.json crop_size; llava_next's
+  config.json image_grid_pinpoints (AnyRes);
+- the tokenizer in the directory (unless another is given).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_omnibal.data import conversations as conv
+from megatron_omnibal.data.tiling import DEFAULT_PINPOINTS, TilingConfig
+
+FAMILIES = {"internvl_chat": "internvl", "internvl": "internvl", "llava": "llava",
+            "llava_next": "llava"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelDataSide:
+    """The model's defaults for `omnibal stats` (flags may override tiling and template)."""
+
+    family: str  # internvl | llava
+    tiling: TilingConfig
+    template: str | None  # None: the checkpoint names a template that is not built in
+    template_note: str  # why there is no template, for the error message
+    image_style: conv.ImageStyle
+    tokenizer: str | None  # the checkpoint directory, when it holds a tokenizer
+
+
+def model_data_side(spec: Any, hf_dir: str | Path | None = None) -> ModelDataSide:
+    """The data side of `spec` (a ModelSpec), read from `hf_dir` where it is a checkpoint."""
+    hf = _read_hf(Path(hf_dir)) if hf_dir is not None else None
+    kind = hf["config"].get("model_type") if hf else None
+    if hf is not None and kind not in FAMILIES:
+        raise ValueError(f"{hf_dir}: model_type {kind!r} is not one this tool counts "
+                         f"({', '.join(FAMILIES)})")
+    family = FAMILIES[kind] if kind else (
+        "internvl" if spec.projector.type == "pixel_shuffle_mlp" else "llava")
+    size, tpt = spec.vit.image_size, spec.tokens_per_tile
+    grid = spec.vit.image_size // spec.vit.patch_size
+    template, note = ("internvl2_5", "") if family == "internvl" else ("vicuna_v1", "")
+    if kind == "internvl_chat":
+        cfg = hf["config"]
+        tile = int(cfg.get("force_image_size") or size)
+        dynamic = bool(cfg.get("dynamic_image_size", True))
+        tiling = TilingConfig(mode="dynamic", tile=tile, tokens_per_tile=tpt,
+                              min_tiles=int(cfg.get("min_dynamic_patch", 1)) if dynamic else 1,
+                              max_tiles=int(cfg.get("max_dynamic_patch", 12)) if dynamic else 1,
+                              thumbnail=bool(cfg.get("use_thumbnail", True)))
+        named = cfg.get("template")
+        if named is not None and named not in conv.TEMPLATES:
+            template, note = None, (f"{hf_dir}/config.json names template {named!r}, which "
+                                    "is not built in")
+    elif kind == "internvl":
+        pre = hf["preprocessor"]
+        tiling = TilingConfig(mode="dynamic", tile=_side(pre.get("size"), size),
+                              tokens_per_tile=tpt, min_tiles=int(pre.get("min_patches", 1)),
+                              max_tiles=int(pre.get("max_patches", 12)), thumbnail=True)
+    elif kind in ("llava", "llava_next"):
+        tile = _side(hf["preprocessor"].get("crop_size"), size)
+        if kind == "llava_next":
+            points = hf["config"].get("image_grid_pinpoints") or DEFAULT_PINPOINTS
+            tiling = TilingConfig(mode="anyres", tile=tile, tokens_per_tile=tpt,
+                                  max_tiles=1, features_per_side=grid,
+                                  pinpoints=tuple((int(h), int(w)) for h, w in points))
+        else:
+            tiling = TilingConfig(mode="fixed", tile=tile, tokens_per_tile=tpt, max_tiles=1)
+    elif family == "internvl":
+        tiling = TilingConfig(mode="dynamic", tile=size, tokens_per_tile=tpt)
+    else:
+        tiling = TilingConfig(mode="fixed", tile=size, tokens_per_tile=tpt, max_tiles=1,
+                              features_per_side=grid)
+    if tiling.tile != size:
+        raise ValueError(f"{hf_dir}: images are tiled at {tiling.tile} pixels, the model's "
+                         f"vision encoder takes {size}")
+    style = conv.INTERNVL_IMAGE if family == "internvl" else conv.LLAVA_IMAGE
+    tokenizer = str(hf_dir) if hf and hf["has_tokenizer"] else None
+    return ModelDataSide(family=family, tiling=tiling, template=template, template_note=note,
+                         image_style=style, tokenizer=tokenizer)
+
+
+def _read_hf(path: Path) -> dict[str, Any]:
+    config = _json(path / "config.json", required=True)
+    return {"config": config, "preprocessor": _json(path / "preprocessor_config.json"),
+            "has_tokenizer": any((path / f).is_file() for f in TOKENIZER_FILES)}
+
+
+def _json(path: Path, required: bool = False) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise ValueError(f"{path.parent}: no config.json (not a Hugging Face checkpoint)")
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot parse ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return doc
+
+
+def _side(value: Any, default: int) -> int:
+    """A square tile side from an image processor's size / crop_size entry."""
+    if value is None:
+        return default
+    if isinstance(value, int):
+        return value
+    if isinstance(value, dict):
+        sides = {value.get("height"), value.get("width")} - {None}
+        if len(sides) == 1:
+            return int(sides.pop())
+        if "shortest_edge" in value:
+            return int(value["shortest_edge"])
+    raise ValueError(f"image size {value!r}: expected square tiles")
