@@ -45,8 +45,9 @@ class FinetuneSettings:
             raise ValueError("--omnibal-vit-lr-mult has no effect with --omnibal-freeze vit")
 
 
-def _parts(text: str) -> frozenset[str]:
-    return frozenset(p.strip() for p in text.split(",") if p.strip())
+def _parts(text: str) -> list[str]:
+    # A plain list: Megatron pickles args into checkpoints, which torch.load reads weights-only.
+    return sorted({p.strip() for p in text.split(",") if p.strip()})
 
 
 def add_finetune_args(group: Any) -> None:
@@ -54,7 +55,7 @@ def add_finetune_args(group: Any) -> None:
     group.add_argument(
         "--omnibal-freeze",
         type=_parts,
-        default=frozenset(),
+        default=[],
         metavar="PARTS",
         help="comma-separated parts to keep fixed: vit, projector, llm (no gradient, no "
         "optimizer state)",
@@ -70,7 +71,9 @@ def add_finetune_args(group: Any) -> None:
 
 
 def finetune_settings(args: argparse.Namespace) -> FinetuneSettings:
-    return FinetuneSettings(freeze=args.omnibal_freeze, vit_lr_mult=args.omnibal_vit_lr_mult)
+    return FinetuneSettings(
+        freeze=frozenset(args.omnibal_freeze), vit_lr_mult=args.omnibal_vit_lr_mult
+    )
 
 
 def apply_to_stage(stage: torch.nn.Module, settings: FinetuneSettings) -> None:
