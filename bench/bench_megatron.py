@@ -1,25 +1,46 @@
-"""Megatron 1F1B on CPU: baseline batching/split/recompute against OmniBal, and the planner's
-prediction against the measurement.
+"""The OmniBal ablation measured for real on this CPU, each step its own Megatron training run,
+with the planner's prediction beside each measurement.
 
-A small VLM shaped like InternVL's 6+20B is trained for real by megatron.training.pretrain at
-PP=2 on 2 gloo ranks (OMP_NUM_THREADS=1 each), on real lengths (a random subset of the shipped
-InternVL data). In 6+20B the vision tower costs about as much as the LLM per sample (InternViT-6B,
-5.5B parameters, sees ~3.95 tiles x 1025 patches; InternLM2-20B, 18.7B, ~1135 tokens: 2.2e13 vs
-2.1e13 parameter-token products), each tile's patches are 4x its LLM image tokens (pixel shuffle
-0.5) and image tokens dominate the LLM sequence. The bench model keeps those ratios: 64 patches
--> 16 image tokens per tile, text tokens / 8, and tower widths such that the measured ViT and
-LLM costs are about equal (the bench prints the measured vision share).
+For each of two VLM shapes, four runs of megatron.training.pretrain (1F1B, PP=2, 2 gloo ranks,
+one thread each) through megatron_omnibal's entry point (`pretrain_vlm.main`, the function
+behind `python -m megatron_omnibal.pretrain_vlm`, with a model_spec file and the
+--omnibal-vit-pp-layers / --omnibal-llm-pp-layers / recompute flags, or the plan), on real
+InternVL lengths (a random subset of the shipped data):
 
-- baseline: whole ViT on stage 0, LLM split evenly, random fixed-size micro-batches with every
-  sample padded to the longest of its micro-batch, full recompute of every layer;
-- OmniBal: the split `omnibal partition` finds on a layer profile measured on this machine
-  (`omnibal profile`), balanced micro-batches (BalancedBatchSampler), the planned recompute.
+  baseline     Megatron's layout (patch embedding + ViT + projector on stage 0, LLM split
+               evenly), every layer recomputed, random fixed-size micro-batches with every
+               sample padded to the longest of its micro-batch
+  +data        the same layout and recompute, balanced micro-batches (the planner's budgets)
+  +partition   the partition the planner's exact search finds, every layer still recomputed
+  +recompute   the planner's plan (`--omnibal-plan`): partition and per-stage recompute chosen
+               jointly under a per-rank memory budget (modeled: set so the unrestricted split
+               does not fit and some recompute is needed; a CPU has no such limit, but the time
+               recompute costs is real)
 
-Both see the same samples per step on average (the baseline's batch size is the balanced mean).
-Step time: wall time between step starts on rank 0, median over the timed steps after warm-up.
+Predictions use the planner's pipeline simulator and stage accounting on exactly the
+micro-batches each timed step trained on (recorded by the worker), with layer costs from
+`omnibal profile` measured on this CPU:
+  predicted  two profiles (the mean balanced micro-batch, and twice its tiles with the mean
+             padded baseline micro-batch's tokens), fitted per layer: ViT and projector
+             a x tiles + c, LLM a x tokens + q x tokens^2 (on a CPU the local attention runs
+             over the whole packed micro-batch under a mask, so its cost grows with the packed
+             length squared)
+  linear     the planner as `omnibal plan --profile` uses one profile: costs proportional to
+             tiles / tokens from the first profile (shown for reference)
+Each profile is the least of `--profile-runs` runs of `omnibal profile` (per layer and time).
+Step time: wall time between step starts on rank 0, median over the timed steps; error =
+median predicted / median measured - 1. The profiles and the runs are measured minutes apart:
+on a machine shared with other jobs their load differs, which the error then mostly shows.
 
-Usage: python bench/bench_megatron.py [--steps 12] [--warmup 2] [--json PATH]
-(also its own torchrun worker: --worker baseline|omnibal OUT -- FLAGS).
+Shapes (small enough for a CPU; widths set so the measured vision share matches):
+  6+20b     vision about half of the layer cost, as InternViT-6B + InternLM2-20B: 64 patches
+            per tile pixel-shuffled to 16 image tokens
+  llava-7b  vision about a fifth (what the issue asks for a LLaVA-7B-like shape): a CLIP-style
+            ViT (class token, dropped before an MLP projector, no pixel shuffle)
+
+Usage: python bench/bench_megatron.py [--shapes 6+20b,llava-7b] [--steps 12] [--warmup 2]
+       [--profile-runs 2] [--json PATH]
+       (also its own torchrun worker: --worker baseline|balanced OUT -- FLAGS)
 """
 
 from __future__ import annotations
@@ -32,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -40,35 +62,38 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "data" / "internvl_subset.npz"
 PP = 2
 TEXT_SCALE = 8
-MODEL_SPEC = {
-    "name": "bench-6+20b-shape",
-    "vit": {"num_layers": 8, "hidden_size": 96, "ffn_hidden_size": 384,
-            "num_attention_heads": 4, "image_size": 64, "patch_size": 8, "norm": "layernorm",
-            "class_token": False},
-    "projector": {"type": "pixel_shuffle_mlp", "downsample": 0.5, "hidden_size": 128},
-    "llm": {"num_layers": 8, "hidden_size": 128, "ffn_hidden_size": 352,
-            "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 1024,
-            "norm": "rmsnorm"},
+DATA_TOKENS_PER_TILE = 256  # InternVL: image tokens per tile counted in the length file
+SHAPES = {
+    "6+20b": {
+        "name": "bench-6+20b-shape",
+        "vit": {"num_layers": 8, "hidden_size": 96, "ffn_hidden_size": 384,
+                "num_attention_heads": 4, "image_size": 64, "patch_size": 8,
+                "norm": "layernorm", "class_token": False},
+        "projector": {"type": "pixel_shuffle_mlp", "downsample": 0.5, "hidden_size": 128},
+        "llm": {"num_layers": 8, "hidden_size": 128, "ffn_hidden_size": 352,
+                "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 1024,
+                "norm": "rmsnorm"},
+    },
+    "llava-7b": {
+        "name": "bench-llava-7b-shape",
+        "vit": {"num_layers": 8, "hidden_size": 64, "ffn_hidden_size": 256,
+                "num_attention_heads": 4, "image_size": 32, "patch_size": 8,
+                "norm": "layernorm", "activation": "quick_gelu", "class_token": True,
+                "drop_class_token": True, "pre_norm": True, "patch_bias": False},
+        "projector": {"type": "mlp", "hidden_size": 128},
+        "llm": {"num_layers": 8, "hidden_size": 128, "ffn_hidden_size": 352,
+                "num_attention_heads": 4, "num_query_groups": 4, "vocab_size": 1024,
+                "norm": "rmsnorm"},
+    },
 }  # fmt: skip
-
-
-def vlm_spec():
-    from megatron_omnibal.models.spec import ModelSpec
-
-    return ModelSpec.from_dict(MODEL_SPEC)
-
-
-def model_json(path: Path) -> Path:
-    """The model as a planner/trainer model file (`omnibal profile --model`, --omnibal-model)."""
-    path.write_text(json.dumps(MODEL_SPEC))
-    return path
+STEPS = ("baseline", "+data", "+partition", "+recompute")
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, **kw)
     if proc.returncode != 0:
-        sys.exit(f"bench_megatron: {' '.join(cmd[:6])} ... failed:\n{proc.stderr[-4000:]}")
+        sys.exit(f"bench_megatron: {' '.join(cmd[:8])} ... failed:\n{proc.stderr[-4000:]}")
     return proc
 
 
@@ -76,27 +101,32 @@ def omnibal(*args: str) -> str:
     return run([sys.executable, "-m", "megatron_omnibal.cli", *args]).stdout
 
 
-def plan_json(path: Path, stages: list[list[int]], recompute: list[int], nv: int, nl: int,
-              micro: int, vit_budget: int, token_budget: int) -> Path:  # fmt: skip
-    """A plan.json holding the partition of the profile's units [vit.0.., projector, llm.0..]."""
-    out = []
-    for r, (lo, hi) in enumerate(stages):
-        vit = [min(lo, nv), min(hi, nv)]
-        llm = [min(max(lo - nv - 1, 0), nl), min(max(hi - nv - 1, 0), nl)]
-        proj = lo <= nv < hi
-        units = {"vit": vit[1] - vit[0], "llm": llm[1] - llm[0]}
-        # The partition reports one recompute count per stage; give it to the stage's tower
-        # that holds layers, ViT first (what the planner's stage entries do for one tower).
-        rec_vit = min(recompute[r], units["vit"])
-        rec_llm = min(recompute[r] - rec_vit, units["llm"])
-        out.append({"stage": r, "vit_layers": vit, "llm_layers": llm, "patch_embed": r == 0,
-                    "projector": proj, "llm_embed": proj, "head": r == len(stages) - 1,
-                    "vit_recompute": rec_vit, "llm_recompute": rec_llm})  # fmt: skip
-    doc = {"parallel": {"tp": 1, "pp": len(stages), "dp": 1, "micro_batches": micro},
-           "model_spec": MODEL_SPEC, "stages": out,
-           "data": {"vit_budget": vit_budget, "token_budget": token_budget}}  # fmt: skip
-    path.write_text(json.dumps(doc, indent=1))
-    return path
+def cpu_hardware(memory_mib: float):
+    """The planner's view of this machine: two gloo ranks on one host (a measured profile
+    replaces the FLOPs numbers); `memory_mib` is the modeled per-rank budget."""
+    from megatron_omnibal.planner.hardware import Hardware
+
+    return Hardware(name="cpu-gloo", peak_tflops=1.0, memory_gib=memory_mib / 1024,
+                    nvlink_gbs=1.0, network_gbs=1.0, gpus_per_node=PP, efficiency=1.0,
+                    reserve_gib=0.0, p2p_latency_ms=0.3, op_overhead_ms=0.0)  # fmt: skip
+
+
+def layout_flags(part, nv: int) -> list[str]:
+    """--omnibal-*-pp-layers and recompute flags of a planner Partition."""
+    from megatron_omnibal.planner.costs import GROUP_LLM, GROUP_VIT
+
+    vit, llm, vrc, lrc = [], [], [], []
+    for (lo, hi), rec in zip(part.stages, part.recompute, strict=True):
+        vit.append(max(0, min(hi, nv) - min(lo, nv)))
+        llm.append(max(0, hi - max(lo, nv + 1)))
+        vrc.append(rec.get(GROUP_VIT, 0))
+        lrc.append(rec.get(GROUP_LLM, 0))
+
+    def csv(values: list[int]) -> str:
+        return ",".join(str(int(v)) for v in values)
+
+    return ["--omnibal-vit-pp-layers", csv(vit), "--omnibal-llm-pp-layers", csv(llm),
+            "--omnibal-vit-recompute", csv(vrc), "--omnibal-llm-recompute", csv(lrc)]  # fmt: skip
 
 
 def common_flags(lengths: Path, micro: int, steps: int, tokens_per_tile: int) -> list[str]:
@@ -111,108 +141,263 @@ def common_flags(lengths: Path, micro: int, steps: int, tokens_per_tile: int) ->
 
 def torchrun(mode: str, out: Path, flags: list[str]) -> dict:
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={PP}",
-         __file__, "--worker", mode, str(out), "--", *flags], timeout=900)  # fmt: skip
+         __file__, "--worker", mode, str(out), "--", *flags], timeout=1800)  # fmt: skip
     return json.loads((out / "rank0.json").read_text())
+
+
+def step_features(lengths, micro_indices: list[list[int]], padded: bool) -> np.ndarray:
+    """(m, 4) features of one step's micro-batches as the CPU run computes them: tiles, packed
+    tokens (fixed-size: every sample padded to the longest), packed tokens squared (the local
+    attention's masked [S, S] scores), 1."""
+    from megatron_omnibal.planner.costs import workload_features
+
+    tiles, tokens = [], []
+    for idx in micro_indices:
+        tok = lengths.tokens[idx].astype(np.float64)
+        tiles.append(float(lengths.vit[idx].sum()))
+        tokens.append(float(tok.max() * len(idx) if padded else tok.sum()))
+    return workload_features(tiles, tokens, np.square(tokens))
+
+
+def profile_min(model_file: Path, tiles: int, tokens: int, m: int, args, stem: Path) -> dict:
+    """`omnibal profile` run `args.profile_runs` times; each time the least of the runs (other
+    jobs on a shared machine only ever add time)."""
+    docs = []
+    for run_index in range(args.profile_runs):
+        out = stem.with_name(f"{stem.name}.run{run_index}.json")
+        omnibal("profile", "--model", str(model_file), "--tiles", str(tiles), "--tokens",
+                str(tokens), "--repeats", str(args.repeats), "--micro-batches", str(m),
+                "--out", str(out))  # fmt: skip
+        docs.append(json.loads(out.read_text()))
+    best = docs[0]
+    for doc in docs[1:]:
+        for layer, other in zip(best["layers"], doc["layers"], strict=True):
+            for key in ("forward_ms", "backward_ms", "recompute_ms"):
+                layer[key] = min(layer[key], other[key])
+    return best
+
+
+def fit_costs(model, docs: list[dict]):
+    """The profile cost model of docs[0] with its times refitted from two profiles at
+    different sizes: ViT/projector a x tiles + c, LLM a x tokens + q x tokens^2 (the third
+    feature column then carries the packed length squared)."""
+    from megatron_omnibal.planner.costs import GROUP_LLM, profile_from_dict
+
+    points = [(profile_from_dict(d)[0], d["measured"]["tiles"], d["measured"]["tokens"])
+              for d in docs]  # fmt: skip
+    group = np.asarray(model.group)
+    rows = {}
+    for field in ("forward_ms", "backward_ms", "recompute_ms"):
+        out = np.zeros((len(group), 4))
+        for u in range(len(group)):
+            y = np.array([getattr(c, field)[u] for c, _, _ in points])
+            if group[u] == GROUP_LLM:
+                x = np.array([[tok, tok**2] for _, _, tok in points], np.float64)
+                cols = (1, 2)
+            else:
+                x = np.array([[tiles, 1.0] for _, tiles, _ in points], np.float64)
+                cols = (0, 3)
+            coef = np.linalg.lstsq(x, y, rcond=None)[0]
+            if coef.min() < 0:  # noise: keep the term that carries the cost, non-negative
+                keep = int(np.argmax(coef))
+                coef = np.zeros(2)
+                coef[keep] = float(y @ x[:, keep] / (x[:, keep] @ x[:, keep]))
+            out[u, list(cols)] = coef
+        rows[field] = out
+    return replace(model, forward=rows["forward_ms"], backward=rows["backward_ms"],
+                   recompute=np.maximum(rows["recompute_ms"], rows["forward_ms"]))  # fmt: skip
+
+
+def measure(mode: str, out: Path, flags: list[str], warmup: int) -> dict:
+    """One training run: median measured step and the per-step batches it trained on."""
+    load = os.getloadavg()[0]
+    rec = torchrun(mode, out, flags)
+    starts = rec["step_starts"] + [rec["end"]]
+    times = (np.diff(starts) * 1000.0)[warmup:]
+    return {"times_ms": times.tolist(), "micro_indices": rec["micro_indices"][warmup:],
+            "median_step_ms": float(statistics.median(times)),
+            "load_average": [round(load, 2), round(os.getloadavg()[0], 2)]}  # fmt: skip
+
+
+def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
+    from megatron_omnibal.data.lengths import load_lengths, save_lengths
+    from megatron_omnibal.megatron.data import model_lengths
+    from megatron_omnibal.models.spec import ModelSpec
+    from megatron_omnibal.planner.baseline import same_parallel_baseline
+    from megatron_omnibal.planner.make import make_plan, plan_partition
+    from megatron_omnibal.planner.memory import GIB_MIB
+    from megatron_omnibal.planner.partition import NoFeasiblePartition
+    from megatron_omnibal.planner.plan import save_plan
+    from megatron_omnibal.planner.request import PlanRequest
+    from megatron_omnibal.planner.setting import choose_partition, make_setting
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    spec = ModelSpec.from_dict(SHAPES[shape])
+    model_file = tmp / "model.json"
+    model_file.write_text(json.dumps(SHAPES[shape]))
+    real = load_lengths(EXAMPLE)
+    pick = np.sort(np.random.default_rng(0).choice(len(real), args.samples, replace=False))
+    lengths = model_lengths(real.subset(pick), DATA_TOKENS_PER_TILE, spec.tokens_per_tile,
+                            TEXT_SCALE)  # fmt: skip
+    lengths_file = tmp / "lengths.npz"
+    save_lengths(lengths, lengths_file)
+    m, gb = args.micro_batches, args.micro_batches * args.samples_per_micro_batch
+
+    def request(memory_mib: float, profile: dict | None = None) -> PlanRequest:
+        return PlanRequest(model=spec, hardware=cpu_hardware(memory_mib), lengths=lengths,
+                           lengths_path=str(lengths_file), gpus=PP, tp=1, pp=PP,
+                           micro_batches=m, global_batch=gb, profile=profile,
+                           profile_path=None if profile is None else str(tmp / "profile.json"),
+                           plan_path=str(tmp / "plan.json"))  # fmt: skip
+
+    # Profiled shapes: the planner's mean balanced micro-batch; twice its tiles with the mean
+    # padded fixed-size micro-batch's tokens (at least twice the balanced ones).
+    probe = make_setting(request(1e9), 1, PP, 1, m)
+    mean = probe.balanced.reshape(-1, 4).mean(axis=0)
+    padded = probe.fixed.reshape(-1, 4).mean(axis=0)
+    shapes = [(max(1, round(mean[0])), max(1, round(mean[1])))]
+    shapes.append((2 * shapes[0][0], max(round(padded[1]), 2 * shapes[0][1])))
+    docs = [profile_min(model_file, tiles, tokens, m, args, tmp / f"profile{i}")
+            for i, (tiles, tokens) in enumerate(shapes)]  # fmt: skip
+    (tmp / "profile.json").write_text(json.dumps(docs[0], indent=1))
+    profile = docs[0]
+    unlimited = make_setting(request(1e9, profile), 1, PP, 1, m)
+    megatron, _ = choose_partition(unlimited, "megatron")
+    searched, _ = choose_partition(unlimited, "exact", recompute=False)
+    free, _ = choose_partition(unlimited, "exact")
+    # A budget under the unrestricted split's peak forces some recompute; halfway down to
+    # the least any split needs with everything recomputed.
+    least = float(min(searched.memory_mib.max(), megatron.memory_mib.max()))
+    budget = least + 0.5 * (float(free.memory_mib.max()) - least)
+    try:
+        plan = make_plan(request(budget, profile))
+    except NoFeasiblePartition:
+        budget = float(free.memory_mib.max()) * 0.95
+        plan = make_plan(request(budget, profile))
+    save_plan(plan, tmp / "plan.json")
+    setting = make_setting(request(budget, profile), 1, PP, 1, m)
+    fitted = replace(setting, model=fit_costs(setting.model, docs))
+    bounds, recompute = plan_partition(plan)
+    planned = setting.problem(float("inf")).evaluate(bounds, recompute)
+    megatron_part, _, _ = same_parallel_baseline(setting)
+
+    # Fixed-size baseline: as many samples per step as the balanced runs take on average.
+    nv = spec.vit.num_layers
+    budgets = ["--omnibal-vit-budget", str(plan.data.vit_budget), "--omnibal-token-budget",
+               str(plan.data.token_budget)]  # fmt: skip
+    base = [*common_flags(lengths_file, m, args.steps, spec.tokens_per_tile), "--omnibal-model",
+            str(model_file)]  # fmt: skip
+    runs = {
+        "+data": ("balanced", [*base, *budgets, *layout_flags(megatron_part, nv)],
+                  megatron_part, False),
+        "+partition": ("balanced", [*base, *budgets, *layout_flags(searched, nv)], searched,
+                       False),
+        "+recompute": ("balanced", [*base, "--omnibal-plan", str(tmp / "plan.json")], planned,
+                       False),
+    }  # fmt: skip
+    results = {}
+    for label in ("+data", "+partition", "+recompute"):
+        mode, flags, part, padded = runs[label]
+        results[label] = (measure(mode, tmp / label, flags, args.warmup), part, padded)
+    per_micro = np.mean([len(i) for s in results["+data"][0]["micro_indices"] for i in s])
+    batch = max(1, round(float(per_micro)))
+    flags = [*base, *budgets, *layout_flags(megatron_part, nv), "--omnibal-baseline-batch",
+             str(batch)]  # fmt: skip
+    results["baseline"] = (measure("baseline", tmp / "baseline", flags, args.warmup),
+                           megatron_part, True)  # fmt: skip
+
+    rows = []
+    for label in STEPS:
+        got, part, padded = results[label]
+        feats = [step_features(lengths, step, padded)[None] for step in got["micro_indices"]]
+        pred = float(statistics.median(fitted.predict(part, f).step_ms for f in feats))
+        linear = float(statistics.median(setting.predict(part, f).step_ms for f in feats))
+        rows.append({
+            "step": label,
+            "measured_ms": round(got["median_step_ms"], 1),
+            "predicted_ms": round(pred, 1),
+            "error": round(pred / got["median_step_ms"] - 1, 4),
+            "linear_predicted_ms": round(linear, 1),
+            "linear_error": round(linear / got["median_step_ms"] - 1, 4),
+            "measured_steps_ms": [round(t, 1) for t in got["times_ms"]],
+            "load_average": got["load_average"],
+            "samples_per_step": round(float(np.mean([sum(map(len, s))
+                                                     for s in got["micro_indices"]])), 2),
+            "stages": [list(s) for s in part.stages],
+            "recompute": [{("vit" if g == 0 else "llm"): int(k) for g, k in r.items()}
+                          for r in part.recompute],
+            "modeled_peak_mib": [round(float(x), 1) for x in part.memory_mib],
+        })  # fmt: skip
+    cost = {g: sum(x["forward_ms"] + x["backward_ms"] for x in profile["layers"]
+                   if x["group"] == g) for g in ("vit", "llm")}  # fmt: skip
+    return {
+        "shape": shape,
+        "model": SHAPES[shape],
+        "vision_share_measured": round(cost["vit"] / (cost["vit"] + cost["llm"]), 3),
+        "profiles_at": [{"tiles": t, "tokens": n} for t, n in shapes],
+        "budgets": {"vit": plan.data.vit_budget, "tokens": plan.data.token_budget},
+        "baseline_batch": batch,
+        "memory_budget_mib": round(budget, 1),
+        "memory_budget_gib": round(budget / GIB_MIB, 4),
+        "micro_batches": m,
+        "rows": rows,
+    }
+
+
+def print_shape(res: dict) -> None:
+    at = ", ".join(f"{p['tiles']} tiles / {p['tokens']} tokens" for p in res["profiles_at"])
+    print(f"\n{res['shape']}: vision {res['vision_share_measured']:.0%} of the layer cost "
+          f"(profiles at {at}); PP={PP}, {res['micro_batches']} micro-batches/step; budgets "
+          f"{res['budgets']['vit']} tiles / {res['budgets']['tokens']} tokens; baseline "
+          f"{res['baseline_batch']} samples per micro-batch, padded; modeled memory budget "
+          f"{res['memory_budget_mib']:.0f} MiB per rank")  # fmt: skip
+    print(f"  {'step':<11} {'measured ms':>11} {'predicted ms':>12} {'error':>7} "
+          f"{'linear ms':>10} {'error':>7} {'vs baseline':>11} {'samples':>7}  "
+          "stages (units) / recompute (load average)")  # fmt: skip
+    first = res["rows"][0]["measured_ms"]
+    for row in res["rows"]:
+        print(f"  {row['step']:<11} {row['measured_ms']:>11.1f} {row['predicted_ms']:>12.1f} "
+              f"{row['error']:>+7.1%} {row['linear_predicted_ms']:>10.1f} "
+              f"{row['linear_error']:>+7.1%} {first / row['measured_ms']:>10.2f}x "
+              f"{row['samples_per_step']:>7.1f}  {row['stages']} {row['recompute']} "
+              f"(load {row['load_average'][0]:.1f}-{row['load_average'][1]:.1f})")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shapes")
     parser.add_argument("--steps", type=int, default=12, help="training steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps")
     parser.add_argument("--micro-batches", type=int, default=4, help="per step (PP=2: 2 x PP)")
+    parser.add_argument("--samples-per-micro-batch", type=int, default=6,
+                        help="planned samples per balanced micro-batch (sets the budgets)")
     parser.add_argument("--samples", type=int, default=3000, help="random subset of the data")
-    parser.add_argument("--vit-budget", type=int, default=24)
-    parser.add_argument("--token-budget", type=int, default=640)
+    parser.add_argument("--repeats", type=int, default=5, help="omnibal profile repeats")
+    parser.add_argument("--profile-runs", type=int, default=2,
+                        help="omnibal profile runs per shape (the least time of each is kept)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
-    if args.steps - args.warmup < 10:
-        parser.error("need at least 10 timed steps (--steps - --warmup >= 10)")
-
-    from megatron_omnibal.data.lengths import load_lengths, save_lengths
-    from megatron_omnibal.data.sampler import BalancedBatchSampler
-    from megatron_omnibal.megatron.data import model_lengths
-
-    spec = vlm_spec()
+    shapes = args.shapes.split(",")
+    for s in shapes:
+        if s not in SHAPES:
+            parser.error(f"--shapes: unknown shape {s!r} (known: {', '.join(SHAPES)})")
+    if args.steps - args.warmup < 3:
+        parser.error("need at least 3 timed steps (--steps - --warmup >= 3)")
     tmp = Path(tempfile.mkdtemp(prefix="bench_megatron_"))
-    real = load_lengths(EXAMPLE)
-    pick = np.sort(np.random.default_rng(0).choice(len(real), args.samples, replace=False))
-    lengths = model_lengths(real.subset(pick), 256, spec.tokens_per_tile, TEXT_SCALE)
-    save_lengths(lengths, tmp / "lengths.npz")
-
-    m = args.micro_batches
-    sampler = BalancedBatchSampler(lengths, dp_size=1, dp_rank=0, micro_batches=m,
-                                   vit_budget=args.vit_budget, token_budget=args.token_budget,
-                                   seed=3)  # fmt: skip
-    per_micro = len(lengths) / (sampler.steps_per_epoch * m)
-    baseline_batch = max(1, round(per_micro))
-    tiles = int(round(lengths.vit.sum() / (sampler.steps_per_epoch * m)))
-    tokens = int(round(lengths.tokens.sum() / (sampler.steps_per_epoch * m)))
-
-    print(f"model {MODEL_SPEC['name']}, PP={PP}, {m} micro-batches/step, {args.samples} "
-          f"samples; balanced "
-          f"micro-batch: {per_micro:.2f} samples, {tiles} tiles, {tokens} tokens; baseline: "
-          f"{baseline_batch} samples padded to the longest", file=sys.stderr)  # fmt: skip
-    mfile = model_json(tmp / "model.json")
-    omnibal("profile", "--model", str(mfile), "--tiles", str(tiles), "--tokens", str(tokens),
-            "--repeats", "5",
-            "--micro-batches", str(m), "--out", str(tmp / "profile.json"))  # fmt: skip
-    part = json.loads(omnibal("partition", "--profile", str(tmp / "profile.json"), "--pp",
-                              str(PP), "--json"))  # fmt: skip
-    nv, nl = spec.vit.num_layers, spec.llm.num_layers
-    plan = plan_json(tmp / "plan.json", part["stages"], part["recompute"], nv, nl, m,
-                     args.vit_budget, args.token_budget)  # fmt: skip
-    base = common_flags(tmp / "lengths.npz", m, args.steps, spec.tokens_per_tile)
-    results = {}
-    for mode, flags in (
-        ("baseline", [*base, "--omnibal-model", str(mfile), "--omnibal-vit-budget",
-                      str(args.vit_budget), "--omnibal-token-budget", str(args.token_budget),
-                      "--omnibal-vit-pp-layers", f"{nv},0", "--omnibal-llm-pp-layers",
-                      f"{nl // 2},{nl - nl // 2}", "--omnibal-vit-recompute", f"{nv},0",
-                      "--omnibal-llm-recompute", f"{nl // 2},{nl - nl // 2}",
-                      "--omnibal-baseline-batch", str(baseline_batch)]),
-        ("omnibal", [*base, "--omnibal-plan", str(plan)]),
-    ):  # fmt: skip
-        rec = torchrun(mode, tmp / mode, flags)
-        starts = rec["step_starts"] + [rec["end"]]
-        times = np.diff(starts)[args.warmup :] * 1000.0
-        results[mode] = {
-            "median_step_ms": round(float(statistics.median(times)), 2),
-            "timed_steps": len(times),
-            "samples_per_step": round(float(np.mean(rec["samples_per_step"])), 2),
-            "llm_tokens_per_step": round(float(np.mean(rec["tokens_per_step"])), 1),
-        }
-    layout = [{"vit": s["vit_layers"], "llm": s["llm_layers"], "projector": s["projector"],
-               "vit_recompute": s["vit_recompute"], "llm_recompute": s["llm_recompute"]}
-              for s in json.loads(plan.read_text())["stages"]]  # fmt: skip
-    measured = results["omnibal"]["median_step_ms"]
-    prof = json.loads((tmp / "profile.json").read_text())["layers"]
-    cost = {g: sum(x["forward_ms"] + x["backward_ms"] for x in prof if x["group"] == g)
-            for g in ("vit", "llm")}  # fmt: skip
-    figures = {
-        "model": MODEL_SPEC,
-        "vision_share_measured": round(cost["vit"] / (cost["vit"] + cost["llm"]), 3),
-        "pp": PP,
-        "micro_batches": m,
-        "budgets": {"vit": args.vit_budget, "tokens": args.token_budget},
-        "baseline": results["baseline"],
-        "omnibal": results["omnibal"],
-        "omnibal_layout": layout,
-        "speedup": round(results["baseline"]["median_step_ms"] / measured, 3),
-        "predicted_step_ms": part["step_ms"],
-        "prediction_error": round((part["step_ms"] - measured) / measured, 4),
-        "profile": {"tiles": tiles, "tokens": tokens},
-    }
-    b, o = results["baseline"], results["omnibal"]
-    print(f"baseline: {b['median_step_ms']:.1f} ms/step ({b['samples_per_step']} samples, "
-          f"{b['llm_tokens_per_step']:.0f} LLM tokens)")  # fmt: skip
-    print(f"omnibal:  {o['median_step_ms']:.1f} ms/step ({o['samples_per_step']} samples, "
-          f"{o['llm_tokens_per_step']:.0f} LLM tokens), layout {layout}")  # fmt: skip
-    print(f"vision share of the layer cost (profile): {figures['vision_share_measured']:.0%}")
-    print(f"step-time ratio baseline/omnibal: {figures['speedup']:.2f}x; planner predicted "
-          f"{part['step_ms']:.1f} ms for OmniBal, measured {measured:.1f} ms "
-          f"({figures['prediction_error']:+.1%})")  # fmt: skip
+    report = {"note": "measured on this CPU (PP=2, 2 gloo ranks, 1 thread each); predictions "
+                      "from profiles measured here", "load_average": os.getloadavg(),
+              "steps": args.steps, "warmup": args.warmup, "shapes": []}  # fmt: skip
+    for shape in shapes:
+        res = run_shape(shape, args, tmp / shape)
+        report["shapes"].append(res)
+        print_shape(res)
+    report["load_average_end"] = os.getloadavg()
+    errors = [abs(r["error"]) for s in report["shapes"] for r in s["rows"]]
+    print(f"\nlargest prediction error {max(errors):.1%} (goal: within 10% on a quiet machine); "
+          f"load average {report['load_average'][0]:.1f} at the start, "
+          f"{report['load_average_end'][0]:.1f} at the end")  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 
@@ -268,27 +453,21 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
         baseline_batch = int(flags[i + 1])
         flags = flags[:i] + flags[i + 2 :]
 
-    from megatron_omnibal.data.lengths import load_lengths
     from megatron_omnibal.megatron.pretrain_vlm import main as pretrain_main
     from megatron_omnibal.megatron.step import forward_step
 
     micro = int(flags[flags.index("--global-batch-size") + 1])  # DP = 1
-    tokens = load_lengths(flags[flags.index("--omnibal-lengths") + 1]).tokens
-    record = {"step_starts": [], "samples_per_step": [], "tokens_per_step": []}
+    record: dict = {"step_starts": [], "micro_indices": []}
     state = {"calls": 0}
 
     def timed_forward_step(data_iterator, model):
         source = getattr(data_iterator, "iterable", data_iterator)
         if state["calls"] % micro == 0:
             record["step_starts"].append(time.perf_counter())
-            record["samples_per_step"].append(0)
-            record["tokens_per_step"].append(0)
+            record["micro_indices"].append([])
         state["calls"] += 1
         output, loss = forward_step(data_iterator, model)
-        idx = source.last_indices
-        record["samples_per_step"][-1] += len(idx)
-        padded = int(tokens[idx].max()) * len(idx) if baseline_batch else int(tokens[idx].sum())
-        record["tokens_per_step"][-1] += padded
+        record["micro_indices"][-1].append([int(i) for i in source.last_indices])
         return output, loss
 
     def baseline_iterators(settings, spec, _num_samples=None):

@@ -1,12 +1,18 @@
-"""Planner bench: the OmniBal ablation on the modelled 6+20B and 6+34B, and search times.
+"""Planner bench: headline speedups, the OmniBal ablation on the modelled 6+20B and 6+34B, and
+search times.
 
 Everything here is predicted by the planner's FLOPs cost model and pipeline simulator from
-real sample lengths (the shipped InternVL subset); nothing is measured on GPUs. The ablation
-keeps one parallel configuration (the one `omnibal plan` picks for the full method) and adds the
-three balances one at a time:
+real sample lengths (the shipped InternVL subset); nothing is measured on GPUs.
+
+The headline (`omnibal plan`'s first line) compares the plan with the best configuration a
+Megatron-LM user could set by hand for the same model, GPUs and global batch (TP, PP,
+micro-batch size, --decoder-first/last-pipeline-num-layers, --recompute-vision and
+--recompute-num-layers searched; ViT on stage 0; padded fixed-size batches; only what fits).
+
+The ablation keeps one parallel configuration and adds the three balances one at a time:
 
   baseline     Megatron layout (ViT + projector on stage 0, LLM split evenly), every layer
-               recomputed, random fixed-size micro-batches
+               recomputed, random fixed-size micro-batches padded to their longest sample
   +data        the same, on balanced micro-batches (vision and token budgets)
   +partition   the exact searched partition, still recomputing every layer
   +recompute   partition searched jointly with per-stage recompute under the memory budget
@@ -33,18 +39,19 @@ from megatron_omnibal.data.lengths import load_lengths  # noqa: E402
 from megatron_omnibal.models.presets import get_preset  # noqa: E402
 from megatron_omnibal.planner.costs import GROUP_LLM, GROUP_VIT  # noqa: E402
 from megatron_omnibal.planner.hardware import get_hardware  # noqa: E402
+from megatron_omnibal.planner.make import make_plan  # noqa: E402
 from megatron_omnibal.planner.memory import (  # noqa: E402
     inflight_interleaved,
     stage_memory_mib,
 )
+from megatron_omnibal.planner.parallel_search import plan_candidates  # noqa: E402
 from megatron_omnibal.planner.partition import Problem, search  # noqa: E402
-from megatron_omnibal.planner.plan import (  # noqa: E402
+from megatron_omnibal.planner.request import PlanRequest  # noqa: E402
+from megatron_omnibal.planner.setting import (  # noqa: E402
     budget_mib,
     choose_partition,
     full_recompute_costs,
-    make_plan,
     make_setting,
-    plan_candidates,
 )
 from megatron_omnibal.planner.simulate import simulate_step  # noqa: E402
 
@@ -80,11 +87,49 @@ def ablation_rows(setting, hw, gpus: int, global_batch: int) -> list[dict]:
     return rows
 
 
+def request(name: str, hw_name: str, gpus: int, stats, global_batch: int = 1024, **kw):
+    return PlanRequest(model=get_preset(name), hardware=get_hardware(hw_name), lengths=stats,
+                       gpus=gpus, global_batch=global_batch, **kw)  # fmt: skip
+
+
+def headline(names, hw_name: str, gpus: int, stats, global_batch: int) -> list[dict]:
+    """`omnibal plan`'s headline: the plan against the best hand-set Megatron-LM configuration,
+    and the same-sizes Megatron layout (the old comparison) beside it."""
+    out = []
+    for name in names:
+        t0, c0 = time.perf_counter(), time.process_time()
+        plan = make_plan(request(name, hw_name, gpus, stats, global_batch))
+        p, par = plan.predicted, plan.parallel
+        b = p.baseline
+        out.append(
+            {
+                "model": name,
+                "plan": {"tp": par.tp, "pp": par.pp, "dp": par.dp, "m": par.micro_batches,
+                         "step_ms": p.step_ms},
+                "baseline": None if b is None else {
+                    "tp": b.tp, "pp": b.pp, "dp": b.dp, "micro_batch_size": b.micro_batch_size,
+                    "llm_layers": list(b.llm_layers_per_stage),
+                    "recompute_vision": b.recompute_vision,
+                    "recompute_num_layers": b.recompute_num_layers, "step_ms": b.step_ms,
+                    "configurations_searched": b.configurations_searched,
+                    "configurations_fitting": b.configurations_fitting,
+                },
+                "speedup": p.speedup,
+                "same_parallel_speedup": p.same_parallel.speedup,
+                "same_parallel_fits": p.same_parallel.fits_memory,
+                "plan_cpu_s": round(time.process_time() - c0, 2),
+                "plan_wall_s": round(time.perf_counter() - t0, 2),
+            }
+        )  # fmt: skip
+    return out
+
+
 def ablation(name: str, hw_name: str, gpus: int, stats, global_batch: int) -> dict:
     """Ablation at PP 4, 8, 16 (tp=1, 4 micro-batches per stage) and at the planner's pick."""
-    model, hw = get_preset(name), get_hardware(hw_name)
+    hw = get_hardware(hw_name)
+    req = request(name, hw_name, gpus, stats, global_batch)
     t0, c0 = time.perf_counter(), time.process_time()
-    ranked = plan_candidates(model, hw, stats, gpus, global_batch=global_batch)
+    ranked = plan_candidates(req)
     search = {
         "wall_s": round(time.perf_counter() - t0, 2),
         "cpu_s": round(time.process_time() - c0, 2),
@@ -95,7 +140,7 @@ def ablation(name: str, hw_name: str, gpus: int, stats, global_batch: int) -> di
         configs.append((best.tp, best.pp, best.m))
     out = []
     for tp, pp, m in configs:
-        setting = make_setting(model, hw, stats, tp, pp, gpus // (tp * pp), m, global_batch)
+        setting = make_setting(req, tp, pp, gpus // (tp * pp), m)
         out.append(
             {
                 "tp": tp,
@@ -134,10 +179,10 @@ def optimality_check(stats, gpus: int, hw_name: str, pps: tuple[int, ...] = (3, 
     Every split is scored by the exact 1F1B lower bound max_s(work before s + m t_s); only
     splits whose bound is below the searched step can beat it, and those are all simulated.
     """
-    model, hw = get_preset("internvl-6b-20b"), get_hardware(hw_name)
+    hw, req = get_hardware(hw_name), request("internvl-6b-20b", hw_name, gpus, stats)
     out = []
     for pp in pps:
-        setting = make_setting(model, hw, stats, 1, pp, gpus // pp, 4 * pp, 1024)
+        setting = make_setting(req, 1, pp, gpus // pp, 4 * pp)
         problem = setting.problem(budget_mib(hw))
         found = search(problem, pp)
         tables, units = problem.tables(pp), problem.units
@@ -170,10 +215,10 @@ def certificates(stats, gpus: int, hw_name: str) -> list[dict]:
     """Certified search on the full-size 6+20B at PP 4, 8, 16 and 2 or 4 micro-batches per
     stage: the DPs + polish alone (tolerance None) against the branch and bound, and the
     proven gap of the result (step / lower bound - 1)."""
-    model, hw = get_preset("internvl-6b-20b"), get_hardware(hw_name)
+    hw, req = get_hardware(hw_name), request("internvl-6b-20b", hw_name, gpus, stats)
     out = []
     for pp, per in itertools.product((4, 8, 16), (2, 4)):
-        setting = make_setting(model, hw, stats, 1, pp, gpus // pp, per * pp, 1024)
+        setting = make_setting(req, 1, pp, gpus // pp, per * pp)
         problem = setting.problem(budget_mib(hw))
         c0 = time.process_time()
         fast = search(problem, pp, tolerance=None)
@@ -206,13 +251,13 @@ def interleaved_check(stats, gpus: int, hw_name: str) -> list[dict]:
     gradient sync as the plan. Rank memory: both chunks' static state plus Megatron's
     interleaved in-flight chunk-micro-batches times the larger chunk's stored activations.
     """
-    model, hw = get_preset("internvl-6b-20b"), get_hardware(hw_name)
+    hw, req = get_hardware(hw_name), request("internvl-6b-20b", hw_name, gpus, stats)
     out = []
     for pp in (4, 8, 16):
         m = 4 * pp
-        setting = make_setting(model, hw, stats, 1, pp, gpus // pp, m, 1024)
+        setting = make_setting(req, 1, pp, gpus // pp, m)
         plain, problem = choose_partition(setting, "exact")
-        sync = setting.sync_ms(plain, setting.model.at(setting.balanced[0]))
+        sync = setting.sync_ms(plain.stages)
         row = {"pp": pp, "m": m, "step_1f1b_ms": round(plain_step(setting, plain), 1)}
         for label, full in (("chosen", False), ("full", True)):
             cut = Problem(full_recompute_costs(problem.costs), m) if full else problem
@@ -260,22 +305,27 @@ def interleaved_rank_mib(costs, part, rank: int, pp: int, m: int) -> float:
 
 
 def plan_times(stats, gpus: int, hw_name: str) -> list[dict]:
-    """Time of `make_plan` for 6+20B at fixed PP (tp=1), the issue's < 2 s target."""
+    """Time of `make_plan` for 6+20B at fixed PP (tp=1), the issue's < 2 s target, and of the
+    baseline search inside it (the same for every PP: it searches all sizes)."""
+    from megatron_omnibal.planner.baseline import best_megatron_baseline
+
     out = []
     for pp in (2, 4, 8, 16):
+        req = request("internvl-6b-20b", hw_name, gpus, stats, tp=1, pp=pp)
         t0, c0 = time.perf_counter(), time.process_time()
         try:
-            plan = make_plan(
-                get_preset("internvl-6b-20b"), get_hardware(hw_name), stats, gpus, 1, pp
-            )
-            step = plan["predicted"]["step_ms"]
+            step = make_plan(req).predicted.step_ms
         except ValueError:  # too few stages to fit memory is an answer too, timed as well
             step = "infeasible (memory)"
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        c1 = time.process_time()
+        best_megatron_baseline(req)
         out.append(
             {
                 "pp": pp,
-                "wall_s": round(time.perf_counter() - t0, 3),
-                "cpu_s": round(time.process_time() - c0, 3),
+                "wall_s": round(wall, 3),
+                "cpu_s": round(cpu, 3),
+                "baseline_search_cpu_s": round(time.process_time() - c1, 3),
                 "step_ms": step,
             }
         )
@@ -283,6 +333,25 @@ def plan_times(stats, gpus: int, hw_name: str) -> list[dict]:
 
 
 def print_report(report: dict) -> None:
+    print("headline: the plan against the best hand-set Megatron-LM configuration that fits")
+    for row in report["headline"]:
+        p, b = row["plan"], row["baseline"]
+        base = (
+            "no Megatron-LM configuration fits memory"
+            if b is None
+            else f"best baseline tp={b['tp']} pp={b['pp']} dp={b['dp']} mbs="
+            f"{b['micro_batch_size']} LLM {'/'.join(map(str, b['llm_layers']))} recompute "
+            f"vision={b['recompute_vision']} llm={b['recompute_num_layers']}: "
+            f"{b['step_ms'] / 1000:.1f} s ({b['configurations_fitting']} of "
+            f"{b['configurations_searched']} configurations fit)"
+        )
+        speed = "n/a" if row["speedup"] is None else f"{row['speedup']:.2f}x"
+        print(
+            f"  {row['model']}: plan tp={p['tp']} pp={p['pp']} dp={p['dp']} m={p['m']} "
+            f"{p['step_ms'] / 1000:.1f} s; {base}; speedup {speed} (same-sizes Megatron layout: "
+            f"x{row['same_parallel_speedup']:.2f}, fits {row['same_parallel_fits']}); "
+            f"plan {row['plan_cpu_s']} s CPU"
+        )
     for ab in report["ablation"]:
         s = ab["parallel_search"]
         print(
@@ -319,11 +388,11 @@ def print_report(report: dict) -> None:
                     f"{row['gpu_days']:>9.1f} {row['gpu_days'] / base:>5.2f} {ref} "
                     f"{row['stage0_units']:>12} {row['peak_gib']:>8.1f} {row['fits']}"
                 )
-    print("\nomnibal plan time, internvl-6b-20b, tp=1, fixed PP:")
+    print("\nomnibal plan time, internvl-6b-20b, tp=1, fixed PP (baseline search included):")
     for row in report["plan_seconds"]:
         print(
-            f"  pp={row['pp']:>2}: {row['cpu_s']:.2f} s CPU ({row['wall_s']:.2f} s wall)  "
-            f"step {row['step_ms']}"
+            f"  pp={row['pp']:>2}: {row['cpu_s']:.2f} s CPU ({row['wall_s']:.2f} s wall; "
+            f"baseline search {row['baseline_search_cpu_s']:.2f} s CPU)  step {row['step_ms']}"
         )
     print("\nexact search vs exhaustive optimum, internvl-6b-20b (tp=1, m=4 x PP):")
     for row in report["optimality"]:
@@ -363,6 +432,10 @@ def main() -> int:
     stats = load_lengths(ROOT / "examples" / "data" / "internvl_subset.npz")
     report = {
         "note": "modeled (FLOPs cost model + pipeline simulator), not measured",
+        "headline": headline(
+            ("internvl-6b-20b", "internvl-6b-34b", "llava-1.5-7b", "internvl2-8b"),
+            args.hardware, args.gpus, stats, args.global_batch,
+        ),  # fmt: skip
         "ablation": [],
         "plan_seconds": plan_times(stats, args.gpus, args.hardware),
         "optimality": optimality_check(stats, args.gpus, args.hardware),

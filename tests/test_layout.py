@@ -5,7 +5,7 @@ Pure Python (no torch): a bad layout must fail here, before any process group ex
 
 from __future__ import annotations
 
-import copy
+from dataclasses import replace
 
 import pytest
 
@@ -16,36 +16,52 @@ from megatron_omnibal.megatron.layout import (
     layout_from_plan,
     parse_counts,
 )
+from megatron_omnibal.models.presets import get_preset
+from megatron_omnibal.planner.hardware import get_hardware
+from megatron_omnibal.planner.plan import (
+    DataPlan,
+    ParallelSizes,
+    Plan,
+    PlanError,
+    Prediction,
+    SameParallelBaseline,
+    StagePlan,
+)
 
 
 def plan_stage(r, vit, llm, pe=False, pj=False, emb=False, head=False, vr=0, lr=0):
-    return {
-        "stage": r,
-        "vit_layers": list(vit),
-        "llm_layers": list(llm),
-        "patch_embed": pe,
-        "projector": pj,
-        "llm_embed": emb,
-        "head": head,
-        "vit_recompute": vr,
-        "llm_recompute": lr,
-        "forward_ms": 1.0,
-        "backward_ms": 2.0,
-        "peak_memory_gib": 3.0,
-    }
+    return StagePlan(stage=r, vit_layers=vit, llm_layers=llm, patch_embed=pe, projector=pj,
+                     llm_embed=emb, head=head, vit_recompute=vr, llm_recompute=lr,
+                     forward_ms=1.0, backward_ms=2.0, peak_memory_gib=3.0)  # fmt: skip
 
 
-PLAN = {
-    "version": 1,
-    "parallel": {"tp": 1, "pp": 4, "dp": 8, "vpp": 1, "micro_batches": 16, "gpus": 32},
-    "model_spec": {"vit": {"num_layers": 45}, "llm": {"num_layers": 48}},
-    "stages": [
-        plan_stage(0, (0, 30), (0, 0), pe=True, vr=30),
-        plan_stage(1, (30, 45), (0, 10), pj=True, emb=True, vr=5, lr=2),
-        plan_stage(2, (45, 45), (10, 29)),
-        plan_stage(3, (45, 45), (29, 48), head=True),
-    ],
-}
+def make_plan(stages, model: str = "internvl-6b-20b") -> Plan:
+    """A plan.json's Plan with the given stages (predictions are placeholders)."""
+    pp = len(stages)
+    return Plan(
+        model_spec=get_preset(model),
+        hardware_spec=get_hardware("A100-80G"),
+        parallel=ParallelSizes(tp=1, pp=pp, dp=8, micro_batches=16, gpus=8 * pp),
+        stages=tuple(stages),
+        data=DataPlan(vit_budget=9, token_budget=2560, global_batch_samples=1024, seed=0,
+                      num_samples=100, lengths_path=None, lengths_sha256="0" * 64),
+        predicted=Prediction(
+            step_ms=1.0, bubble_fraction=0.1, sync_ms=0.0, speedup=None, baseline=None,
+            same_parallel=SameParallelBaseline(step_ms=2.0, bubble_fraction=0.5, fits_memory=True,
+                                               unit_ranges=((0, 58), (58, 70), (70, 82), (82, 94)),
+                                               speedup=2.0),
+            partition_mode="exact", cost_model="analytic"),
+        megatron_flags=(),
+    )  # fmt: skip
+
+
+STAGES = [
+    plan_stage(0, (0, 30), (0, 0), pe=True, vr=30),
+    plan_stage(1, (30, 45), (0, 10), pj=True, emb=True, vr=5, lr=2),
+    plan_stage(2, (45, 45), (10, 29)),
+    plan_stage(3, (45, 45), (29, 48), head=True),
+]
+PLAN = make_plan(STAGES)
 
 
 def test_counts_flags_example_from_the_issue() -> None:
@@ -73,60 +89,40 @@ def test_plan_for_another_pipeline_size() -> None:
         layout_from_plan(PLAN, pp_size=2)
 
 
-def test_plan_pp_field_disagrees_with_stage_list() -> None:
-    plan = copy.deepcopy(PLAN)
-    plan["parallel"]["pp"] = 2
-    with pytest.raises(LayoutError, match="parallel.pp=2 but it lists 4 stages"):
-        layout_from_plan(plan, pp_size=4)
+def test_plan_for_another_model() -> None:
+    with pytest.raises(LayoutError, match="llm layers add up to 48 over 4 stages, the model has"):
+        layout_from_plan(PLAN, pp_size=4, llm_layers=40)
+
+
+def test_projector_may_sit_between_vit_and_llm() -> None:
+    stages = list(STAGES)
+    stages[1] = replace(stages[1], llm_layers=(0, 0), projector=False, llm_embed=False,
+                        llm_recompute=0)  # fmt: skip
+    stages[2] = replace(stages[2], llm_layers=(0, 29), projector=True, llm_embed=True)
+    st = layout_from_plan(make_plan(stages), pp_size=4)
+    assert st[2].projector and st[2].llm_embed and not st[1].projector
 
 
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda p: p["stages"][3].update(llm_layers=[29, 47]), "llm layers add up to 47.*has 48"),
-        (lambda p: p["stages"][2].update(llm_layers=[11, 29]), "stage 2: llm_layers.*continue"),
-        (lambda p: p["stages"][0].update(vit_recompute=31), "stage 0: vit_recompute=31.*30"),
-        (lambda p: p["stages"][1].update(llm_recompute=-1), "stage 1: llm_recompute=-1"),
-        (lambda p: p["stages"][1].pop("head"), "plan stage 1: missing field 'head'"),
-        (lambda p: p["stages"][1].update(vit_layers=[30]), "plan stage 1 vit_layers"),
-        (lambda p: p["stages"][3].update(head=False), "'head' must be on exactly one stage"),
-        (
-            lambda p: (
-                p["stages"][1].update(llm_embed=False) or p["stages"][2].update(llm_embed=True)
-            ),
-            "llm_embed \\(stage 2\\) must be on the projector's stage \\(1\\)",
-        ),
-        (
-            lambda p: (
-                p["stages"][1].update(projector=False, llm_embed=False)
-                or p["stages"][0].update(projector=True, llm_embed=True)
-            ),
-            "projector on stage 0 comes before",
-        ),
-        (lambda p: p["stages"][2].update(stage=5), "plan stage 2: says 'stage': 5"),
+        (lambda s: s.__setitem__(3, replace(s[3], llm_layers=(29, 47))), "48 LLM layers|47/48"),
+        (lambda s: s.__setitem__(2, replace(s[2], llm_layers=(11, 29))),
+         r"stages\[2\].llm_layers \[11, 29\] does not continue at layer 10"),
+        (lambda s: s.__setitem__(3, replace(s[3], head=False)), "head must be true on the last"),
+        (lambda s: (s.__setitem__(1, replace(s[1], projector=False, llm_embed=False)),
+                    s.__setitem__(2, replace(s[2], projector=True, llm_embed=True))),
+         r"stages\[1\]: LLM layers before the projector"),
+        (lambda s: s.__setitem__(2, replace(s[2], stage=5)), r"stages\[2\].stage is 5"),
     ],
-)
-def test_bad_plans_are_named(edit, message: str) -> None:
-    plan = copy.deepcopy(PLAN)
-    edit(plan)
-    with pytest.raises(LayoutError, match=message):
-        layout_from_plan(plan, pp_size=4)
-
-
-def test_projector_may_sit_between_vit_and_llm() -> None:
-    plan = copy.deepcopy(PLAN)
-    plan["stages"][1].update(llm_layers=[0, 0], projector=False, llm_embed=False, llm_recompute=0)
-    plan["stages"][2].update(llm_layers=[0, 29], projector=True, llm_embed=True)
-    st = layout_from_plan(plan, pp_size=4)
-    assert st[2].projector and st[2].llm_embed and not st[1].projector
-
-
-def test_projector_after_first_llm_layer_is_rejected() -> None:
-    plan = copy.deepcopy(PLAN)
-    plan["stages"][1].update(projector=False, llm_embed=False)
-    plan["stages"][2].update(projector=True, llm_embed=True)
-    with pytest.raises(LayoutError, match="projector on stage 2 comes after the first LLM"):
-        layout_from_plan(plan, pp_size=4)
+)  # fmt: skip
+def test_plans_that_cannot_build_the_model_are_refused_by_the_plan(edit, message) -> None:
+    """The Plan validates its own stages (the Megatron side builds layouts only from valid
+    plans); messages name the stage and field."""
+    stages = list(STAGES)
+    with pytest.raises(PlanError, match=message):
+        edit(stages)
+        make_plan(stages)
 
 
 def test_counts_that_do_not_add_up() -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,9 @@ import pytest
 from megatron_omnibal.data.lengths import from_arrays, load_lengths, read_stats_config, save_lengths
 from megatron_omnibal.models.presets import get_preset
 from megatron_omnibal.planner.hardware import get_hardware
-from megatron_omnibal.planner.plan import make_plan
+from megatron_omnibal.planner.make import make_plan
+from megatron_omnibal.planner.plan import StagePlan, save_plan
+from megatron_omnibal.planner.request import PlanRequest
 
 pytestmark = pytest.mark.megatron
 
@@ -23,28 +26,22 @@ WORKER = ROOT / "tests" / "megatron_workers" / "train_validate.py"
 EXAMPLE = ROOT / "examples" / "data" / "internvl_subset.npz"
 
 
-def _tiny_spec() -> dict:
-    """The tiny preset's model_spec, written out (what `omnibal plan` puts in plan.json)."""
-    return {
-        "vit": {"num_layers": 4, "hidden_size": 32, "ffn_hidden_size": 64,
-                "num_attention_heads": 4, "image_size": 16, "patch_size": 4},
-        "projector": {"type": "pixel_shuffle_mlp", "downsample": 0.5, "hidden_size": 48},
-        "llm": {"num_layers": 4, "hidden_size": 32, "ffn_hidden_size": 64,
-                "num_attention_heads": 4, "vocab_size": 128, "num_query_groups": 2},
-    }  # fmt: skip
-
-
 def _stage(r, pp, vit, llm, proj):
-    return {"stage": r, "vit_layers": vit, "llm_layers": llm, "patch_embed": r == 0,
-            "projector": proj, "llm_embed": proj, "head": r == pp - 1}  # fmt: skip
+    return StagePlan(stage=r, vit_layers=vit, llm_layers=llm, patch_embed=r == 0, projector=proj,
+                     llm_embed=proj, head=r == pp - 1, forward_ms=1.0, backward_ms=1.0,
+                     peak_memory_gib=1.0)  # fmt: skip
 
 
-def _plan(path, stages, tp=1, **data):
-    pp = len(stages)
-    doc = {"parallel": {"tp": tp, "pp": pp, "dp": 1, "micro_batches": 2},
-           "model_spec": _tiny_spec(), "stages": stages,
-           "data": {"vit_budget": 16, "token_budget": 160, **data}}  # fmt: skip
-    path.write_text(json.dumps(doc))
+def _plan(path, lengths, stages=None, tp=1, pp=2, **data):
+    """A real `omnibal plan` plan for tiny made from `lengths`, with the stages (and data
+    fields) replaced where given."""
+    request = PlanRequest(model=get_preset("tiny"), hardware=get_hardware("A100-80G"),
+                          lengths=lengths, gpus=tp * pp, tp=tp, pp=pp, global_batch=8)  # fmt: skip
+    plan = make_plan(request)
+    if stages is not None:
+        plan = replace(plan, stages=tuple(stages))
+    plan = replace(plan, data=replace(plan.data, **data))
+    save_plan(plan, path)
     return str(path)
 
 
@@ -57,18 +54,24 @@ def cases(tmp_path_factory):
     save_lengths(real, good, config=counted)
     llava = tmp / "llava.npz"  # 300 tokens cannot hold 2 tiles x 256 image tokens
     save_lengths(from_arrays([2, 3], [300, 700], [2, 3]), llava, config=counted)
-    plan4 = _plan(tmp / "plan4.json", [
-        _stage(0, 4, [0, 4], [0, 0], True), _stage(1, 4, [4, 4], [0, 1], False),
-        _stage(2, 4, [4, 4], [1, 3], False), _stage(3, 4, [4, 4], [3, 4], False)])  # fmt: skip
-    plan2 = [_stage(0, 2, [0, 4], [0, 1], True), _stage(1, 2, [4, 4], [1, 4], False)]
-    plan_other_data = _plan(tmp / "plan_n.json", plan2, num_samples=999)
-    plan_ok = _plan(tmp / "plan2.json", plan2)
-    # A real `omnibal plan` made for another length file (40 samples; the run's has 30).
-    real_plan = make_plan(get_preset("tiny"), get_hardware("A100-80G"),
-                          load_lengths(EXAMPLE).subset(np.arange(40)), 2, 1, 2, global_batch=8)
-    plan_other_file = tmp / "plan_other_file.json"
-    plan_other_file.write_text(json.dumps(real_plan))
-    plan_tp2 = _plan(tmp / "plan_tp2.json", plan2, tp=2)
+    plan4 = _plan(tmp / "plan4.json", real, pp=4)
+    plan2 = [_stage(0, 2, (0, 4), (0, 1), True), _stage(1, 2, (4, 4), (1, 4), False)]
+    plan_other_data = _plan(tmp / "plan_n.json", real, plan2, num_samples=999)
+    plan_ok = _plan(tmp / "plan2.json", real, plan2)
+    # A real `omnibal plan` made for another length file (40 samples; the run's has 30), and
+    # one made for other lengths of the same count.
+    example = load_lengths(EXAMPLE)
+    plan_other_file = _plan(tmp / "plan_other_file.json", example.subset(np.arange(40)))
+    plan_other_lengths = _plan(tmp / "plan_other_lengths.json", example.subset(np.arange(1, 31)))
+    plan_tp2 = _plan(tmp / "plan_tp2.json", real, tp=2)
+    old = json.loads(Path(plan_ok).read_text())
+    old["version"] = 1
+    plan_v1 = tmp / "plan_v1.json"
+    plan_v1.write_text(json.dumps(old))
+    old["version"] = 2
+    old["stages"][1]["llm_layers"] = [2, 4]
+    plan_gap = tmp / "plan_gap.json"
+    plan_gap.write_text(json.dumps(old))
     base = ["--omnibal", "--omnibal-lengths", str(good), "--omnibal-text-scale", "8",
             "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2",
             "--lr", "1e-3", "--transformer-impl", "local", "--pipeline-model-parallel-size",
@@ -84,10 +87,16 @@ def cases(tmp_path_factory):
          f"--omnibal-plan {plan_tp2} was made for tp=2, this run has tp=1"),
         ([*base, "--omnibal-plan", plan_other_data],
          f"has 30 samples, but --omnibal-plan {plan_other_data} was made for a dataset of 999"),
-        ([*base, "--omnibal-plan", str(plan_other_file)],
+        ([*base, "--omnibal-plan", plan_other_file],
          f"has 30 samples, but --omnibal-plan {plan_other_file} was made for a dataset of 40"),
+        ([*base, "--omnibal-plan", plan_other_lengths],
+         f"holds other lengths than --omnibal-plan {plan_other_lengths} was made from"),
         ([*base, *counts, "--omnibal-llm-pp-layers", "1,3", "--omnibal-lengths", str(llava)],
          "length record 0: token_num 300 does not hold its 2 real tiles x 256 image tokens"),
+        ([*base, "--omnibal-plan", str(plan_v1)],
+         f"--omnibal-plan {plan_v1}: version 1: this omnibal reads plan version 2"),
+        ([*base, "--omnibal-plan", str(plan_gap)],
+         f"--omnibal-plan {plan_gap}: stages[1].llm_layers [2, 4] does not continue at layer 1"),
         ([*base, "--omnibal-plan", plan_ok, "--omnibal-llm-recompute", "0,4"],
          "stage 1: llm_recompute=4 but the stage holds 3 llm layers"),
         ([*base, "--omnibal-plan", plan_ok, "--num-layers", "6"],

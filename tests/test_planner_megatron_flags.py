@@ -1,5 +1,6 @@
 """Contract with megatron.training: every flag `omnibal plan` writes into plan.json's
-megatron_flags is accepted by Megatron 0.19's real argument parser (with our --omnibal* flags)."""
+megatron_flags, and those of the baseline it compares with, is accepted by Megatron 0.19's real
+argument parser (with our --omnibal* flags)."""
 
 import json
 import os
@@ -12,8 +13,10 @@ import pytest
 
 from megatron_omnibal.data.lengths import from_arrays
 from megatron_omnibal.models.presets import get_preset
+from megatron_omnibal.planner.flags import baseline_flags
 from megatron_omnibal.planner.hardware import get_hardware
-from megatron_omnibal.planner.plan import make_plan
+from megatron_omnibal.planner.make import make_plan
+from megatron_omnibal.planner.request import PlanRequest
 
 pytestmark = pytest.mark.megatron
 
@@ -39,9 +42,19 @@ def test_planner_flags_are_accepted_by_megatron_parser(tmp_path):
     configs = (("internvl2-8b", 16, 1, 2), ("internvl2-8b", 16, 2, 2), ("llava-1.5-7b", 16, 2, 4))
     flag_lists = []
     for name, gpus, tp, pp in configs:
-        plan = make_plan(get_preset(name), hw, stats, gpus, tp, pp, global_batch=64,
-                         plan_path=str(tmp_path / "plan.json"))  # fmt: skip
-        flag_lists.append(plan["megatron_flags"])
+        plan = make_plan(PlanRequest(model=get_preset(name), hardware=hw, lengths=stats, gpus=gpus,
+                                     tp=tp, pp=pp, global_batch=64,
+                                     plan_path=str(tmp_path / "plan.json")))  # fmt: skip
+        flag_lists.append(list(plan.megatron_flags))
+        # The best hand-set baseline's flags, less Megatron-LM's examples/multimodal
+        # --recompute-vision (not a megatron.training flag).
+        flag_lists.append([f for f in plan.predicted.baseline.megatron_flags
+                           if f != "--recompute-vision"])  # fmt: skip
+    uneven = baseline_flags(get_preset("internvl2-8b"), 2, 4, 2, 64, (5, 9, 9, 9), True, 3)
+    flag_lists.append(uneven)
+    assert "--decoder-first-pipeline-num-layers" in flag_lists[-1]
+    assert "--recompute-num-layers" in flag_lists[-1]
+    flag_lists[-1].remove("--recompute-vision")
     emitted = {f for flags in flag_lists for f in flags if f.startswith("--")}
     assert {"--sequence-parallel", "--swiglu", "--group-query-attention"} <= emitted
     # The control case: the parser refuses a flag megatron.training 0.19 lacks.

@@ -11,8 +11,9 @@ from megatron_omnibal.data.lengths import from_arrays
 from megatron_omnibal.models.presets import get_preset
 from megatron_omnibal.planner.costs import load_profile
 from megatron_omnibal.planner.hardware import get_hardware
+from megatron_omnibal.planner.make import make_plan
 from megatron_omnibal.planner.partition import Problem, search
-from megatron_omnibal.planner.plan import make_plan, validate_plan
+from megatron_omnibal.planner.request import PlanRequest
 
 pytestmark = pytest.mark.megatron
 
@@ -49,9 +50,8 @@ def test_profile_tiny_model(tmp_path):
     by = {x["name"]: x for x in doc["layers"]}
     mib = 2.0**20
     # a recomputed layer keeps exactly its input (fp32 on CPU): [seq, batch, hidden]
-    assert (
-        by["vit.1"]["checkpoint_mib"] == tiny.vit.seq_per_tile * 2 * tiny.vit.hidden_size * 4 / mib
-    )
+    vit_input = tiny.vit.seq_per_tile * 2 * tiny.vit.hidden_size * 4 / mib
+    assert by["vit.1"]["checkpoint_mib"] == vit_input
     assert by["llm.1"]["checkpoint_mib"] == 64 * 1 * tiny.llm.hidden_size * 4 / mib
     assert by["llm.1"]["activation_mib"] > 4 * by["llm.1"]["checkpoint_mib"]
     # megatron-core's layer has exactly the planner's LLM parameter count
@@ -65,7 +65,7 @@ def test_profile_tiny_model(tmp_path):
     vit = [1, 2, 3, 1] * 16
     stats = from_arrays(vit, [v * 4 + 30 for v in vit])
     plan = make_plan(
-        tiny, get_hardware("H100-80G"), stats, 2, None, 2, global_batch=32, profile=doc
+        PlanRequest(model=tiny, hardware=get_hardware("H100-80G"), lengths=stats, gpus=2, pp=2,
+                    global_batch=32, profile=doc)  # fmt: skip
     )
-    validate_plan(plan)
-    assert plan["predicted"]["cost_model"] == "measured profile"
+    assert plan.predicted.cost_model == "measured profile"

@@ -117,24 +117,20 @@ def _dtype(name: str | None):
 def _layouts(args: argparse.Namespace, spec) -> tuple[list, int]:
     from megatron_omnibal.megatron.configs import check_tensor_parallel
     from megatron_omnibal.megatron.layout import layout_from_counts, layout_from_plan
-    from megatron_omnibal.models.spec import ModelSpec
-    from megatron_omnibal.planner.config_files import read_json
+    from megatron_omnibal.planner.plan import load_plan
 
     flags = (args.tp, args.pp, args.omnibal_vit_pp_layers, args.omnibal_llm_pp_layers)
     if args.plan is not None:
         if any(f is not None for f in flags):
             raise ValueError("give --plan or the layout flags (--tp --pp --omnibal-*-pp-layers)")
-        plan = read_json(args.plan, "plan")
-        planned = ModelSpec.from_dict(plan.get("model_spec", {}), f"{args.plan}: model_spec")
-        if planned != spec:
+        plan = load_plan(args.plan)
+        if plan.model_spec != spec:
             raise ValueError(
                 f"--plan {args.plan} was made for another model than {args.hf_dir} "
                 "(their model specs differ; plan with `omnibal plan --model HF_DIR`)"
             )
-        tp = int(plan["parallel"]["tp"])
-        layouts = layout_from_plan(
-            plan, int(plan["parallel"]["pp"]), spec.vit.num_layers, spec.llm.num_layers
-        )
+        tp = plan.parallel.tp
+        layouts = layout_from_plan(plan, plan.parallel.pp)
     else:
         if args.omnibal_vit_pp_layers is None or args.omnibal_llm_pp_layers is None:
             raise ValueError(

@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 
+from megatron_omnibal.cli_args import positive_float, positive_int
+
 HELP = "split a layer profile into PP stages (exact search, or Megatron/BMP for comparison)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", required=True, help="layer profile JSON (DESIGN.md)")
-    parser.add_argument("--pp", type=int, required=True, help="pipeline stages")
+    parser.add_argument("--pp", type=positive_int, required=True, help="pipeline stages")
     parser.add_argument("--mode", choices=("exact", "bmp", "megatron"), default="exact")
     parser.add_argument(
         "--memory-gib",
-        type=float,
+        type=positive_float,
         help="per-GPU memory budget (overrides the profile's memory_budget_gib)",
     )
     parser.add_argument("--json", action="store_true", help="print {stages, step_ms, ...} JSON")

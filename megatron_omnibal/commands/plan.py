@@ -7,30 +7,37 @@ import json
 import sys
 from pathlib import Path
 
-HELP = "plan budgets, TP/PP, the stage partition and per-stage recompute (writes plan.json)"
+from megatron_omnibal.cli_args import non_negative_int, output_file, positive_int
 
-EXAMPLE_LENGTHS = Path(__file__).resolve().parents[2] / "examples" / "data" / "internvl_subset.npz"
+HELP = "plan budgets, TP/PP, the stage partition and per-stage recompute (writes plan.json)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="preset name or a JSON/YAML model file")
     parser.add_argument("--hardware", required=True, help="preset name or a JSON/YAML GPU file")
-    parser.add_argument("--gpus", type=int, required=True, help="total GPUs")
-    parser.add_argument("--tp", type=int, help="tensor parallel size (searched when omitted)")
-    parser.add_argument("--pp", type=int, help="pipeline parallel size (searched when omitted)")
+    parser.add_argument("--gpus", type=positive_int, required=True, help="total GPUs")
+    parser.add_argument(
+        "--lengths",
+        required=True,
+        help="length statistics of the training data (any format `omnibal stats` writes or "
+        "load_lengths reads), or 'example' for the shipped InternVL subset",
+    )
+    parser.add_argument(
+        "--tp", type=positive_int, help="tensor parallel size (searched if omitted)"
+    )
+    parser.add_argument(
+        "--pp", type=positive_int, help="pipeline parallel size (searched if omitted)"
+    )
     parser.add_argument(
         "--micro-batches",
-        type=int,
+        type=positive_int,
         help="micro-batches per step and replica (default: best of 2 or 4 x PP)",
     )
     parser.add_argument(
-        "--global-batch", type=int, default=1024, help="samples per optimizer step (default 1024)"
-    )
-    parser.add_argument(
-        "--lengths",
-        default=None,
-        help="length statistics (any format load_lengths reads; default: the "
-        "shipped InternVL subset)",
+        "--global-batch",
+        type=positive_int,
+        default=1024,
+        help="samples per optimizer step (default 1024)",
     )
     parser.add_argument(
         "--mode",
@@ -42,82 +49,120 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         help="measured layer profile from `omnibal profile` (TP 1) instead of the FLOPs model",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the drawn batch")
-    parser.add_argument("--out", default="plan.json", help="where to write the plan")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the drawn batch")
+    parser.add_argument(
+        "--out", type=output_file, default="plan.json", help="where to write the plan"
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-def print_table(plan: dict, out=sys.stdout) -> None:
-    """The per-stage table and the predictions, for people."""
-    par = plan["parallel"]
+def headline(plan) -> str:
+    """The first line: the speedup against the best Megatron-LM configuration that fits."""
+    p = plan.predicted
+    base = p.baseline
+    if base is None:
+        return (
+            f"modeled step {p.step_ms / 1000:.2f} s; no speedup to report: no Megatron-LM "
+            f"configuration of this model fits {plan.memory_budget_gib:.1f} GiB per GPU "
+            "(every TP/PP/micro-batch size/recompute choice was tried)"
+        )
+    layers = "/".join(str(n) for n in base.llm_layers_per_stage)
+    recompute = (
+        ", ".join(
+            x
+            for x in (
+                "ViT recomputed" if base.recompute_vision else "",
+                f"{base.recompute_num_layers} LLM layers/stage recomputed"
+                if base.recompute_num_layers
+                else "",
+            )
+            if x
+        )
+        or "no recompute"
+    )
+    return (
+        f"modeled speedup {p.speedup:.2f}x over the best Megatron-LM configuration that fits "
+        f"memory ({p.step_ms / 1000:.2f} s vs {base.step_ms / 1000:.2f} s per step; baseline "
+        f"tp={base.tp} pp={base.pp} dp={base.dp}, micro-batch size {base.micro_batch_size}, LLM "
+        f"layers {layers} with the ViT on stage 0, {recompute})"
+    )
+
+
+def print_table(plan, out=None) -> None:
+    """The headline, the per-stage table and the details, for people."""
+    out = out or sys.stdout
+    par, data, p = plan.parallel, plan.data, plan.predicted
+    print(headline(plan), file=out)
     print(
-        f"{plan['model']} on {par['gpus']} x {plan['hardware']}: tp={par['tp']} "
-        f"pp={par['pp']} dp={par['dp']} micro-batches={par['micro_batches']}",
+        f"{plan.model_spec.name} on {par.gpus} x {plan.hardware_spec.name}: tp={par.tp} "
+        f"pp={par.pp} dp={par.dp} micro-batches={par.micro_batches}",
         file=out,
     )
-    data = plan["data"]
-    print(
-        f"budgets per micro-batch: {data['vit_budget']} tiles, {data['token_budget']} tokens",
-        file=out,
-    )
+    print(f"budgets per micro-batch: {data.vit_budget} tiles, {data.token_budget} tokens", file=out)
     print(
         f"{'stage':>5} {'vit layers':>11} {'proj':>4} {'llm layers':>11} {'fwd ms':>9} "
         f"{'bwd ms':>9} {'recompute v/l':>13} {'mem GiB':>8}",
         file=out,
     )
-    for st in plan["stages"]:
-        v, lm = st["vit_layers"], st["llm_layers"]
+    for st in plan.stages:
+        v, lm = st.vit_layers, st.llm_layers
         vit = f"{v[0]}-{v[1] - 1}" if v[1] > v[0] else "-"
         llm = f"{lm[0]}-{lm[1] - 1}" if lm[1] > lm[0] else "-"
         print(
-            f"{st['stage']:>5} {vit:>11} {'yes' if st['projector'] else '':>4} {llm:>11} "
-            f"{st['forward_ms']:>9.1f} {st['backward_ms']:>9.1f} "
-            f"{st['vit_recompute']:>6}/{st['llm_recompute']:<6} {st['peak_memory_gib']:>8.1f}",
+            f"{st.stage:>5} {vit:>11} {'yes' if st.projector else '':>4} {llm:>11} "
+            f"{st.forward_ms:>9.1f} {st.backward_ms:>9.1f} "
+            f"{st.vit_recompute:>6}/{st.llm_recompute:<6} {st.peak_memory_gib:>8.1f}",
             file=out,
         )
-    p = plan["predicted"]
-    fits = "" if p["baseline_fits_memory"] else " (does NOT fit memory)"
+    print(f"predicted step: {p.step_ms:.1f} ms (bubble {p.bubble_fraction:.1%})", file=out)
+    if p.baseline is not None:
+        b = p.baseline
+        print(
+            f"best Megatron-LM baseline: {b.step_ms:.1f} ms (bubble {b.bubble_fraction:.1%}), "
+            f"the fastest of {b.configurations_fitting} configurations that fit memory (of "
+            f"{b.configurations_searched}); its flags: {' '.join(b.megatron_flags)}",
+            file=out,
+        )
+    same = p.same_parallel
+    fits = "" if same.fits_memory else ", does NOT fit memory"
     print(
-        f"predicted step: {p['step_ms']:.1f} ms (bubble {p['bubble_fraction']:.1%}); Megatron "
-        f"baseline: {p['baseline_step_ms']:.1f} ms (bubble "
-        f"{p['baseline_bubble_fraction']:.1%}){fits}; modeled speedup {p['speedup']:.2f}x",
+        f"detail: Megatron's layout at this plan's tp/pp/dp/micro-batches (ViT on stage 0, LLM "
+        f"even, full recompute, padded fixed-size batches{fits}): {same.step_ms:.1f} ms, "
+        f"x{same.speedup:.2f}",
         file=out,
     )
-    print("megatron flags: " + " ".join(plan["megatron_flags"]), file=out)
+    print("megatron flags: " + " ".join(plan.megatron_flags), file=out)
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_omnibal.data.lengths import load_lengths
-    from megatron_omnibal.models.resolve import resolve_model
+    from megatron_omnibal.models.resolve import read_mapping, resolve_model
     from megatron_omnibal.planner.config_files import resolve_hardware
-    from megatron_omnibal.planner.plan import make_plan
+    from megatron_omnibal.planner.make import make_plan
+    from megatron_omnibal.planner.plan import save_plan
+    from megatron_omnibal.planner.provenance import load_named_lengths
+    from megatron_omnibal.planner.request import PlanRequest
 
-    model = resolve_model(args.model)
-    hw = resolve_hardware(args.hardware)
-    stats = load_lengths(args.lengths or EXAMPLE_LENGTHS)
-    profile = None
-    if args.profile:
-        from megatron_omnibal.models.resolve import read_mapping
-
-        profile = read_mapping(args.profile)
-    plan = make_plan(
-        model,
-        hw,
-        stats,
-        args.gpus,
-        args.tp,
-        args.pp,
-        args.micro_batches,
-        args.global_batch,
-        args.mode,
-        args.seed,
-        args.out,
-        progress=sys.stderr.isatty(),
-        profile=profile,
+    stats, lengths_path = load_named_lengths(args.lengths)
+    request = PlanRequest(
+        model=resolve_model(args.model),
+        hardware=resolve_hardware(args.hardware),
+        lengths=stats,
+        lengths_path=str(lengths_path),
+        gpus=args.gpus,
+        tp=args.tp,
+        pp=args.pp,
+        micro_batches=args.micro_batches,
+        global_batch=args.global_batch,
+        mode=args.mode,
+        seed=args.seed,
+        profile=read_mapping(args.profile) if args.profile else None,
+        profile_path=str(Path(args.profile).resolve()) if args.profile else None,
+        plan_path=args.out,
     )
-    Path(args.out).write_text(json.dumps(plan, indent=1) + "\n")
+    plan = make_plan(request, progress=sys.stderr.isatty())
+    save_plan(plan, args.out)
     if args.json:
-        print(json.dumps(plan, indent=1))
+        print(json.dumps(plan.to_dict(), indent=1))
     else:
         print_table(plan)
         print(f"wrote {args.out}")

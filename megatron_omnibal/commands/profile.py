@@ -6,32 +6,33 @@ import argparse
 import json
 from pathlib import Path
 
+from megatron_omnibal.cli_args import output_file, positive_float, positive_int
+
 HELP = "measure real megatron-core ViT/LLM layers (forward/backward/recompute, memory)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="preset or JSON/YAML model file")
-    parser.add_argument("--tiles", type=int, default=4, help="image tiles per micro-batch")
-    parser.add_argument("--tokens", type=int, default=256, help="LLM tokens per micro-batch")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs (median)")
-    parser.add_argument("--dp", type=int, default=1, help="DP size for optimizer sharding")
+    parser.add_argument("--tiles", type=positive_int, default=4, help="image tiles per micro-batch")
+    parser.add_argument(
+        "--tokens", type=positive_int, default=256, help="LLM tokens per micro-batch"
+    )
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs (median)")
+    parser.add_argument("--dp", type=positive_int, default=1, help="DP size for optimizer sharding")
     parser.add_argument(
         "--micro-batches",
-        type=int,
+        type=positive_int,
         default=8,
         help="micro-batches per step written into the profile",
     )
-    parser.add_argument("--memory-gib", type=float, help="per-GPU budget written into it")
-    parser.add_argument("--out", default="profile.json")
+    parser.add_argument("--memory-gib", type=positive_float, help="per-GPU budget written into it")
+    parser.add_argument("--out", type=output_file, default="profile.json")
 
 
 def run(args: argparse.Namespace) -> int:
     from megatron_omnibal.megatron.profile import profile_model
     from megatron_omnibal.models.resolve import resolve_model
 
-    for name in ("tiles", "tokens", "repeats", "dp", "micro_batches"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     doc = profile_model(
         resolve_model(args.model),
         args.tiles,

@@ -4,87 +4,135 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_omnibal.cli_args import non_negative_int, output_file
+
 HELP = "simulate a plan.json step (1F1B, real sample lengths) and draw its Gantt chart"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, help="plan.json from `omnibal plan`")
-    parser.add_argument("--png", help="write the Gantt chart of the slowest replica here")
-    parser.add_argument("--lengths", default=None, help="length statistics (default: shipped)")
-    parser.add_argument("--seed", type=int, help="seed of the drawn batch (default: the plan's)")
+    parser.add_argument(
+        "--png", type=output_file, help="write the Gantt chart of the slowest replica here"
+    )
+    parser.add_argument(
+        "--lengths",
+        help="the plan's length file at another location (default: the path the plan "
+        "recorded); refused unless it holds the lengths the plan was made from",
+    )
+    parser.add_argument(
+        "--profile",
+        help="a measured-profile plan's layer profile at another location (default: the path "
+        "the plan recorded); refused unless unchanged",
+    )
+    parser.add_argument(
+        "--seed", type=non_negative_int, help="seed of the drawn batch (default: the plan's)"
+    )
     parser.add_argument(
         "--baseline",
-        action="store_true",
-        help="simulate the Megatron baseline instead (ViT on stage 0, even LLM split, full "
-        "recompute, random fixed-size batches)",
+        nargs="?",
+        const="best",
+        choices=("best", "same-parallel"),
+        help="simulate a baseline instead: 'best' (the default): the best Megatron-LM "
+        "configuration the plan's speedup is against; 'same-parallel': Megatron's layout at "
+        "the plan's sizes (ViT on stage 0, even LLM split, full recompute); both on random "
+        "fixed-size padded batches",
+    )
+
+
+def _request(plan, args: argparse.Namespace):
+    """The plan's request, on the data (and profile) it was made from."""
+    from megatron_omnibal.planner.provenance import load_recorded_lengths, load_recorded_profile
+    from megatron_omnibal.planner.request import PlanRequest
+
+    where = f"plan {args.plan}"
+    lengths = args.lengths or plan.data.lengths_path
+    if lengths is None:
+        raise ValueError(f"{where} was made from in-memory lengths: give --lengths FILE")
+    stats = load_recorded_lengths(lengths, plan.data.lengths_sha256, where)
+    p = plan.predicted
+    profile = None
+    if p.cost_model == "measured profile":
+        path = args.profile or p.profile_path
+        if path is None:
+            raise ValueError(f"{where} was made from an in-memory profile: give --profile FILE")
+        profile = load_recorded_profile(path, p.profile_sha256, where)
+    par = plan.parallel
+    return PlanRequest(
+        model=plan.model_spec,
+        hardware=plan.hardware_spec,
+        lengths=stats,
+        lengths_path=str(lengths),
+        gpus=par.gpus,
+        tp=par.tp,
+        pp=par.pp,
+        micro_batches=par.micro_batches,
+        global_batch=plan.data.global_batch_samples,
+        mode=p.partition_mode,
+        seed=args.seed if args.seed is not None else plan.data.seed,
+        profile=profile,
+        profile_path=None if profile is None else str(path),
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_omnibal.commands.plan import EXAMPLE_LENGTHS
-    from megatron_omnibal.data.lengths import load_lengths
-    from megatron_omnibal.models.spec import ModelSpec
-    from megatron_omnibal.planner.config_files import resolve_hardware
-    from megatron_omnibal.planner.hardware import Hardware
-    from megatron_omnibal.planner.plan import (
-        baseline,
-        load_plan,
-        make_setting,
-        partition_from_plan,
+    from megatron_omnibal.planner.baseline import (
+        BaselineConfig,
+        baseline_from_config,
+        same_parallel_baseline,
     )
+    from megatron_omnibal.planner.make import plan_partition
+    from megatron_omnibal.planner.plan import load_plan
+    from megatron_omnibal.planner.setting import make_setting
     from megatron_omnibal.planner.simulate import simulate
 
     plan = load_plan(args.plan)
-    model = ModelSpec.from_dict(plan["model_spec"], f"{args.plan}: model_spec")
-    hw = (
-        Hardware(**plan["hardware_spec"])
-        if "hardware_spec" in plan
-        else resolve_hardware(plan["hardware"])
-    )
-    par, data = plan["parallel"], plan["data"]
-    stats = load_lengths(args.lengths or EXAMPLE_LENGTHS)
-    seed = args.seed if args.seed is not None else data.get("seed", 0)
-    setting = make_setting(
-        model,
-        hw,
-        stats,
-        par["tp"],
-        par["pp"],
-        par["dp"],
-        par["micro_batches"],
-        data.get("global_batch_samples", 1024),
-        seed,
-        (data["vit_budget"], data["token_budget"]),
-    )
-    if args.baseline:
-        part, result, _ = baseline(setting)
-        features = setting.fixed
+    request = _request(plan, args)
+    par, data = plan.parallel, plan.data
+    budgets = (data.vit_budget, data.token_budget)
+    if args.baseline == "best":
+        b = plan.predicted.baseline
+        if b is None:
+            raise ValueError(
+                f"plan {args.plan}: no Megatron-LM configuration fits memory, so there is no "
+                "baseline to simulate"
+            )
+        config = BaselineConfig(b.tp, b.pp, b.dp, b.micro_batch_size, b.micro_batches,
+                                b.llm_layers_per_stage, b.recompute_vision,
+                                b.recompute_num_layers)  # fmt: skip
+        base = baseline_from_config(request, config)
+        setting, part, result = base.setting, base.part, base.result
+        features, kind = setting.fixed, "best Megatron-LM baseline"
+    elif args.baseline == "same-parallel":
+        setting = make_setting(request, par.tp, par.pp, par.dp, par.micro_batches, budgets)
+        part, result, _ = same_parallel_baseline(setting)
+        features, kind = setting.fixed, "Megatron layout at the plan's sizes"
     else:
-        bounds, recompute = partition_from_plan(plan, model)
+        setting = make_setting(request, par.tp, par.pp, par.dp, par.micro_batches, budgets)
+        bounds, recompute = plan_partition(plan)
         part = setting.problem(float("inf")).evaluate(bounds, recompute)
-        features = setting.balanced
+        features, kind = setting.balanced, "plan, balanced batches"
         result = setting.predict(part, features)
     print(
-        f"step {result.step_ms:.3f} ms = slowest replica's pipeline {result.pipeline_ms:.3f} ms "
-        f"+ gradient sync {result.sync_ms:.3f} ms; bubble {result.bubble_fraction:.1%}; "
-        f"replicas {result.replica_ms.min():.1f} .. {result.replica_ms.max():.1f} ms (modeled)"
+        f"{kind}: step {result.step_ms:.4f} ms = slowest replica's pipeline "
+        f"{result.pipeline_ms:.3f} ms + gradient sync {result.sync_ms:.3f} ms; bubble "
+        f"{result.bubble_fraction:.1%}; replicas {result.replica_ms.min():.1f} .. "
+        f"{result.replica_ms.max():.1f} ms (modeled)"
     )
     print(f"{'stage':>5} {'busy ms':>10} {'idle ms':>10}")
-    for s in range(par["pp"]):
+    for s in range(setting.pp):
         print(f"{s:>5} {result.busy_ms[s]:>10.1f} {result.idle_ms[s]:>10.1f}")
     if args.png:
         from megatron_omnibal.planner.gantt import save_gantt
 
         r = int(result.replica_ms.argmax())
         fwd, bwd = setting.stage_times(part, features[r])
-        line = simulate(fwd, bwd, par["pp"], 1, setting.stage_p2p(part, features[r]))
-        kind = "Megatron baseline" if args.baseline else "plan, balanced batches"
+        line = simulate(fwd, bwd, setting.pp, 1, setting.stage_p2p(part, features[r]))
         save_gantt(
             line,
             args.png,
-            f"{plan['model']} tp={par['tp']} pp={par['pp']} "
-            f"dp={par['dp']}, slowest replica, {kind}: {line.makespan_ms:.0f} ms, "
-            f"bubble {line.bubble_fraction:.1%} (modeled)",
+            f"{plan.model_spec.name} tp={setting.tp} pp={setting.pp} dp={setting.dp}, slowest "
+            f"replica, {kind}: {line.makespan_ms:.0f} ms, bubble {line.bubble_fraction:.1%} "
+            "(modeled)",
         )
         print(f"wrote {args.png}")
     return 0

@@ -9,10 +9,8 @@ wrong, not hang a 1000-GPU job in its first collective. Nothing here imports tor
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from megatron_omnibal.data.isf import CostModel
 from megatron_omnibal.data.lengths import LengthsError, LengthStats, load_lengths
@@ -24,6 +22,9 @@ from megatron_omnibal.megatron.layout import (
     layout_from_plan,
     validate_layout,
 )
+from megatron_omnibal.planner.plan import Plan, PlanError
+from megatron_omnibal.planner.plan import load_plan as read_plan
+from megatron_omnibal.planner.provenance import lengths_sha256
 
 BAD_SAMPLE = ("error", "skip")
 MODES = ("random", "grouped")
@@ -49,7 +50,7 @@ class OmnibalSettings:
     oversize: str
     data: str
     lengths: LengthStats  # as the model sees them (image tokens per tile, text scale)
-    plan: dict | None
+    plan: Plan | None
     cost: CostModel | None
 
     @property
@@ -255,22 +256,16 @@ def validate_omnibal_args(
     )
 
 
-def load_plan(path: str) -> dict:
-    """plan.json as a dict (its path under '_path' for messages)."""
+def load_plan(path: str) -> Plan:
+    """plan.json, validated by the planner's Plan; errors name the flag, file and field."""
     try:
-        plan = json.loads(Path(path).read_text())
-    except FileNotFoundError as exc:
-        raise OmnibalArgsError(f"--omnibal-plan {path}: no such file") from exc
-    except (OSError, json.JSONDecodeError) as exc:
-        raise OmnibalArgsError(f"--omnibal-plan {path}: not a JSON plan ({exc})") from exc
-    if not isinstance(plan, dict):
-        raise OmnibalArgsError(f"--omnibal-plan {path}: expected a JSON object")
-    plan["_path"] = str(path)
-    return plan
+        return read_plan(path, where=f"--omnibal-plan {path}")
+    except PlanError as exc:
+        raise OmnibalArgsError(str(exc)) from exc
 
 
 def _layouts(
-    args: argparse.Namespace, plan: dict | None, vit_total: int | None
+    args: argparse.Namespace, plan: Plan | None, vit_total: int | None
 ) -> list[StageLayout]:
     """The stage layouts: from the two count flags, else from the plan (recompute flags win)."""
     pp, llm_total = args.pipeline_model_parallel_size, args.num_layers
@@ -292,7 +287,7 @@ def _layouts(
         try:
             layouts = layout_from_plan(plan, pp, vit_total, llm_total)
         except LayoutError as exc:
-            raise OmnibalArgsError(f"--omnibal-plan {plan['_path']}: {exc}") from exc
+            raise OmnibalArgsError(f"--omnibal-plan {args.omnibal_plan}: {exc}") from exc
         for flag, counts in (
             ("--omnibal-vit-recompute", vit_rc),
             ("--omnibal-llm-recompute", llm_rc),
@@ -322,14 +317,11 @@ def _fmt(counts: tuple[int, ...]) -> str:
     return ",".join(str(c) for c in counts)
 
 
-def _budgets(args: argparse.Namespace, plan: dict | None) -> tuple[int, int]:
-    data = (plan or {}).get("data", {}) or {}
-    vit = args.omnibal_vit_budget if args.omnibal_vit_budget is not None else data.get("vit_budget")
-    tok = (
-        args.omnibal_token_budget
-        if args.omnibal_token_budget is not None
-        else data.get("token_budget")
-    )
+def _budgets(args: argparse.Namespace, plan: Plan | None) -> tuple[int, int]:
+    vit, tok = args.omnibal_vit_budget, args.omnibal_token_budget
+    if plan is not None:
+        vit = plan.data.vit_budget if vit is None else vit
+        tok = plan.data.token_budget if tok is None else tok
     for flag, value in (("--omnibal-vit-budget", vit), ("--omnibal-token-budget", tok)):
         if value is None:
             raise OmnibalArgsError(f"{flag} is needed (the plan gives none)")
@@ -338,24 +330,24 @@ def _budgets(args: argparse.Namespace, plan: dict | None) -> tuple[int, int]:
     return int(vit), int(tok)
 
 
-def _check_plan_sizes(plan: dict, args: argparse.Namespace, micro: int) -> None:
+def _check_plan_sizes(plan: Plan, args: argparse.Namespace, micro: int) -> None:
     """TP and PP must be the plan's (they shape every stage); another DP size or micro-batch
     count only changes the global batch (a dry run of a large plan on a few CPU processes), so
     rank 0 notes it."""
-    where = f"--omnibal-plan {plan['_path']}"
-    par = plan.get("parallel", {}) or {}
+    where = f"--omnibal-plan {args.omnibal_plan}"
+    par = plan.parallel
     for key, value in (
         ("tp", args.tensor_model_parallel_size),
         ("pp", args.pipeline_model_parallel_size),
     ):
-        planned = par.get(key)
-        if planned is not None and int(planned) != value:
+        planned = getattr(par, key)
+        if planned != value:
             raise OmnibalArgsError(
                 f"{where} was made for {key}={planned}, this run has {key}={value}"
             )
     for key, value in (("dp", args.data_parallel_size), ("micro_batches", micro)):
-        planned = par.get(key)
-        if planned is not None and int(planned) != value and getattr(args, "rank", 0) == 0:
+        planned = getattr(par, key)
+        if planned != value and getattr(args, "rank", 0) == 0:
             print(
                 f"pretrain_vlm: note: {where} was made for {key}={planned}, this run has "
                 f"{key}={value}",
@@ -364,7 +356,7 @@ def _check_plan_sizes(plan: dict, args: argparse.Namespace, micro: int) -> None:
 
 
 def _load_lengths(
-    args: argparse.Namespace, plan: dict | None, tokens_per_tile: int | None
+    args: argparse.Namespace, plan: Plan | None, tokens_per_tile: int | None
 ) -> LengthStats:
     if args.omnibal_lengths is None:
         raise OmnibalArgsError(
@@ -375,12 +367,18 @@ def _load_lengths(
         lengths = load_lengths(args.omnibal_lengths)
     except LengthsError as exc:
         raise OmnibalArgsError(f"--omnibal-lengths: {exc}") from exc
-    planned = ((plan or {}).get("data") or {}).get("num_samples")
-    if planned is not None and int(planned) != len(lengths):
-        raise OmnibalArgsError(
-            f"--omnibal-lengths {args.omnibal_lengths} has {len(lengths)} samples, but "
-            f"--omnibal-plan {plan['_path']} was made for a dataset of {planned}"
-        )
+    if plan is not None:
+        where = f"--omnibal-plan {args.omnibal_plan}"
+        if plan.data.num_samples != len(lengths):
+            raise OmnibalArgsError(
+                f"--omnibal-lengths {args.omnibal_lengths} has {len(lengths)} samples, but "
+                f"{where} was made for a dataset of {plan.data.num_samples}"
+            )
+        if lengths_sha256(lengths) != plan.data.lengths_sha256:
+            raise OmnibalArgsError(
+                f"--omnibal-lengths {args.omnibal_lengths} holds other lengths than {where} was "
+                f"made from ({plan.data.lengths_path}); re-plan on the training data's lengths"
+            )
     if tokens_per_tile is None:
         return lengths
     from megatron_omnibal.data.lengths import read_stats_config

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from megatron_omnibal.megatron.hf_checkpoint import MODEL_FILE, TRACKER, rank_dir
-from megatron_omnibal.megatron.layout import StageLayout, layout_from_plan
+from megatron_omnibal.megatron.layout import StageLayout, layout_from_dicts
 from megatron_omnibal.megatron.stage_weights import TIED_HEAD, to_global
 from megatron_omnibal.megatron.tp_shard import unshard
 from megatron_omnibal.models.spec import ModelSpec
@@ -73,8 +73,8 @@ def _iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int]:
 
 def _record(info: dict, where: str) -> tuple[ModelSpec, list[StageLayout]]:
     spec = ModelSpec.from_dict(info["model_spec"], f"{where}: model_spec")
-    layouts = layout_from_plan(
-        {"stages": info["stages"]}, len(info["stages"]), spec.vit.num_layers, spec.llm.num_layers
+    layouts = layout_from_dicts(
+        info["stages"], spec.vit.num_layers, spec.llm.num_layers, f"{where}: stages"
     )
     return spec, layouts
 

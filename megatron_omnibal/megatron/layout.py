@@ -1,9 +1,10 @@
 """Which part of the VLM lives on which pipeline stage.
 
-Why a separate module: the layout comes from a plan.json or from two flags, and every way of
-getting it wrong (layers that don't add up, a plan for another PP size, recompute above the layer
-count) must stop with a clear message BEFORE any process group exists, where a wrong layout would
-otherwise hang a pipeline. Pure Python: no torch, no Megatron.
+Why a separate module: the layout comes from a plan.json (planner.plan.Plan, which validates its
+own stages) or from two flags, and every way of getting it wrong (layers that don't add up, a
+plan for another PP size or model, recompute above the layer count) must stop with a clear
+message BEFORE any process group exists, where a wrong layout would otherwise hang a pipeline.
+Pure Python: no torch, no Megatron.
 
 Model order is [patch embedding, ViT layers, projector, LLM embedding, LLM layers, head]. Layer
 ranges are half-open and use GLOBAL layer numbering per tower.
@@ -14,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from megatron_omnibal.planner.plan import Plan
 
 
 class LayoutError(ValueError):
@@ -51,17 +54,6 @@ class StageLayout:
         d["vit_layers"] = list(self.vit_layers)
         d["llm_layers"] = list(self.llm_layers)
         return d
-
-
-def _pair(value: Any, where: str) -> tuple[int, int]:
-    if (
-        not isinstance(value, Sequence)
-        or isinstance(value, str)
-        or len(value) != 2
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    ):
-        raise LayoutError(f"{where}: expected a [first, end) pair of integers, got {value!r}")
-    return int(value[0]), int(value[1])
 
 
 def validate_layout(
@@ -144,56 +136,39 @@ def validate_layout(
 
 
 def layout_from_plan(
-    plan: dict[str, Any],
+    plan: Plan,
     pp_size: int,
     vit_layers: int | None = None,
     llm_layers: int | None = None,
 ) -> list[StageLayout]:
-    """The stages of a plan.json (planner output), checked against the run's PP size.
+    """The stages of a (validated) plan, checked against the run's PP size and model.
 
-    Model layer counts default to plan["model_spec"] when present.
+    Model layer counts default to the plan's model_spec.
     """
-    if not isinstance(plan, dict) or "stages" not in plan:
-        raise LayoutError("plan: no 'stages' list (is this a plan.json from `omnibal plan`?)")
-    stages = plan["stages"]
-    if not isinstance(stages, list):
-        raise LayoutError("plan: 'stages' must be a list")
-    plan_pp = plan.get("parallel", {}).get("pp", len(stages))
-    if plan_pp != len(stages):
-        raise LayoutError(f"plan: parallel.pp={plan_pp} but it lists {len(stages)} stages")
-    if len(stages) != pp_size:
+    if len(plan.stages) != pp_size:
         raise LayoutError(
-            f"plan is for pipeline size {len(stages)}, this run has "
+            f"plan is for pipeline size {len(plan.stages)}, this run has "
             f"--pipeline-model-parallel-size {pp_size}"
         )
-    spec = plan.get("model_spec", {})
-    if vit_layers is None and "vit" in spec:
-        vit_layers = int(spec["vit"]["num_layers"])
-    if llm_layers is None and "llm" in spec:
-        llm_layers = int(spec["llm"]["num_layers"])
-    out = []
-    for r, s in enumerate(stages):
-        where = f"plan stage {r}"
-        if not isinstance(s, dict):
-            raise LayoutError(f"{where}: expected an object")
-        if s.get("stage", r) != r:
-            raise LayoutError(f"{where}: says 'stage': {s['stage']}; stages must be in order")
-        try:
-            out.append(
-                StageLayout(
-                    vit_layers=_pair(s["vit_layers"], f"{where} vit_layers"),
-                    llm_layers=_pair(s["llm_layers"], f"{where} llm_layers"),
-                    patch_embed=bool(s["patch_embed"]),
-                    projector=bool(s["projector"]),
-                    llm_embed=bool(s["llm_embed"]),
-                    head=bool(s["head"]),
-                    vit_recompute=int(s.get("vit_recompute", 0)),
-                    llm_recompute=int(s.get("llm_recompute", 0)),
-                )
-            )
-        except KeyError as e:
-            raise LayoutError(f"{where}: missing field {e.args[0]!r}") from None
-    validate_layout(out, vit_layers, llm_layers)
+    spec = plan.model_spec
+    out = [
+        StageLayout(
+            vit_layers=s.vit_layers,
+            llm_layers=s.llm_layers,
+            patch_embed=s.patch_embed,
+            projector=s.projector,
+            llm_embed=s.llm_embed,
+            head=s.head,
+            vit_recompute=s.vit_recompute,
+            llm_recompute=s.llm_recompute,
+        )
+        for s in plan.stages
+    ]
+    validate_layout(
+        out,
+        spec.vit.num_layers if vit_layers is None else vit_layers,
+        spec.llm.num_layers if llm_layers is None else llm_layers,
+    )
     return out
 
 
@@ -267,3 +242,20 @@ def embedding_ranks(layouts: Sequence[StageLayout]) -> Callable[..., list[int]]:
         return sorted({pp_ranks[embed], pp_ranks[-1]})
 
     return ranks
+
+
+def layout_from_dicts(
+    stages: Sequence[dict[str, Any]], vit_layers: int, llm_layers: int, where: str
+) -> list[StageLayout]:
+    """Stages written by StageLayout.to_dict (a checkpoint's record), checked."""
+    try:
+        out = [
+            StageLayout(
+                **{**s, "vit_layers": tuple(s["vit_layers"]), "llm_layers": tuple(s["llm_layers"])}
+            )
+            for s in stages
+        ]
+    except (KeyError, TypeError) as exc:
+        raise LayoutError(f"{where}: not a stage layout ({exc})") from None
+    validate_layout(out, vit_layers, llm_layers)
+    return out

@@ -127,22 +127,16 @@ def resolve_spec(pre: argparse.Namespace) -> Any:
     """The ModelSpec: --omnibal-model (a preset, a model_spec file or an HF checkpoint
     directory), else the plan's model_spec; both given must agree."""
     from megatron_omnibal.models.resolve import resolve_model
-    from megatron_omnibal.models.spec import ModelSpec
 
     from_plan = None
     if pre.omnibal_plan:
         from megatron_omnibal.megatron.args import load_plan
 
-        plan = load_plan(pre.omnibal_plan)
-        if "model_spec" in plan:
-            from_plan = ModelSpec.from_dict(
-                plan["model_spec"], f"--omnibal-plan {pre.omnibal_plan}: model_spec"
-            )
+        from_plan = load_plan(pre.omnibal_plan).model_spec
     if pre.omnibal_model is None:
         if from_plan is None:
             raise OmnibalArgsError(
-                "no model: give --omnibal-model NAME|FILE|HF_DIR or a --omnibal-plan with a "
-                "model_spec"
+                "no model: give --omnibal-model NAME|FILE|HF_DIR or --omnibal-plan"
             )
         return from_plan
     name = pre.omnibal_model

@@ -63,10 +63,15 @@ def _build(cls: type, doc: Any, where: str, drop: tuple[str, ...] = ()) -> Any:
     return cls(**kwargs)
 
 
+def hardware_from_dict(doc: Any, where: str = "hardware") -> Hardware:
+    """A `Hardware` from its JSON form (plan.json's hardware_spec); errors name the field."""
+    return _build(Hardware, doc, where)
+
+
 def resolve_hardware(name_or_path: str) -> Hardware:
     """A preset name, or a JSON/YAML file with the fields of `Hardware`."""
     if Path(name_or_path).suffix in (".json", ".yaml", ".yml"):
         doc = read_mapping(name_or_path)
         doc.setdefault("name", Path(name_or_path).stem)
-        return _build(Hardware, doc, str(name_or_path))
+        return hardware_from_dict(doc, str(name_or_path))
     return get_hardware(name_or_path)

@@ -1,705 +1,380 @@
-"""The joint plan: data budgets, parallel sizes, partition and per-stage recompute -> plan.json.
+"""plan.json as one type: `Plan`, read, written and validated here and nowhere else.
 
-`make_plan` draws micro-batches from real length statistics, searches the partition (and, when
-not given, TP/PP) with the FLOPs cost model, and predicts the step of the plan and of Megatron's
-default (ViT on stage 0, even LLM split, full recompute, fixed-size batches) with the pipeline
-simulator. All predictions are modelled, not measured. `load_plan` validates a plan.json for the
-Megatron side.
+The planner writes it; `omnibal simulate`, the Megatron side (stage layout, recompute, data
+budgets, model spec) and the checkpoint converter read it. Every part is a frozen dataclass that
+checks itself when built, so a plan made in code and a plan read from a file obey the same
+rules; `load_plan` names the file and the field of anything wrong.
+
+Layer ranges are half-open in each tower's global numbering (an empty range is [x, x]);
+`vit_recompute` / `llm_recompute` are the first k ViT / LLM layers of a stage recomputed in
+full. Every time, bubble and speedup under `predicted` is modeled, never measured.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import json
+import math
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from megatron_omnibal.data.lengths import LengthStats
-from megatron_omnibal.models.spec import ModelSpec
-from megatron_omnibal.planner.config_files import read_json
-from megatron_omnibal.planner.costs import (
-    GROUP_LLM,
-    GROUP_NONE,
-    GROUP_VIT,
-    MIB,
-    CostModel,
-    LayerCosts,
-    analytic_costs,
-    profile_cost_model,
-)
+from megatron_omnibal.models.spec import ModelSpec, SpecError
+from megatron_omnibal.planner.config_files import hardware_from_dict
 from megatron_omnibal.planner.hardware import Hardware
-from megatron_omnibal.planner.memory import GIB_MIB
-from megatron_omnibal.planner.partition import (
-    NoFeasiblePartition,
-    Partition,
-    Problem,
-    bmp,
-    megatron_default,
-    search,
-)
-from megatron_omnibal.planner.simulate import StepResult, simulate_step
-from megatron_omnibal.planner.workload import (
-    balanced_features,
-    choose_budgets,
-    deal_to_replicas,
-    draw_samples,
-    fixed_size_features,
-)
+from megatron_omnibal.planner.plan_fields import PlanError, from_json, need, to_json
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 MODES = ("exact", "bmp", "megatron")
-FINALIST_MARGIN = 0.05  # a full search never gained more than ~2% over the quick screen
+COST_MODELS = ("analytic", "measured profile")
+MEMORY_SLACK_GIB = 1e-3  # peaks are stored rounded to 3 decimals
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+__all__ = [
+    "PLAN_VERSION",
+    "BaselinePlan",
+    "DataPlan",
+    "ParallelSizes",
+    "Plan",
+    "PlanError",
+    "Prediction",
+    "SameParallelBaseline",
+    "StagePlan",
+    "load_plan",
+    "save_plan",
+]
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One parallel configuration with its drawn micro-batches and cost model."""
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        need(
+            isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+            f"{name} must be a positive integer, got {value!r}",
+        )
+
+
+def _non_negative(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        need(
+            isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
+            f"{name} must be a non-negative number, got {value!r}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSizes:
+    """tp x pp x dp = gpus; `micro_batches` per replica and step; 1F1B only (vpp 1)."""
 
     tp: int
     pp: int
     dp: int
-    m: int
+    vpp: int = 1
+    micro_batches: int
+    gpus: int
+
+    def __post_init__(self) -> None:
+        _positive(self, "tp", "pp", "dp", "vpp", "micro_batches", "gpus")
+        need(self.vpp == 1, f"vpp must be 1 (plans are 1F1B), got {self.vpp}")
+        need(
+            self.tp * self.pp * self.dp == self.gpus,
+            f"tp x pp x dp = {self.tp * self.pp * self.dp} != gpus {self.gpus}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage: its slice of [patch embed, ViT, projector + LLM embed, LLM, head]."""
+
+    stage: int
+    vit_layers: tuple[int, int]
+    llm_layers: tuple[int, int]
+    patch_embed: bool
+    projector: bool
+    llm_embed: bool
+    head: bool
+    vit_recompute: int = 0
+    llm_recompute: int = 0
+    forward_ms: float  # per micro-batch, at the mean balanced micro-batch
+    backward_ms: float  # recompute included
+    peak_memory_gib: float  # at the largest micro-batch
+
+    def __post_init__(self) -> None:
+        for key in ("vit_layers", "llm_layers"):
+            first, end = getattr(self, key)
+            need(0 <= first <= end, f"{key} {[first, end]} is not a [first, end) range")
+        for key, layers in (
+            ("vit_recompute", self.num_vit_layers),
+            ("llm_recompute", self.num_llm_layers),
+        ):
+            value = getattr(self, key)
+            need(
+                0 <= value <= layers,
+                f"{key} {value}: recompute counts must be within the stage's {layers} layers",
+            )
+        need(self.projector == self.llm_embed, "llm_embed must sit with the projector")
+        _non_negative(self, "forward_ms", "backward_ms", "peak_memory_gib")
+
+    @property
+    def num_vit_layers(self) -> int:
+        return self.vit_layers[1] - self.vit_layers[0]
+
+    @property
+    def num_llm_layers(self) -> int:
+        return self.llm_layers[1] - self.llm_layers[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataPlan:
+    """Budgets of the balanced micro-batches, and which samples the plan was made from.
+
+    `lengths_sha256` digests the lengths by content (provenance.lengths_sha256); the path is
+    None for a plan made from in-memory lengths.
+    """
+
     vit_budget: int
     token_budget: int
-    balanced: np.ndarray  # (dp, m, 4) features per replica and micro-batch
-    fixed: np.ndarray  # (dp, m, 4) the same samples in fixed-size micro-batches
-    model: CostModel
-    hw: Hardware
+    global_batch_samples: int
+    seed: int
+    num_samples: int
+    lengths_path: str | None
+    lengths_sha256: str
 
-    def problem(self, budget_mib: float, features: np.ndarray | None = None) -> Problem:
-        """Search problem: time at the mean micro-batch, memory at the largest.
-
-        Each unit's activations grow with one dimension (tiles or tokens), so the largest
-        tiles and the largest tokens together bound every micro-batch. For balanced batches
-        that is the budget, which the balancer may fill completely.
-        """
-        balanced = features is None or features is self.balanced
-        flat = (self.balanced if features is None else features).reshape(-1, 4)
-        mean = self.model.at(flat.mean(axis=0))
-        most = flat.max(axis=0)
-        if balanced:
-            most[:2] = np.maximum(most[:2], [self.vit_budget, self.token_budget])
-        peak = self.model.at(most)
-        costs = replace(
-            mean,
-            activation_mib=peak.activation_mib,
-            checkpoint_mib=peak.checkpoint_mib,
-            first=replace(mean.first, activation_mib=peak.first.activation_mib),
-            last=replace(mean.last, activation_mib=peak.last.activation_mib),
-        )
-        return Problem(costs, self.m, budget_mib, self.p2p_ms(mean.output_mib))
-
-    def link_gbs(self) -> float:
-        """Pipeline peers are tp x dp ranks apart: another node once that fills a node."""
-        return (
-            self.hw.network_gbs
-            if self.tp * self.dp >= self.hw.gpus_per_node
-            else self.hw.nvlink_gbs
+    def __post_init__(self) -> None:
+        _positive(self, "vit_budget", "token_budget", "global_batch_samples", "num_samples")
+        need(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        need(
+            bool(_SHA256.fullmatch(self.lengths_sha256)),
+            f"lengths_sha256 must be 64 lowercase hex digits, got {self.lengths_sha256!r}",
         )
 
-    def p2p_ms(self, output_mib: np.ndarray) -> np.ndarray:
-        """Transfer time across the boundary before each unit (index 0 unused)."""
-        out = np.asarray(output_mib, np.float64)
-        before = np.concatenate([np.zeros((1, *out.shape[1:])), out], axis=0)
-        return self.hw.p2p_latency_ms + before * MIB / (self.link_gbs() * 1e9) * 1e3
 
-    def sync_ms(self, part: Partition, costs: LayerCosts) -> float:
-        """Distributed-optimizer gradient reduce-scatter + parameter all-gather, slowest stage."""
-        if self.dp == 1:
-            return 0.0
-        bw = (
-            self.hw.network_gbs if self.tp * self.dp > self.hw.gpus_per_node else self.hw.nvlink_gbs
+@dataclass(frozen=True, kw_only=True)
+class BaselinePlan:
+    """The fastest configuration a Megatron-LM user could choose by hand that fits memory.
+
+    Same model, GPUs and global batch; vision encoder + projector on the first stage (Megatron's
+    LLaVA layout); LLM layers per stage as Megatron's flags allow (even, or uneven first/last
+    stage); `micro_batch_size` samples per micro-batch, each padded to the longest of its
+    micro-batch; `--recompute-vision` (every ViT layer) and `--recompute-num-layers` (block
+    method: the first k LLM layers of every stage).
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    micro_batches: int
+    llm_layers_per_stage: tuple[int, ...]
+    recompute_vision: bool
+    recompute_num_layers: int
+    step_ms: float
+    bubble_fraction: float
+    peak_memory_gib: tuple[float, ...]
+    configurations_searched: int
+    configurations_fitting: int
+    megatron_flags: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _positive(self, "tp", "pp", "dp", "micro_batch_size", "micro_batches")
+        need(
+            len(self.llm_layers_per_stage) == self.pp == len(self.peak_memory_gib),
+            f"llm_layers_per_stage and peak_memory_gib need pp={self.pp} entries",
         )
-        per_param = 2 + 4 + 12 / self.dp  # static bytes per parameter (as in analytic_costs)
-        worst = 0.0
-        for lo, hi in part.stages:
-            static = float(np.sum(costs.static_mib[lo:hi]))
-            static += costs.first.static_mib if lo == 0 else 0.0
-            static += costs.last.static_mib if hi == len(costs) else 0.0
-            params = static * MIB / per_param
-            worst = max(worst, (self.dp - 1) / self.dp * params * 6 / (bw * 1e9) * 1e3)
-        return worst
+        need(
+            min(self.llm_layers_per_stage) >= 1,
+            "llm_layers_per_stage: Megatron puts at least one LLM layer on every stage",
+        )
+        need(self.recompute_num_layers >= 0, "recompute_num_layers must be >= 0")
+        _non_negative(self, "step_ms", "bubble_fraction")
+        need(
+            1 <= self.configurations_fitting <= self.configurations_searched,
+            "configurations_fitting must be between 1 and configurations_searched",
+        )
 
-    def stage_times(self, part: Partition, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(pp, m) forward and backward (+ recompute) ms per stage for one replica's batches."""
-        costs = self.model.at(features)  # arrays (U, m)
-        fwd, bwd = [], []
-        for s, (lo, hi) in enumerate(part.stages):
-            mask = np.zeros(hi - lo, bool)
-            group = np.asarray(costs.group[lo:hi])
-            for g, k in part.recompute[s].items():
-                mask[np.flatnonzero(group == g)[:k]] = True
-            f = costs.forward_ms[lo:hi].sum(axis=0)
-            b = costs.backward_ms[lo:hi].sum(axis=0) + costs.recompute_ms[lo:hi][mask].sum(0)
-            if lo == 0:
-                f, b = f + costs.first.forward_ms, b + costs.first.backward_ms
-            if hi == len(costs):
-                f, b = f + costs.last.forward_ms, b + costs.last.backward_ms
-            fwd.append(f)
-            bwd.append(b)
-        return np.array(fwd), np.array(bwd)
 
-    def stage_p2p(self, part: Partition, features: np.ndarray) -> np.ndarray | float:
-        """(pp - 1, m) transfer ms across each stage boundary for one replica's batches."""
-        if self.pp == 1:
-            return 0.0
-        return self.p2p_ms(self.model.at(features).output_mib)[list(part.bounds[1:-1])]
+@dataclass(frozen=True, kw_only=True)
+class SameParallelBaseline:
+    """Megatron's layout at the plan's own tp/pp/dp/micro-batches (a detail, not the headline):
+    ViT on stage 0, LLM split evenly, every layer recomputed, fixed-size padded batches."""
 
-    def ideal_ms(self) -> float:
-        """A lower bound on the step: the busiest replica's work spread evenly, no bubble."""
-        work = [
-            float(
-                np.sum(c.forward_ms)
-                + np.sum(c.backward_ms)
-                + np.sum(c.first.forward_ms)
-                + np.sum(c.first.backward_ms)
-                + np.sum(c.last.forward_ms)
-                + np.sum(c.last.backward_ms)
+    step_ms: float
+    bubble_fraction: float
+    fits_memory: bool
+    unit_ranges: tuple[tuple[int, int], ...]  # [first, end) over [ViT layers, projector, LLM]
+    speedup: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """Modeled step of the plan; `speedup` is against `baseline` (None when nothing fits)."""
+
+    step_ms: float
+    bubble_fraction: float
+    sync_ms: float
+    speedup: float | None
+    baseline: BaselinePlan | None
+    same_parallel: SameParallelBaseline
+    partition_mode: str
+    cost_model: str
+    profile_path: str | None = None
+    profile_sha256: str | None = None
+    modeled: bool = True
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "step_ms", "bubble_fraction", "sync_ms")
+        need(self.partition_mode in MODES, f"partition_mode {self.partition_mode!r} not in {MODES}")
+        need(self.cost_model in COST_MODELS, f"cost_model {self.cost_model!r} not in {COST_MODELS}")
+        need(self.modeled, "modeled must be true: every figure here is a model prediction")
+        need(
+            (self.cost_model == "measured profile") == (self.profile_sha256 is not None),
+            "profile_sha256 is recorded exactly when the cost model is a measured profile",
+        )
+        need(
+            self.profile_sha256 is None or bool(_SHA256.fullmatch(self.profile_sha256)),
+            f"profile_sha256 must be 64 lowercase hex digits, got {self.profile_sha256!r}",
+        )
+        if self.baseline is None:
+            need(self.speedup is None, "speedup without a baseline that fits memory")
+        else:
+            want = self.baseline.step_ms / self.step_ms if self.step_ms > 0 else math.inf
+            need(
+                self.speedup is not None and math.isclose(self.speedup, want, rel_tol=1e-3),
+                f"speedup {self.speedup} is not baseline.step_ms / step_ms = {want:.3f}",
             )
-            for c in (self.model.at(self.balanced[r]) for r in range(self.dp))
-        ]
-        return max(work) / self.pp
 
-    def predict(self, part: Partition, features: np.ndarray) -> StepResult:
-        """Simulate every replica's own micro-batches (features (dp, m, 4)) through `part`."""
-        replicas = [self.stage_times(part, features[r]) for r in range(self.dp)]
-        p2ps = [self.stage_p2p(part, features[r]) for r in range(self.dp)]
-        return simulate_step(
-            replicas, self.pp, 1, p2ps, self.sync_ms(part, self.model.at(features[0]))
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Everything `omnibal plan` decided and predicted for one model, GPU type and GPU count."""
+
+    version: int = PLAN_VERSION
+    model_spec: ModelSpec
+    hardware_spec: Hardware
+    parallel: ParallelSizes
+    stages: tuple[StagePlan, ...]
+    data: DataPlan
+    predicted: Prediction
+    megatron_flags: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        need(
+            self.version == PLAN_VERSION,
+            f"version {self.version!r}: this omnibal reads plan version {PLAN_VERSION}; re-plan",
+        )
+        pp, stages = self.parallel.pp, self.stages
+        need(len(stages) == pp, f"stages: {len(stages)} stages for parallel.pp={pp}")
+        nv, nl = self.model_spec.vit.num_layers, self.model_spec.llm.num_layers
+        vit_at = llm_at = 0
+        for s, st in enumerate(stages):
+            at = f"stages[{s}]"
+            need(st.stage == s, f"{at}.stage is {st.stage}; stages must be listed in order")
+            for key, start, total in (("vit_layers", vit_at, nv), ("llm_layers", llm_at, nl)):
+                first, end = getattr(st, key)
+                need(
+                    first == start and end <= total,
+                    f"{at}.{key} {[first, end]} does not continue at layer {start} within "
+                    f"[0, {total}]",
+                )
+            need(st.patch_embed == (s == 0), f"{at}.patch_embed must be true on stage 0 only")
+            need(st.head == (s == pp - 1), f"{at}.head must be true on the last stage only")
+            if st.projector:
+                need(
+                    st.vit_layers[1] == nv and st.llm_layers[0] == 0,
+                    f"{at}: the projector must follow the last ViT layer and precede LLM layer 0",
+                )
+            elif st.num_llm_layers:
+                need(
+                    any(x.projector for x in stages[:s]),
+                    f"{at}: LLM layers before the projector",
+                )
+            need(
+                st.num_vit_layers + st.num_llm_layers > 0 or st.projector,
+                f"{at} holds no layers",
+            )
+            vit_at, llm_at = st.vit_layers[1], st.llm_layers[1]
+        need(
+            vit_at == nv and llm_at == nl,
+            f"stages cover {vit_at}/{nv} ViT and {llm_at}/{nl} LLM layers",
+        )
+        need(sum(st.projector for st in stages) == 1, "exactly one stage holds the projector")
+        budget = self.memory_budget_gib + MEMORY_SLACK_GIB
+        for s, st in enumerate(stages):
+            need(
+                st.peak_memory_gib <= budget,
+                f"stages[{s}].peak_memory_gib {st.peak_memory_gib} exceeds the "
+                f"{self.memory_budget_gib:.3f} GiB budget of {self.hardware_spec.name}",
+            )
+        base = self.predicted.baseline
+        if base is not None:
+            need(
+                max(base.peak_memory_gib) <= budget,
+                "predicted.baseline: a configuration over the memory budget is no baseline",
+            )
+            need(
+                base.tp * base.pp * base.dp == self.parallel.gpus,
+                "predicted.baseline: tp x pp x dp must use the plan's GPUs",
+            )
+            need(
+                sum(base.llm_layers_per_stage) == nl,
+                f"predicted.baseline.llm_layers_per_stage must add up to the {nl} LLM layers",
+            )
+            need(
+                base.micro_batch_size * base.micro_batches * base.dp
+                == self.data.global_batch_samples,
+                "predicted.baseline: micro_batch_size x micro_batches x dp must be the global "
+                "batch",
+            )
+        ranges = self.predicted.same_parallel.unit_ranges
+        need(
+            len(ranges) == pp and ranges[0][0] == 0 and ranges[-1][1] == nv + 1 + nl,
+            f"predicted.same_parallel.unit_ranges must cover the {nv + 1 + nl} units in {pp} "
+            "stages",
         )
 
+    @property
+    def memory_budget_gib(self) -> float:
+        return self.hardware_spec.memory_gib - self.hardware_spec.reserve_gib
 
-def heads_divisible(model: ModelSpec, tp: int) -> bool:
-    """Megatron splits attention heads (and KV groups) over TP ranks: they must divide."""
-    return (
-        model.vit.num_attention_heads % tp == 0
-        and model.llm.num_attention_heads % tp == 0
-        and model.llm.num_query_groups % tp == 0
-    )
+    def to_dict(self) -> dict:
+        return to_json(self)
 
-
-def make_setting(
-    model: ModelSpec,
-    hw: Hardware,
-    stats: LengthStats,
-    tp: int,
-    pp: int,
-    dp: int,
-    m: int,
-    global_batch: int,
-    seed: int = 0,
-    budgets: tuple[int, int] | None = None,
-    profile: dict | None = None,
-) -> Setting:
-    """Draw one global batch of real samples; split it balanced and fixed-size into dp x m.
-
-    `budgets` (vit, token) default to `choose_budgets` for this batch size. With `profile`
-    (a measured layer profile, TP = 1), costs come from it instead of the FLOPs model.
-    """
-    if global_batch < dp * m:
-        raise ValueError(
-            f"global batch of {global_batch} samples is too small for dp={dp} x "
-            f"{m} micro-batches (at least one sample per micro-batch)"
+    @classmethod
+    def from_dict(cls, doc: object, where: str = "plan") -> Plan:
+        """A plan from its JSON form; any error names `where` and the field."""
+        need(isinstance(doc, dict), f"{where}: expected a JSON object")
+        version = doc.get("version")
+        need(
+            version == PLAN_VERSION,
+            f"{where}: version {version!r}: this omnibal reads plan version {PLAN_VERSION}; "
+            "re-plan",
         )
-    rng = np.random.default_rng(seed)
-    index = draw_samples(stats, global_batch, rng)
-    vit_b, tok_b = budgets or choose_budgets(stats, global_batch // dp, m)
-    balanced = balanced_features(stats, index, dp * m, vit_b, tok_b)
-    fixed = fixed_size_features(stats, index, dp * m)
-    return Setting(
-        tp,
-        pp,
-        dp,
-        m,
-        vit_b,
-        tok_b,
-        deal_to_replicas(balanced, dp, vit_b, tok_b),
-        fixed.reshape(dp, m, 4),
-        analytic_costs(model, hw, tp, dp)
-        if profile is None
-        else _profile_costs(model, profile, dp),
-        hw,
-    )
-
-
-def _profile_costs(model: ModelSpec, profile: dict, dp: int) -> CostModel:
-    units = model.vit.num_layers + 1 + model.llm.num_layers
-    cm = profile_cost_model(profile, "profile", dp)
-    if len(cm.names) != units:
-        raise ValueError(
-            f"profile has {len(cm.names)} layers, {model.name} has {units} partition units "
-            f"({model.vit.num_layers} ViT layers, projector, {model.llm.num_layers} LLM layers)"
-        )
-    return cm
-
-
-def budget_mib(hw: Hardware) -> float:
-    return (hw.memory_gib - hw.reserve_gib) * GIB_MIB
-
-
-def choose_partition(
-    setting: Setting,
-    mode: str,
-    features: np.ndarray | None = None,
-    recompute: bool = True,
-    quick: bool = False,
-) -> tuple[Partition, Problem]:
-    """Partition by `mode`; without `recompute`, every layer is recomputed (Megatron's way).
-
-    `quick` (screening many parallel sizes) simulates only the exact objective's best split.
-    """
-    problem = setting.problem(budget_mib(setting.hw), features)
-    if not recompute and mode != "megatron":
-        problem = Problem(
-            full_recompute_costs(problem.costs), problem.m, problem.budget, problem.p2p
-        )
-    if mode == "megatron":
-        part = megatron_default(problem, setting.pp, full_recompute=True)
-    elif mode == "bmp":
-        part = bmp(problem, setting.pp)
-    elif mode == "exact":
-        part = (
-            search(problem, setting.pp, refine=1, max_evaluations=0, tolerance=None)
-            if quick
-            else search(problem, setting.pp)
-        )
-    else:
-        raise ValueError(f"unknown partition mode '{mode}' (choose from {', '.join(MODES)})")
-    if not recompute and mode != "megatron":
-        part = replace(
-            part,
-            recompute=tuple(
-                {
-                    g: int(np.sum(setting.model.group[lo:hi] == g))
-                    for g in (GROUP_VIT, GROUP_LLM)
-                    if np.any(setting.model.group[lo:hi] == g)
-                }
-                for lo, hi in part.stages
-            ),
-        )
-    return part, problem
-
-
-def full_recompute_costs(costs: LayerCosts) -> LayerCosts:
-    """Costs with every recomputable layer recomputed, folded in: no recompute choice left."""
-    on = np.asarray(costs.group) >= 0
-    return replace(
-        costs,
-        backward_ms=costs.backward_ms + np.where(on, costs.recompute_ms, 0.0),
-        activation_mib=np.where(on, costs.checkpoint_mib, costs.activation_mib),
-        recompute_ms=np.zeros_like(costs.recompute_ms),
-        group=np.full(len(costs), GROUP_NONE),
-    )
-
-
-def micro_batch_candidates(pp: int, samples_per_replica: int) -> list[int]:
-    """Micro-batch counts worth trying: 2 and 4 per stage (fewer if samples run out)."""
-    cands = sorted({min(k * pp, samples_per_replica) for k in (2, 4)})
-    return [m for m in cands if m >= 1]
-
-
-def parallel_candidates(
-    model: ModelSpec, hw: Hardware, gpus: int, tp: int | None, pp: int | None
-) -> list[tuple[int, int, int]]:
-    """(tp, pp, dp) with tp within a node dividing the heads, pp up to the unit count."""
-    units = model.vit.num_layers + 1 + model.llm.num_layers
-    tps = (
-        [tp]
-        if tp
-        else [t for t in (1, 2, 4, 8) if t <= hw.gpus_per_node and heads_divisible(model, t)]
-    )
-    out = []
-    for t in tps:
-        pps = [pp] if pp else [p for p in range(1, units + 1) if gpus % (t * p) == 0]
-        for p in pps:
-            if gpus % (t * p) == 0:
-                out.append((t, p, gpus // (t * p)))
-    return out
-
-
-def check_parallel(model: ModelSpec, gpus: int, tp: int | None, pp: int | None) -> None:
-    """Clear errors for impossible parallel sizes before any search."""
-    units = model.vit.num_layers + 1 + model.llm.num_layers
-    if gpus < 1:
-        raise ValueError(f"--gpus must be >= 1, got {gpus}")
-    if tp is not None and (tp < 1 or not heads_divisible(model, tp)):
-        raise ValueError(
-            f"--tp {tp}: must divide the attention heads (ViT "
-            f"{model.vit.num_attention_heads}, LLM {model.llm.num_attention_heads}, "
-            f"KV groups {model.llm.num_query_groups})"
-        )
-    if pp is not None and not 1 <= pp <= units:
-        raise ValueError(
-            f"--pp {pp}: must be between 1 and the {units} partition units of "
-            f"{model.name} ({model.vit.num_layers} ViT layers, projector, "
-            f"{model.llm.num_layers} LLM layers)"
-        )
-    if (tp or 1) * (pp or 1) > gpus or gpus % ((tp or 1) * (pp or 1)):
-        raise ValueError(f"--gpus {gpus} is not a multiple of tp x pp = {(tp or 1) * (pp or 1)}")
-
-
-@dataclass(frozen=True)
-class Evaluated:
-    setting: Setting
-    part: Partition
-    result: StepResult
-
-
-def plan_candidates(
-    model: ModelSpec,
-    hw: Hardware,
-    stats: LengthStats,
-    gpus: int,
-    tp: int | None = None,
-    pp: int | None = None,
-    micro_batches: int | None = None,
-    global_batch: int = 1024,
-    mode: str = "exact",
-    seed: int = 0,
-    progress: bool = False,
-    finalists: int = 3,
-    profile: dict | None = None,
-) -> list[Evaluated]:
-    """Feasible (tp, pp, dp, m) with their partition and predicted step, fastest first.
-
-    With more than one configuration, each is screened with a quick search and the best
-    `finalists` are searched in full (skipping those screened over FINALIST_MARGIN slower
-    than the best fully searched one); configurations that cannot beat the best so far
-    even without any bubble are skipped. A measured `profile` fixes TP at 1 (it was measured
-    on one GPU).
-    """
-    if profile is not None:
-        if tp not in (None, 1):
-            raise ValueError(f"--tp {tp}: a measured profile is for TP = 1 (one GPU per layer)")
-        tp = 1
-    check_parallel(model, gpus, tp, pp)
-    configs = [
-        (t, p, d, m)
-        for t, p, d in parallel_candidates(model, hw, gpus, tp, pp)
-        if global_batch // d >= 1
-        for m in (
-            [micro_batches] if micro_batches else micro_batch_candidates(p, global_batch // d)
-        )
-    ]
-    if progress and len(configs) > 4:
-        from tqdm import tqdm
-
-        configs = tqdm(configs, desc="plan: parallel sizes", unit="config")
-    out, errors = [], []
-    best = np.inf
-    for t, p, d, m in configs:
+        built = {}
         try:
-            setting = make_setting(
-                model, hw, stats, t, p, d, m, global_batch, seed, profile=profile
-            )
-            if setting.ideal_ms() >= best:  # even a bubble-free perfect split would lose
-                continue
-            part, _ = choose_partition(setting, mode, quick=len(configs) > 1)
-        except NoFeasiblePartition as exc:
-            errors.append(f"tp={t} pp={p} dp={d} m={m}: {exc}")
-            continue
-        except ValueError as exc:
-            if tp is not None and pp is not None:
-                raise
-            errors.append(f"tp={t} pp={p} dp={d} m={m}: {exc}")
-            continue
-        out.append(Evaluated(setting, part, setting.predict(part, setting.balanced)))
-        best = min(best, out[-1].result.step_ms)
-    if len(configs) > 1 and out:  # screened quickly: search the finalists in full
-        out.sort(key=lambda e: e.result.step_ms)
-        best = np.inf
-        for i, e in enumerate(out[:finalists]):
-            if e.result.step_ms > best * (1 + FINALIST_MARGIN):
-                break  # the full search gains a few % at most: this one cannot catch up
-            part, _ = choose_partition(e.setting, mode)
-            out[i] = Evaluated(e.setting, part, e.setting.predict(part, e.setting.balanced))
-            best = min(best, out[i].result.step_ms)
-    if not out:
-        detail = errors[0] if len(errors) == 1 else "\n  ".join(["", *errors[:8]])
-        raise NoFeasiblePartition(
-            f"no feasible plan for {model.name} on {gpus} x {hw.name}: {detail}"
-        )
-    return sorted(out, key=lambda e: e.result.step_ms)
+            if "model_spec" in doc:
+                built["model_spec"] = ModelSpec.from_dict(doc["model_spec"], "model_spec")
+            if "hardware_spec" in doc:
+                built["hardware_spec"] = hardware_from_dict(doc["hardware_spec"], "hardware_spec")
+        except (SpecError, ValueError) as exc:
+            raise PlanError(f"{where}: {exc}") from None
+        return from_json(cls, doc, where, built)
 
 
-def baseline(setting: Setting) -> tuple[Partition, StepResult, bool]:
-    """Megatron's default on fixed-size batches: partition, predicted step, fits memory."""
-    part, problem = choose_partition(setting, "megatron", setting.fixed)
-    return part, setting.predict(part, setting.fixed), problem.fits(part)
+def save_plan(plan: Plan, path: str | Path) -> None:
+    """Write plan.json (checked by reading it back: a plan we cannot load is never written)."""
+    text = json.dumps(plan.to_dict(), indent=1) + "\n"
+    if Plan.from_dict(json.loads(text), str(path)) != plan:
+        raise PlanError(f"{path}: the plan does not survive its JSON round trip")
+    Path(path).write_text(text)
 
 
-def stage_entries(model: ModelSpec, part: Partition) -> list[dict]:
-    """plan.json `stages`: unit ranges mapped back to per-tower layer ranges."""
-    nv, nl = model.vit.num_layers, model.llm.num_layers
-    out = []
-    for s, (lo, hi) in enumerate(part.stages):
-        rec = part.recompute[s]
-        out.append(
-            {
-                "stage": s,
-                "vit_layers": [min(lo, nv), min(hi, nv)],
-                "llm_layers": [min(max(lo - nv - 1, 0), nl), min(max(hi - nv - 1, 0), nl)],
-                "patch_embed": lo == 0,
-                "projector": lo <= nv < hi,
-                "llm_embed": lo <= nv < hi,
-                "head": hi == nv + 1 + nl,
-                "vit_recompute": int(rec.get(GROUP_VIT, 0)),
-                "llm_recompute": int(rec.get(GROUP_LLM, 0)),
-                "forward_ms": round(float(part.forward_ms[s]), 4),
-                "backward_ms": round(float(part.backward_ms[s]), 4),
-                "peak_memory_gib": round(float(part.memory_mib[s]) / GIB_MIB, 3),
-            }
-        )
-    return out
-
-
-def megatron_flags(model: ModelSpec, setting: Setting, plan_path: str) -> list[str]:
-    """Megatron arguments for the plan; the per-stage layout and recompute come from the plan."""
-    llm = model.llm
-    flags = [
-        "--tensor-model-parallel-size",
-        str(setting.tp),
-        "--pipeline-model-parallel-size",
-        str(setting.pp),
-        "--num-layers",
-        str(llm.num_layers),
-        "--hidden-size",
-        str(llm.hidden_size),
-        "--ffn-hidden-size",
-        str(llm.ffn_hidden_size),
-        "--num-attention-heads",
-        str(llm.num_attention_heads),
-    ]
-    if llm.num_query_groups < llm.num_attention_heads:
-        flags += ["--group-query-attention", "--num-query-groups", str(llm.num_query_groups)]
-    flags += ["--normalization", "RMSNorm" if llm.norm == "rmsnorm" else "LayerNorm"]
-    if llm.gated_mlp:
-        flags += ["--swiglu"]
-    flags += [
-        "--seq-length",
-        str(setting.token_budget),
-        "--max-position-embeddings",
-        str(setting.token_budget),
-        "--micro-batch-size",
-        "1",
-        "--global-batch-size",
-        str(setting.m * setting.dp),
-        "--bf16",
-        "--use-distributed-optimizer",
-        "--calculate-per-token-loss",
-        "--recompute-granularity",
-        "full",
-        "--recompute-method",
-        "block",
-        "--omnibal-plan",
-        plan_path,
-    ]
-    if setting.tp > 1:
-        flags.append("--sequence-parallel")
-    return flags
-
-
-def make_plan(
-    model: ModelSpec,
-    hw: Hardware,
-    stats: LengthStats,
-    gpus: int,
-    tp: int | None = None,
-    pp: int | None = None,
-    micro_batches: int | None = None,
-    global_batch: int = 1024,
-    mode: str = "exact",
-    seed: int = 0,
-    plan_path: str = "plan.json",
-    progress: bool = False,
-    profile: dict | None = None,
-) -> dict:
-    """The plan.json document for the fastest feasible configuration."""
-    best = plan_candidates(
-        model,
-        hw,
-        stats,
-        gpus,
-        tp,
-        pp,
-        micro_batches,
-        global_batch,
-        mode,
-        seed,
-        progress,
-        profile=profile,
-    )[0]
-    st = best.setting
-    base_part, base, base_fits = baseline(st)
-    return {
-        "version": PLAN_VERSION,
-        "model": model.name,
-        "hardware": hw.name,
-        "parallel": {
-            "tp": st.tp,
-            "pp": st.pp,
-            "dp": st.dp,
-            "vpp": 1,
-            "micro_batches": st.m,
-            "gpus": gpus,
-        },
-        "model_spec": model.to_dict(),
-        "hardware_spec": hw.to_dict(),
-        "stages": stage_entries(model, best.part),
-        "data": {
-            "vit_budget": st.vit_budget,
-            "token_budget": st.token_budget,
-            "micro_batches": st.m,
-            "global_batch_samples": global_batch,
-            "seed": seed,
-            "num_samples": len(stats),
-        },
-        "predicted": {
-            "step_ms": round(best.result.step_ms, 3),
-            "baseline_step_ms": round(base.step_ms, 3),
-            "bubble_fraction": round(best.result.bubble_fraction, 4),
-            "baseline_bubble_fraction": round(base.bubble_fraction, 4),
-            "baseline_fits_memory": base_fits,
-            "baseline_stages": [list(s) for s in base_part.stages],
-            "speedup": round(base.step_ms / best.result.step_ms, 3),
-            "sync_ms": round(best.result.sync_ms, 3),
-            "partition_mode": mode,
-            "cost_model": "analytic" if profile is None else "measured profile",
-            "modeled": True,
-        },
-        "megatron_flags": megatron_flags(model, st, plan_path),
-    }
-
-
-_STAGE_KEYS = {
-    "stage": int,
-    "vit_layers": list,
-    "llm_layers": list,
-    "patch_embed": bool,
-    "projector": bool,
-    "llm_embed": bool,
-    "head": bool,
-    "vit_recompute": int,
-    "llm_recompute": int,
-    "forward_ms": (int, float),
-    "backward_ms": (int, float),
-    "peak_memory_gib": (int, float),
-}
-
-
-def load_plan(path: str | Path) -> dict:
-    """Read and validate plan.json; errors name the file and the field."""
-    plan = read_json(path, "plan")
-    validate_plan(plan, str(path))
-    return plan
-
-
-def validate_plan(plan: dict, where: str = "plan") -> None:
-    """Check the schema and that the stages tile both towers exactly once, in order."""
-
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ValueError(f"{where}: {msg}")
-
-    need(isinstance(plan, dict), "expected a JSON object")
-    for key in (
-        "version",
-        "model",
-        "hardware",
-        "parallel",
-        "model_spec",
-        "stages",
-        "data",
-        "predicted",
-        "megatron_flags",
-    ):
-        need(key in plan, f"missing '{key}'")
-    need(plan["version"] == PLAN_VERSION, f"version {plan['version']!r} (expected 1)")
-    par = plan["parallel"]
-    for key in ("tp", "pp", "dp", "vpp", "micro_batches", "gpus"):
-        need(
-            isinstance(par.get(key), int) and not isinstance(par.get(key), bool) and par[key] >= 1,
-            f"parallel.{key} must be a positive integer",
-        )
-    need(
-        par["tp"] * par["pp"] * par["dp"] == par["gpus"],
-        f"parallel: tp x pp x dp = {par['tp'] * par['pp'] * par['dp']} != gpus {par['gpus']}",
-    )
-    spec = plan["model_spec"]
-    for block in ("vit", "projector", "llm"):
-        need(isinstance(spec.get(block), dict), f"model_spec.{block} missing")
-    nv, nl = spec["vit"].get("num_layers"), spec["llm"].get("num_layers")
-    need(isinstance(nv, int) and isinstance(nl, int), "model_spec num_layers must be integers")
-    stages = plan["stages"]
-    need(
-        isinstance(stages, list) and len(stages) == par["pp"],
-        f"{len(stages) if isinstance(stages, list) else 'no'} stages for pp={par['pp']}",
-    )
-    vit_at, llm_at = 0, 0
-    for s, st in enumerate(stages):
-        at = f"stages[{s}]"
-        for key, kind in _STAGE_KEYS.items():
-            need(key in st and isinstance(st[key], kind), f"{at}.{key} missing or mistyped")
-        need(st["stage"] == s, f"{at}.stage is {st['stage']}")
-        for key, start, total in (("vit_layers", vit_at, nv), ("llm_layers", llm_at, nl)):
-            first, end = st[key]
-            need(
-                first == start and start <= end <= total,
-                f"{at}.{key} {st[key]} does not continue at layer {start} within [0, {total}]",
-            )
-        need(
-            st["vit_recompute"] <= st["vit_layers"][1] - st["vit_layers"][0]
-            and st["llm_recompute"] <= st["llm_layers"][1] - st["llm_layers"][0]
-            and min(st["vit_recompute"], st["llm_recompute"]) >= 0,
-            f"{at}: recompute counts exceed the stage's layers",
-        )
-        need(st["patch_embed"] == (s == 0), f"{at}.patch_embed must be true on stage 0 only")
-        need(st["head"] == (s == len(stages) - 1), f"{at}.head must be true on the last only")
-        need(st["projector"] == st["llm_embed"], f"{at}: llm_embed must sit with the projector")
-        if st["projector"]:
-            need(
-                st["vit_layers"][1] == nv and st["llm_layers"][0] == 0,
-                f"{at}: the projector must follow the last ViT layer and precede LLM layer 0",
-            )
-        elif st["llm_layers"][1] > st["llm_layers"][0]:
-            need(
-                llm_at > 0 or any(x["projector"] for x in stages[:s]),
-                f"{at}: LLM layers before the projector",
-            )
-        vit_at, llm_at = st["vit_layers"][1], st["llm_layers"][1]
-    need(
-        vit_at == nv and llm_at == nl,
-        f"stages cover {vit_at}/{nv} ViT and {llm_at}/{nl} LLM layers",
-    )
-    need(sum(bool(st["projector"]) for st in stages) == 1, "exactly one stage holds the projector")
-    need(isinstance(plan["megatron_flags"], list), "megatron_flags must be a list")
-    samples = plan["data"].get("num_samples") if isinstance(plan["data"], dict) else None
-    need(
-        samples is None or (isinstance(samples, int) and samples > 0),
-        f"data.num_samples must be a positive integer (the length file's samples), got {samples!r}",
-    )
-
-
-def partition_from_plan(
-    plan: dict, model: ModelSpec
-) -> tuple[tuple[int, ...], list[dict[int, int]]]:
-    """Unit boundaries and recompute counts of a (validated) plan's stages."""
-    bounds, recompute = [0], []
-    for st in plan["stages"]:
-        units = (
-            st["vit_layers"][1]
-            - st["vit_layers"][0]
-            + int(st["projector"])
-            + st["llm_layers"][1]
-            - st["llm_layers"][0]
-        )
-        if units == 0:
-            raise ValueError(f"plan: stage {st['stage']} holds no layers")
-        bounds.append(bounds[-1] + units)
-        rec = {}
-        if st["vit_layers"][1] > st["vit_layers"][0]:
-            rec[GROUP_VIT] = st["vit_recompute"]
-        if st["llm_layers"][1] > st["llm_layers"][0]:
-            rec[GROUP_LLM] = st["llm_recompute"]
-        recompute.append(rec)
-    return tuple(bounds), recompute
+def load_plan(path: str | Path, where: str | None = None) -> Plan:
+    """Read and validate plan.json; errors name `where` (default: the path) and the field."""
+    where = where or str(path)
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise PlanError(f"{where}: no such plan file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError(f"{where}: not a JSON plan ({exc})") from None
+    return Plan.from_dict(doc, where)

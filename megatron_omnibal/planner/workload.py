@@ -3,7 +3,7 @@
 The planner predicts a step from real sample lengths, so it needs micro-batches like the ones
 training will see. Balanced ones are modelled by a longest-first greedy fill of dp x m bins
 towards both budgets (a stand-in for the ISF balancer, which does at least this well); the
-baseline takes the same samples in random order, a fixed number per micro-batch.
+baselines take the same samples in random order, a fixed number per micro-batch, padded.
 """
 
 from __future__ import annotations
@@ -78,12 +78,17 @@ def deal_to_replicas(
     return np.stack([features[x] for x in slots])
 
 
-def fixed_size_features(stats: LengthStats, index: np.ndarray, bins: int) -> np.ndarray:
-    """Features (bins, 4) of the samples in their (random) order, equal counts per bin."""
+def padded_features(stats: LengthStats, index: np.ndarray, bins: int) -> np.ndarray:
+    """Features (bins, 4) of fixed-size micro-batches: the samples in their (random) order,
+    equal counts per bin, every sample padded to the longest of its micro-batch.
+
+    That is how a fixed micro-batch size runs in Megatron: the LLM sees count x longest tokens
+    (attention count x longest^2), the ViT every real tile (tiles are not padded).
+    """
     parts = np.array_split(index, bins)
     vit, tok = stats.vit.astype(np.float64), stats.tokens.astype(np.float64)
+    longest = np.array([tok[p].max() for p in parts])
+    count = np.array([len(p) for p in parts], np.float64)
     return workload_features(
-        [vit[p].sum() for p in parts],
-        [tok[p].sum() for p in parts],
-        [(tok[p] ** 2).sum() for p in parts],
+        [vit[p].sum() for p in parts], count * longest, count * longest**2
     )

@@ -1,0 +1,91 @@
+"""Megatron-LM command-line flags: for a plan, and for the baseline configuration it beats.
+
+The plan's flags are accepted by megatron.training 0.19's parser (tested); the per-stage layout
+and recompute come from `--omnibal-plan`. The baseline's are what a Megatron-LM user would type
+for the same run without OmniBal, so the speedup's reference can be re-run by hand.
+"""
+
+from __future__ import annotations
+
+from megatron_omnibal.models.spec import ModelSpec
+
+
+def model_flags(model: ModelSpec) -> list[str]:
+    """The LLM's shape, as megatron.training spells it."""
+    llm = model.llm
+    flags = [
+        "--num-layers", str(llm.num_layers),
+        "--hidden-size", str(llm.hidden_size),
+        "--ffn-hidden-size", str(llm.ffn_hidden_size),
+        "--num-attention-heads", str(llm.num_attention_heads),
+    ]  # fmt: skip
+    if llm.num_query_groups < llm.num_attention_heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(llm.num_query_groups)]
+    flags += ["--normalization", "RMSNorm" if llm.norm == "rmsnorm" else "LayerNorm"]
+    if llm.gated_mlp:
+        flags += ["--swiglu"]
+    return flags
+
+
+def plan_flags(
+    model: ModelSpec, tp: int, pp: int, dp: int, m: int, token_budget: int, plan_path: str
+) -> list[str]:
+    """Flags of a plan: one packed micro-batch of up to `token_budget` tokens at a time."""
+    flags = [
+        "--tensor-model-parallel-size", str(tp),
+        "--pipeline-model-parallel-size", str(pp),
+        *model_flags(model),
+        "--seq-length", str(token_budget),
+        "--max-position-embeddings", str(token_budget),
+        "--micro-batch-size", "1",
+        "--global-batch-size", str(m * dp),
+        "--bf16",
+        "--use-distributed-optimizer",
+        "--calculate-per-token-loss",
+        "--recompute-granularity", "full",
+        "--recompute-method", "block",
+        "--omnibal-plan", plan_path,
+    ]  # fmt: skip
+    if tp > 1:
+        flags.append("--sequence-parallel")
+    return flags
+
+
+def baseline_flags(
+    model: ModelSpec,
+    tp: int,
+    pp: int,
+    micro_batch_size: int,
+    global_batch: int,
+    llm_layers: tuple[int, ...],
+    recompute_vision: bool,
+    recompute_num_layers: int,
+) -> list[str]:
+    """Megatron-LM flags of a hand-chosen baseline (LLaVA layout: the vision encoder on the
+    first stage). Uneven LLM splits use --decoder-first/last-pipeline-num-layers;
+    `--recompute-vision` is Megatron-LM's examples/multimodal flag (every ViT layer)."""
+    flags = [
+        "--tensor-model-parallel-size", str(tp),
+        "--pipeline-model-parallel-size", str(pp),
+        *model_flags(model),
+        "--micro-batch-size", str(micro_batch_size),
+        "--global-batch-size", str(global_batch),
+        "--bf16",
+        "--use-distributed-optimizer",
+    ]  # fmt: skip
+    if len(set(llm_layers)) > 1:
+        flags += [
+            "--decoder-first-pipeline-num-layers", str(llm_layers[0]),
+            "--decoder-last-pipeline-num-layers", str(llm_layers[-1]),
+        ]  # fmt: skip
+    if recompute_num_layers:
+        flags += [
+            "--recompute-granularity", "full",
+            "--recompute-method", "block",
+            "--recompute-num-layers", str(recompute_num_layers),
+        ]  # fmt: skip
+    if recompute_vision:
+        flags.append("--recompute-vision")
+    if tp > 1:
+        flags.append("--sequence-parallel")
+    return flags
