@@ -18,12 +18,19 @@ from megatron_omnibal import __version__, commands
 
 
 def _command_names() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(commands.__path__) if not m.ispkg)
+    """Command names: module names with '-' for '_' (compare_hf -> compare-hf)."""
+    return sorted(
+        m.name.replace("_", "-") for m in pkgutil.iter_modules(commands.__path__) if not m.ispkg
+    )
+
+
+def _module(name: str) -> str:
+    return f"{commands.__name__}.{name.replace('-', '_')}"
 
 
 def _help_line(name: str) -> str:
     """A module's HELP, read from its source so that listing commands imports nothing heavy."""
-    spec = importlib.util.find_spec(f"{commands.__name__}.{name}")
+    spec = importlib.util.find_spec(_module(name))
     source = Path(spec.origin).read_text() if spec and spec.origin else ""
     for line in source.splitlines():
         if line.startswith("HELP = "):
@@ -37,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     top = argparse.ArgumentParser(
         prog="omnibal",
         description="Balanced data, model partition and recompute for VLM training.",
-        epilog="commands:\n" + "\n".join(f"  {n:<10} {_help_line(n)}" for n in names),
+        epilog="commands:\n" + "\n".join(f"  {n:<11} {_help_line(n)}" for n in names),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     top.add_argument("--version", action="version", version=f"omnibal {__version__}")
@@ -48,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     if name not in names:
         top.error(f"unknown command '{name}' (choose from {', '.join(names)})")
-    module = importlib.import_module(f"{commands.__name__}.{name}")
+    module = importlib.import_module(_module(name))
     parser = argparse.ArgumentParser(prog=f"omnibal {name}", description=module.HELP)
     module.add_arguments(parser)
     args = parser.parse_args(rest)

@@ -1,0 +1,152 @@
+"""`omnibal compare-hf`: transformers' forward of an HF checkpoint against the Megatron stages
+of a checkpoint, on the same images and text; JSON differences, non-zero exit above tolerance."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+HELP = "check a Megatron checkpoint's logits against transformers' forward of an HF checkpoint"
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("hf_dir", type=Path, help="HF checkpoint directory (transformers format)")
+    parser.add_argument("ckpt_dir", type=Path, help="Megatron checkpoint directory")
+    parser.add_argument("--iteration", type=int, help="checkpoint iteration (default: latest)")
+    parser.add_argument("--tp", type=_positive_int, help="TP to run at (default: the checkpoint's)")
+    parser.add_argument("--omnibal-vit-pp-layers", type=_counts, metavar="N,N,..",
+                        help="ViT layers per stage to run at (torch_dist checkpoints)")  # fmt: skip
+    parser.add_argument("--omnibal-llm-pp-layers", type=_counts, metavar="N,N,..",
+                        help="LLM layers per stage to run at (torch_dist checkpoints)")  # fmt: skip
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="run the LLM with sequence parallelism (TP > 1)")  # fmt: skip
+    parser.add_argument("--tolerance", type=_tolerance, default=1e-4,
+                        help="largest relative difference (default 1e-4, fp32)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="seed of the probe inputs")
+
+
+def _layout(args: argparse.Namespace, ckpt) -> tuple[list, int]:
+    from megatron_omnibal.megatron.configs import check_tensor_parallel
+    from megatron_omnibal.megatron.layout import layout_from_counts
+
+    spec = ckpt.spec
+    counts = (args.omnibal_vit_pp_layers, args.omnibal_llm_pp_layers)
+    if any(c is not None for c in counts):
+        if None in counts:
+            raise ValueError("give both --omnibal-vit-pp-layers and --omnibal-llm-pp-layers")
+        layouts = layout_from_counts(
+            *counts, vit_layers=spec.vit.num_layers, llm_layers=spec.llm.num_layers
+        )
+    else:
+        layouts = list(ckpt.layouts)
+    tp = args.tp or ckpt.tp
+    check_tensor_parallel(spec, tp)
+    same = tp == ckpt.tp and [(s.vit_layers, s.llm_layers) for s in layouts] == [
+        (s.vit_layers, s.llm_layers) for s in ckpt.layouts
+    ]
+    if ckpt.format == "torch" and not same:
+        raise ValueError(
+            f"{ckpt.path} is a torch-format checkpoint: it loads only at its own layout "
+            f"(TP {ckpt.tp}, PP {len(ckpt.layouts)} as written); a torch_dist checkpoint loads "
+            "at any layout"
+        )
+    return layouts, tp
+
+
+def _difference(got, want) -> dict[str, float]:
+    if got.shape != want.shape:
+        raise ValueError(f"shapes differ: Megatron {tuple(got.shape)}, HF {tuple(want.shape)}")
+    diff = (got.float() - want.float()).abs().max()
+    return {"max_abs": float(diff), "max_rel": float(diff / want.abs().max())}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from megatron_omnibal.megatron.checkpoint_reader import open_checkpoint
+    from megatron_omnibal.megatron.probe import probe_samples
+    from megatron_omnibal.models.hf_config import read_hf
+    from megatron_omnibal.models.hf_reference import load_model, reference
+
+    hf = read_hf(args.hf_dir)
+    ckpt = open_checkpoint(args.ckpt_dir, args.iteration)
+    if ckpt.spec != hf.spec:
+        raise ValueError(f"{args.ckpt_dir} holds another model than {args.hf_dir}")
+    layouts, tp = _layout(args, ckpt)
+    samples = probe_samples(hf.spec, args.seed)
+    ref = reference(load_model(hf), hf, samples)
+    with tempfile.TemporaryDirectory(prefix="omnibal-compare-") as tmp:
+        work = Path(tmp)
+        torch.save([asdict(s) for s in samples], work / "samples.pt")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={tp * len(layouts)}", "-m",
+            "megatron_omnibal.megatron.compare_worker", "--ckpt", str(ckpt.path),
+            "--format", ckpt.format, "--spec", json.dumps(hf.spec.to_dict()), "--tp", str(tp),
+            "--stages", json.dumps([st.to_dict() for st in layouts]),
+            "--samples", str(work / "samples.pt"), "--out", str(work),
+        ]  # fmt: skip
+        if args.sequence_parallel:
+            cmd.append("--sequence-parallel")
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            sys.stderr.write(proc.stderr[-4000:])
+            raise ValueError("the Megatron stages failed (their output is above)")
+        got: dict[str, torch.Tensor] = {}
+        for f in sorted(work.glob("stage*.pt")):
+            got.update(torch.load(f))
+    flags = torch.cat([s.image_flags for s in samples]).bool()
+    report = {
+        "logits": _difference(got["logits"], ref["logits"]),
+        "vit": _difference(got["vit"][flags], ref["vit"]),
+        "llm": _difference(got["llm"], ref["llm"]),
+    }
+    worst = max(v["max_rel"] for v in report.values())
+    report.update(
+        tolerance=args.tolerance,
+        ok=worst <= args.tolerance,
+        tp=tp,
+        pp=len(layouts),
+        vit_pp_layers=[st.num_vit_layers for st in layouts],
+        llm_pp_layers=[st.num_llm_layers for st in layouts],
+        sequence_parallel=args.sequence_parallel,
+        checkpoint_format=ckpt.format,
+    )
+    print(json.dumps(report, indent=2))
+    return 0 if report["ok"] else 1

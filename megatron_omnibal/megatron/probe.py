@@ -1,0 +1,54 @@
+"""Probe inputs for checking a converted model: a few samples laid out as the model's processor
+lays them out (InternVL: `<img>` + context tokens + `</img>` per image; LLaVA: one token per
+patch), with random pixels, an image over several tiles and a text-only sample.
+
+Why random: a numeric comparison of two implementations of the same function needs inputs that
+exercise every path (several tiles, InternVL's dummy tile, packing), not meaningful ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_omnibal.megatron.batch import IGNORE_INDEX, Sample
+from megatron_omnibal.models.spec import ModelSpec
+
+
+def probe_samples(spec: ModelSpec, seed: int = 0, dummy_tile: bool = True) -> list[Sample]:
+    """Three samples: an image of 2 tiles, an image of 1 tile, text only (with a dummy tile
+    when `dummy_tile`, as InternVL trains text-only samples). Token 0 opens each sample."""
+    g = torch.Generator().manual_seed(seed)
+    special = {spec.image_token_id, spec.image_start_id, spec.image_end_id, 0}
+    allowed = torch.tensor([i for i in range(min(spec.llm.vocab_size, 1000)) if i not in special])
+
+    def text(n: int) -> list[int]:
+        return allowed[torch.randint(0, len(allowed), (n,), generator=g)].tolist()
+
+    def image(tiles: int) -> list[int]:
+        ids = [spec.image_token_id] * (spec.tokens_per_tile * tiles)
+        if spec.image_start_id >= 0:
+            ids = [spec.image_start_id, *ids]
+        if spec.image_end_id >= 0:
+            ids = [*ids, spec.image_end_id]
+        return ids
+
+    size = spec.vit.image_size
+    out = []
+    for tiles, words in ((2, 5), (1, 9)):
+        ids = [0, *text(3), *image(tiles), *text(words)]
+        out.append(_sample(ids, torch.randn(tiles, 3, size, size, generator=g), tiles))
+    ids = [0, *text(10)]  # an odd total length: sequence parallelism must pad
+    dummy = int(dummy_tile)
+    out.append(_sample(ids, torch.randn(dummy, 3, size, size, generator=g), 0))
+    return out
+
+
+def _sample(ids: list[int], images: torch.Tensor, real: int) -> Sample:
+    flags = torch.zeros(len(images), dtype=torch.int64)
+    flags[:real] = 1
+    return Sample(
+        tokens=torch.tensor(ids),
+        labels=torch.full((len(ids),), IGNORE_INDEX),
+        images=images,
+        image_flags=flags,
+    )

@@ -1,0 +1,62 @@
+"""transformers' own forward of a checkpoint: the oracle for `omnibal compare-hf`.
+
+Why per sample: transformers runs one sample per sequence (no packing), so the packed Megatron
+micro-batch is compared with the concatenation of each sample's own forward. The ViT features
+are what transformers' model feeds its projector (`vision_feature_layer`, a final LayerNorm where
+the config has one), before the class token is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from megatron_omnibal.models.hf_config import HFConfigError, HFModel
+
+NATIVE = ("internvl", "llava")  # families with transformers' own classes
+
+
+def load_model(hf: HFModel) -> torch.nn.Module:
+    """The checkpoint in transformers' own class, in fp32, eval mode."""
+    if hf.family not in NATIVE:
+        raise HFConfigError(
+            f"{hf.path}: a {hf.family} checkpoint runs only with its own remote code; compare "
+            "its transformers-format twin (model_type internvl) instead"
+        )
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(
+        Path(hf.path), dtype=torch.float32, local_files_only=True
+    )
+    return model.eval()
+
+
+def vision_features(model: torch.nn.Module, hf: HFModel, pixels: torch.Tensor) -> torch.Tensor:
+    """What the projector receives [tiles, class token + patches, C]."""
+    tower = model.model.vision_tower
+    out = tower(pixel_values=pixels, output_hidden_states=True)
+    if hf.family == "internvl" and hf.spec.vit.num_layers == hf.vit_checkpoint_layers:
+        return out.last_hidden_state  # includes the final LayerNorm where there is one
+    return out.hidden_states[hf.spec.vit.num_layers]
+
+
+def reference(
+    model: torch.nn.Module, hf: HFModel, samples: Sequence[object]
+) -> dict[str, torch.Tensor]:
+    """{"logits" [S, V], "llm" [S, H] (final hidden states), "vit" [real tiles, tokens, C]}
+    for samples with `tokens`, `images`, `image_flags` (megatron.batch.Sample)."""
+    logits, hidden, feats = [], [], []
+    with torch.no_grad():
+        for s in samples:
+            real = s.images[s.image_flags.bool()]
+            pixels = real if len(real) else None
+            ids = s.tokens[None]
+            out = model(input_ids=ids, pixel_values=pixels)
+            base = model.model(input_ids=ids, pixel_values=pixels)
+            logits.append(out.logits[0])
+            hidden.append(base.last_hidden_state[0])
+            if pixels is not None:
+                feats.append(vision_features(model, hf, pixels))
+    return {"logits": torch.cat(logits), "llm": torch.cat(hidden), "vit": torch.cat(feats)}
