@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps - args.warmup < 10:
         parser.error("need at least 10 timed steps (--steps - --warmup >= 10)")
 
+    from megatron_omnibal.balance.config import BalanceConfig
+    from megatron_omnibal.balance.sampler import BalancedBatchSampler
     from megatron_omnibal.data.lengths import load_lengths, save_lengths
-    from megatron_omnibal.data.sampler import BalancedBatchSampler
     from megatron_omnibal.megatron.data import model_lengths
 
     spec = vlm_spec()
@@ -140,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     save_lengths(lengths, tmp / "lengths.npz")
 
     m = args.micro_batches
-    sampler = BalancedBatchSampler(lengths, dp_size=1, dp_rank=0, micro_batches=m,
-                                   vit_budget=args.vit_budget, token_budget=args.token_budget,
-                                   seed=3)  # fmt: skip
+    config = BalanceConfig(dp_size=1, micro_batches=m, vit_budget=args.vit_budget,
+                           token_budget=args.token_budget, seed=3)  # fmt: skip
+    sampler = BalancedBatchSampler(lengths, config, dp_rank=0)
     per_micro = len(lengths) / (sampler.steps_per_epoch * m)
     baseline_batch = max(1, round(per_micro))
     tiles = int(round(lengths.vit.sum() / (sampler.steps_per_epoch * m)))
@@ -225,6 +226,7 @@ class FixedBatches:
     def __init__(self, n: int, batch: int, dp_size: int, dp_rank: int, micro: int, seed: int):
         self.n, self.batch, self.dp, self.rank, self.micro = n, batch, dp_size, dp_rank, micro
         self.seed, self.epoch, self.step = seed, 0, 0
+        self.last_level = 0  # one level
         self.steps_per_epoch = n // (batch * micro * dp_size)
 
     def set_epoch(self, epoch: int) -> None:

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
+from megatron_omnibal.balance.plan_io import load_plan
 from megatron_omnibal.cli import main
 from megatron_omnibal.data.lengths import from_arrays, load_lengths, save_lengths
-from megatron_omnibal.data.plan_io import load_plan
 
 
 @pytest.fixture()

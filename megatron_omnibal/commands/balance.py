@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a sample larger than a budget: error (default), a pack of its "
                              "own, or listed as skipped")
     parser.add_argument("--cost", metavar="A,B,C",
-                        help="balance cost A*tiles + B*tokens + C*tokens^2 instead of tokens")
+                        help="modeled time of a pack: A*tiles + B*tokens + C*sum(len^2) (ms); "
+                             "steps are formed to even it out across ranks")
     parser.add_argument("--isf-rounds", type=int, default=10, help="ISF rounds (default 10)")
     parser.add_argument("--isf-threshold", type=int,
                         help="ISF: a pack with this many tokens is full (default budget - 128)")
@@ -55,17 +56,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_omnibal.data import metrics
-    from megatron_omnibal.data.budgets import auto_budget
-    from megatron_omnibal.data.isf import CostModel, balance
+    from megatron_omnibal.balance import metrics
+    from megatron_omnibal.balance.balancer import balance
+    from megatron_omnibal.balance.budgets import auto_budget
+    from megatron_omnibal.balance.checks import check_plan
+    from megatron_omnibal.balance.config import BalanceConfig, PackCost
+    from megatron_omnibal.balance.plan_io import save_plan
     from megatron_omnibal.data.lengths import load_lengths
-    from megatron_omnibal.data.plan_io import save_plan
 
     if args.auto_budget == (args.vit_budget is not None or args.token_budget is not None):
         raise ValueError("give either --vit-budget and --token-budget, or --auto-budget")
     if not args.auto_budget and (args.vit_budget is None or args.token_budget is None):
         raise ValueError("--vit-budget and --token-budget go together")
-    cost = CostModel.parse(args.cost) if args.cost else None
+    cost = PackCost.parse(args.cost) if args.cost else None
     lengths = load_lengths(args.lengths)
     long_input = len(lengths) >= LONG_INPUT
     bar = tqdm(total=4, desc="balance", unit="stage", disable=not long_input, file=sys.stderr)
@@ -77,14 +80,16 @@ def run(args: argparse.Namespace) -> int:
         vit_budget, token_budget = args.vit_budget, args.token_budget
     bar.set_postfix_str("packing")
     start = time.perf_counter()
-    plan = balance(lengths, dp_size=args.dp, micro_batches=args.micro_batches,
-                   vit_budget=vit_budget, token_budget=token_budget, seed=args.seed,
-                   mode=args.mode, algorithm=args.algorithm, oversize=args.oversize, cost=cost,
-                   isf_rounds=args.isf_rounds, isf_threshold=args.isf_threshold)
+    config = BalanceConfig(dp_size=args.dp, micro_batches=args.micro_batches,
+                           vit_budget=vit_budget, token_budget=token_budget, seed=args.seed,
+                           mode=args.mode, algorithm=args.algorithm, oversize=args.oversize,
+                           cost=cost, isf_rounds=args.isf_rounds,
+                           isf_threshold=args.isf_threshold)
+    plan = balance(lengths, config)
     elapsed = time.perf_counter() - start
     bar.update()
     bar.set_postfix_str("checking")
-    plan.check(len(lengths))
+    check_plan(plan, lengths)  # balance() checked it too: this file is what gets written
     bar.update()
     metric_cost = cost or metrics.DEFAULT_COST
     bar.set_postfix_str("metrics")
@@ -115,8 +120,8 @@ _ROWS = (
     ("tiles max/mean p99", "tiles_max_mean_p99", "{:.4f}"),
     ("tokens max/mean", "tokens_max_mean", "{:.4f}"),
     ("tokens max/mean p99", "tokens_max_mean_p99", "{:.4f}"),
-    ("cost max/mean", "cost_max_mean", "{:.4f}"),
-    ("cost max/mean p99", "cost_max_mean_p99", "{:.4f}"),
+    ("modeled time max/mean", "time_max_mean", "{:.4f}"),
+    ("modeled time p99", "time_max_mean_p99", "{:.4f}"),
     ("dist ratio tiles", "tiles_dist_ratio", "{:.4f}"),
     ("dist ratio tokens", "tokens_dist_ratio", "{:.4f}"),
     ("pad ratio", "pad_ratio", "{:.4f}"),
@@ -126,6 +131,7 @@ _ROWS = (
     ("samples per step", "samples_per_step", "{:.1f}"),
     ("samples trained", "trained_samples", "{:.0f}"),
     ("samples skipped", "skipped_samples", "{:.0f}"),
+    ("empty packs", "empty_packs", "{:.0f}"),
 )
 
 

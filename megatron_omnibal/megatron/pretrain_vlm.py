@@ -276,23 +276,13 @@ def build_data_iterators(
     from megatron.core import parallel_state
     from megatron.training import get_args
 
-    from megatron_omnibal.data.sampler import BalancedBatchSampler
+    from megatron_omnibal.balance.sampler import BalancedBatchSampler
     from megatron_omnibal.megatron.batch import collate, synthetic_sample
     from megatron_omnibal.megatron.data import BalancedDataIterator
 
     args = get_args()
     sampler = BalancedBatchSampler(
-        settings.lengths,
-        dp_size=parallel_state.get_data_parallel_world_size(),
-        dp_rank=parallel_state.get_data_parallel_rank(),
-        micro_batches=settings.micro_batches,
-        vit_budget=settings.vit_budget,
-        token_budget=settings.token_budget,
-        seed=args.seed,
-        mode=settings.mode,
-        algorithm=settings.algorithm,
-        oversize=settings.oversize,
-        cost=settings.cost,
+        settings.lengths, settings.balance, dp_rank=parallel_state.get_data_parallel_rank()
     )
     if settings.data == "synthetic":
         make_sample = partial(synthetic_sample, lengths=settings.lengths, spec=spec, seed=args.seed)
