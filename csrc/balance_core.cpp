@@ -231,10 +231,10 @@ struct Reservation {
   i64 short_tiles = 0;  // tiles of samples left without a slot
 };
 
-// Tile target of each pack: `fill`, a heavy pack's cap; if the targets exceed the tiles there
-// are (by more than one full pack: what inexact sums need), the last packs give the excess up
-// evenly, each at most half a full pack, so that no pack is left empty by the rounding of the
-// pack count to whole steps (`cut` false: no cut).
+// Tile target of each pack: `fill`, a heavy pack's cap; with `cut`, if the targets exceed the
+// tiles there are, the last packs give the excess up evenly, each at most half a full pack, so
+// that no pack is left empty by the rounding of the pack count to whole steps. It fails (tiles
+// left without a slot: reserve() then drops the cut) when large samples are left for the end.
 Vec tile_targets(const Data& d, i64 packs, i64 fill, const Vec& cap, bool cut) {
   Vec limit(packs, fill);
   i64 total = 0;
@@ -243,10 +243,9 @@ Vec tile_targets(const Data& d, i64 packs, i64 fill, const Vec& cap, bool cut) {
     if (cap[p] >= 0) limit[p] = cap[p]; else light.push_back(p);
     total += limit[p];
   }
-  const i64 excess = total - d.sum_v - fill;
-  if (!cut || excess <= 0 || fill == 0 || light.empty()) return limit;
-  const i64 k = std::min<i64>(static_cast<i64>(light.size()),
-                              std::max<i64>(1, (2 * excess + fill - 1) / fill));
+  const i64 excess = total - d.sum_v, most = fill / 2;
+  if (!cut || excess <= 0 || most <= 0 || light.empty()) return limit;
+  const i64 k = std::min<i64>(static_cast<i64>(light.size()), (excess + most - 1) / most);
   for (i64 j = 0; j < k; ++j) {
     const i64 cut = excess / k + (j < excess % k ? 1 : 0);
     limit[light[j]] -= std::min(cut, limit[light[j]]);
@@ -368,7 +367,7 @@ Reservation reserve(const Data& d, const SlotParams& p) {
       r.pre[h] = 1;
     }
     // Targets with the end packs' cut first; if tiles then find no slot (sums that cannot be
-    // made exactly), the uncut targets; only then more packs.
+    // made exactly), no cut; only then more packs.
     const Vec seated(r.tiles), count(left);
     for (const bool cut : {true, false}) {
       r.tiles = seated;

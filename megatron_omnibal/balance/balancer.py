@@ -136,7 +136,8 @@ def balance(lengths: LengthStats, config: BalanceConfig, *, use_reference: bool 
         dominant = counts.reshape(num, names).argmax(axis=1)
         step, rank, micro = layout.layout(pack_vit, pack_tok, config.dp_size,
                                           levels[lv].micro_batches, config.mode,
-                                          config.seed + lv, dominant, pack_time)
+                                          config.seed + lv, dominant, pack_time,
+                                          config.time_tail)
         parts.append((samples, ptr, step, rank, micro))
         steps.append(int(step.max()) + 1 if num else 0)
     step_level = hierarchy.interleave(steps, config.curriculum_steps, config.seed)

@@ -158,7 +158,9 @@ class BalanceConfig:
       a step). algorithm: 'default' (slot balancing) or 'isf' (OmniBal's ISF, isf_rounds rounds,
       a pack with isf_threshold tokens is full; default token_budget - 128).
     - oversize: a sample over a budget is an 'error', a pack of its own ('solo') or 'skip'ped.
-    - cost: the modeled time of a pack; steps are formed so that it is even across ranks.
+    - cost: the modeled time of a pack (PackCost). With it the slowest `time_tail` of the packs
+      form steps of their own, sorted by time, so that they do not set the pace of the others
+      (random mode; grouped mode sorts every step by it).
     - levels: hierarchical balance packing (empty: one level at the budgets). Levels ascend;
       the last one is the budgets and micro_batches above. curriculum_steps: that many steps of
       the first (shortest) level open the epoch.
@@ -174,6 +176,7 @@ class BalanceConfig:
     algorithm: str = "default"
     oversize: str = "error"
     cost: PackCost | None = None
+    time_tail: float = 0.03
     isf_rounds: int = 10
     isf_threshold: int | None = None
     levels: tuple[Level, ...] = field(default=())
@@ -193,6 +196,8 @@ class BalanceConfig:
         _check_choice(where, "mode", self.mode, MODES)
         _check_choice(where, "algorithm", self.algorithm, ALGORITHMS)
         _check_choice(where, "oversize", self.oversize, OVERSIZE)
+        if not 0.0 <= float(self.time_tail) <= 1.0:
+            raise ValueError(f"{where}: time_tail must lie in [0, 1], got {self.time_tail!r}")
         if self.cost is not None and not isinstance(self.cost, PackCost):
             raise ValueError(f"{where}: cost must be a PackCost, got {type(self.cost).__name__}")
         levels = tuple(self.levels)

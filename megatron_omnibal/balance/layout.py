@@ -6,9 +6,10 @@ at random, stratified by each pack's dominant dataset and tile count (every step
 of each stratum), so a step's dataset mix is at least as close to the epoch's as a plain
 shuffle's; `grouped` puts packs of similar size into the same step (the tightest balance).
 With a modeled time per pack (tiles and tokens are even, but attention, sum(len^2), is not),
-packs are first cut into bands of whole steps whose times lie within TIME_BAND of each other,
-and the random draw happens within each band (HBP's attention-balance sort, kept as random as
-the bands allow). Either way the order of the steps is then shuffled. Within a step, ranks get their
+the slowest `time_tail` of the packs form steps of their own, sorted by time (HBP's
+attention-balance sort), so that they do not set the pace of the other steps; the rest are
+drawn at random as above. A larger tail evens the time out more and skews those steps' mix
+more. Either way the order of the steps is then shuffled. Within a step, ranks get their
 micro_batches packs by a serpentine deal of the step's packs sorted by size, so per-rank totals
 even out when micro_batches > 1.
 """
@@ -21,7 +22,6 @@ from megatron_omnibal.balance.config import MODES
 from megatron_omnibal.balance.core import permutation
 
 _LAYOUT_SALT = 0x4C41594F5554  # "LAYOUT": the layout's RNG stream differs from the packer's
-TIME_BAND = 0.01  # the packs of a band differ in modeled time by at most this share
 
 
 def pack_size_key(*values: np.ndarray) -> np.ndarray:
@@ -33,24 +33,22 @@ def pack_size_key(*values: np.ndarray) -> np.ndarray:
     return out
 
 
-def time_bands(pack_time: np.ndarray, per_step: int) -> list[np.ndarray]:
-    """Packs (indices) in bands of whole steps, by modeled time: each band grows a step at a
-    time while its slowest pack is within TIME_BAND of its fastest."""
+def time_bands(pack_time: np.ndarray, per_step: int, time_tail: float) -> list[np.ndarray]:
+    """Packs (indices) in bands of whole steps: the slowest `time_tail` of the packs, sorted by
+    modeled time, one band per step; the rest one band."""
     order = np.argsort(pack_time, kind="stable")
-    t = np.asarray(pack_time, np.float64)[order]
-    bands, start, n = [], 0, len(order)
-    while start < n:
-        end = start + per_step
-        while end < n and t[end + per_step - 1] <= t[start] * (1 + TIME_BAND):
-            end += per_step
-        bands.append(order[start:end])
-        start = end
+    steps = len(order) // per_step
+    tail = min(steps, int(np.ceil(time_tail * steps)))
+    cut = (steps - tail) * per_step
+    bands = [order[:cut]] if cut else []
+    bands += [order[k:k + per_step] for k in range(cut, len(order), per_step)]
     return bands
 
 
 def layout(pack_vit: np.ndarray, pack_weight: np.ndarray, dp_size: int, micro_batches: int,
            mode: str, seed: int, pack_dataset: np.ndarray | None = None,
-           pack_time: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+           pack_time: np.ndarray | None = None, time_tail: float = 0.0
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(pack_step, pack_rank, pack_micro) for packs whose count is a multiple of dp*micro.
 
     `pack_dataset` (each pack's most frequent source dataset) stratifies the random mode;
@@ -74,7 +72,8 @@ def layout(pack_vit: np.ndarray, pack_weight: np.ndarray, dp_size: int, micro_ba
         rank_in[shuffled] = np.arange(num)
         strata = (np.zeros(num, np.int64) if pack_dataset is None
                   else np.asarray(pack_dataset, np.int64))
-        bands = [np.arange(num)] if pack_time is None else time_bands(pack_time, per_step)
+        bands = ([np.arange(num)] if pack_time is None or steps == 0
+                 else time_bands(pack_time, per_step, time_tail))
         first = 0
         for band in bands:
             order = band[np.lexsort((rank_in[band], pack_vit[band], strata[band]))]

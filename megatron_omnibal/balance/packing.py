@@ -104,9 +104,12 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, optional
                                       band=band, repair=repair, use_reference=use_reference)
             samples, ptr, leftover = core.pack_slots(pv, weight[part], pt, params,
                                                      use_reference=use_reference)
-            if not (~optional[part[leftover]]).any():
+            lost = leftover[~optional[part[leftover]]]
+            if len(lost) == 0:
                 break
-            packs = len(ptr) - 1 + (per_step if last else 1)
+            # as many more packs as the samples without room need (each retry is a full pass)
+            more = packs_needed(pv[lost], pt[lost], vit_budget, token_budget)
+            packs = len(ptr) - 1 + (-(-more // per_step) * per_step if last else more)
         else:
             raise RuntimeError(f"balance: could not place all samples after {MAX_RETRIES} "
                                "attempts")

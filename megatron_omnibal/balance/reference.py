@@ -223,10 +223,10 @@ def tile_targets(d: Data, packs: int, fill: int, cap: list[int], cut: bool) -> l
         else:
             light.append(q)
         total += limit[q]
-    excess = total - d.sum_v - fill
-    if not cut or excess <= 0 or fill == 0 or not light:
+    excess, most = total - d.sum_v, fill // 2
+    if not cut or excess <= 0 or most <= 0 or not light:
         return limit
-    k = min(len(light), max(1, (2 * excess + fill - 1) // fill))
+    k = min(len(light), (excess + most - 1) // most)
     for j in range(k):
         cut = excess // k + (1 if j < excess % k else 0)
         limit[light[j]] -= min(cut, limit[light[j]])
