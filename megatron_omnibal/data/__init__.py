@@ -1,1 +1,1 @@
-"""Data side: datasets -> length statistics (stats, tiling, tokenization, templates, annotations)."""
+"""Data side: datasets -> length statistics (stats, tiling, tokenization, templates)."""
