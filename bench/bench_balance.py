@@ -7,7 +7,8 @@ hierarchical balance packing (HBP) on the modeled 6+20B, speed on the 1.2M repli
   dataset-mix skew relative to a plain shuffle; random batching (4 samples per micro-batch),
   OmniBal's ISF and ours in both layout modes, at 8-64 ranks with 1, 4, 8 micro-batches.
 - Long-tail mixes (balance/mixes.py, generated: text-only with one dummy tile, single-image,
-  multi-image, video-like), 32 ranks: --auto-budget, and 18/6016 with --oversize solo|skip.
+  multi-image, video-like), 32 ranks: --auto-budget, and 18/6016 with --oversize solo|skip;
+  time_tail 1 (every step drawn from packs of similar modeled time).
 - HBP: the 6+20B preset on 128 A100-80G (TP 1, PP 4, DP 32, the partition searched for the
   single level), a long-tail mix with 2% long samples: the planner's pipeline simulation over
   every step of the single-level plan and of the levels' plan (same tokens per step), with the
@@ -101,12 +102,13 @@ def long_tail(samples: int) -> list[dict]:
     """The issue's cases on a generated mix at 32 ranks."""
     mix = long_tail_mix(samples, seed=0, long_share=0.0, max_frames=16)
     vb, tb = auto_budget(mix)
-    cases = [("auto budget", BalanceConfig(dp_size=32, vit_budget=vb, token_budget=tb,
-                                           cost=COST)),
-             ("18/6016 solo", BalanceConfig(dp_size=32, vit_budget=18, token_budget=6016,
-                                            oversize="solo", cost=COST)),
-             ("18/6016 skip", BalanceConfig(dp_size=32, vit_budget=18, token_budget=6016,
-                                            oversize="skip", cost=COST))]
+    # time_tail 1: every step from packs of similar modeled time (HBP's attention sort)
+    kw = dict(dp_size=32, cost=COST, time_tail=1.0)
+    cases = [("auto budget", BalanceConfig(vit_budget=vb, token_budget=tb, **kw)),
+             ("18/6016 solo", BalanceConfig(vit_budget=18, token_budget=6016, oversize="solo",
+                                            **kw)),
+             ("18/6016 skip", BalanceConfig(vit_budget=18, token_budget=6016, oversize="skip",
+                                            **kw))]
     rows = []
     for name, config in cases:
         plan, cpu, wall = _timed(lambda c=config: balance(mix, c))
