@@ -5,8 +5,8 @@ from setuptools import find_packages, setup
 
 ext_modules = [
     Pybind11Extension(
-        "megatron_omnibal._isf_core",
-        sorted(["csrc/isf_core.cpp"]),
+        "megatron_omnibal._balance_core",
+        sorted(["csrc/balance_core.cpp"]),
         cxx_std=17,
         extra_compile_args=["-O3"],
     )

@@ -1,14 +1,25 @@
-"""Balance benchmark: quality on the real InternVL data, speed on its 17x replicate.
+"""Balance benchmark: quality on the real InternVL data and on generated long-tail mixes,
+hierarchical balance packing (HBP) on the modeled 6+20B, speed on the 1.2M replicate.
 
-Quality (70,706 real samples, budgets 18 tiles / 6016 tokens): per-step max/mean across DP
-ranks of tiles and tokens (mean over steps and p99) and the dataset-mix skew relative to a plain
-shuffle, for random batching (4 samples per micro-batch), OmniBal's ISF and our default in both
-layout modes, at 8, 16, 32 and 64 ranks with 1, 4 and 8 micro-batches per rank per step.
+- Real data (70,706 samples, budgets 18 tiles / 6016 tokens): per-step max/mean across DP ranks
+  of tiles, tokens and modeled time (the issue-11 LLM cost of a 2048-wide model, tokens +
+  sum(len^2) / 12288, given to the balancer as its PackCost), mean over steps, and the
+  dataset-mix skew relative to a plain shuffle; random batching (4 samples per micro-batch),
+  OmniBal's ISF and ours in both layout modes, at 8-64 ranks with 1, 4, 8 micro-batches.
+- Long-tail mixes (balance/mixes.py, generated: text-only with one dummy tile, single-image,
+  multi-image, video-like), 32 ranks: --auto-budget, and 18/6016 with --oversize solo|skip;
+  time_tail 1 (every step drawn from packs of similar modeled time).
+- HBP: the 6+20B preset on 128 A100-80G (TP 1, PP 4, DP 32, the partition searched for the
+  single level), a long-tail mix with 2% long samples: the planner's pipeline simulation over
+  every step of the single-level plan and of the levels' plan (same tokens per step), with the
+  per-level breakdown. Modeled, not measured on GPUs.
+- Speed (1,202,002 records = the real data 17 times): one balance() call (CPU and wall s), and
+  ISF's packing call at the reference's own rounds (50, threshold budget - 128, as OmniBal's
+  test script runs it) and at 10, beside the reference Cython times for this replicate
+  (7.7 s at (18, 6016), 146.5 s at (9, 4096), measured on this machine with that script's
+  settings; not re-run here: the reference is not part of this project).
 
-Speed (1,202,002 records = the real data 17 times): one balance() call (packing, layout,
-checks), CPU seconds of this process (the machine is shared, so wall seconds are printed too);
-and ISF's packing call alone beside the reference Cython ISF times of shared/data/README.md,
-7.7 s at (18, 6016) and 146.5 s at (9, 4096) (10 rounds here).
+Every plan is checked (budgets, every sample once) by balance() itself and again here.
 
     .venv/bin/python bench/bench_balance.py [--json out.json] [--quick]
 """
@@ -20,6 +31,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -27,14 +39,31 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_omnibal.data import metrics  # noqa: E402
-from megatron_omnibal.data.isf import balance, pack_isf  # noqa: E402
+import numpy as np  # noqa: E402
+
+from megatron_omnibal.balance import metrics  # noqa: E402
+from megatron_omnibal.balance.balancer import balance  # noqa: E402
+from megatron_omnibal.balance.budgets import auto_budget  # noqa: E402
+from megatron_omnibal.balance.checks import check_plan  # noqa: E402
+from megatron_omnibal.balance.config import BalanceConfig, Level  # noqa: E402
+from megatron_omnibal.balance.core import pack_isf  # noqa: E402
+from megatron_omnibal.balance.mixes import long_tail_mix  # noqa: E402
 from megatron_omnibal.data.lengths import load_lengths  # noqa: E402
+from megatron_omnibal.models.presets import get_preset  # noqa: E402
+from megatron_omnibal.planner import levels as hbp  # noqa: E402
+from megatron_omnibal.planner.costs import MIB, analytic_costs, workload_features  # noqa: E402
+from megatron_omnibal.planner.hardware import get_hardware  # noqa: E402
+from megatron_omnibal.planner.pack_cost import pack_cost  # noqa: E402
+from megatron_omnibal.planner.partition import Problem, search  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "data" / "internvl_subset.npz"
-REFERENCE_CYTHON_S = {(18, 6016): 7.7, (9, 4096): 146.5}  # shared/data/README.md
+REFERENCE_CYTHON_S = {(18, 6016): 7.7, (9, 4096): 146.5}  # 50 rounds, threshold budget - 128
+REFERENCE_ROUNDS = 50
 REFERENCE_RECORDS = 1_202_002
 BUDGETS = (18, 6016)
+COST = metrics.DEFAULT_COST
+KEYS = ("tiles_max_mean", "tokens_max_mean", "time_max_mean", "mix_skew_ratio", "steps",
+        "empty_packs", "skipped_samples")
 
 
 def _timed(fn):
@@ -43,96 +72,176 @@ def _timed(fn):
     return out, time.process_time() - cpu, time.perf_counter() - wall
 
 
+def _figures(plan, lengths, packed=True) -> dict:
+    m = metrics.summarize(plan, lengths, COST, packed=packed)
+    return {k: m[k] for k in (*KEYS, "tiles_max_mean_p99", "tokens_max_mean_p99",
+                              "time_max_mean_p99")}
+
+
 def quality(lengths, dps, micros) -> list[dict]:
     rows = []
     vb, tb = BUDGETS
     for dp in dps:
         for micro in micros:
-            kw = dict(dp_size=dp, micro_batches=micro, vit_budget=vb, token_budget=tb, seed=0)
+            base = BalanceConfig(dp_size=dp, micro_batches=micro, vit_budget=vb, token_budget=tb,
+                                 cost=COST)
             plans = {
                 "random batching (4/micro)": (metrics.random_batching(
                     lengths, dp_size=dp, micro_batches=micro, samples_per_micro=4), False),
-                "isf": (balance(lengths, algorithm="isf", **kw), True),
-                "default random": (balance(lengths, mode="random", **kw), True),
-                "default grouped": (balance(lengths, mode="grouped", **kw), True),
+                "isf (10 rounds)": (balance(lengths, replace(base, algorithm="isf")), True),
+                "default random": (balance(lengths, base), True),
+                "default grouped": (balance(lengths, replace(base, mode="grouped")), True),
             }
             for name, (plan, packed) in plans.items():
-                m = metrics.summarize(plan, lengths, packed=packed)
-                rows.append({"dp": dp, "micro_batches": micro, "method": name, **m})
+                rows.append({"dp": dp, "micro_batches": micro, "method": name,
+                             **_figures(plan, lengths, packed)})
     return rows
+
+
+def long_tail(samples: int) -> list[dict]:
+    """The issue's cases on a generated mix at 32 ranks."""
+    mix = long_tail_mix(samples, seed=0, long_share=0.0, max_frames=16)
+    vb, tb = auto_budget(mix)
+    # time_tail 1: every step from packs of similar modeled time (HBP's attention sort)
+    kw = dict(dp_size=32, cost=COST, time_tail=1.0)
+    cases = [("auto budget", BalanceConfig(vit_budget=vb, token_budget=tb, **kw)),
+             ("18/6016 solo", BalanceConfig(vit_budget=18, token_budget=6016, oversize="solo",
+                                            **kw)),
+             ("18/6016 skip", BalanceConfig(vit_budget=18, token_budget=6016, oversize="skip",
+                                            **kw))]
+    rows = []
+    for name, config in cases:
+        plan, cpu, wall = _timed(lambda c=config: balance(mix, c))
+        check_plan(plan, mix)
+        rows.append({"case": name, "budgets": [config.vit_budget, config.token_budget],
+                     "samples": samples, "cpu_s": cpu, **_figures(plan, mix)})
+    return rows
+
+
+def hierarchy(samples: int) -> dict:
+    """Single level against levels for 6+20B on 128 A100-80G (modeled)."""
+    model, hw = get_preset("internvl-6b-20b"), get_hardware("A100-80G")
+    tp, pp, dp, m = 1, 4, 32, 4
+    mix = long_tail_mix(samples, seed=0, long_share=0.02, long_tokens=16384, max_frames=32)
+    vb, tb = auto_budget(mix)
+    cm = analytic_costs(model, hw, tp, dp)
+    memory = (hw.memory_gib - hw.reserve_gib) * 1024
+    # The single level's partition: time at a 90%-full pack, memory at the budgets.
+    mean = cm.at(workload_features([0.9 * vb], [0.9 * tb], [0.9 * tb * 1400.0])[0])
+    peak = cm.at(workload_features([vb], [tb], [float(tb) ** 2])[0])
+    costs = replace(mean, activation_mib=peak.activation_mib, checkpoint_mib=peak.checkpoint_mib,
+                    first=replace(mean.first, activation_mib=peak.first.activation_mib),
+                    last=replace(mean.last, activation_mib=peak.last.activation_mib))
+    link = hw.network_gbs  # tp x dp >= 8: pipeline peers on other nodes
+    p2p = hw.p2p_latency_ms + np.concatenate([[0.0], mean.output_mib]) * MIB / (link * 1e9) * 1e3
+    part = search(Problem(costs, m, memory, p2p), pp)
+    pipe = hbp.Pipeline(cm, part.bounds, dp, memory, link, hw.p2p_latency_ms)
+    top_rec = hbp.level_recompute(pipe, vb, tb, m)
+    top = hbp.with_recompute(Level(vit_budget=vb, token_budget=tb, micro_batches=m), top_rec)
+    cost = pack_cost(cm, part.bounds, top_rec)
+    single = BalanceConfig(dp_size=dp, micro_batches=m, vit_budget=vb, token_budget=tb,
+                           cost=cost)
+    (levels, choose_cpu, _) = _timed(lambda: hbp.choose_levels(pipe, mix, top))
+    multi = replace(single, levels=levels)
+    out = {"model": model.name, "hardware": hw.name, "tp": tp, "pp": pp, "dp": dp,
+           "samples": samples, "stage_bounds": list(part.bounds), "choose_levels_cpu_s":
+           choose_cpu, "plans": {}}
+    for name, config, lv in (("single level", single, (top,)), ("levels", multi, levels)):
+        plan = balance(mix, config)
+        check_plan(plan, mix)
+        epoch = hbp.simulate_epoch(pipe, plan, mix, lv)
+        out["plans"][name] = {
+            "epoch_s": epoch.total_ms / 1e3, "steps": plan.num_steps,
+            "tokens_per_step_capacity": [dp * x.micro_batches * x.token_budget for x in lv],
+            **_figures(plan, mix),
+            "levels": [{**x.to_dict(), **p, "ms_per_step": p["ms"] / max(p["steps"], 1),
+                        "ms_per_mtoken": p["ms"] / max(p["tokens"] / 1e6, 1e-9)}
+                       for x, p in zip(lv, epoch.per_level, strict=True)]}
+    a, b = out["plans"]["single level"]["epoch_s"], out["plans"]["levels"]["epoch_s"]
+    out["epoch_reduction"] = 1 - b / a
+    return out
 
 
 def speed(lengths, repeats: int) -> list[dict]:
     big = lengths.repeat(repeats)
     rows = []
-    cases = [("default random", (18, 6016), dict(mode="random")),
-             ("default grouped", (18, 6016), dict(mode="grouped")),
-             ("isf", (18, 6016), dict(algorithm="isf")),
-             ("isf", (9, 4096), dict(algorithm="isf")),
-             ("default random", (9, 4096), dict(mode="random"))]
-    for name, (vb, tb), kw in cases:
-        plan, cpu, wall = _timed(lambda vb=vb, tb=tb, kw=kw: balance(
-            big, dp_size=64, micro_batches=1, vit_budget=vb, token_budget=tb, seed=0, **kw))
-        plan.check(len(big))
+    for name, (vb, tb), kw in (("default random", (18, 6016), {}),
+                               ("default random, modeled time", (18, 6016), {"cost": COST}),
+                               ("default grouped", (18, 6016), {"mode": "grouped"}),
+                               ("isf (10 rounds)", (18, 6016), {"algorithm": "isf"})):
+        config = BalanceConfig(dp_size=64, vit_budget=vb, token_budget=tb, **kw)
+        plan, cpu, wall = _timed(lambda c=config: balance(big, c))
         rows.append({"method": f"balance() {name}", "budgets": [vb, tb], "records": len(big),
                      "cpu_s": cpu, "wall_s": wall, "steps": plan.num_steps})
-    # The packing call alone, as the reference's timing (no layout, no oversize handling).
-    for vb, tb in REFERENCE_CYTHON_S:
-        (samples, _), cpu, wall = _timed(lambda vb=vb, tb=tb: pack_isf(
-            big.vit, big.tokens, vb, tb, rounds=10, seed=0))
+    # ISF's packing call alone, as the reference times it, at its rounds and at 10.
+    for (vb, tb), rounds in [(b, r) for b in REFERENCE_CYTHON_S for r in (REFERENCE_ROUNDS, 10)]:
+        (samples, _), cpu, wall = _timed(lambda vb=vb, tb=tb, r=rounds: pack_isf(
+            big.vit, big.tokens, vit_budget=vb, token_budget=tb, threshold=tb - 128, rounds=r,
+            seed=0))
         assert len(samples) == len(big)
-        row = {"method": "isf packing", "budgets": [vb, tb], "records": len(big), "cpu_s": cpu,
-               "wall_s": wall}
-        if len(big) == REFERENCE_RECORDS:  # the reference times are for this replicate only
+        row = {"method": f"isf packing ({rounds} rounds)", "budgets": [vb, tb],
+               "records": len(big), "rounds": rounds, "cpu_s": cpu, "wall_s": wall}
+        if len(big) == REFERENCE_RECORDS and rounds == REFERENCE_ROUNDS:
             ref = REFERENCE_CYTHON_S[(vb, tb)]
             row.update(reference_cython_s=ref, speedup_cpu=ref / cpu, speedup_wall=ref / wall)
         rows.append(row)
     return rows
 
 
-def _print_quality(rows: list[dict]) -> None:
-    print(f"quality: {EXAMPLE.name}, budgets {BUDGETS[0]} tiles / {BUDGETS[1]} tokens, "
-          "per-step max/mean across ranks (mean over steps, p99)")
-    head = (f"{'dp':>3} {'M':>2}  {'method':<26}{'tiles':>8}{'p99':>8}{'tokens':>8}{'p99':>8}"
-            f"{'skew/shuffle':>13}{'steps':>7}")
-    print(head)
-    for r in rows:
-        print(f"{r['dp']:>3} {r['micro_batches']:>2}  {r['method']:<26}"
-              f"{r['tiles_max_mean']:>8.4f}{r['tiles_max_mean_p99']:>8.4f}"
-              f"{r['tokens_max_mean']:>8.4f}{r['tokens_max_mean_p99']:>8.4f}"
-              f"{r['mix_skew_ratio']:>13.3f}{r['steps']:>7.0f}")
+def _row(label: str, r: dict) -> str:
+    return (f"{label:<34}{r['tiles_max_mean']:>8.4f}{r['tokens_max_mean']:>8.4f}"
+            f"{r['time_max_mean']:>8.4f}{r['mix_skew_ratio']:>7.2f}{r['steps']:>7.0f}"
+            f"{r['empty_packs']:>7.0f}")
 
 
-def _print_speed(rows: list[dict]) -> None:
-    print(f"\nspeed: {rows[0]['records']:,} records, dp 64, one balancing call "
-          "(CPU s of this process; wall s on the shared machine)")
-    print(f"{'method':<26}{'budgets':>12}{'cpu s':>9}{'wall s':>9}{'ref Cython s':>14}"
-          f"{'x (cpu)':>9}{'x (wall)':>10}")
-    for r in rows:
-        ref = r.get("reference_cython_s")
-        extra = (f"{ref:>14.1f}{r['speedup_cpu']:>9.1f}{r['speedup_wall']:>10.1f}" if ref
-                 else f"{'':>14}{'':>9}{'':>10}")
-        budgets = f"({r['budgets'][0]}, {r['budgets'][1]})"
-        print(f"{r['method']:<26}{budgets:>12}{r['cpu_s']:>9.2f}{r['wall_s']:>9.2f}{extra}")
+HEAD = f"{'':<34}{'tiles':>8}{'tokens':>8}{'time':>8}{'skew':>7}{'steps':>7}{'empty':>7}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write all figures as JSON")
     parser.add_argument("--quick", action="store_true",
-                        help="64 ranks and 1 micro-batch only, replicate x4 for speed "
-                             "(no comparison with the reference times)")
+                        help="64 ranks x 1 micro-batch only, smaller mixes, replicate x4 for "
+                             "speed (no comparison with the reference times)")
     args = parser.parse_args(argv)
     lengths = load_lengths(EXAMPLE)
     dps, micros, repeats = ((64,), (1,), 4) if args.quick else ((8, 16, 32, 64), (1, 4, 8), 17)
+    mix_n = 20_000 if args.quick else 100_000
     q = quality(lengths, dps, micros)
-    _print_quality(q)
+    print(f"real data {EXAMPLE.name}, budgets {BUDGETS}, per-step max/mean across ranks "
+          "(mean over steps); time: tokens + sum(len^2)/12288; skew: mix skew / a shuffle's")
+    print(f"{'dp':>3} {'M':>2} {HEAD}")
+    for r in q:
+        print(f"{r['dp']:>3} {r['micro_batches']:>2} {_row(r['method'], r)}")
+    lt = long_tail(mix_n)
+    print(f"\nlong-tail mix ({mix_n} generated samples), 32 ranks, 1 micro-batch")
+    print(f"      {HEAD}")
+    for r in lt:
+        print(f"      {_row(r['case'] + ' ' + str(r['budgets']), r)}")
+    h = hierarchy(mix_n)
+    print(f"\nHBP, {h['model']} on {h['tp'] * h['pp'] * h['dp']} x {h['hardware']} (TP {h['tp']} "
+          f"PP {h['pp']} DP {h['dp']}), long-tail mix with 2% long samples; modeled epoch")
+    for name, p in h["plans"].items():
+        print(f"  {name}: {p['epoch_s']:.0f} s over {p['steps']} steps")
+        for lv in p["levels"]:
+            print(f"    level {lv['vit_budget']}/{lv['token_budget']} x{lv['micro_batches']}: "
+                  f"{lv['steps']} steps, {lv['ms_per_step']:.0f} ms/step, "
+                  f"{lv['ms_per_mtoken']:.0f} ms per M tokens, recompute ViT "
+                  f"{lv['vit_recompute']} LLM {lv['llm_recompute']}")
+    print(f"  epoch time with levels: {100 * h['epoch_reduction']:.1f}% below the single level")
     s = speed(lengths, repeats)
-    _print_speed(s)
+    print(f"\nspeed: {s[0]['records']:,} records, dp 64 (CPU s of this process; wall s)")
+    for r in s:
+        ref = r.get("reference_cython_s")
+        extra = (f"  reference Cython {ref:.1f} s ({REFERENCE_ROUNDS} rounds): "
+                 f"{r['speedup_cpu']:.0f}x (cpu), {r['speedup_wall']:.0f}x (wall)" if ref else "")
+        print(f"  {r['method']:<40}{str(tuple(r['budgets'])):>12}{r['cpu_s']:>8.2f}"
+              f"{r['wall_s']:>8.2f}{extra}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"quality": q, "speed": s}, indent=2))
+        Path(args.json).write_text(json.dumps({"quality": q, "long_tail": lt, "hbp": h,
+                                               "speed": s}, indent=2))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -81,8 +81,9 @@ def generate(root: Path, samples: int, images: int, seed: int) -> None:
 
 def measure(root: Path, layout: str, pixels: bool, workers: int, micro: int) -> dict:
     """Draw `micro` balanced micro-batches as one rank does; time the training thread."""
+    from megatron_omnibal.balance.config import BalanceConfig
+    from megatron_omnibal.balance.sampler import BalancedBatchSampler
     from megatron_omnibal.data.lengths import load_lengths
-    from megatron_omnibal.data.sampler import BalancedBatchSampler
     from megatron_omnibal.megatron.data import BalancedDataIterator
     from megatron_omnibal.megatron.dataset import open_source
     from megatron_omnibal.megatron.loader import MicroBatchDataset
@@ -98,8 +99,9 @@ def measure(root: Path, layout: str, pixels: bool, workers: int, micro: int) -> 
                            omnibal_tokenizer=None, omnibal_text_scale=1,
                            trust_remote_code=False)
     source = open_source(args, lengths, spec, pixels=pixels, check=0)
-    sampler = BalancedBatchSampler(lengths, dp_size=1, dp_rank=0, micro_batches=1,
-                                   vit_budget=vit_budget, token_budget=token_budget, seed=0)
+    config = BalanceConfig(dp_size=1, micro_batches=1, vit_budget=vit_budget,
+                           token_budget=token_budget, seed=0)
+    sampler = BalancedBatchSampler(lengths, config, dp_rank=0)
     it = BalancedDataIterator(sampler, 1, MicroBatchDataset(source, lambda: filler_sample(spec)),
                               num_workers=workers)
     for _ in range(max(1, workers)):  # warm-up: worker start-up and first batches

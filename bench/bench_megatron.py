@@ -410,6 +410,7 @@ class FixedBatches:
     def __init__(self, n: int, batch: int, dp_size: int, dp_rank: int, micro: int, seed: int):
         self.n, self.batch, self.dp, self.rank, self.micro = n, batch, dp_size, dp_rank, micro
         self.seed, self.epoch, self.step = seed, 0, 0
+        self.last_level = 0  # one level
         self.steps_per_epoch = n // (batch * micro * dp_size)
 
     def set_epoch(self, epoch: int) -> None:

@@ -6,11 +6,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_omnibal.data import metrics
-from megatron_omnibal.data.budgets import auto_budget
-from megatron_omnibal.data.isf import CostModel, balance
+from megatron_omnibal.balance import metrics
+from megatron_omnibal.balance.balancer import balance
+from megatron_omnibal.balance.budgets import auto_budget
+from megatron_omnibal.balance.checks import check_plan
+from megatron_omnibal.balance.config import BalanceConfig, PackCost
+from megatron_omnibal.balance.plan_io import load_plan, save_plan
 from megatron_omnibal.data.lengths import from_arrays, load_lengths
-from megatron_omnibal.data.plan_io import load_plan, save_plan
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "internvl_subset.npz"
 
@@ -25,13 +27,17 @@ def subset(real):
     return real.subset(np.random.default_rng(0).permutation(len(real))[:6000])
 
 
+def cfg(**kw):
+    return BalanceConfig(**{"vit_budget": 18, "token_budget": 6016, **kw})
+
+
 def _pack_sums(plan, values):
     pid = np.repeat(np.arange(plan.num_packs), np.diff(plan.pack_ptr))
     return np.bincount(pid, values[plan.samples], plan.num_packs)
 
 
 def _check_plan(plan, lengths, dp, micro, vb, tb):
-    plan.check(len(lengths))  # exactly once, full (step, rank, micro) grid
+    """Independent of the balancer's own check: plain loops over the plan."""
     trained = np.sort(plan.samples)
     assert np.array_equal(np.sort(np.concatenate([trained, plan.skipped])),
                           np.arange(len(lengths)))
@@ -39,23 +45,23 @@ def _check_plan(plan, lengths, dp, micro, vb, tb):
     assert _pack_sums(plan, lengths.vit).max() <= vb
     assert _pack_sums(plan, lengths.tokens).max() <= tb
     slots = (plan.pack_step * dp + plan.pack_rank) * micro + plan.pack_micro
-    assert np.array_equal(slots, np.sort(slots))  # stored in (step, rank, micro) order
+    assert np.array_equal(slots, np.arange(plan.num_packs))  # full grid, (step, rank, micro)
 
 
 @pytest.mark.parametrize("algorithm", ["default", "isf"])
 @pytest.mark.parametrize("mode", ["random", "grouped"])
 @pytest.mark.parametrize("micro", [1, 3])
 def test_every_sample_once_within_budgets(subset, algorithm, mode, micro):
-    plan = balance(subset, dp_size=8, micro_batches=micro, vit_budget=18, token_budget=6016,
-                   seed=3, mode=mode, algorithm=algorithm)
+    plan = balance(subset, cfg(dp_size=8, micro_batches=micro, seed=3, mode=mode,
+                               algorithm=algorithm))
     _check_plan(plan, subset, 8, micro, 18, 6016)
     assert len(plan.skipped) == 0
 
 
 def test_deterministic_for_a_seed(subset):
-    kw = dict(dp_size=4, micro_batches=2, vit_budget=18, token_budget=6016)
-    a, b = balance(subset, seed=5, **kw), balance(subset, seed=5, **kw)
-    c = balance(subset, seed=6, **kw)
+    kw = dict(dp_size=4, micro_batches=2)
+    a, b = balance(subset, cfg(seed=5, **kw)), balance(subset, cfg(seed=5, **kw))
+    c = balance(subset, cfg(seed=6, **kw))
     for name in ("samples", "pack_ptr", "pack_step", "pack_rank", "pack_micro"):
         assert np.array_equal(getattr(a, name), getattr(b, name))
     assert not np.array_equal(a.samples, c.samples)
@@ -63,10 +69,10 @@ def test_deterministic_for_a_seed(subset):
 
 def test_reference_backend_gives_the_same_plan(real):
     small = real.subset(np.arange(0, len(real), 250))  # 283 samples, all four datasets
-    kw = dict(dp_size=4, micro_batches=1, vit_budget=18, token_budget=6016, seed=2)
     for algorithm, mode in (("default", "random"), ("default", "grouped"), ("isf", "random")):
-        a = balance(small, algorithm=algorithm, mode=mode, **kw)
-        b = balance(small, algorithm=algorithm, mode=mode, reference=True, **kw)
+        config = cfg(dp_size=4, seed=2, algorithm=algorithm, mode=mode)
+        a = balance(small, config)
+        b = balance(small, config, use_reference=True)
         assert np.array_equal(a.samples, b.samples) and np.array_equal(a.pack_ptr, b.pack_ptr)
 
 
@@ -82,60 +88,64 @@ def _with_oversize():
 def test_oversize_error_names_the_sample():
     lengths, _ = _with_oversize()
     with pytest.raises(ValueError, match=r"sample 7 .*vit_num=30.*3 such sample"):
-        balance(lengths, dp_size=2, vit_budget=18, token_budget=6016)
+        balance(lengths, cfg(dp_size=2))
 
 
 def test_oversize_solo_and_skip():
     lengths, over = _with_oversize()
-    solo = balance(lengths, dp_size=2, vit_budget=18, token_budget=6016, oversize="solo")
-    solo.check(len(lengths))
+    solo = balance(lengths, cfg(dp_size=2, oversize="solo"))
+    check_plan(solo, lengths)
     packs = [set(solo.pack(p).tolist()) for p in range(solo.num_packs)]
     for i in over:
         assert {i} in packs  # a pack of its own
-    skip = balance(lengths, dp_size=2, vit_budget=18, token_budget=6016, oversize="skip")
-    skip.check(len(lengths))
+    tiles, tokens = _pack_sums(solo, lengths.vit), _pack_sums(solo, lengths.tokens)
+    over_packs = {p for p in range(solo.num_packs) if tiles[p] > 18 or tokens[p] > 6016}
+    assert {frozenset(solo.pack(p).tolist()) for p in over_packs} == {frozenset({i}) for i in over}
+    skip = balance(lengths, cfg(dp_size=2, oversize="skip"))
     assert set(skip.skipped.tolist()) == over
     _check_plan(skip, lengths, 2, 1, 18, 6016)
 
 
 def test_tiny_inputs_fill_the_grid():
     lengths = from_arrays([1, 2, 3], [300, 600, 900])
-    plan = balance(lengths, dp_size=4, micro_batches=2, vit_budget=18, token_budget=6016)
+    plan = balance(lengths, cfg(dp_size=4, micro_batches=2))
     _check_plan(plan, lengths, 4, 2, 18, 6016)
     assert plan.num_steps == 1  # 8 packs, 5 of them empty
 
 
 def test_bad_arguments_are_named(subset):
     with pytest.raises(ValueError, match="dp_size"):
-        balance(subset, dp_size=0, vit_budget=18, token_budget=6016)
+        cfg(dp_size=0)
     with pytest.raises(ValueError, match="mode"):
-        balance(subset, dp_size=2, vit_budget=18, token_budget=6016, mode="sorted")
+        cfg(dp_size=2, mode="sorted")
     with pytest.raises(ValueError, match="oversize"):
-        balance(subset, dp_size=2, vit_budget=18, token_budget=6016, oversize="drop")
+        cfg(dp_size=2, oversize="drop")
+    with pytest.raises(TypeError, match="BalanceConfig"):
+        balance(subset, {"dp_size": 2})
 
 
 def test_default_beats_isf_and_random_on_real_data(real):
-    kw = dict(dp_size=64, micro_batches=1, vit_budget=18, token_budget=6016, seed=0)
-    ours = metrics.summarize(balance(real, **kw), real)
-    isf = metrics.summarize(balance(real, algorithm="isf", **kw), real)
+    kw = dict(dp_size=64, micro_batches=1, seed=0)
+    ours = metrics.summarize(balance(real, cfg(**kw)), real)
+    isf = metrics.summarize(balance(real, cfg(algorithm="isf", **kw)), real)
     rnd = metrics.summarize(metrics.random_batching(real, dp_size=64, micro_batches=1,
                                                     samples_per_micro=4), real, packed=False)
     assert ours["tokens_max_mean"] < isf["tokens_max_mean"] - 0.05
     assert ours["tokens_max_mean"] <= 1.02 and ours["tiles_max_mean"] <= 1.02
     assert ours["mix_skew_ratio"] <= 1.0  # mix no more skewed than a plain shuffle's
     assert rnd["tokens_max_mean"] > 1.25
-    grouped = metrics.summarize(balance(real, mode="grouped", **kw), real)
+    grouped = metrics.summarize(balance(real, cfg(mode="grouped", **kw)), real)
     assert grouped["tokens_max_mean"] <= 1.005 and grouped["tiles_max_mean"] <= 1.005
 
 
 def test_cost_model_balances_attention(subset):
-    cost = CostModel(0.0, 1.0, 1.0 / 256)
-    kw = dict(dp_size=8, vit_budget=18, token_budget=6016, seed=1)
-    by_tokens = metrics.summarize(balance(subset, **kw), subset, cost)
-    by_cost = metrics.summarize(balance(subset, cost=cost, **kw), subset, cost)
-    assert by_cost["cost_max_mean"] < by_tokens["cost_max_mean"]
+    cost = PackCost(tile_ms=(0.0,), token_ms=(1.0,), attention_ms=(1.0 / 256,))
+    kw = dict(dp_size=8, seed=1)
+    by_tokens = metrics.summarize(balance(subset, cfg(**kw)), subset, cost)
+    by_cost = metrics.summarize(balance(subset, cfg(cost=cost, **kw)), subset, cost)
+    assert by_cost["time_max_mean"] < by_tokens["time_max_mean"]
     with pytest.raises(ValueError, match="three numbers"):
-        CostModel.parse("1,2")
+        PackCost.parse("1,2")
 
 
 def test_auto_budget(real):
@@ -150,12 +160,15 @@ def test_auto_budget(real):
 
 
 def test_plan_file_round_trip(subset, tmp_path):
-    plan = balance(subset, dp_size=4, micro_batches=2, vit_budget=18, token_budget=6016)
+    plan = balance(subset, cfg(dp_size=4, micro_batches=2))
     save_plan(plan, tmp_path / "plan.npz")
     back = load_plan(tmp_path / "plan.npz")
-    for name in ("samples", "pack_ptr", "pack_step", "pack_rank", "pack_micro", "skipped"):
+    for name in ("samples", "pack_ptr", "pack_step", "pack_rank", "pack_micro", "skipped",
+                 "pack_level"):
         assert np.array_equal(getattr(back, name), getattr(plan, name))
     assert back.meta["dp"] == 4 and back.meta["algorithm"] == "default"
+    assert BalanceConfig.from_dict(back.meta) == cfg(dp_size=4, micro_batches=2)
+    check_plan(back, subset)
     with np.load(tmp_path / "plan.npz") as z:
         assert z["samples"].dtype == np.int64 and z["meta"].shape == ()
     np.savez(tmp_path / "bad.npz", samples=plan.samples)
@@ -167,12 +180,13 @@ def test_text_only_and_mixed_samples():
     rng = np.random.default_rng(0)
     text = from_arrays(np.zeros(2000, np.int64), rng.integers(100, 3000, 2000),
                        image_flags=np.zeros(2000, np.int64))
-    plan = balance(text, dp_size=8, micro_batches=2, vit_budget=0, token_budget=8192)
+    plan = balance(text, BalanceConfig(dp_size=8, micro_batches=2, vit_budget=0,
+                                       token_budget=8192))
     _check_plan(plan, text, 8, 2, 0, 8192)
     assert metrics.summarize(plan, text)["tokens_max_mean"] < 1.02
     vit = np.where(rng.random(2000) < 0.3, 0, rng.integers(1, 6, 2000))
     mixed = from_arrays(vit, 256 * vit + rng.integers(100, 900, 2000))
-    plan = balance(mixed, dp_size=8, vit_budget=18, token_budget=6016)
+    plan = balance(mixed, cfg(dp_size=8))
     _check_plan(plan, mixed, 8, 1, 18, 6016)
     figures = metrics.summarize(plan, mixed)
     # Token-bound data (12 tiles' worth of tokens per pack); random batching: 1.64 / 1.36.
@@ -188,12 +202,13 @@ def test_random_configurations_keep_every_invariant(trial):
     lengths = from_arrays(vit, tokens)
     vb, tb = int(rng.integers(max(1, vmax), 30)), int(rng.integers(int(tokens.max()), 12000))
     dp, micro = int(rng.integers(1, 70)), int(rng.integers(1, 9))
-    kw = dict(dp_size=dp, micro_batches=micro, vit_budget=vb, token_budget=tb, seed=trial,
-              algorithm=("default", "isf")[trial % 2], mode=("random", "grouped")[trial // 2 % 2],
-              cost=CostModel(1.0, 1.0, 0.001) if trial % 3 == 0 else None)
-    plan = balance(lengths, **kw)
+    config = BalanceConfig(
+        dp_size=dp, micro_batches=micro, vit_budget=vb, token_budget=tb, seed=trial,
+        algorithm=("default", "isf")[trial % 2], mode=("random", "grouped")[trial // 2 % 2],
+        cost=PackCost.parse("1,1,0.001") if trial % 3 == 0 else None)
+    plan = balance(lengths, config)
     _check_plan(plan, lengths, dp, micro, vb, tb)
     if n <= 200:  # the pure-Python reference gives the same plan
-        ref = balance(lengths, reference=True, **kw)
+        ref = balance(lengths, config, use_reference=True)
         assert np.array_equal(ref.samples, plan.samples)
         assert np.array_equal(ref.pack_ptr, plan.pack_ptr)

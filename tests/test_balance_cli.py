@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
+from megatron_omnibal.balance.plan_io import load_plan
 from megatron_omnibal.cli import main
 from megatron_omnibal.data.lengths import from_arrays, load_lengths, save_lengths
-from megatron_omnibal.data.plan_io import load_plan
 
 
 @pytest.fixture()
@@ -43,3 +43,24 @@ def test_balance_argument_errors(lengths_file, capsys):
     assert main(["balance", str(lengths_file), "--dp", "8", "--vit-budget", "2",
                  "--token-budget", "6016"]) == 2
     assert "exceeds the budgets" in capsys.readouterr().err
+
+
+def test_balance_with_levels_curriculum_and_model_cost(tmp_path, capsys):
+    from megatron_omnibal.balance.mixes import long_tail_mix
+
+    path = tmp_path / "mix.npz"
+    save_lengths(long_tail_mix(3000, seed=2, long_share=0.02, long_tokens=12000), path)
+    out = tmp_path / "plan.npz"
+    code = main(["balance", str(path), "--dp", "4", "--vit-budget", "48", "--token-budget",
+                 "12288", "--levels", "12/3072,24/6144,48/12288", "--curriculum-steps", "3",
+                 "--model", "internvl-6b-20b", "--hardware", "A100-80G", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    plan = load_plan(out)
+    levels = plan.meta["levels"]
+    assert [lv["micro_batches"] for lv in levels] == [4, 2, 1]  # the same tokens per step
+    assert (plan.step_levels()[:3] == 0).all()
+    assert plan.meta["cost"]["tile_ms"][0] > 0
+    assert "modeled time max/mean" in capsys.readouterr().out
+    assert main(["balance", str(path), "--dp", "4", "--vit-budget", "48", "--token-budget",
+                 "12288", "--cost", "1,1,0", "--model", "tiny"]) == 2
+    assert "one of --cost, --model" in capsys.readouterr().err

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_omnibal.balance.config import BalanceConfig
+from megatron_omnibal.balance.sampler import BalancedBatchSampler
 from megatron_omnibal.data.lengths import LengthsError, from_arrays, load_lengths
-from megatron_omnibal.data.sampler import BalancedBatchSampler
 from megatron_omnibal.megatron.batch import is_shape_only, synthetic_sample
 from megatron_omnibal.megatron.data import BalancedDataIterator, model_lengths
 from megatron_omnibal.megatron.loader import (
@@ -38,16 +39,10 @@ def lengths():
 
 
 def _sampler(lengths, dp, rank, micro=2, **kw):
-    return BalancedBatchSampler(
-        lengths,
-        dp_size=dp,
-        dp_rank=rank,
-        micro_batches=micro,
-        vit_budget=24,
-        token_budget=256,
-        seed=5,
-        **kw,
+    config = BalanceConfig(
+        dp_size=dp, micro_batches=micro, vit_budget=24, token_budget=256, seed=5, **kw
     )
+    return BalancedBatchSampler(lengths, config, dp_rank=rank)
 
 
 def _dataset(lengths, pixels=False):

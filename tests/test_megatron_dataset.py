@@ -386,8 +386,9 @@ def test_pretrain_vlm_trains_on_the_dataset_skips_or_stops_at_a_bad_image(data, 
     without a stored configuration stop the entry point before any process group."""
     import shutil
 
+    from megatron_omnibal.balance.config import BalanceConfig
+    from megatron_omnibal.balance.sampler import BalancedBatchSampler
     from megatron_omnibal.data.lengths import load_image_tiles, read_stats_config
-    from megatron_omnibal.data.sampler import BalancedBatchSampler
 
     root = tmp_path / "copy"
     shutil.copytree(data.root / "img", root / "img")
@@ -399,10 +400,9 @@ def test_pretrain_vlm_trains_on_the_dataset_skips_or_stops_at_a_bad_image(data, 
     lengths_path = _stats(root / "data.json", data.root / "tok.json", INTERNVL_FLAGS,
                           tmp_path / "lengths.npz")
     lengths = load_lengths(lengths_path)
-    steps = BalancedBatchSampler(lengths, dp_size=1, dp_rank=0, micro_batches=2,
-                                 vit_budget=2 * int(lengths.vit.max()),
-                                 token_budget=2 * int(lengths.tokens.max()),
-                                 seed=5).steps_per_epoch
+    config = BalanceConfig(dp_size=1, micro_batches=2, vit_budget=2 * int(lengths.vit.max()),
+                           token_budget=2 * int(lengths.tokens.max()), seed=5)
+    steps = BalancedBatchSampler(lengths, config, dp_rank=0).steps_per_epoch
     flags = _entry_flags(root / "data.json", lengths_path, lengths, steps)
     bad = lengths.subset(np.arange(len(lengths)))
     bad.tokens[len(bad) - 1] += 3

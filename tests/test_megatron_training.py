@@ -94,13 +94,14 @@ def test_resume_after_stop_continues_with_the_uninterrupted_losses(lengths_file,
 
 
 def _epoch_steps(lengths_file, dp):
-    from megatron_omnibal.data.sampler import BalancedBatchSampler
+    from megatron_omnibal.balance.config import BalanceConfig
+    from megatron_omnibal.balance.sampler import BalancedBatchSampler
     from megatron_omnibal.megatron.data import model_lengths
     from megatron_omnibal.models.presets import PRESETS
 
     data = model_lengths(load_lengths(lengths_file), 256, PRESETS["tiny"].tokens_per_tile, 8)
-    sampler = BalancedBatchSampler(data, dp_size=dp, dp_rank=0, micro_batches=2, vit_budget=16,
-                                   token_budget=160, seed=7)  # fmt: skip
+    config = BalanceConfig(dp_size=dp, micro_batches=2, vit_budget=16, token_budget=160, seed=7)
+    sampler = BalancedBatchSampler(data, config, dp_rank=0)
     return sampler.steps_per_epoch
 
 

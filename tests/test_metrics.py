@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from megatron_omnibal.data import metrics
-from megatron_omnibal.data.isf import CostModel
+from megatron_omnibal.balance import metrics
+from megatron_omnibal.balance.config import PackCost
+from megatron_omnibal.balance.plan_io import BalancePlan
 from megatron_omnibal.data.lengths import from_arrays
-from megatron_omnibal.data.plan_io import BalancePlan
 
 
 def _random_plan(seed, dp=3, micro=2, steps=5, n=90):
@@ -26,25 +26,25 @@ def _random_plan(seed, dp=3, micro=2, steps=5, n=90):
 
 def _loops(plan, lengths, cost):
     dp = plan.meta["dp"]
-    loads = {k: np.zeros((plan.num_steps, dp)) for k in ("tiles", "tokens", "cost")}
+    loads = {k: np.zeros((plan.num_steps, dp)) for k in ("tiles", "tokens", "time")}
     for p in range(plan.num_packs):
         s, r = plan.pack_step[p], plan.pack_rank[p]
         for i in plan.pack(p):
             v, t = float(lengths.vit[i]), float(lengths.tokens[i])
             loads["tiles"][s, r] += v
             loads["tokens"][s, r] += t
-            loads["cost"][s, r] += (cost.per_tile * v + cost.per_token * t
-                                    + cost.per_token_sq * t * t)
+            loads["time"][s, r] += sum(a * v + b * t + c * t * t for a, b, c in zip(
+                cost.tile_ms, cost.token_ms, cost.attention_ms, strict=True))
     return loads
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_loads_and_ratios_match_loops(seed):
     plan, lengths = _random_plan(seed)
-    cost = CostModel(2.0, 1.0, 0.01)
+    cost = PackCost(tile_ms=(2.0, 0.5), token_ms=(1.0, 0.0), attention_ms=(0.0, 0.01))
     got = metrics.step_loads(plan, lengths, cost)
     want = _loops(plan, lengths, cost)
-    for name in ("tiles", "tokens", "cost"):
+    for name in ("tiles", "tokens", "time"):
         assert np.allclose(getattr(got, name), want[name])
         for s in range(plan.num_steps):
             row = want[name][s]

@@ -5,8 +5,10 @@ import json
 import numpy as np
 import pytest
 
+from megatron_omnibal.balance.balancer import balance
+from megatron_omnibal.balance.config import BalanceConfig
+from megatron_omnibal.balance.sampler import BalancedBatchSampler
 from megatron_omnibal.data.lengths import from_arrays
-from megatron_omnibal.data.sampler import BalancedBatchSampler, balance
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +19,7 @@ def lengths():
                        dataset=rng.integers(0, 2, 700), names=("a", "b"))
 
 
-KW = dict(dp_size=3, micro_batches=2, vit_budget=12, token_budget=4096, seed=4)
+CONFIG = BalanceConfig(dp_size=3, micro_batches=2, vit_budget=12, token_budget=4096, seed=4)
 
 
 def _take(it, k):
@@ -25,9 +27,9 @@ def _take(it, k):
 
 
 def test_one_epoch_over_all_ranks_is_the_plan(lengths):
-    samplers = [BalancedBatchSampler(lengths, dp_rank=r, **KW) for r in range(3)]
+    samplers = [BalancedBatchSampler(lengths, CONFIG, dp_rank=r) for r in range(3)]
     steps = samplers[0].steps_per_epoch
-    plan = balance(lengths, **KW)
+    plan = balance(lengths, CONFIG)
     assert steps == plan.num_steps
     seen = []
     for r, s in enumerate(samplers):
@@ -42,7 +44,7 @@ def test_one_epoch_over_all_ranks_is_the_plan(lengths):
 
 
 def test_next_epoch_is_reshuffled_and_complete(lengths):
-    s = BalancedBatchSampler(lengths, dp_rank=0, **KW)
+    s = BalancedBatchSampler(lengths, CONFIG, dp_rank=0)
     n = s.steps_per_epoch * 2
     it = iter(s)
     first = _take(it, n)
@@ -55,22 +57,22 @@ def test_next_epoch_is_reshuffled_and_complete(lengths):
 
 
 def test_resume_continues_exactly(lengths):
-    s = BalancedBatchSampler(lengths, dp_rank=1, **KW)
+    s = BalancedBatchSampler(lengths, CONFIG, dp_rank=1)
     it = iter(s)
     _take(it, 5)
     state = json.loads(json.dumps(s.state_dict()))  # survives a JSON checkpoint
     assert state["micro"] == 1 and state["step"] == 2 and state["epoch"] == 0
     expected = _take(it, s.steps_per_epoch * 2 + 3)  # runs into the next epoch
-    fresh = BalancedBatchSampler(lengths, dp_rank=1, **KW)
+    fresh = BalancedBatchSampler(lengths, CONFIG, dp_rank=1)
     fresh.load_state_dict(state)
     assert _take(iter(fresh), len(expected)) == expected
 
 
 def test_bad_state_and_arguments(lengths):
-    s = BalancedBatchSampler(lengths, dp_rank=0, **KW)
+    s = BalancedBatchSampler(lengths, CONFIG, dp_rank=0)
     with pytest.raises(ValueError, match="dp_size"):
         s.load_state_dict({"epoch": 0, "step": 0, "micro": 0, "dp_size": 5})
     with pytest.raises(ValueError, match="bad position"):
         s.load_state_dict({"epoch": 0, "step": 0, "micro": 7})
     with pytest.raises(ValueError, match="dp_rank"):
-        BalancedBatchSampler(lengths, dp_rank=3, **KW)
+        BalancedBatchSampler(lengths, CONFIG, dp_rank=3)

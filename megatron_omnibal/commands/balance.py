@@ -42,7 +42,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a sample larger than a budget: error (default), a pack of its "
                              "own, or listed as skipped")
     parser.add_argument("--cost", metavar="A,B,C",
-                        help="balance cost A*tiles + B*tokens + C*tokens^2 instead of tokens")
+                        help="modeled time of a pack: A*tiles + B*tokens + C*sum(len^2) (ms); "
+                             "steps are formed to even it out across ranks")
+    parser.add_argument("--plan", metavar="PLAN.json",
+                        help="take the modeled time from an `omnibal plan` file: its "
+                             "data.pack_cost, else its model, hardware and stages")
+    parser.add_argument("--model", help="modeled time from this model (preset, spec file or "
+                                        "HF directory) on --hardware, as one stage")
+    parser.add_argument("--hardware", help="GPU preset for --model (e.g. A100-80G)")
+    parser.add_argument("--tp", type=int, default=1, help="with --model: tensor parallel size")
+    parser.add_argument("--time-tail", type=float, default=0.03,
+                        help="with a modeled time: share of the slowest packs that get steps "
+                             "of their own (default 0.03)")
+    parser.add_argument("--levels", metavar="V/T[xM],..",
+                        help="packing levels (hierarchical balance packing), ascending, the "
+                             "last one the budgets; xM: micro-batches per rank of its steps "
+                             "(default: the same tokens per step as the budgets' level)")
+    parser.add_argument("--curriculum-steps", type=int, default=0,
+                        help="with --levels: this many steps of the shortest level first")
     parser.add_argument("--isf-rounds", type=int, default=10, help="ISF rounds (default 10)")
     parser.add_argument("--isf-threshold", type=int,
                         help="ISF: a pack with this many tokens is full (default budget - 128)")
@@ -57,17 +74,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_omnibal.data import metrics
-    from megatron_omnibal.data.budgets import auto_budget
-    from megatron_omnibal.data.isf import CostModel, balance
+    from megatron_omnibal.balance import metrics
+    from megatron_omnibal.balance.balancer import balance
+    from megatron_omnibal.balance.budgets import auto_budget
+    from megatron_omnibal.balance.checks import check_plan
+    from megatron_omnibal.balance.config import BalanceConfig
+    from megatron_omnibal.balance.plan_io import save_plan
     from megatron_omnibal.data.lengths import load_lengths
-    from megatron_omnibal.data.plan_io import save_plan
 
     if args.auto_budget == (args.vit_budget is not None or args.token_budget is not None):
         raise ValueError("give either --vit-budget and --token-budget, or --auto-budget")
     if not args.auto_budget and (args.vit_budget is None or args.token_budget is None):
         raise ValueError("--vit-budget and --token-budget go together")
-    cost = CostModel.parse(args.cost) if args.cost else None
+    cost = _cost(args)
     lengths = load_lengths(args.lengths)
     long_input = len(lengths) >= LONG_INPUT
     bar = tqdm(total=4, desc="balance", unit="stage", disable=not long_input, file=sys.stderr)
@@ -79,14 +98,18 @@ def run(args: argparse.Namespace) -> int:
         vit_budget, token_budget = args.vit_budget, args.token_budget
     bar.set_postfix_str("packing")
     start = time.perf_counter()
-    plan = balance(lengths, dp_size=args.dp, micro_batches=args.micro_batches,
-                   vit_budget=vit_budget, token_budget=token_budget, seed=args.seed,
-                   mode=args.mode, algorithm=args.algorithm, oversize=args.oversize, cost=cost,
-                   isf_rounds=args.isf_rounds, isf_threshold=args.isf_threshold)
+    config = BalanceConfig(dp_size=args.dp, micro_batches=args.micro_batches,
+                           vit_budget=vit_budget, token_budget=token_budget, seed=args.seed,
+                           mode=args.mode, algorithm=args.algorithm, oversize=args.oversize,
+                           cost=cost, time_tail=args.time_tail, isf_rounds=args.isf_rounds,
+                           isf_threshold=args.isf_threshold,
+                           levels=_levels(args.levels, args.micro_batches, token_budget),
+                           curriculum_steps=args.curriculum_steps)
+    plan = balance(lengths, config)
     elapsed = time.perf_counter() - start
     bar.update()
     bar.set_postfix_str("checking")
-    plan.check(len(lengths))
+    check_plan(plan, lengths)  # balance() checked it too: this file is what gets written
     bar.update()
     metric_cost = cost or metrics.DEFAULT_COST
     bar.set_postfix_str("metrics")
@@ -116,13 +139,68 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _levels(text: str | None, micro: int, token_budget: int) -> tuple:
+    """--levels V/T[xM],..: without xM, micro-batches for the same tokens per step as the last."""
+    from megatron_omnibal.balance.config import Level
+
+    if not text:
+        return ()
+    out = []
+    for part in text.split(","):
+        level = Level.parse(part, micro)
+        if "x" not in part:
+            level = Level(vit_budget=level.vit_budget, token_budget=level.token_budget,
+                          micro_batches=max(1, round(micro * token_budget / level.token_budget)))
+        out.append(level)
+    return tuple(out)
+
+
+def _cost(args: argparse.Namespace):
+    """The PackCost: --cost, else the plan's, else --model on --hardware; None without any."""
+    from megatron_omnibal.balance.config import PackCost
+
+    given = [flag for flag, v in (("--cost", args.cost), ("--plan", args.plan),
+                                  ("--model", args.model)) if v]
+    if len(given) > 1:
+        raise ValueError(f"give one of {', '.join(given)} for the modeled time")
+    if args.cost:
+        return PackCost.parse(args.cost)
+    if args.plan:
+        from megatron_omnibal.planner.config_files import read_json
+
+        plan = read_json(args.plan, "plan")
+        data = plan.get("data") or {}
+        if data.get("pack_cost") is not None:
+            return PackCost.from_dict(data["pack_cost"], f"{args.plan}: data.pack_cost")
+        from megatron_omnibal.models.spec import ModelSpec
+        from megatron_omnibal.planner.hardware import Hardware
+        from megatron_omnibal.planner.pack_cost import model_pack_cost
+        from megatron_omnibal.planner.plan import partition_from_plan
+
+        model = ModelSpec.from_dict(plan["model_spec"])
+        bounds, recompute = partition_from_plan(plan, model)
+        par = plan["parallel"]
+        return model_pack_cost(model, Hardware(**plan["hardware_spec"]), par["tp"], par["dp"],
+                               bounds, recompute)
+    if args.model:
+        if not args.hardware:
+            raise ValueError("--model needs --hardware")
+        from megatron_omnibal.models.resolve import resolve_model
+        from megatron_omnibal.planner.hardware import get_hardware
+        from megatron_omnibal.planner.pack_cost import model_pack_cost
+
+        return model_pack_cost(resolve_model(args.model), get_hardware(args.hardware), args.tp,
+                               args.dp)
+    return None
+
+
 _ROWS = (
     ("tiles max/mean", "tiles_max_mean", "{:.4f}"),
     ("tiles max/mean p99", "tiles_max_mean_p99", "{:.4f}"),
     ("tokens max/mean", "tokens_max_mean", "{:.4f}"),
     ("tokens max/mean p99", "tokens_max_mean_p99", "{:.4f}"),
-    ("cost max/mean", "cost_max_mean", "{:.4f}"),
-    ("cost max/mean p99", "cost_max_mean_p99", "{:.4f}"),
+    ("modeled time max/mean", "time_max_mean", "{:.4f}"),
+    ("modeled time p99", "time_max_mean_p99", "{:.4f}"),
     ("dist ratio tiles", "tiles_dist_ratio", "{:.4f}"),
     ("dist ratio tokens", "tokens_dist_ratio", "{:.4f}"),
     ("pad ratio", "pad_ratio", "{:.4f}"),
@@ -132,6 +210,7 @@ _ROWS = (
     ("samples per step", "samples_per_step", "{:.1f}"),
     ("samples trained", "trained_samples", "{:.0f}"),
     ("samples skipped", "skipped_samples", "{:.0f}"),
+    ("empty packs", "empty_packs", "{:.0f}"),
 )
 
 

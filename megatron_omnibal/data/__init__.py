@@ -1,1 +1,1 @@
-"""Data side: length statistics, balancing (ISF/HBP), balance metrics and the balanced sampler."""
+"""Data side: datasets -> length statistics (stats, tiling, tokenization, templates)."""

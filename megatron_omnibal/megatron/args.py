@@ -12,7 +12,14 @@ import argparse
 import sys
 from dataclasses import dataclass, replace
 
-from megatron_omnibal.data.isf import CostModel
+from megatron_omnibal.balance.config import (
+    ALGORITHMS,
+    MODES,
+    OVERSIZE,
+    BalanceConfig,
+    Level,
+    PackCost,
+)
 from megatron_omnibal.data.lengths import LengthsError, LengthStats, load_lengths
 from megatron_omnibal.megatron.finetune import add_finetune_args
 from megatron_omnibal.megatron.layout import (
@@ -27,9 +34,6 @@ from megatron_omnibal.planner.plan import load_plan as read_plan
 from megatron_omnibal.planner.provenance import lengths_sha256
 
 BAD_SAMPLE = ("error", "skip")
-MODES = ("random", "grouped")
-ALGORITHMS = ("default", "isf")
-OVERSIZE = ("error", "solo", "skip")
 
 
 class OmnibalArgsError(ValueError):
@@ -41,17 +45,12 @@ class OmnibalSettings:
     """The validated OmniBal configuration of one run (identical on every rank)."""
 
     layouts: tuple[StageLayout, ...]
-    vit_budget: int
-    token_budget: int
     micro_batches: int
     dp_size: int
-    mode: str
-    algorithm: str
-    oversize: str
     data: str
     lengths: LengthStats  # as the model sees them (image tokens per tile, text scale)
     plan: Plan | None
-    cost: CostModel | None
+    balance: BalanceConfig  # seed: Megatron's --seed (epoch e balances with seed + e)
 
     @property
     def pp_size(self) -> int:
@@ -152,7 +151,21 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--omnibal-cost",
         default=None,
         metavar="A,B,C",
-        help="balance a*tiles + b*tokens + c*tokens^2 instead of tokens",
+        help="modeled time of a pack, A*tiles + B*tokens + C*sum(len^2) (default: the plan's "
+        "data.pack_cost); steps are formed to even it out across ranks",
+    )
+    g.add_argument(
+        "--omnibal-levels",
+        default=None,
+        metavar="V/TxM,..",
+        help="packing levels (tiles/tokens x micro-batches per rank), ascending, the last the "
+        "budgets (default: the plan's data.levels, else one level)",
+    )
+    g.add_argument(
+        "--omnibal-curriculum-steps",
+        type=int,
+        default=0,
+        help="with levels: this many steps of the shortest level open each epoch",
     )
     g.add_argument(
         "--omnibal-model",
@@ -239,20 +252,9 @@ def validate_omnibal_args(
         _check_plan_sizes(plan, args, micro)
     vit_budget, token_budget = _budgets(args, plan)
     lengths = _load_lengths(args, plan, tokens_per_tile)
-    cost = _cost(args.omnibal_cost)
+    balance = _balance_config(args, plan, dp, micro, vit_budget, token_budget)
     return OmnibalSettings(
-        tuple(layouts),
-        vit_budget,
-        token_budget,
-        micro,
-        dp,
-        args.omnibal_mode,
-        args.omnibal_algorithm,
-        args.omnibal_oversize,
-        args.omnibal_data,
-        lengths,
-        plan,
-        cost,
+        tuple(layouts), micro, dp, args.omnibal_data, lengths, plan, balance
     )
 
 
@@ -399,10 +401,43 @@ def _load_lengths(
         raise OmnibalArgsError(f"--omnibal-lengths {args.omnibal_lengths}: {exc}") from exc
 
 
-def _cost(text: str | None) -> CostModel | None:
-    if text is None:
-        return None
+def _balance_config(
+    args: argparse.Namespace,
+    plan: Plan | None,
+    dp: int,
+    micro: int,
+    vit_budget: int,
+    token_budget: int,
+) -> BalanceConfig:
+    """The run's BalanceConfig from the flags, else the plan's `data` section."""
     try:
-        return CostModel.parse(text)
-    except ValueError as exc:
-        raise OmnibalArgsError(f"--omnibal-cost {text}: {exc}") from exc
+        if args.omnibal_cost is not None:
+            cost = PackCost.parse(args.omnibal_cost)
+        else:
+            cost = plan.data.pack_cost if plan is not None else None
+        if args.omnibal_levels is not None:
+            levels = tuple(Level.parse(t, micro) for t in args.omnibal_levels.split(","))
+        else:
+            levels = plan.data.levels if plan is not None else ()
+        config = BalanceConfig(
+            dp_size=dp,
+            micro_batches=micro,
+            vit_budget=vit_budget,
+            token_budget=token_budget,
+            seed=args.seed,
+            mode=args.omnibal_mode,
+            algorithm=args.omnibal_algorithm,
+            oversize=args.omnibal_oversize,
+            cost=cost,
+            levels=levels,
+            curriculum_steps=args.omnibal_curriculum_steps,
+        )
+    except (ValueError, TypeError) as exc:
+        raise OmnibalArgsError(f"--omnibal balance settings: {exc}") from exc
+    other = sorted({lv.micro_batches for lv in levels} - {micro})
+    if other:
+        raise OmnibalArgsError(
+            f"--omnibal-levels: levels with {other} micro-batches per rank, this run has {micro} "
+            "(--global-batch-size / DP); per-step micro-batch counts are not wired into Megatron"
+        )
+    return config

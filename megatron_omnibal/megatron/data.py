@@ -27,9 +27,10 @@ from megatron_omnibal.megatron.loader import BadSamplePolicy, MicroBatchDataset,
 
 
 class MicroBatchSampler(Protocol):
-    """What the iterator needs of megatron_omnibal.data.sampler.BalancedBatchSampler."""
+    """What the iterator needs of megatron_omnibal.balance.sampler.BalancedBatchSampler."""
 
     steps_per_epoch: int
+    last_level: int
 
     def set_epoch(self, epoch: int) -> None: ...
 
@@ -107,6 +108,12 @@ class BalancedDataIterator:
                 break
             epoch, left = epoch + 1, left - steps
         self._sampler.load_state_dict({"epoch": epoch, "step": left, "micro": 0})
+
+    @property
+    def level(self) -> int:
+        """Packing level of the last micro-batch drawn (its step's level: the stage modules
+        switch their recompute to that level's counts, BalanceConfig.all_levels)."""
+        return self._sampler.last_level
 
     @property
     def step(self) -> float:

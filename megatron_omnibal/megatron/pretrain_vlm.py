@@ -302,7 +302,7 @@ def build_data_iterators(
     from megatron.core import parallel_state
     from megatron.training import get_args
 
-    from megatron_omnibal.data.sampler import BalancedBatchSampler
+    from megatron_omnibal.balance.sampler import BalancedBatchSampler
     from megatron_omnibal.megatron.batch import synthetic_sample
     from megatron_omnibal.megatron.data import BalancedDataIterator
     from megatron_omnibal.megatron.loader import MicroBatchDataset
@@ -310,17 +310,7 @@ def build_data_iterators(
     args = get_args()
     dp_rank = parallel_state.get_data_parallel_rank()
     sampler = BalancedBatchSampler(
-        settings.lengths,
-        dp_size=parallel_state.get_data_parallel_world_size(),
-        dp_rank=dp_rank,
-        micro_batches=settings.micro_batches,
-        vit_budget=settings.vit_budget,
-        token_budget=settings.token_budget,
-        seed=args.seed,
-        mode=settings.mode,
-        algorithm=settings.algorithm,
-        oversize=settings.oversize,
-        cost=settings.cost,
+        settings.lengths, settings.balance, dp_rank=dp_rank
     )
     pixels = settings.layouts[parallel_state.get_pipeline_model_parallel_rank()].patch_embed
     if settings.data == "synthetic":

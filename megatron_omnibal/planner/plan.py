@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_omnibal.balance.config import Level, PackCost
 from megatron_omnibal.models.spec import ModelSpec, SpecError
 from megatron_omnibal.planner.config_files import hardware_from_dict
 from megatron_omnibal.planner.hardware import Hardware
@@ -139,6 +140,9 @@ class DataPlan:
     num_samples: int
     lengths_path: str | None
     lengths_sha256: str
+    # The balancer's modeled time of a pack (per stage) and the packing levels, if any.
+    pack_cost: PackCost | None = None
+    levels: tuple[Level, ...] = ()
 
     def __post_init__(self) -> None:
         _positive(self, "vit_budget", "token_budget", "global_batch_samples", "num_samples")

@@ -3,9 +3,26 @@
 import numpy as np
 import pytest
 
-from megatron_omnibal import _isf_core as core
-from megatron_omnibal.data import isf_reference as ref
-from megatron_omnibal.data.isf import ratio_band
+from megatron_omnibal import _balance_core as core
+from megatron_omnibal.balance import reference as ref
+from megatron_omnibal.balance.core import ratio_band
+
+
+def _params(module, kind, **fields):
+    """module.IsfParams / SlotParams with these fields: one struct, the same in both."""
+    p = getattr(module, kind)()
+    for name, value in fields.items():
+        setattr(p, name, value)
+    return p
+
+
+def _isf(module, vit, tokens, vb, tb, thresh, rounds, seed):
+    return module.isf(vit, tokens, _params(module, "IsfParams", vit_budget=vb, token_budget=tb,
+                                           token_threshold=thresh, rounds=rounds, seed=seed))
+
+
+def _slots(module, vit, weight, tokens, **fields):
+    return module.slot_balance(vit, weight, tokens, _params(module, "SlotParams", **fields))
 
 
 def _samples(rng, n, vmax=5, with_text=False):
@@ -44,7 +61,7 @@ def test_isf_matches_reference(seed):
     vit, tokens = _samples(rng, int(rng.integers(1, 400)))
     vb, tb = int(rng.integers(5, 20)), int(rng.integers(2400, 6000))
     args = (vit, tokens, vb, tb, tb - 128, int(rng.integers(1, 6)), seed * 7)
-    a, b = core.isf(*args), ref.isf(*args)
+    a, b = _isf(core, *args), _isf(ref, *args)
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
@@ -78,7 +95,7 @@ def _spec_isf(vit, tokens, vb, tb, thresh, rounds, seed):
 def test_isf_follows_the_spec(rounds):
     rng = np.random.default_rng(rounds)
     vit, tokens = _samples(rng, 300)
-    samples, ptr = core.isf(vit, tokens, 12, 3500, 3400, rounds, 11)
+    samples, ptr = _isf(core, vit, tokens, 12, 3500, 3400, rounds, 11)
     got = [samples[a:b].tolist() for a, b in zip(ptr[:-1], ptr[1:], strict=True)]
     assert got == _spec_isf(vit.tolist(), tokens.tolist(), 12, 3500, 3400, rounds, 11)
     assert sorted(samples.tolist()) == list(range(300))  # none lost, none duplicated
@@ -95,8 +112,10 @@ def test_slot_balance_matches_reference(case):
     packs = max(1, int(np.ceil(max(vit.sum() / max(vb, 1), tokens.sum() / tb))))
     packs += int(rng.integers(0, 3))
     grow = int(rng.integers(0, 3))
-    args = (vit, weight, tokens, vb, tb, packs, grow, case, 6, 400, 6, 3, *ratio_band(vit, weight))
-    a, b = core.slot_balance(*args), ref.slot_balance(*args)
+    lo, hi = ratio_band(vit, weight)
+    fields = dict(vit_budget=vb, token_budget=tb, packs=packs, grow=grow, seed=case,
+                  repair_passes=6, tol_div=400, window=6, partners=3, ratio_lo=lo, ratio_hi=hi)
+    a, b = _slots(core, vit, weight, tokens, **fields), _slots(ref, vit, weight, tokens, **fields)
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
@@ -106,8 +125,10 @@ def test_slot_balance_places_every_sample_once_within_budgets(case):
     vit, tokens = _samples(rng, 3000, with_text=case % 2 == 1)
     vb, tb = 18, 6000
     packs = int(np.ceil(vit.sum() / vb)) + 20
-    samples, ptr, leftover = core.slot_balance(vit, tokens, tokens, vb, tb, packs, 0, case, 8,
-                                               400, 8, 4, *ratio_band(vit, tokens))
+    lo, hi = ratio_band(vit, tokens)
+    samples, ptr, leftover = _slots(core, vit, tokens, tokens, vit_budget=vb, token_budget=tb,
+                                    packs=packs, seed=case, repair_passes=8, ratio_lo=lo,
+                                    ratio_hi=hi)
     assert len(ptr) == packs + 1
     assert sorted(np.concatenate([samples, leftover]).tolist()) == list(range(3000))
     pid = np.repeat(np.arange(packs), np.diff(ptr))
@@ -117,7 +138,10 @@ def test_slot_balance_places_every_sample_once_within_budgets(case):
 
 def test_slot_balance_rejects_bad_input():
     v = np.array([1, 9])
-    with pytest.raises(ValueError, match="vit values"):
-        core.slot_balance(v, v, v, 5, 100, 2, 0, 0, 1, 400, 8, 4, 0, 0)
-    with pytest.raises(ValueError, match="equal length"):
-        core.slot_balance(v, v[:1], v, 9, 100, 2, 0, 0, 1, 400, 8, 4, 0, 0)
+    for module in (core, ref):
+        with pytest.raises(ValueError, match="vit values"):
+            _slots(module, v, v, v, vit_budget=5, token_budget=100, packs=2)
+        with pytest.raises(ValueError, match="equal length"):
+            _slots(module, v, v[:1], v, vit_budget=9, token_budget=100, packs=2)
+    with pytest.raises(ValueError, match="rounds"):
+        _isf(core, v, v, 9, 100, 90, 0, 1)

@@ -2,7 +2,9 @@
 
 Every rank waits for the slowest at each step, so what matters is, per step, the largest rank
 load over the mean rank load (1.0 is perfect), for each kind of work: image tiles (vision
-encoder), tokens (LLM) and a cost model's estimate (tokens plus attention, by default).
+encoder), tokens (LLM) and the modeled time of a PackCost (by default the issue-11 LLM cost of
+a 2048-wide model: tokens + sum(len^2) / (6 x 2048), Megatron's per-layer FLOPs in units of a
+token; `omnibal plan`'s cost model gives real milliseconds).
 OmniBal reports the same imbalance as a "dist ratio": sum over ranks of (max - x) / (ranks * max),
 the share of rank-time spent waiting. Its "pad ratio" is the share of padding when each
 micro-batch's sequences are padded to its longest (a pack is one packed sequence).
@@ -19,11 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_omnibal.data.isf import CostModel, permutation
+from megatron_omnibal.balance.config import PackCost
+from megatron_omnibal.balance.core import permutation
+from megatron_omnibal.balance.plan_io import BalancePlan
 from megatron_omnibal.data.lengths import LengthStats
-from megatron_omnibal.data.plan_io import BalancePlan
 
-DEFAULT_COST = CostModel(per_tile=0.0, per_token=1.0, per_token_sq=1.0 / 4096)
+DEFAULT_COST = PackCost(tile_ms=(0.0,), token_ms=(1.0,), attention_ms=(1.0 / (6 * 2048),))
 _SHUFFLE_SALT = 0x534B4557  # "SKEW"
 
 
@@ -33,7 +36,7 @@ class StepLoads:
 
     tiles: np.ndarray
     tokens: np.ndarray
-    cost: np.ndarray
+    time: np.ndarray
 
 
 def _sample_index(plan: BalancePlan) -> tuple[np.ndarray, np.ndarray]:
@@ -43,9 +46,9 @@ def _sample_index(plan: BalancePlan) -> tuple[np.ndarray, np.ndarray]:
     return pack, plan.pack_step[pack]
 
 
-def step_loads(plan: BalancePlan, lengths: LengthStats, cost: CostModel = DEFAULT_COST
+def step_loads(plan: BalancePlan, lengths: LengthStats, cost: PackCost = DEFAULT_COST
                ) -> StepLoads:
-    """Tiles, tokens and cost each rank carries at each step."""
+    """Tiles, tokens and modeled time each rank carries at each step."""
     dp = int(plan.meta["dp"])
     steps = plan.num_steps
     pack, _ = _sample_index(plan)
@@ -57,7 +60,7 @@ def step_loads(plan: BalancePlan, lengths: LengthStats, cost: CostModel = DEFAUL
 
     return StepLoads(total(lengths.vit[s].astype(np.float64)),
                      total(lengths.tokens[s].astype(np.float64)),
-                     total(cost.cost(lengths.vit[s], lengths.tokens[s])))
+                     total(cost.sample_ms(lengths.vit[s], lengths.tokens[s])))
 
 
 def max_over_mean(load: np.ndarray) -> np.ndarray:
@@ -125,12 +128,12 @@ def _tv_per_group(group: np.ndarray, dataset: np.ndarray, groups: int, names: in
     return np.where(rows[:, 0] > 0, tv, 0.0)
 
 
-def summarize(plan: BalancePlan, lengths: LengthStats, cost: CostModel = DEFAULT_COST,
+def summarize(plan: BalancePlan, lengths: LengthStats, cost: PackCost = DEFAULT_COST,
               packed: bool = True, seed: int = 0) -> dict[str, float]:
     """All figures of one plan, averaged over steps (and as the 99th percentile)."""
     loads = step_loads(plan, lengths, cost)
     out: dict[str, float] = {}
-    for name in ("tiles", "tokens", "cost"):
+    for name in ("tiles", "tokens", "time"):
         load = getattr(loads, name)
         mm = max_over_mean(load)
         out[f"{name}_max_mean"] = float(mm.mean())
@@ -146,6 +149,7 @@ def summarize(plan: BalancePlan, lengths: LengthStats, cost: CostModel = DEFAULT
     out["samples_per_step"] = len(plan.samples) / plan.num_steps if plan.num_steps else 0.0
     out["trained_samples"] = float(len(plan.samples))
     out["skipped_samples"] = float(len(plan.skipped))
+    out["empty_packs"] = float(np.sum(np.diff(plan.pack_ptr) == 0))
     return out
 
 

@@ -1,0 +1,167 @@
+"""balance(): one epoch's packs laid out over (step, dp rank, micro-batch), from a BalanceConfig.
+
+Packers (packing.py over the C++ core, csrc/balance_core.cpp; reference.py is its Python
+mirror):
+
+- `isf`: OmniBal's Iterative Sampling and Filtering, faithfully: shuffle, fill packs in order
+  until the next sample would exceed a budget, keep the full packs (tiles == tile budget or
+  tokens >= threshold), re-shuffle and re-pack the others, for `isf_rounds` rounds, keeping the
+  last round as it is. Unlike the reference it never drops a sample: oversize samples follow
+  the oversize policy and the last open pack is kept.
+- `default` (slot balancing): the pack count is a whole number of steps from the start; each
+  pack's tile slots are chosen so its tiles hit the target exactly, then samples are dealt into
+  slots of their tile count so that every pack carries the same tokens, and a swap repair evens
+  out what is left. Samples too heavy for a full pack start packs that give up tiles instead of
+  going over on tokens.
+
+With levels (hierarchy.py) every level is packed on its own, longest first, its packs topped
+up with shorter samples; each level's packs form whole steps of that level. The layout
+(layout.py) forms the steps. The plan is checked (checks.py) before it is returned.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_omnibal.balance import hierarchy, layout
+from megatron_omnibal.balance.checks import check_plan
+from megatron_omnibal.balance.config import BalanceConfig
+from megatron_omnibal.balance.core import permutation
+from megatron_omnibal.balance.packing import pack_level, packs_needed
+from megatron_omnibal.balance.plan_io import PLAN_VERSION, BalancePlan
+from megatron_omnibal.data.lengths import LengthStats
+
+_TOP_UP_SALT = 0x544F505550  # "TOPUP"
+
+
+def _oversize(lengths: LengthStats, config: BalanceConfig) -> np.ndarray:
+    over = (lengths.vit > config.vit_budget) | (lengths.tokens > config.token_budget)
+    if config.oversize == "error" and over.any():
+        i = int(np.flatnonzero(over)[0])
+        raise ValueError(
+            f"sample {i} (vit_num={int(lengths.vit[i])}, token_num={int(lengths.tokens[i])}) "
+            f"exceeds the budgets (vit {config.vit_budget}, tokens {config.token_budget}); "
+            f"{int(over.sum())} such sample(s). Raise the budgets or pass --oversize solo|skip")
+    return over
+
+
+def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Concatenation of range(starts[k], starts[k] + sizes[k]) over k."""
+    total = int(sizes.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    offsets = np.repeat(np.cumsum(sizes) - sizes, sizes)
+    return np.repeat(starts, sizes) + np.arange(total) - offsets
+
+
+def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarray,
+                 solo: np.ndarray, use_reference: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per level (ascending): (samples, pack_ptr) of its packs, as global sample indices; solo
+    packs of oversize samples join the top level."""
+    levels = config.all_levels
+    vit, tok = lengths.vit, lengths.tokens
+    level_of = np.full(len(lengths), -1, np.int64)
+    level_of[regular] = hierarchy.assign_levels(vit[regular], tok[regular], levels)
+    # Pools of samples not yet packed, per level, in a seeded random order (GreedyFill's order).
+    order = permutation(len(lengths), config.seed ^ _TOP_UP_SALT)
+    pending = np.zeros(len(lengths), bool)
+    pending[regular] = True
+    out: list[tuple[np.ndarray, np.ndarray]] = [(np.zeros(0, np.int64), np.zeros(1, np.int64))
+                                                for _ in levels]
+    for lv in range(len(levels) - 1, -1, -1):
+        level = levels[lv]
+        own = np.flatnonzero(pending & (level_of == lv))
+        extra = solo if lv == len(levels) - 1 else np.zeros(0, np.int64)
+        if len(own) == 0 and len(extra) == 0:
+            continue
+        per_step = config.dp_size * level.micro_batches
+        need = packs_needed(vit[own], tok[own], level.vit_budget, level.token_budget)
+        packs = -(-(need + len(extra)) // per_step) * per_step - len(extra)
+        fill = np.zeros(0, np.int64)
+        if lv > 0 and len(own):
+            free_v = packs * level.vit_budget - float(vit[own].sum())
+            free_t = packs * level.token_budget - float(tok[own].sum())
+            pools = [order[pending[order] & (level_of[order] == j)] for j in range(lv - 1, -1, -1)]
+            fill = hierarchy.top_up(pools, vit, tok, free_v, free_t)
+        members = np.concatenate([own, fill]).astype(np.int64)
+        optional = np.concatenate([np.zeros(len(own), bool), np.ones(len(fill), bool)])
+        threshold = config.threshold if lv == len(levels) - 1 else level.token_budget - 128
+        got = pack_level(vit[members], tok[members], tok[members], optional,
+                         vit_budget=level.vit_budget, token_budget=level.token_budget,
+                         per_step=per_step, algorithm=config.algorithm,
+                         repair=config.mode == "random", seed=config.seed + 7919 * lv,
+                         isf_rounds=config.isf_rounds, isf_threshold=threshold,
+                         min_packs=packs, offset=len(extra), use_reference=use_reference)
+        samples = members[got.samples]
+        pending[samples] = False
+        ptr = got.ptr
+        if len(extra):
+            samples = np.concatenate([samples, extra]).astype(np.int64)
+            ptr = np.concatenate([ptr, ptr[-1] + np.arange(1, len(extra) + 1)]).astype(np.int64)
+        out[lv] = (samples, ptr)
+    if pending.any():  # pack_level places every non-optional sample; this cannot happen
+        raise RuntimeError(f"balance: {int(pending.sum())} samples were not packed")
+    return out
+
+
+def balance(lengths: LengthStats, config: BalanceConfig, *, use_reference: bool = False
+            ) -> BalancePlan:
+    """Balance one epoch: packs of samples laid out over (step, dp rank, micro-batch).
+
+    Deterministic for (lengths, config), so every DP rank can compute the same plan on its own.
+    Every sample appears exactly once in `samples`, or (only with oversize='skip') `skipped`;
+    every pack keeps its level's budgets (a 'solo' oversize sample is a pack of its own).
+    """
+    if not isinstance(config, BalanceConfig):
+        raise TypeError(f"balance: expected a BalanceConfig, got {type(config).__name__}")
+    over = _oversize(lengths, config)
+    regular = np.flatnonzero(~over)
+    solo = np.flatnonzero(over) if config.oversize == "solo" else np.zeros(0, np.int64)
+    skipped = np.flatnonzero(over) if config.oversize == "skip" else np.zeros(0, np.int64)
+    per_level = _level_packs(lengths, config, regular, solo, use_reference)
+    cost = config.cost
+    names = max(len(lengths.names), 1)
+    levels = config.all_levels
+    parts = []  # per level: samples, sizes, local step, rank, micro
+    steps = []
+    for lv, (samples, ptr) in enumerate(per_level):
+        num = len(ptr) - 1
+        sizes = np.diff(ptr)
+        pack_id = np.repeat(np.arange(num), sizes)
+        pack_vit = np.bincount(pack_id, lengths.vit[samples], num)
+        pack_tok = np.bincount(pack_id, lengths.tokens[samples], num)
+        pack_time = None if cost is None else np.bincount(
+            pack_id, cost.sample_ms(lengths.vit[samples], lengths.tokens[samples]), num)
+        counts = np.bincount(pack_id * names + lengths.dataset[samples], minlength=num * names)
+        dominant = counts.reshape(num, names).argmax(axis=1)
+        step, rank, micro = layout.layout(pack_vit, pack_tok, config.dp_size,
+                                          levels[lv].micro_batches, config.mode,
+                                          config.seed + lv, dominant, pack_time,
+                                          config.time_tail)
+        parts.append((samples, ptr, step, rank, micro))
+        steps.append(int(step.max()) + 1 if num else 0)
+    step_level = hierarchy.interleave(steps, config.curriculum_steps, config.seed)
+    position = [np.flatnonzero(step_level == lv) for lv in range(len(levels))]
+    all_samples, all_sizes, all_step, all_rank, all_micro, all_level = [], [], [], [], [], []
+    for lv, (samples, ptr, step, rank, micro) in enumerate(parts):
+        all_samples.append(samples)
+        all_sizes.append(np.diff(ptr))
+        all_step.append(position[lv][step])
+        all_rank.append(rank)
+        all_micro.append(micro)
+        all_level.append(np.full(len(step), lv, np.int64))
+    samples = np.concatenate(all_samples).astype(np.int64)
+    sizes = np.concatenate(all_sizes).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    g_step, g_rank, g_micro, g_level = (np.concatenate(a).astype(np.int64) for a in
+                                        (all_step, all_rank, all_micro, all_level))
+    order = np.lexsort((g_micro, g_rank, g_step))
+    samples = samples[_ranges(starts[order], sizes[order])]
+    ptr = np.concatenate([[0], np.cumsum(sizes[order])]).astype(np.int64)
+    meta = dict(config.to_dict(), num_samples=len(lengths), version=PLAN_VERSION,
+                dp=config.dp_size, level_steps=steps)
+    plan = BalancePlan(samples, ptr, g_step[order], g_rank[order], g_micro[order],
+                       skipped.astype(np.int64), meta, g_level[order])
+    check_plan(plan, lengths)
+    return plan
+

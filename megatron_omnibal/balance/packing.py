@@ -1,0 +1,124 @@
+"""Packs of one level: samples into packs within (vit_budget, token_budget), a multiple of the
+packs of one step, by the slot-balancing core or by OmniBal's ISF.
+
+Large inputs are packed in strided chunks of about CHUNK samples (each chunk a cross-section of
+the data): the same quality as one such chunk, in linear time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_omnibal.balance import core
+
+CHUNK = 80_000   # samples packed together (larger inputs: chunks of this size)
+MAX_RETRIES = 64
+
+
+@dataclass(frozen=True)
+class Packs:
+    """Packs as positions into the arrays they were made from: pack p is
+    samples[ptr[p]:ptr[p+1]]; `returned`: optional samples that found no room (see pack_level)."""
+
+    samples: np.ndarray
+    ptr: np.ndarray
+    returned: np.ndarray
+
+
+def packs_needed(vit: np.ndarray, tokens: np.ndarray, vit_budget: int, token_budget: int
+                 ) -> int:
+    """A lower bound on the packs: totals over budgets, and one pack per sample over half of a
+    budget (two of them never share one)."""
+    if len(vit) == 0:
+        return 0
+    big = int(np.sum((2 * vit > vit_budget) | (2 * tokens > token_budget)))
+    bound = max(vit.sum() / vit_budget if vit_budget else 0.0, tokens.sum() / token_budget)
+    return max(big, math.ceil(bound), 1)
+
+
+def split_to_multiple(samples: np.ndarray, ptr: np.ndarray, per_step: int,
+                      tokens: np.ndarray, offset: int = 0) -> np.ndarray:
+    """New pack_ptr whose pack count plus `offset` is a multiple of per_step (ISF makes any
+    number of packs): the heaviest multi-sample packs are split in two; empty packs only if too
+    few can be."""
+    extra = -(len(ptr) - 1 + offset) % per_step
+    if extra == 0:
+        return ptr
+    sizes = np.diff(ptr)
+    load = np.bincount(np.repeat(np.arange(len(sizes)), sizes), tokens[samples], len(sizes))
+    load = np.where(sizes > 1, load, -1)
+    chosen = np.argsort(-load, kind="stable")[:extra]
+    chosen = chosen[load[chosen] >= 0]
+    cuts = ptr[chosen] + sizes[chosen] // 2
+    empty = np.full(extra - len(chosen), ptr[-1])
+    return np.sort(np.concatenate([ptr, cuts, empty])).astype(np.int64)
+
+
+def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, optional: np.ndarray,
+               *, vit_budget: int, token_budget: int, per_step: int, algorithm: str,
+               repair: bool, seed: int, isf_rounds: int, isf_threshold: int,
+               min_packs: int = 0, offset: int = 0, use_reference: bool = False) -> Packs:
+    """Pack every sample whose `optional` flag is off into packs (at least `min_packs`) whose
+    count plus `offset` (packs of this level made elsewhere) is a multiple of `per_step`;
+    optional samples (GreedyFill's top-up) go where there is room, the rest come back in
+    `returned`. Every sample must fit the budgets on its own."""
+    n = len(vit)
+    if n == 0:
+        empty = np.zeros(0, np.int64)
+        count = -(-(max(min_packs, 0) + offset) // per_step) * per_step - offset
+        return Packs(empty, np.zeros(count + 1, np.int64), empty)
+    if algorithm == "isf":
+        samples, ptr = core.pack_isf(vit, tokens, vit_budget=vit_budget,
+                                     token_budget=token_budget, threshold=isf_threshold,
+                                     rounds=isf_rounds, seed=seed, use_reference=use_reference)
+        ptr = split_to_multiple(samples, ptr, per_step, tokens, offset)
+        short = max(min_packs - (len(ptr) - 1), 0)
+        short = -(-short // per_step) * per_step
+        ptr = np.concatenate([ptr, np.full(short, ptr[-1])]).astype(np.int64)
+        return Packs(samples, ptr, np.zeros(0, np.int64))
+    band = core.ratio_band(vit, weight)
+    k = max(1, round(n / CHUNK))
+    parts = [np.arange(i, n, k) for i in range(k)]  # strided: each chunk a cross-section
+    out_samples, out_sizes, returned = [], [], []
+    placed, scale = offset, 1.0  # scale: packs the last chunk needed over its budgets' bound
+    for i, part in enumerate(parts):
+        pv, pt = vit[part], tokens[part]
+        bound = max(packs_needed(pv[~optional[part]], pt[~optional[part]], vit_budget,
+                                 token_budget), 1)
+        need = math.ceil(bound * scale)
+        last = i == len(parts) - 1
+        if last:
+            need = max(need, min_packs + offset - placed)
+            packs = -(-(placed + need) // per_step) * per_step - placed
+        else:
+            packs = need
+        # With optional samples the core adds no packs itself (they must not cost a step):
+        # what finds no slot comes back, and missing packs are added here.
+        grow = 0 if optional[part].any() else per_step if last else 1
+        for _ in range(MAX_RETRIES):
+            params = core.slot_params(vit_budget=vit_budget, token_budget=token_budget,
+                                      packs=packs, grow=grow, seed=seed + i,
+                                      band=band, repair=repair, use_reference=use_reference)
+            samples, ptr, leftover = core.pack_slots(pv, weight[part], pt, params,
+                                                     use_reference=use_reference)
+            lost = leftover[~optional[part[leftover]]]
+            if len(lost) == 0:
+                break
+            # as many more packs as the samples without room need (each retry is a full pass)
+            more = packs_needed(pv[lost], pt[lost], vit_budget, token_budget)
+            packs = len(ptr) - 1 + (-(-more // per_step) * per_step if last else more)
+        else:
+            raise RuntimeError(f"balance: could not place all samples after {MAX_RETRIES} "
+                               "attempts")
+        out_samples.append(part[samples])
+        out_sizes.append(np.diff(ptr))
+        returned.append(part[leftover])
+        placed += len(ptr) - 1
+        scale = (len(ptr) - 1) / bound
+    sizes = np.concatenate(out_sizes)
+    return Packs(np.concatenate(out_samples).astype(np.int64),
+                 np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+                 np.concatenate(returned).astype(np.int64))

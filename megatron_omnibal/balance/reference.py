@@ -1,0 +1,567 @@
+"""Pure-Python reference of the C++ balancing core (csrc/balance_core.cpp), function by function.
+
+It exists so that tests can check the fast core against code simple enough to read: same PRNG,
+same shuffles, same phases under the same names, same packs for the same seed. It is slow (pure
+Python loops): use it on small inputs only. Any change to the core must be mirrored here.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MASK64 = (1 << 64) - 1
+UNDER_FACTOR = 4  # light packs are repaired only this many tolerances off (heavy: one)
+
+
+@dataclass
+class IsfParams:
+    """The C++ IsfParams struct."""
+
+    vit_budget: int = 0
+    token_budget: int = 1
+    token_threshold: int = 0
+    rounds: int = 1
+    seed: int = 0
+
+
+@dataclass
+class SlotParams:
+    """The C++ SlotParams struct."""
+
+    vit_budget: int = 0
+    token_budget: int = 1
+    packs: int = 1
+    grow: int = 0
+    seed: int = 0
+    repair_passes: int = 0
+    tol_div: int = 400
+    window: int = 8
+    partners: int = 4
+    ratio_lo: int = 0
+    ratio_hi: int = 0
+
+
+class SplitMix64:
+    """splitmix64 (Steele, Lea, Flood 2014), the project's PRNG in both languages."""
+
+    def __init__(self, seed: int) -> None:
+        self.state = seed & MASK64
+
+    def next(self) -> int:
+        self.state = (self.state + 0x9E3779B97F4A7C15) & MASK64
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+        return z ^ (z >> 31)
+
+    def below(self, n: int) -> int:
+        """A value in [0, n): the high 64 bits of next() * n (Lemire's multiply)."""
+        return (self.next() * n) >> 64
+
+
+def shuffle(items: list, rng: SplitMix64) -> None:
+    """Fisher-Yates from the back: for i = n..2, swap items[i-1] with items[below(i)]."""
+    for i in range(len(items), 1, -1):
+        j = rng.below(i)
+        items[i - 1], items[j] = items[j], items[i - 1]
+
+
+def random_u64(seed: int, count: int) -> np.ndarray:
+    rng = SplitMix64(seed)
+    return np.array([rng.next() for _ in range(count)], dtype=np.uint64)
+
+
+def permutation(n: int, seed: int) -> np.ndarray:
+    items = list(range(n))
+    shuffle(items, SplitMix64(seed))
+    return np.array(items, dtype=np.int64)
+
+
+# ---------------------------------------------------------------- ISF (OmniBal, faithful)
+
+def _fill_in_order(ids: list[int], vit: list[int], tok: list[int], vit_budget: int,
+                   token_budget: int) -> list[list[int]]:
+    packs: list[list[int]] = []
+    sv = st = 0
+    for i in ids:
+        if packs and (sv + vit[i] > vit_budget or st + tok[i] > token_budget):
+            packs.append([])
+            sv = st = 0
+        if not packs:
+            packs.append([])
+        packs[-1].append(i)
+        sv += vit[i]
+        st += tok[i]
+    return packs
+
+
+def isf(vit: np.ndarray, tokens: np.ndarray, p: IsfParams) -> tuple[np.ndarray, np.ndarray]:
+    """OmniBal ISF: returns (samples, pack_ptr) over positions of the input arrays."""
+    if p.rounds < 1:
+        raise ValueError("isf: rounds must be >= 1")
+    v, t = [int(x) for x in vit], [int(x) for x in tokens]
+    out: list[list[int]] = []
+    ids = list(range(len(v)))
+    for r in range(p.rounds):
+        if not ids:
+            break
+        shuffle(ids, SplitMix64(p.seed + r))
+        rest: list[int] = []
+        for pack in _fill_in_order(ids, v, t, p.vit_budget, p.token_budget):
+            sv, st = sum(v[i] for i in pack), sum(t[i] for i in pack)
+            if r == p.rounds - 1 or sv == p.vit_budget or st >= p.token_threshold:
+                out.append(pack)
+            else:
+                rest.extend(pack)
+        ids = rest
+    return _flatten(out)
+
+
+def _flatten(packs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    ptr = np.zeros(len(packs) + 1, np.int64)
+    ptr[1:] = np.cumsum([len(p) for p in packs])
+    flat = [i for p in packs for i in p]
+    return np.array(flat, np.int64), ptr
+
+
+# ---------------------------------------------------------------- slot balancing (default)
+
+@dataclass
+class Data:
+    """The samples, their totals and their shuffled order."""
+
+    vit: list[int]
+    w: list[int]
+    tok: list[int]
+    n: int = 0
+    sum_v: int = 0
+    sum_w: int = 0
+    sum_t: int = 0
+    w_tiled: int = 0
+    w_text: int = 0
+    vmax: int = 0
+    text_max: int = 0
+    count: list[int] = field(default_factory=list)
+    shuffled: list[int] = field(default_factory=list)
+
+
+def describe(vit: np.ndarray, w: np.ndarray, tok: np.ndarray, p: SlotParams) -> Data:
+    d = Data([int(x) for x in vit], [int(x) for x in w], [int(x) for x in tok])
+    d.n = len(d.vit)
+    d.count = [0] * (p.vit_budget + 1)
+    for i in range(d.n):
+        d.sum_v += d.vit[i]
+        d.sum_w += d.w[i]
+        d.sum_t += d.tok[i]
+        if d.vit[i] > 0:
+            d.w_tiled += d.w[i]
+        else:
+            d.w_text += d.w[i]
+            d.text_max = max(d.text_max, d.w[i])
+        d.count[d.vit[i]] += 1
+        d.vmax = max(d.vmax, d.vit[i])
+    d.shuffled = list(range(d.n))
+    shuffle(d.shuffled, SplitMix64(p.seed))
+    return d
+
+
+def full_pack_tiles(d: Data, p: SlotParams, packs: int) -> int:
+    if d.sum_v == 0:
+        return 0
+    by_tokens = p.token_budget * d.sum_v // max(d.sum_t, 1)
+    return min(p.vit_budget, max(d.vmax, min(by_tokens, (d.sum_v + packs - 1) // packs)))
+
+
+def excess_keys(d: Data, packs: int) -> list[int]:
+    mulv = d.sum_v if d.sum_v > 0 else 1
+    return [packs * (d.w[i] * mulv - d.vit[i] * d.sum_w) for i in range(d.n)]
+
+
+def heavy_samples(d: Data, p: SlotParams, key: list[int], fill: int, packs: int
+                  ) -> list[tuple[int, int, int]]:
+    """Phase 0: (key, rank, sample) of the heavy samples, heaviest first, at most one per pack."""
+    heavy = []
+    for r, i in enumerate(d.shuffled):
+        c = d.vit[i]
+        if c == 0 or c > fill:
+            continue
+        excess = 1024 * (d.w[i] * d.sum_v - c * d.sum_w)
+        offset = (fill - c) * (1024 * d.sum_w - p.ratio_lo * d.sum_v)
+        if excess > offset:
+            heavy.append((key[i], r, i))
+    heavy.sort(key=lambda e: (-e[0], e[1]))
+    return heavy[:packs]
+
+
+@dataclass
+class Reservation:
+    """Packs, their heavy samples and tile slots (phases 0 and 1)."""
+
+    packs: int = 0
+    fill: int = 0
+    key: list[int] = field(default_factory=list)
+    heavy: list[tuple[int, int, int]] = field(default_factory=list)
+    tiles: list[int] = field(default_factory=list)
+    cap: list[int] = field(default_factory=list)
+    limit: list[int] = field(default_factory=list)
+    pre: list[bool] = field(default_factory=list)
+    free: list[list[list[int]]] = field(default_factory=list)
+    short_tiles: int = 0
+
+
+def tile_targets(d: Data, packs: int, fill: int, cap: list[int], cut: bool) -> list[int]:
+    limit = [fill] * packs
+    total = 0
+    light = []
+    for q in range(packs - 1, -1, -1):
+        if cap[q] >= 0:
+            limit[q] = cap[q]
+        else:
+            light.append(q)
+        total += limit[q]
+    excess, most = total - d.sum_v, fill // 2
+    if not cut or excess <= 0 or most <= 0 or not light:
+        return limit
+    k = min(len(light), (excess + most - 1) // most)
+    for j in range(k):
+        cut = excess // k + (1 if j < excess % k else 0)
+        limit[light[j]] -= min(cut, limit[light[j]])
+    return limit
+
+
+def rebuild_reach(count: list[int], reach: list[bool]) -> None:
+    reach[0] = True
+    for r in range(1, len(reach)):
+        reach[r] = any(count[c] > 0 and reach[r - c] for c in range(1, r + 1))
+
+
+def add_slot(slots: list[list[int]], c: int) -> None:
+    for e in slots:
+        if e[0] == c:
+            e[1] += 1
+            return
+    slots.append([c, 1])
+
+
+def tile_slots(count: list[int], limit: list[int], vit_budget: int, w_tiled: int, w_text: int,
+               tiles: list[int]) -> list[list[list[int]]]:
+    """Phase 1; `count` is left holding the samples per tile count that found no slot."""
+    packs = len(limit)
+    reach = [False] * (vit_budget + 1)
+    rebuild_reach(count, reach)
+    slots: list[list[list[int]]] = [[] for _ in range(packs)]
+    sum_v = sum(c * count[c] for c in range(1, vit_budget + 1)) + sum(tiles)
+    total = list(count)
+    placed = 0
+    for q in range(packs):
+        rest = max(0, limit[q] - tiles[q])
+        while rest > 0:
+            chosen, best = 0, 0
+            for c in range(1, rest + 1):
+                if count[c] == 0 or not reach[rest - c]:
+                    continue
+                lag = total[c] * placed - (total[c] - count[c]) * sum_v
+                if chosen == 0 or lag > best:
+                    chosen, best = c, lag
+            if chosen == 0:
+                break
+            placed += chosen
+            add_slot(slots[q], chosen)
+            tiles[q] += chosen
+            rest -= chosen
+            count[chosen] -= 1
+            if count[chosen] == 0:
+                rebuild_reach(count, reach)
+    room = [(-(limit[q] - tiles[q]), q) for q in range(packs)]  # max room, then min pack
+    heapq.heapify(room)
+    for c in range(vit_budget, 0, -1):
+        while count[c] > 0 and -room[0][0] >= c:
+            r, q = heapq.heappop(room)
+            add_slot(slots[q], c)
+            tiles[q] += c
+            count[c] -= 1
+            heapq.heappush(room, (r + c, q))
+    if count[0] > 0:
+        n0 = count[0]
+        low = [(tiles[q] * w_tiled * n0, q) for q in range(packs)]
+        heapq.heapify(low)
+        for _ in range(n0):
+            need, q = heapq.heappop(low)
+            add_slot(slots[q], 0)
+            heapq.heappush(low, (need + w_text * max(sum_v, 1), q))
+        count[0] = 0
+    for s_ in slots:
+        s_.sort()
+    return slots
+
+
+def reserve(d: Data, p: SlotParams) -> Reservation:
+    r = Reservation(packs=p.packs)
+    while True:
+        r.fill = full_pack_tiles(d, p, r.packs)
+        r.key = excess_keys(d, r.packs)
+        r.heavy = heavy_samples(d, p, r.key, r.fill, r.packs)
+        r.tiles, r.cap = [0] * r.packs, [-1] * r.packs
+        r.pre = [False] * d.n
+        left = list(d.count)
+        for k, (_, _, h) in enumerate(r.heavy):
+            c = d.vit[h]
+            room_w = d.sum_w - r.packs * d.w[h]
+            more = room_w * 1024 // (r.packs * p.ratio_lo) if room_w > 0 and p.ratio_lo > 0 \
+                else 0
+            r.cap[k] = c + min(r.fill - c, more)
+            r.tiles[k] = c
+            left[c] -= 1
+            r.pre[h] = True
+        seated, count = list(r.tiles), list(left)
+        for cut in (True, False):
+            r.tiles, left = list(seated), list(count)
+            r.limit = tile_targets(d, r.packs, r.fill, r.cap, cut)
+            r.free = tile_slots(left, r.limit, p.vit_budget, d.w_tiled, d.w_text, r.tiles)
+            r.short_tiles = sum(c * left[c] for c in range(1, p.vit_budget + 1))
+            if r.short_tiles == 0:
+                break
+        if r.short_tiles == 0 or p.grow <= 0:
+            return r
+        r.packs += p.grow * max(1, (r.short_tiles + r.fill * p.grow - 1) // (r.fill * p.grow))
+
+
+@dataclass
+class Targets:
+    unit: int = 0
+    target: list[int] = field(default_factory=list)
+    need: list[int] = field(default_factory=list)
+
+
+def weight_targets(d: Data, p: SlotParams, r: Reservation) -> Targets:
+    packs = r.packs
+    mulv = d.sum_v if d.sum_v > 0 else 1
+    unit = mulv * packs
+    no_limit = (d.sum_w + 1) * unit
+    text_slots = [sum(k for c, k in r.free[q] if c == 0) for q in range(packs)]
+    reach_w = [no_limit if r.cap[q] >= 0 or d.sum_v == 0
+               else r.tiles[q] * p.ratio_hi * unit // 1024 + text_slots[q] * d.text_max * unit
+               for q in range(packs)]
+    lo_w, hi_w = 0, d.sum_w
+    while lo_w < hi_w:
+        mid = (lo_w + hi_w) // 2
+        if sum(min(mid * unit, x) for x in reach_w) >= d.sum_w * unit:
+            hi_w = mid
+        else:
+            lo_w = mid + 1
+    target = [min(lo_w * unit, x) for x in reach_w]
+    need = [target[q] - packs * r.tiles[q] * d.sum_w for q in range(packs)]
+    return Targets(unit, target, need)
+
+
+@dataclass
+class Packing:
+    members: list[list[int]]
+    pack_tokens: list[int]
+    committed: list[int]
+    leftover: list[int] = field(default_factory=list)
+
+
+def place_samples(d: Data, p: SlotParams, r: Reservation, t: Targets) -> Packing:
+    packs = r.packs
+    out = Packing([[] for _ in range(packs)], [0] * packs, list(r.tiles))
+    for k, (kh, _, h) in enumerate(r.heavy):
+        out.members[k].append(h)
+        t.need[k] -= kh
+        out.pack_tokens[k] += d.tok[h]
+    positive, negative = [], []
+    for q, i in enumerate(d.shuffled):
+        if not r.pre[i]:
+            (positive if r.key[i] >= 0 else negative).append((r.key[i], q, i))
+    positive.sort(key=lambda e: (-e[0], e[1]))
+    negative.sort(key=lambda e: (e[0], e[1]))
+
+    def slot_of(q: int, c: int) -> list[int] | None:
+        for e in r.free[q]:
+            if e[0] == c:
+                return e
+        return None
+
+    def place(items: list[tuple[int, int, int]], sign: int) -> None:
+        # Heap entries (sign * need, pack): sign -1 puts the largest need on top.
+        heaps: list[list[tuple[int, int]]] = [[] for _ in range(p.vit_budget + 1)]
+        for q in range(packs):
+            for c, k in r.free[q]:
+                if k > 0:
+                    heaps[c].append((sign * t.need[q], q))
+        for hp in heaps:
+            heapq.heapify(hp)
+        for kv, _, i in items:
+            c = d.vit[i]
+            heap = heaps[c]
+            chosen = -1
+            stash = []
+            while heap:
+                e = heapq.heappop(heap)
+                q = e[1]
+                slot = slot_of(q, c)
+                if slot is None or slot[1] == 0:
+                    continue
+                if sign * e[0] != t.need[q]:
+                    heapq.heappush(heap, (sign * t.need[q], q))
+                    continue
+                if out.pack_tokens[q] + d.tok[i] > p.token_budget:
+                    stash.append(e)
+                    continue
+                chosen = q
+                break
+            for e in stash:
+                heapq.heappush(heap, e)
+            in_slot = chosen >= 0
+            if not in_slot:
+                for q in range(packs):
+                    if out.committed[q] + c <= p.vit_budget and \
+                            out.pack_tokens[q] + d.tok[i] <= p.token_budget and \
+                            (chosen < 0 or t.need[q] > t.need[chosen]):
+                        chosen = q
+                if chosen < 0:
+                    out.leftover.append(i)
+                    continue
+                out.committed[chosen] += c
+            out.members[chosen].append(i)
+            out.pack_tokens[chosen] += d.tok[i]
+            t.need[chosen] -= kv
+            if not in_slot:
+                continue
+            slot = slot_of(chosen, c)
+            slot[1] -= 1
+            if slot[1] > 0:
+                heapq.heappush(heap, (sign * t.need[chosen], chosen))
+
+    place(positive, -1)
+    place(negative, 1)
+    return out
+
+
+def repair(d: Data, p: SlotParams, r: Reservation, t: Targets, pk: Packing) -> None:
+    packs, n, unit = r.packs, d.n, t.unit
+    v, w, tok = d.vit, d.w, d.tok
+    pack_of = [-1] * n
+    dev = [0] * packs
+    for q in range(packs):
+        for i in pk.members[q]:
+            pack_of[i] = q
+        dev[q] = sum(w[i] for i in pk.members[q]) * unit - t.target[q]
+    tol = [x // p.tol_div for x in t.target]
+    by_w = sorted((i for i in range(n) if pack_of[i] >= 0), key=lambda i: (v[i], w[i], i))
+    by_w_w = [w[i] for i in by_w]
+    cls_start = [0] * (p.vit_budget + 2)
+    for i in by_w:
+        cls_start[v[i] + 1] += 1
+    for c in range(p.vit_budget + 1):
+        cls_start[c + 1] += cls_start[c]
+
+    def worse(q: int) -> tuple[int, int]:
+        return -abs(dev[q]), q
+
+    def bad(q: int) -> bool:
+        return dev[q] > tol[q] or dev[q] < -UNDER_FACTOR * tol[q]
+
+    work = [q for q in range(packs) if bad(q)]
+    queued = [False] * packs
+    fails = [0] * packs
+    for _ in range(p.repair_passes):
+        if not work:
+            break
+        work.sort(key=worse)
+        for q in work:
+            queued[q] = False
+        nxt: list[int] = []
+        want_n = 2 * len(work) + p.partners
+        over = sorted((q for q in range(packs) if dev[q] > 0), key=worse)[:want_n]
+        under = sorted((q for q in range(packs) if dev[q] < 0), key=worse)[:want_n]
+        at = {True: 0, False: 0}  # next partner in `under` (q0 over) / `over` (q0 under)
+        for q0 in work:
+            if not bad(q0):
+                continue
+            best = [abs(dev[q0]), -1, -1]
+
+            def consider(x: int, y: int, q0: int = q0, best: list = best) -> None:
+                q = pack_of[y]
+                if q == q0 or v[x] != v[y]:
+                    return
+                if pk.pack_tokens[q0] - tok[x] + tok[y] > p.token_budget or \
+                        pk.pack_tokens[q] - tok[y] + tok[x] > p.token_budget:
+                    return
+                delta = (w[x] - w[y]) * unit
+                cost = max(abs(dev[q0] - delta), abs(dev[q] + delta))
+                if cost < best[0]:
+                    best[:] = [cost, x, y]
+
+            for x in pk.members[q0]:
+                c = v[x]
+                lo, hi = cls_start[c], cls_start[c + 1]
+                want = w[x] - _trunc_div(dev[q0], 2 * unit)
+                k = bisect_left(by_w_w, want, lo, hi)
+                for step in (1, -1):
+                    taken = seen = 0
+                    j = k if step > 0 else k - 1
+                    while lo <= j < hi and taken < p.window and seen < 4 * p.window:
+                        q = pack_of[by_w[j]]
+                        if not (dev[q] > tol[q] if dev[q0] > 0 else dev[q] < -tol[q]):
+                            consider(x, by_w[j])
+                            taken += 1
+                        j += step
+                        seen += 1
+            other = under if dev[q0] > 0 else over
+            side = dev[q0] > 0
+            s = 0
+            while s < p.partners and at[side] < len(other):
+                for x in pk.members[q0]:
+                    for y in pk.members[other[at[side]]]:
+                        consider(x, y)
+                s += 1
+                at[side] += 1
+            _, bx, by = best
+            if bx < 0:
+                fails[q0] += 1
+                if fails[q0] < 8 and not queued[q0]:
+                    queued[q0] = True
+                    nxt.append(q0)
+                continue
+            q = pack_of[by]
+            delta = (w[bx] - w[by]) * unit
+            dev[q0] -= delta
+            dev[q] += delta
+            pk.pack_tokens[q0] += tok[by] - tok[bx]
+            pk.pack_tokens[q] += tok[bx] - tok[by]
+            pk.members[q0][pk.members[q0].index(bx)] = by
+            pk.members[q][pk.members[q].index(by)] = bx
+            pack_of[bx], pack_of[by] = q, q0
+            for s_ in (q0, q):
+                if bad(s_) and not queued[s_]:
+                    queued[s_] = True
+                    nxt.append(s_)
+        work = nxt
+
+
+def _trunc_div(a: int, b: int) -> int:
+    """Integer division rounding toward zero, as C++ does."""
+    q = abs(a) // abs(b)
+    return q if (a >= 0) == (b >= 0) else -q
+
+
+def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, p: SlotParams
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Slot balancing into p.packs packs (more, p.grow at a time, while tiles do not fit):
+    returns (samples, pack_ptr, leftover)."""
+    if len(vit) != len(tokens) or len(weight) != len(tokens):
+        raise ValueError("slot_balance: arrays must be 1-D and of equal length")
+    if any(int(c) < 0 or int(c) > p.vit_budget for c in vit):
+        raise ValueError("slot_balance: vit values must lie in [0, vit_budget]")
+    d = describe(vit, weight, tokens, p)
+    r = reserve(d, p)
+    t = weight_targets(d, p, r)
+    pk = place_samples(d, p, r, t)
+    if p.repair_passes > 0:
+        repair(d, p, r, t, pk)
+    return _flatten(pk.members) + (np.array(pk.leftover, np.int64),)
