@@ -164,5 +164,6 @@ def test_shipped_patch_only_adds_lines_to_pretrain_vlm(tmp_path: Path) -> None:
         if line.startswith("+") and not line.startswith("+++")
     ]
     text = "\n".join(added_lines)
-    assert "from megatron_omnibal.megatron.pretrain_vlm import main" in text
+    assert "from megatron_omnibal.megatron import handover" in text
+    assert "sys.exit(handover.run())" in text and "handover.prepare_reimport()" in text
     assert "from megatron_omnibal.megatron.args import add_omnibal_args" in text

@@ -9,8 +9,9 @@ disjoint micro-batches.
 Position: the sampler is deterministic given its seed, budgets and DP layout, and every training
 step consumes exactly `micro_batches` micro-batches per rank, so the position after a checkpoint
 is Megatron's own iteration counter, saved in every checkpoint. A resumed run walks the epochs
-(each may have a different number of balanced steps) to the epoch and step of that iteration
-and sees exactly the batches the uninterrupted run would have seen.
+(each may have a different number of balanced steps) from the stream's origin (iteration 0 and
+epoch 0, unless the data changed at a resume: data_identity.StreamOrigin) to the epoch and step
+of that iteration and sees exactly the batches the uninterrupted run would have seen.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from megatron_omnibal.data.lengths import LengthsError, LengthStats
+from megatron_omnibal.megatron.data_identity import StreamOrigin
 
 
 class MicroBatchSampler(Protocol):
@@ -36,7 +38,8 @@ class MicroBatchSampler(Protocol):
 
 
 class BalancedDataIterator:
-    """This rank's collated micro-batches, starting at training step `start_step`."""
+    """This rank's collated micro-batches, starting at training step `start_step` (Megatron's
+    iteration counter) of the stream that starts at `origin`."""
 
     def __init__(
         self,
@@ -46,6 +49,7 @@ class BalancedDataIterator:
         collate: Callable[[list[Any]], Any],
         start_step: int = 0,
         filler: Callable[[], Any] | None = None,
+        origin: StreamOrigin | None = None,
     ) -> None:
         if micro_batches <= 0:
             raise ValueError(f"micro_batches must be > 0, got {micro_batches}")
@@ -60,15 +64,22 @@ class BalancedDataIterator:
         self._collate = collate
         self._filler = filler
         self._consumed = 0
-        self._indices = self._seek(start_step)
+        self.origin = origin or StreamOrigin()
+        if start_step < self.origin.iteration:
+            raise ValueError(
+                f"start step {start_step} lies before the stream's origin (iteration "
+                f"{self.origin.iteration})"
+            )
+        self._indices = self._seek(start_step - self.origin.iteration, self.origin.epoch)
         self.start_step = start_step
         self.last_indices: list[int] = []  # the sample indices of the last micro-batch drawn
 
-    def _seek(self, step: int) -> Iterator[list[int]]:
-        """Position the sampler at global training step `step` (epochs differ in length)."""
+    def _seek(self, step: int, first_epoch: int) -> Iterator[list[int]]:
+        """Position the sampler `step` training steps after the start of epoch `first_epoch`
+        (epochs differ in length)."""
         if step < 0:
             raise ValueError(f"start step must be >= 0, got {step}")
-        epoch, left = 0, step
+        epoch, left = first_epoch, step
         while True:
             self._sampler.set_epoch(epoch)
             steps = self._sampler.steps_per_epoch

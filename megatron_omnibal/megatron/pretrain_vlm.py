@@ -22,6 +22,13 @@ from megatron_omnibal.megatron.args import (
     add_omnibal_args,
     validate_omnibal_args,
 )
+from megatron_omnibal.megatron.checkpoint_check import (
+    RUN_INFO,
+    ResumePlan,
+    check_resume,
+    run_info,
+)
+from megatron_omnibal.megatron.compat import ensure_typing_override
 from megatron_omnibal.megatron.cpu import enable_cpu_megatron
 
 ForwardStep = Callable[[Any, Any], Any]
@@ -56,6 +63,7 @@ def main(
         # otherwise every rank resumes with DP rank 0's. Parameters start equal either way
         # (it broadcasts them from DP rank 0).
         argv.append("--data-parallel-random-init")
+    ensure_typing_override()  # megatron.training on Python 3.11, on GPUs too
     from megatron.training.arguments import parse_and_validate_args
 
     sys.argv = [sys.argv[0], *argv]  # Megatron's parser reads sys.argv
@@ -71,9 +79,10 @@ def main(
             from megatron_omnibal.megatron.dataset import open_source
 
             open_source(args, settings.lengths, spec)  # count and a spread of samples
+        resume = check_resume(args, settings)
     except (OmnibalArgsError, ValueError) as exc:
         return _fail(exc)
-    train(args, settings, spec, forward_step_func, build_iterators)
+    train(args, settings, spec, resume, forward_step_func, build_iterators)
     return 0
 
 
@@ -212,10 +221,16 @@ def train(
     args: argparse.Namespace,
     settings: OmnibalSettings,
     spec: Any,
+    resume: ResumePlan,
     forward_step_func: ForwardStep | None = None,
     build_iterators: IteratorsBuilder | None = None,
 ) -> None:
-    """megatron.training.pretrain with the VLM stage provider and the balanced iterator."""
+    """megatron.training.pretrain with the VLM stage provider and the balanced iterator.
+
+    `resume` (from check_resume) says where the data stream starts. With the package's own
+    iterator, rank 0 prints the start-up summary and every logged iteration gets the balance
+    figures (training_log.py); a replaced `build_iterators` has no balanced plan to report.
+    """
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -225,8 +240,14 @@ def train(
     args.calculate_per_token_loss = True  # losses are token sums; Megatron divides globally
     args.variable_seq_lengths = True  # balanced micro-batches differ in shape
     args.eval_iters = 0  # the balanced stream is for training; there is no validation split
+    # Megatron saves its argument namespace in every checkpoint: the next resume checks this.
+    setattr(args, RUN_INFO, run_info(args, settings, resume.identity, resume.origin))
     cfg = pretrain_cfg_container_from_args(args)
-    data_provider = partial(build_iterators or build_data_iterators, settings, spec)
+    if build_iterators is None:
+        _install_iteration_log(args, settings, resume)
+        data_provider = partial(build_data_iterators, settings, spec, origin=resume.origin)
+    else:
+        data_provider = partial(build_iterators, settings, spec)
     # Every rank builds its own iterator: no broadcast from TP rank 0 (training.py reads this).
     data_provider.is_distributed = True  # type: ignore[attr-defined]
     pretrain(
@@ -240,6 +261,44 @@ def train(
         get_embedding_ranks=_first_rank,
         get_position_embedding_ranks=_first_rank,
     )
+
+
+def _install_iteration_log(
+    args: argparse.Namespace, settings: OmnibalSettings, resume: ResumePlan
+) -> None:
+    """The start-up summary and notes (rank 0) and the per-iteration log (installed into
+    Megatron's training_log on every rank: every rank counts consumed samples)."""
+    from megatron_omnibal.megatron import training_log
+    from megatron_omnibal.megatron.stream_steps import StreamSteps
+
+    steps = StreamSteps(balanced_sampler(settings, args.seed, 0).plan, settings.lengths,
+                        resume.origin)  # fmt: skip
+    if args.rank == 0:
+        for note in resume.notes:
+            print(f"pretrain_vlm: note: {note}", flush=True)
+        identity = resume.identity
+        summary = training_log.startup_summary(
+            layouts=settings.layouts,
+            tp=args.tensor_model_parallel_size,
+            dp=settings.dp_size,
+            micro_batches=settings.micro_batches,
+            vit_budget=settings.vit_budget,
+            token_budget=settings.token_budget,
+            num_samples=identity.num_samples,
+            lengths_file=str(args.omnibal_lengths),
+            source=settings.data,
+            balancer=f"balancer {settings.algorithm}, mode {settings.mode}, seed {args.seed}",
+            steps=steps,
+            start_iteration=resume.start_iteration,
+        )
+        print("\n".join(summary), flush=True)
+    log = training_log.IterationLog(
+        steps=steps,
+        log_interval=args.log_interval,
+        tensorboard_interval=args.tensorboard_log_interval,
+        is_logger=args.rank == args.world_size - 1,
+    )
+    training_log.install(log)
 
 
 def _first_rank(pp_ranks: list[int]) -> list[int]:
@@ -269,31 +328,43 @@ def _model_provider(
     )
 
 
-def build_data_iterators(
-    settings: OmnibalSettings, spec: Any, _num_samples: Any = None
-) -> tuple[Any, None, None]:
-    """(train iterator, no validation, no test) for this rank, at Megatron's iteration."""
-    from megatron.core import parallel_state
-    from megatron.training import get_args
-
+def balanced_sampler(settings: OmnibalSettings, seed: int, dp_rank: int) -> Any:
+    """The balanced sampler of one DP rank (its `plan(epoch)` is every rank's plan)."""
     from megatron_omnibal.data.sampler import BalancedBatchSampler
-    from megatron_omnibal.megatron.batch import collate, synthetic_sample
-    from megatron_omnibal.megatron.data import BalancedDataIterator
 
-    args = get_args()
-    sampler = BalancedBatchSampler(
+    return BalancedBatchSampler(
         settings.lengths,
-        dp_size=parallel_state.get_data_parallel_world_size(),
-        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=settings.dp_size,
+        dp_rank=dp_rank,
         micro_batches=settings.micro_batches,
         vit_budget=settings.vit_budget,
         token_budget=settings.token_budget,
-        seed=args.seed,
+        seed=seed,
         mode=settings.mode,
         algorithm=settings.algorithm,
         oversize=settings.oversize,
         cost=settings.cost,
     )
+
+
+def build_data_iterators(
+    settings: OmnibalSettings,
+    spec: Any,
+    _num_samples: Any = None,
+    *,
+    origin: Any = None,
+) -> tuple[Any, None, None]:
+    """(train iterator, no validation, no test) for this rank, at Megatron's iteration of the
+    stream that starts at `origin` (data_identity.StreamOrigin; None: iteration 0, epoch 0).
+    """
+    from megatron.core import parallel_state
+    from megatron.training import get_args
+
+    from megatron_omnibal.megatron.batch import collate, synthetic_sample
+    from megatron_omnibal.megatron.data import BalancedDataIterator
+
+    args = get_args()
+    sampler = balanced_sampler(settings, args.seed, parallel_state.get_data_parallel_rank())
     if settings.data == "synthetic":
         make_sample = partial(synthetic_sample, lengths=settings.lengths, spec=spec, seed=args.seed)
     else:
@@ -307,6 +378,7 @@ def build_data_iterators(
         collate,
         start_step=args.iteration,
         filler=partial(filler_sample, spec),
+        origin=origin,
     )
     return iterator, None, None
 

@@ -6,11 +6,15 @@ Writes OUT_DIR/rank{R}.json: {"rank", "pp_rank", "dp_rank", "start", "micro": [{
 "loss"?, "tokens"?}, ...]} in the order Megatron's schedule drew the micro-batches, and exits
 with main()'s status (2 on a bad flag, before any process group). A stop by --exit-interval
 (Megatron's sys.exit after its checkpoint) still writes the records.
+With RECORD_PARAMS_AT_STEP=S in the environment, the stage's parameters as the step with
+iteration counter S starts (after S optimizer steps, or as loaded) go to OUT_DIR/params{R}.pt
+under their model-wide names (megatron.model.global_named_parameters).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,10 +23,21 @@ from megatron_omnibal.megatron.step import forward_step
 
 RECORDS: list[dict] = []
 STATE: dict = {}
+PARAMS_AT = os.environ.get("RECORD_PARAMS_AT_STEP")
+
+
+def snapshot_parameters(model) -> dict:
+    from megatron_omnibal.megatron.model import global_named_parameters
+
+    while hasattr(model, "module"):  # DDP / Float16Module wrappers
+        model = model.module
+    return {name: p.detach().clone() for name, p in global_named_parameters(model).items()}
 
 
 def recording_forward_step(data_iterator, model):
     source = getattr(data_iterator, "iterable", data_iterator)  # Megatron's RerunDataIterator
+    if PARAMS_AT is not None and source.step == int(PARAMS_AT) and "params" not in STATE:
+        STATE["params"] = snapshot_parameters(model)
     output, loss_func = forward_step(data_iterator, model)
     record = {"indices": source.last_indices}
     RECORDS.append(record)
@@ -57,6 +72,10 @@ def run() -> int:
         "micro": RECORDS,
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    if "params" in STATE:
+        import torch
+
+        torch.save(STATE["params"], out / f"params{dist.get_rank()}.pt")
     return 0
 
 
