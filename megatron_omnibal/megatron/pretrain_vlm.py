@@ -200,6 +200,19 @@ def check_model_args(args: argparse.Namespace, spec: Any) -> None:
             "--recompute-num-layers: with --omnibal the counts are per stage "
             "(--omnibal-vit-recompute / --omnibal-llm-recompute or the plan)"
         )
+    # The balanced stream has a constant number of micro-batches per step and a varying number
+    # of samples per step: Megatron's sample-based schedules would count packs.
+    if getattr(args, "train_samples", None):
+        raise OmnibalArgsError(
+            "--train-samples: with --omnibal a step trains a varying number of samples "
+            "(balanced packs); give --train-iters (the start-up summary prints the steps per "
+            "epoch and samples per step)"
+        )
+    if getattr(args, "rampup_batch_size", None):
+        raise OmnibalArgsError(
+            "--rampup-batch-size: with --omnibal the micro-batches per step belong to the "
+            "balanced plan and stay constant"
+        )
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
