@@ -122,16 +122,12 @@ def read_saved_run(args: argparse.Namespace) -> SavedRun | None:
     """The checkpoint `--load` (and `--ckpt-step`) will load, or None when there is none."""
     if not args.load:
         return None
-    from megatron.training.checkpointing import (
-        get_checkpoint_name,
-        get_checkpoint_tracker_filename,
-        read_metadata,
-    )
+    from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
 
     tracker = get_checkpoint_tracker_filename(args.load)
     iteration, release = -1, False
     if os.path.isfile(tracker):
-        iteration, release = read_metadata(tracker)
+        iteration, release = _read_tracker(tracker)
     if getattr(args, "ckpt_step", None):
         iteration = args.ckpt_step
     if iteration < 0:
@@ -150,6 +146,20 @@ def read_saved_run(args: argparse.Namespace) -> SavedRun | None:
         vocab_size=getattr(saved, "vocab_size", None),
         info=getattr(saved, RUN_INFO, None),
     )
+
+
+def _read_tracker(path: str) -> tuple[int, bool]:
+    """(iteration, release) from Megatron's latest_checkpointed_iteration.txt (Megatron itself
+    prints an error and exits with status 0 on a bad one)."""
+    with open(path) as f:
+        text = f.read().strip()
+    if text == "release":
+        return 0, True
+    if not text.isdigit():
+        raise OmnibalArgsError(
+            f"--load: {path} holds {text!r}, expected an iteration number or 'release'"
+        )
+    return int(text), False
 
 
 def _saved_args(load: str, iteration: int, release: bool, path: str) -> tuple[str, Any]:
