@@ -194,8 +194,9 @@ def test_torch_checkpoint_at_another_layout_is_refused_before_any_process_group(
     source, lengths_file, model_file, tmp_path
 ):
     """Convert the saved iteration to the `torch` format (Megatron's --ckpt-convert-format, at
-    the saved layout), then resume it at another split: every rank stops with the reason
-    (Megatron itself printed "could not load the checkpoint" and exited 0)."""
+    the saved layout), then resume it at PP=4: every rank stops with the reason (in Megatron,
+    the ranks without a file printed "could not load the checkpoint" and exited 0, the others
+    failed inside the load)."""
     conv = tmp_path / "conv"
     flags = _flags(lengths_file, model_file, *PP2, "--load", str(source.ckpt), "--ckpt-step",
                    str(SAVED), "--ckpt-convert-format", "torch", "--ckpt-convert-save",
@@ -203,13 +204,13 @@ def test_torch_checkpoint_at_another_layout_is_refused_before_any_process_group(
     _ok(_run(2, tmp_path / "convert", flags))
     torch_ckpt = conv / "torch"
     assert (torch_ckpt / f"iter_{SAVED:07d}" / "mp_rank_00_001" / "model_optim_rng.pt").is_file()
-    other = _flags(lengths_file, model_file, "--pipeline-model-parallel-size", "2",
-                   "--omnibal-vit-pp-layers", "2,2", "--omnibal-llm-pp-layers", "0,4",
+    other = _flags(lengths_file, model_file, "--pipeline-model-parallel-size", "4",
+                   "--omnibal-vit-pp-layers", "2,2,0,0", "--omnibal-llm-pp-layers", "0,0,2,2",
                    "--global-batch-size", str(MICRO), "--load", str(torch_ckpt))  # fmt: skip
-    error = _refused(_run(2, tmp_path / "refused", other, timeout=120),
+    error = _refused(_run(4, tmp_path / "refused", other, timeout=120),
                      f"iteration {SAVED} is a 'torch' checkpoint saved at TP=1, PP=2 (ViT layers "
-                     "4+0, LLM layers 1+3); this run has TP=1, PP=2 (ViT layers 2+2, LLM layers "
-                     "0+4)", nproc=2)  # fmt: skip
+                     "4+0, LLM layers 1+3); this run has TP=1, PP=4 (ViT layers 2+2+0+0, LLM "
+                     "layers 0+0+2+2)", nproc=4)  # fmt: skip
     assert "--ckpt-convert-format torch_dist" in error
 
 
