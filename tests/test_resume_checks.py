@@ -185,3 +185,14 @@ def test_a_bad_tracker_file_or_a_missing_iteration_is_refused(tmp_path):
     (tmp_path / "iter_0000007").mkdir()
     with pytest.raises(OmnibalArgsError, match="holds neither a torch_dist checkpoint"):
         read_saved_run(args)
+
+
+def test_an_identity_from_another_version_needs_permission_to_resume():
+    saved = saved_run()
+    info = {**saved.info, "stream": {"seed": 7}}
+    other = dataclasses.replace(saved, info=info)
+    with pytest.raises(OmnibalArgsError, match="another data stream: its data-stream identity "
+                                               "lacks lengths_sha256"):  # fmt: skip
+        resume(other)
+    plan = resume(other, allow=True)
+    assert plan.origin == StreamOrigin(iteration=6, epoch=3, consumed_samples=123)

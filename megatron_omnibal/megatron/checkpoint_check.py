@@ -265,20 +265,24 @@ def plan_resume(
     when a change is allowed; a changed stream without permission is refused."""
     if saved is None or finetune:
         return ResumePlan(identity, StreamOrigin(), 0)  # training (re)starts at iteration 0
-    old = saved.identity
-    if old is None:
-        note = (
-            f"--load {load}: iteration {saved.iteration} records no data-stream identity "
-            "(saved without --omnibal or by an older megatron-omnibal); resuming the stream "
-            f"at iteration {saved.iteration} without checking that the data is the same"
+    try:
+        old = saved.identity
+    except ValueError as exc:  # saved by another version: cannot be compared
+        old, listed = None, f"its {exc}, from another version of megatron-omnibal"
+    else:
+        if old is None:
+            note = (
+                f"--load {load}: iteration {saved.iteration} records no data-stream identity "
+                "(saved without --omnibal or by an older megatron-omnibal); resuming the stream "
+                f"at iteration {saved.iteration} without checking that the data is the same"
+            )
+            return ResumePlan(identity, StreamOrigin(), saved.iteration, (note,))
+        changes = old.differences(identity)
+        if not changes:
+            return ResumePlan(identity, saved.origin, saved.iteration)
+        listed = "; ".join(
+            _change(name, a, b, saved.lengths_file, lengths_file) for name, a, b in changes
         )
-        return ResumePlan(identity, StreamOrigin(), saved.iteration, (note,))
-    changes = old.differences(identity)
-    if not changes:
-        return ResumePlan(identity, saved.origin, saved.iteration)
-    listed = "; ".join(
-        _change(name, a, b, saved.lengths_file, lengths_file) for name, a, b in changes
-    )
     if not allow_data_change:
         raise OmnibalArgsError(
             f"--load {load}: iteration {saved.iteration} was trained on another data stream: "
