@@ -129,10 +129,11 @@ def layout_flags(part, nv: int) -> list[str]:
             "--omnibal-vit-recompute", csv(vrc), "--omnibal-llm-recompute", csv(lrc)]  # fmt: skip
 
 
-def common_flags(lengths: Path, micro: int, steps: int, tokens_per_tile: int) -> list[str]:
+def common_flags(lengths: Path, micro: int, steps: int) -> list[str]:
+    """The length file holds the lengths as the model sees them (no stored configuration)."""
     return [
-        "--omnibal", "--omnibal-lengths", str(lengths), "--omnibal-data-tokens-per-tile",
-        str(tokens_per_tile), "--pipeline-model-parallel-size", str(PP), "--micro-batch-size",
+        "--omnibal", "--omnibal-lengths", str(lengths), "--num-workers", "0",
+        "--pipeline-model-parallel-size", str(PP), "--micro-batch-size",
         "1", "--global-batch-size", str(micro), "--train-iters", str(steps), "--lr", "1e-4",
         "--clip-grad", "0", "--transformer-impl", "local", "--seed", "3", "--log-interval",
         "1000", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -285,7 +286,7 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
     nv = spec.vit.num_layers
     budgets = ["--omnibal-vit-budget", str(plan.data.vit_budget), "--omnibal-token-budget",
                str(plan.data.token_budget)]  # fmt: skip
-    base = [*common_flags(lengths_file, m, args.steps, spec.tokens_per_tile), "--omnibal-model",
+    base = [*common_flags(lengths_file, m, args.steps), "--omnibal-model",
             str(model_file)]  # fmt: skip
     runs = {
         "+data": ("balanced", [*base, *budgets, *layout_flags(megatron_part, nv)],

@@ -57,6 +57,9 @@ if git -C "$top" apply --check --reverse "$patch_file" 2>/dev/null; then
     echo "Already applied: $(basename "$patch_file"); nothing to do."
     exit 0
 fi
+if grep -q "megatron_omnibal" "$top/pretrain_vlm.py"; then
+    die "$top/pretrain_vlm.py already carries another version of the megatron-omnibal patch; nothing was changed. Restore the file (git -C $top checkout -- pretrain_vlm.py) and run this script again"
+fi
 if ! errors=$(git -C "$top" apply --check "$patch_file" 2>&1); then
     echo "$errors" >&2
     die "$(basename "$patch_file") does not apply to $top ($version); nothing was changed. Is pretrain_vlm.py modified locally (git -C $top diff) or from another version than ${expected_version}.x?"

@@ -99,10 +99,30 @@ launch_resolve_nproc() {
 launch_entry() {
     if [[ -n $script ]]; then
         [[ -f $script ]] || launch_die "--script: no such file: $script"
+        launch_check_handover
         entry=("$script")
     else
         entry=(-m megatron_omnibal.pretrain_vlm)
     fi
+}
+
+# A Megatron-LM pretrain_vlm.py run with --omnibal* flags must carry the current patch. Without
+# it Megatron-LM fails with an error that does not say why (on Python 3.11 an ImportError of
+# typing.override, on 3.12 "unrecognized arguments: --omnibal"); with the first version of the
+# patch its torch_dist checkpoint writer fails the same way in a helper process.
+launch_check_handover() {
+    [[ $(basename "$script") == pretrain_vlm.py ]] || return 0
+    local arg omnibal=0
+    for arg in "${passthrough[@]}"; do
+        [[ $arg == --omnibal* ]] && omnibal=1
+    done
+    ((omnibal)) || return 0
+    local dir
+    dir=$(cd "$(dirname "$script")" && pwd)
+    grep -q "from megatron_omnibal.megatron import handover" "$script" && return 0
+    grep -q "megatron_omnibal" "$script" &&
+        launch_die "$script carries an older megatron-omnibal patch: restore it (git -C $dir checkout -- pretrain_vlm.py) and run scripts/apply_megatron_patch.sh $dir"
+    launch_die "$script is not patched for --omnibal (its Megatron-LM would fail on the --omnibal* flags): run scripts/apply_megatron_patch.sh $dir"
 }
 
 # Environment and extra Megatron flags of the CPU mode: gloo instead of NCCL, one OpenMP thread

@@ -110,6 +110,10 @@ def cases(tmp_path_factory):
         ([*base, *counts, "--omnibal-llm-pp-layers", "1,3", "--recompute-granularity",
           "selective"], "--recompute-granularity selective"),
         ([*base, "--omnibal-model", "tiny"], "--omnibal needs --omnibal-plan, or"),
+        ([*base[:-8], "--train-samples", "8", *base[-6:], *counts, "--omnibal-llm-pp-layers",
+          "1,3"], "--train-samples: with --omnibal a step trains a varying number of samples"),
+        ([*base, *counts, "--omnibal-llm-pp-layers", "1,3", "--rampup-batch-size", "2", "2",
+          "4"], "--rampup-batch-size: with --omnibal the micro-batches per step"),
     ]  # fmt: skip
 
 

@@ -134,6 +134,19 @@ def test_rejects_what_is_not_a_megatron_checkout(tmp_path: Path, case: str, mess
     assert str(target) in result.stderr or case == "subdir"
 
 
+def test_refuses_a_checkout_patched_by_another_version(tmp_path: Path) -> None:
+    """A pretrain_vlm.py that already hands runs to megatron_omnibal some other way (an older
+    patch) is left untouched, with the command that restores it."""
+    patch = make_patch(tmp_path)
+    older = ORIGINAL + "# from megatron_omnibal.megatron.pretrain_vlm import main\n"
+    checkout = make_checkout(tmp_path / "mlm", content=older)
+    result = run_apply(checkout, patch)
+    assert result.returncode == 1
+    assert "already carries another version of the megatron-omnibal patch" in result.stderr
+    assert f"git -C {checkout} checkout -- pretrain_vlm.py" in result.stderr
+    assert (checkout / "pretrain_vlm.py").read_text() == older
+
+
 def test_missing_patch_file_and_usage(tmp_path: Path) -> None:
     checkout = make_checkout(tmp_path / "mlm")
     result = run_apply(checkout, tmp_path / "nope.patch")
@@ -164,5 +177,6 @@ def test_shipped_patch_only_adds_lines_to_pretrain_vlm(tmp_path: Path) -> None:
         if line.startswith("+") and not line.startswith("+++")
     ]
     text = "\n".join(added_lines)
-    assert "from megatron_omnibal.megatron.pretrain_vlm import main" in text
+    assert "from megatron_omnibal.megatron import handover" in text
+    assert "sys.exit(handover.run())" in text and "handover.prepare_reimport()" in text
     assert "from megatron_omnibal.megatron.args import add_omnibal_args" in text

@@ -101,6 +101,33 @@ def test_cpu_mode_keeps_explicit_backend_and_options_anywhere(tmp_path: Path) ->
     assert got == env + launcher + ["--nproc-per-node", "3", str(script)] + args
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("import megatron\n", "is not patched for --omnibal"),
+        ("from megatron_omnibal.megatron.pretrain_vlm import main\n", "an older megatron-omnibal"),
+    ],
+)
+def test_an_unpatched_megatron_lm_script_with_omnibal_flags_is_refused(
+    tmp_path: Path, content: str, message: str
+) -> None:
+    """Megatron-LM's pretrain_vlm.py without the current patch would fail on --omnibal with an
+    error that does not say why; the launcher names the patch. Without --omnibal* flags, or
+    patched, it runs."""
+    script = tmp_path / "Megatron-LM" / "pretrain_vlm.py"
+    script.parent.mkdir()
+    script.write_text(content)
+    for launcher in (SINGLE, MULTI):
+        result = launch(launcher, "--dry-run", "--script", str(script), "--omnibal",
+                        NNODES="1", MASTER_ADDR="127.0.0.1")  # fmt: skip
+        assert result.returncode == 2
+        assert message in result.stderr
+        assert f"scripts/apply_megatron_patch.sh {script.parent}" in result.stderr
+    assert dry_run(SINGLE, "--script", str(script), "--lr", "1")[-3:] == [str(script), "--lr", "1"]
+    script.write_text("from megatron_omnibal.megatron import handover\n")
+    assert dry_run(SINGLE, "--script", str(script), "--omnibal")[-1] == "--omnibal"
+
+
 def test_multi_node_static_rendezvous_from_master_addr() -> None:
     got = dry_run(
         MULTI,

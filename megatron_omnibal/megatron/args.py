@@ -205,6 +205,13 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     add_finetune_args(g)
     g.add_argument(
+        "--omnibal-allow-data-change",
+        action="store_true",
+        help="resume from a checkpoint trained on another data stream (other lengths, budgets, "
+        "seed, DP size or balancer options): start a new epoch plan at the checkpoint's "
+        "consumed samples instead of refusing",
+    )
+    g.add_argument(
         "--omnibal-text-scale",
         type=int,
         default=1,

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from megatron_omnibal.megatron.compat import ensure_typing_override
+
 _ENABLED = False
 
 # Tensor factories that Megatron calls with device="cuda" / torch.cuda.current_device():
@@ -142,15 +144,6 @@ class _Event:
 
     def elapsed_time(self, end: _Event) -> float:
         return (end._t - self._t) * 1000.0
-
-
-def _patch_typing_override() -> None:
-    # megatron/training/models/hybrid.py does `from typing import override` (Python >= 3.12);
-    # on 3.11 the same decorator lives in typing_extensions.
-    if not hasattr(typing, "override"):
-        from typing_extensions import override
-
-        typing.override = override  # type: ignore[attr-defined]
 
 
 def _patch_torch() -> None:
@@ -462,7 +455,7 @@ def enable_cpu_megatron() -> bool:
         return True
     if torch.cuda.is_available():
         return False
-    _patch_typing_override()
+    ensure_typing_override()  # megatron.training on Python 3.11 (compat.py)
     _patch_torch()
     _patch_megatron()
     _ENABLED = True

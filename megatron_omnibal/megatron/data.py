@@ -10,8 +10,9 @@ processes, prefetch, pinned memory on GPUs, in exactly the sampler's order.
 Position: the sampler is deterministic given its seed, budgets and DP layout, and every training
 step consumes exactly `micro_batches` micro-batches per rank, so the position after a checkpoint
 is Megatron's own iteration counter, saved in every checkpoint. A resumed run walks the epochs
-(each may have a different number of balanced steps) to the epoch and step of that iteration
-and sees exactly the batches the uninterrupted run would have seen.
+(each may have a different number of balanced steps) from the stream's origin (iteration 0 and
+epoch 0, unless the data changed at a resume: data_identity.StreamOrigin) to the epoch and step
+of that iteration and sees exactly the batches the uninterrupted run would have seen.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 
 from megatron_omnibal.data.lengths import LengthsError, LengthStats
 from megatron_omnibal.megatron.batch import MicroBatch, collate
+from megatron_omnibal.megatron.data_identity import StreamOrigin
 from megatron_omnibal.megatron.loader import BadSamplePolicy, MicroBatchDataset, identity
 
 
@@ -40,7 +42,8 @@ class MicroBatchSampler(Protocol):
 
 
 class BalancedDataIterator:
-    """This rank's micro-batches, starting at training step `start_step`.
+    """This rank's micro-batches, starting at training step `start_step` (Megatron's iteration
+    counter) of the stream that starts at `origin`.
 
     `num_workers` processes build them (0: in this process), `prefetch` micro-batches ahead
     per worker; `pin_memory` pins them for the copy to the GPU. `policy` decides what a
@@ -57,6 +60,7 @@ class BalancedDataIterator:
         prefetch: int = 2,
         pin_memory: bool = False,
         policy: BadSamplePolicy | None = None,
+        origin: StreamOrigin | None = None,
     ) -> None:
         import torch.utils.data
 
@@ -74,8 +78,14 @@ class BalancedDataIterator:
         self._dataset = dataset
         self._policy = policy or BadSamplePolicy()
         self._consumed = 0
+        self.origin = origin or StreamOrigin()
+        if start_step < self.origin.iteration:
+            raise ValueError(
+                f"start step {start_step} lies before the stream's origin (iteration "
+                f"{self.origin.iteration})"
+            )
         self.start_step = start_step
-        self._seek(start_step)
+        self._seek(start_step - self.origin.iteration, self.origin.epoch)
         loader = torch.utils.data.DataLoader(
             dataset,
             batch_sampler=_Batches(sampler),
@@ -91,11 +101,12 @@ class BalancedDataIterator:
         self._batches = iter(loader)
         self.last_indices: list[int] = []  # the sample indices of the last micro-batch drawn
 
-    def _seek(self, step: int) -> None:
-        """Position the sampler at global training step `step` (epochs differ in length)."""
+    def _seek(self, step: int, first_epoch: int) -> None:
+        """Position the sampler `step` training steps after the start of epoch `first_epoch`
+        (epochs differ in length)."""
         if step < 0:
             raise ValueError(f"start step must be >= 0, got {step}")
-        epoch, left = 0, step
+        epoch, left = first_epoch, step
         while True:
             self._sampler.set_epoch(epoch)
             steps = self._sampler.steps_per_epoch

@@ -24,6 +24,13 @@ from megatron_omnibal.megatron.args import (
     add_omnibal_args,
     validate_omnibal_args,
 )
+from megatron_omnibal.megatron.checkpoint_check import (
+    RUN_INFO,
+    ResumePlan,
+    check_resume,
+    run_info,
+)
+from megatron_omnibal.megatron.compat import ensure_typing_override
 from megatron_omnibal.megatron.cpu import enable_cpu_megatron
 from megatron_omnibal.megatron.finetune import (
     FinetuneSettings,
@@ -64,6 +71,7 @@ def main(
         # otherwise every rank resumes with DP rank 0's. Parameters start equal either way
         # (it broadcasts them from DP rank 0).
         argv.append("--data-parallel-random-init")
+    ensure_typing_override()  # megatron.training on Python 3.11, on GPUs too
     from megatron.training.arguments import parse_and_validate_args
 
     sys.argv = [sys.argv[0], *argv]  # Megatron's parser reads sys.argv
@@ -81,6 +89,7 @@ def main(
             # configuration, count and a spread of samples (from their text: no image opened)
             open_source(args, settings.lengths, spec, pixels=False)
         finetune = finetune_settings(args)
+        resume = check_resume(args, settings)
     except (OmnibalArgsError, ValueError) as exc:
         return _fail(exc)
     # Saved with Megatron's args in every checkpoint: the export reads the model and layout.
@@ -89,7 +98,7 @@ def main(
     from megatron_omnibal.megatron.loader import SampleLoadError
 
     try:
-        train(args, settings, spec, forward_step_func, build_iterators, finetune)
+        train(args, settings, spec, resume, forward_step_func, build_iterators, finetune)
     except SampleLoadError as exc:  # a sample that cannot be loaded (--omnibal-bad-sample)
         return _fail(exc)
     return 0
@@ -203,6 +212,19 @@ def check_model_args(args: argparse.Namespace, spec: Any) -> None:
             "--recompute-num-layers: with --omnibal the counts are per stage "
             "(--omnibal-vit-recompute / --omnibal-llm-recompute or the plan)"
         )
+    # The balanced stream has a constant number of micro-batches per step and a varying number
+    # of samples per step: Megatron's sample-based schedules would count packs.
+    if getattr(args, "train_samples", None):
+        raise OmnibalArgsError(
+            "--train-samples: with --omnibal a step trains a varying number of samples "
+            "(balanced packs); give --train-iters (the start-up summary prints the steps per "
+            "epoch and samples per step)"
+        )
+    if getattr(args, "rampup_batch_size", None):
+        raise OmnibalArgsError(
+            "--rampup-batch-size: with --omnibal the micro-batches per step belong to the "
+            "balanced plan and stay constant"
+        )
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -225,11 +247,17 @@ def train(
     args: argparse.Namespace,
     settings: OmnibalSettings,
     spec: Any,
+    resume: ResumePlan,
     forward_step_func: ForwardStep | None = None,
     build_iterators: IteratorsBuilder | None = None,
     finetune: FinetuneSettings | None = None,
 ) -> None:
-    """megatron.training.pretrain with the VLM stage provider and the balanced iterator."""
+    """megatron.training.pretrain with the VLM stage provider and the balanced iterator.
+
+    `resume` (from check_resume) says where the data stream starts. With the package's own
+    iterator, rank 0 prints the start-up summary and every logged iteration gets the balance
+    figures (training_log.py); a replaced `build_iterators` has no balanced plan to report.
+    """
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -241,8 +269,14 @@ def train(
         install_vit_lr_override(finetune.vit_lr_mult)
     args.variable_seq_lengths = True  # balanced micro-batches differ in shape
     args.eval_iters = 0  # the balanced stream is for training; there is no validation split
+    # Megatron saves its argument namespace in every checkpoint: the next resume checks this.
+    setattr(args, RUN_INFO, run_info(args, settings, resume.identity, resume.origin))
     cfg = pretrain_cfg_container_from_args(args)
-    data_provider = partial(build_iterators or build_data_iterators, settings, spec)
+    if build_iterators is None:
+        _install_iteration_log(args, settings, resume)
+        data_provider = partial(build_data_iterators, settings, spec, origin=resume.origin)
+    else:
+        data_provider = partial(build_iterators, settings, spec)
     # Every rank builds its own iterator: no broadcast from TP rank 0 (training.py reads this).
     data_provider.is_distributed = True  # type: ignore[attr-defined]
     pretrain(
@@ -257,6 +291,46 @@ def train(
         get_embedding_ranks=embedding_ranks(settings.layouts),
         get_position_embedding_ranks=_first_rank,
     )
+
+
+def _install_iteration_log(
+    args: argparse.Namespace, settings: OmnibalSettings, resume: ResumePlan
+) -> None:
+    """The start-up summary and notes (rank 0) and the per-iteration log (installed into
+    Megatron's training_log on every rank: every rank counts consumed samples)."""
+    from megatron_omnibal.megatron import training_log
+    from megatron_omnibal.megatron.stream_steps import StreamSteps
+
+    steps = StreamSteps(balanced_sampler(settings, 0).plan, settings.lengths, resume.origin)
+    if args.rank == 0:
+        for note in resume.notes:
+            print(f"pretrain_vlm: note: {note}", flush=True)
+        identity = resume.identity
+        summary = training_log.startup_summary(
+            layouts=settings.layouts,
+            tp=args.tensor_model_parallel_size,
+            dp=settings.dp_size,
+            micro_batches=settings.micro_batches,
+            vit_budget=settings.balance.vit_budget,
+            token_budget=settings.balance.token_budget,
+            num_samples=identity.num_samples,
+            lengths_file=str(args.omnibal_lengths),
+            source=settings.data,
+            balancer=(
+                f"balancer {settings.balance.algorithm}, mode {settings.balance.mode}, "
+                f"seed {settings.balance.seed}"
+            ),
+            steps=steps,
+            start_iteration=resume.start_iteration,
+        )
+        print("\n".join(summary), flush=True)
+    log = training_log.IterationLog(
+        steps=steps,
+        log_interval=args.log_interval,
+        tensorboard_interval=args.tensorboard_log_interval,
+        is_logger=args.rank == args.world_size - 1,
+    )
+    training_log.install(log)
 
 
 def _first_rank(pp_ranks: list[int], *_: Any) -> list[int]:
@@ -288,10 +362,22 @@ def _model_provider(
     )
 
 
+def balanced_sampler(settings: OmnibalSettings, dp_rank: int) -> Any:
+    """The balanced sampler of one DP rank (its `plan(epoch)` is every rank's plan)."""
+    from megatron_omnibal.balance.sampler import BalancedBatchSampler
+
+    return BalancedBatchSampler(settings.lengths, settings.balance, dp_rank=dp_rank)
+
+
 def build_data_iterators(
-    settings: OmnibalSettings, spec: Any, _num_samples: Any = None
+    settings: OmnibalSettings,
+    spec: Any,
+    _num_samples: Any = None,
+    *,
+    origin: Any = None,
 ) -> tuple[Any, None, None]:
-    """(train iterator, no validation, no test) for this rank, at Megatron's iteration.
+    """(train iterator, no validation, no test) for this rank, at Megatron's iteration of the
+    stream that starts at `origin` (data_identity.StreamOrigin; None: iteration 0, epoch 0).
 
     Only ranks whose stage holds the patch embedding decode pixels; the others get token ids,
     labels and shape-only tiles. Micro-batches come from Megatron's --num-workers processes.
@@ -302,16 +388,13 @@ def build_data_iterators(
     from megatron.core import parallel_state
     from megatron.training import get_args
 
-    from megatron_omnibal.balance.sampler import BalancedBatchSampler
     from megatron_omnibal.megatron.batch import synthetic_sample
     from megatron_omnibal.megatron.data import BalancedDataIterator
     from megatron_omnibal.megatron.loader import MicroBatchDataset
 
     args = get_args()
     dp_rank = parallel_state.get_data_parallel_rank()
-    sampler = BalancedBatchSampler(
-        settings.lengths, settings.balance, dp_rank=dp_rank
-    )
+    sampler = balanced_sampler(settings, dp_rank)
     pixels = settings.layouts[parallel_state.get_pipeline_model_parallel_rank()].patch_embed
     if settings.data == "synthetic":
         make_sample = partial(
@@ -335,6 +418,7 @@ def build_data_iterators(
         num_workers=args.num_workers,
         pin_memory=torch.cuda.is_available(),
         policy=policy,
+        origin=origin,
     )
     atexit.register(_report_skipped, policy)
     return iterator, None, None

@@ -13,9 +13,12 @@ import sys
 from pathlib import Path
 
 
-def torchrun(worker: Path, nproc: int, args: list[str], timeout: float) -> tuple[int, str, str]:
-    """(returncode, stdout, stderr) of `torchrun --standalone --nproc-per-node N worker args`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+def torchrun(
+    worker: Path, nproc: int, args: list[str], timeout: float, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
+    """(returncode, stdout, stderr) of `torchrun --standalone --nproc-per-node N worker args`
+    (`env`: extra environment variables)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(worker), *args]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -10,6 +10,9 @@ with main()'s status (2 on a bad flag, before any process group). A stop by --ex
 With OMNIBAL_WATCH_DIR set, every file this rank or its DataLoader worker processes open under
 that folder is appended to OUT_DIR/opened_rank{R}.txt (a Python audit hook, inherited by the
 forked workers; it sees Pillow's opens too).
+With RECORD_PARAMS_AT_STEP=S in the environment, the stage's parameters as the step with
+iteration counter S starts (after S optimizer steps, or as loaded) go to OUT_DIR/params{R}.pt
+under their model-wide names (megatron.model.global_named_parameters).
 """
 
 from __future__ import annotations
@@ -24,10 +27,21 @@ from megatron_omnibal.megatron.step import forward_step
 
 RECORDS: list[dict] = []
 STATE: dict = {}
+PARAMS_AT = os.environ.get("RECORD_PARAMS_AT_STEP")
+
+
+def snapshot_parameters(model) -> dict:
+    from megatron_omnibal.megatron.model import global_named_parameters
+
+    while hasattr(model, "module"):  # DDP / Float16Module wrappers
+        model = model.module
+    return {name: p.detach().clone() for name, p in global_named_parameters(model).items()}
 
 
 def recording_forward_step(data_iterator, model):
     source = getattr(data_iterator, "iterable", data_iterator)  # Megatron's RerunDataIterator
+    if PARAMS_AT is not None and source.step == int(PARAMS_AT) and "params" not in STATE:
+        STATE["params"] = snapshot_parameters(model)
     output, loss_func = forward_step(data_iterator, model)
     record = {"indices": source.last_indices}
     RECORDS.append(record)
@@ -79,6 +93,10 @@ def run() -> int:
         "micro": RECORDS,
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    if "params" in STATE:
+        import torch
+
+        torch.save(STATE["params"], out / f"params{dist.get_rank()}.pt")
     return 0
 
 
