@@ -196,7 +196,7 @@ def test_frozen_parts_and_vit_learning_rate(models, tmp_path: Path) -> None:
     # frozen, its optimizer knows one parameter.
     state = torch.load(tmp_path / "frozen" / "iter_0000001" / "mp_rank_00_000" /
                        "model_optim_rng.pt", weights_only=False)  # fmt: skip
-    groups = state["optimizer"]["optimizer"]["param_groups"]
+    groups = state["optimizer"]["param_groups"]
     assert sum(len(g["params"]) for g in groups) == 1, groups
 
 

@@ -27,7 +27,7 @@ import torch
 
 from megatron_omnibal.balance.config import BalanceConfig
 from megatron_omnibal.balance.sampler import BalancedBatchSampler
-from megatron_omnibal.data.lengths import load_lengths, save_lengths
+from megatron_omnibal.data.lengths import load_lengths, read_stats_config, save_lengths
 from megatron_omnibal.megatron.data import model_lengths
 from megatron_omnibal.models.presets import PRESETS
 
@@ -49,7 +49,7 @@ def lengths_file(tmp_path_factory):
     real = load_lengths(EXAMPLE)
     pick = np.sort(np.random.default_rng(1).choice(len(real), 40, replace=False))
     path = tmp_path_factory.mktemp("lengths") / "lengths.npz"
-    save_lengths(real.subset(pick), path)
+    save_lengths(real.subset(pick), path, config=read_stats_config(EXAMPLE))  # 256 per tile
     return path
 
 

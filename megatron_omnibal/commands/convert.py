@@ -201,38 +201,13 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
             f"{args.ckpt_dir} holds another model than --like {args.like} (model specs differ)"
         )
     _out_dir(args.out, args.force)
-    bar = _bar(len(canonical_shapes(like)), "export", args.no_progress)
-    with bar, _single_process_group(ckpt.format == "torch_dist"):
+    with _bar(len(canonical_shapes(like)), "export", args.no_progress) as bar:
         shards = export_hf(
             canonical_groups(ckpt), like, args.out, _dtype(args.dtype), args.max_shard_size,
             bar.update,
         )  # fmt: skip
     print(f"wrote {args.out} from {ckpt.path} ({len(shards)} safetensors shard(s))")
     return 0
-
-
-class _single_process_group:
-    """Megatron's torch_dist reader runs collectives: a one-process gloo group for it."""
-
-    def __init__(self, needed: bool) -> None:
-        self.needed = needed
-        self.created = False
-
-    def __enter__(self) -> None:
-        import torch.distributed as dist
-
-        if self.needed and not dist.is_initialized():
-            from megatron_omnibal.megatron.cpu import enable_cpu_megatron
-
-            enable_cpu_megatron()
-            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-            self.created = True
-
-    def __exit__(self, *exc: object) -> None:
-        import torch.distributed as dist
-
-        if self.created:
-            dist.destroy_process_group()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ training entry point stores with Megatron's args.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -150,30 +151,56 @@ def _torch_stage(ckpt: Checkpoint, stage: int) -> dict[str, torch.Tensor]:
 _STACKED = re.compile(r"^(vit|llm)\.layers\.(.+)$")
 
 
-def _dist_keys(ckpt: Checkpoint) -> dict[str, Any]:
-    from megatron.core import dist_checkpointing
+class _DistChunks:
+    """The tensor chunks of a torch_dist checkpoint, read straight from its files: a chunk is
+    one rank's piece of one ShardedTensor (a layer's TP shard), stored as torch.save bytes at
+    an offset that the checkpoint's metadata records. Reading by chunk keeps memory at one layer
+    of one tensor, in one process, with no process group."""
 
-    return {
-        k: v
-        for k, v in dist_checkpointing.load_tensors_metadata(str(ckpt.path)).items()
-        if not k.startswith("optimizer")
-    }
+    def __init__(self, path: Path) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
 
+        self.path = path
+        self.metadata = FileSystemReader(str(path)).read_metadata()
 
-def _dist_load(ckpt: Checkpoint, key: str, shape: tuple[int, ...], layer: int | None) -> Any:
-    """One global tensor (one layer of a stacked one) of a torch_dist checkpoint."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import ShardedTensor
+    def tensors(self) -> list[tuple[str, Any]]:
+        """(key, tensor metadata) of the model's tensors (no optimizer state, no objects)."""
+        return [
+            (k, m)
+            for k, m in sorted(self.metadata.state_dict_metadata.items())
+            if hasattr(m, "chunks") and not k.startswith("optimizer")
+        ]
 
-    if layer is None:
-        local = torch.empty(shape, dtype=torch.float32)
-        st = ShardedTensor.from_rank_offsets(key, local, replica_id=0)
-    else:
-        local = torch.empty(shape[1:], dtype=torch.float32)
-        st = ShardedTensor.from_rank_offsets(
-            key, local, (0, layer, shape[0]), replica_id=0, prepend_axis_num=1
-        )
-    return dist_checkpointing.load({key: st}, str(ckpt.path))[key]
+    def read(self, key: str, meta: Any, first: int | None) -> torch.Tensor:
+        """The whole tensor `key`, or its slice `first` along the stacked layer axis."""
+        import io
+
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        size = list(meta.size)
+        lo, hi = (0, size[0]) if first is None else (first, first + 1)
+        out = torch.empty([hi - lo, *size[1:]], dtype=meta.properties.dtype)
+        covered = 0
+        for chunk in meta.chunks:
+            begin, end = chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]
+            if end <= lo or begin >= hi:
+                continue
+            info = self.metadata.storage_data[MetadataIndex(key, chunk.offsets)]
+            if info.transform_descriptors:
+                raise CheckpointError(f"{self.path}: {key}: stored with transforms "
+                                      f"{info.transform_descriptors}, which this reader lacks")
+            with open(self.path / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                data = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+            a, b = max(begin, lo), min(end, hi)
+            target = [slice(a - lo, b - lo)] + [
+                slice(o, o + n) for o, n in zip(chunk.offsets[1:], chunk.sizes[1:], strict=True)
+            ]
+            out[tuple(target)] = data[a - begin : b - begin]
+            covered += (b - a) * math.prod(chunk.sizes[1:])
+        if covered != out.numel():
+            raise CheckpointError(f"{self.path}: {key}: the stored chunks do not cover the tensor")
+        return out if first is None else out[0]
 
 
 def _canonical_suffix(suffix: str) -> str:
@@ -184,16 +211,16 @@ def _canonical_suffix(suffix: str) -> str:
 
 
 def _dist_tensors(ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
-    for key, meta in sorted(_dist_keys(ckpt).items()):
-        shape = tuple(meta.global_shape) if hasattr(meta, "global_shape") else tuple(meta.shape)
+    chunks = _DistChunks(ckpt.path)
+    for key, meta in chunks.tensors():
         m = _STACKED.match(key)
         if not m:
             name = _canonical_suffix(key)
-            yield name, unshard(name, [_dist_load(ckpt, key, shape, None)], ckpt.spec)
+            yield name, unshard(name, [chunks.read(key, meta, None)], ckpt.spec)
             continue
-        for i in range(shape[0]):
+        for i in range(meta.size[0]):
             name = f"{m.group(1)}.layers.{i}.{_canonical_suffix(m.group(2))}"
-            yield name, unshard(name, [_dist_load(ckpt, key, shape, i)], ckpt.spec)
+            yield name, unshard(name, [chunks.read(key, meta, i)], ckpt.spec)
 
 
 def canonical_groups(ckpt: Checkpoint) -> Iterator[dict[str, torch.Tensor]]:

@@ -66,6 +66,7 @@ def write_torch_checkpoint(
                 {"model": state, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}, path
             )
             written.append(path)
+            del state
         if progress is not None:
             progress(len(names))
         del tensors, stage

@@ -4,15 +4,18 @@ Why "like": the exported directory must load in transformers (or OpenGVLab's rem
 missing or unexpected keys, so it mirrors the checkpoint the model came from: the same tensor
 names in the same key style and dtype, the tensors the model never trains (LLaVA's unused last
 CLIP layer, CLIP's post-LayerNorm) copied unchanged, and the config, tokenizer, processor and
-remote-code files alongside. Tensors are written as they arrive, in safetensors shards of at most
-`max_shard_bytes` with transformers' index file, so memory holds one shard.
+remote-code files alongside. The shard files are laid out (headers, sizes) before any tensor
+arrives, and each tensor is written to its place as it comes, so memory holds one group of
+tensors (a pipeline stage), never a shard or the model.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,63 +33,124 @@ from megatron_omnibal.models.hf_weights import (
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor goes: its shard file, dtype, shape and byte range in the data buffer."""
+
+    file: str
+    dtype: str  # safetensors' name (BF16, F32, ...)
+    shape: tuple[int, ...]
+    begin: int
+    end: int
 
 
 class ShardWriter:
-    """Safetensors shards named as transformers names them, with the index it reads."""
+    """Safetensors shards whose layout is fixed before any tensor arrives, so each tensor is
+    written to its place on arrival and memory holds one pipeline stage, not one shard.
 
-    def __init__(self, out: Path, max_shard_bytes: int) -> None:
+    The shards mirror the original checkpoint's: the same files holding the same tensors when
+    it is sharded (transformers' index format), else one `model.safetensors`, split greedily
+    in the original order into `model-XXXXX-of-YYYYY.safetensors` above `max_shard_bytes`.
+    """
+
+    def __init__(
+        self,
+        out: Path,
+        tensors: dict[str, tuple[str, tuple[int, ...]]],
+        groups: dict[str, list[str]] | None,
+        max_shard_bytes: int,
+    ) -> None:
         self.out = out
-        self.max = max_shard_bytes
-        self.buffer: dict[str, torch.Tensor] = {}
-        self.size = 0
-        self.shards: list[list[str]] = []
-        self.total = 0
+        if groups is None:
+            groups = _greedy_shards(tensors, max_shard_bytes)
+        self.slots: dict[str, Slot] = {}
+        self.headers: dict[str, int] = {}
+        for file, names in groups.items():
+            header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+            at = 0
+            for name in names:
+                dtype, shape = tensors[name]
+                end = at + DTYPE_BYTES[dtype] * math.prod(shape)
+                self.slots[name] = Slot(file, dtype, tuple(shape), at, end)
+                header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, end]}
+                at = end
+            text = json.dumps(header, separators=(",", ":")).encode()
+            text += b" " * (-len(text) % 8)
+            with open(out / file, "wb") as f:
+                f.write(len(text).to_bytes(8, "little"))
+                f.write(text)
+                f.truncate(8 + len(text) + at)
+            self.headers[file] = 8 + len(text)
+        self.written: set[str] = set()
+        if len(groups) > 1:
+            index = {
+                "metadata": {"total_size": sum(s.end - s.begin for s in self.slots.values())},
+                "weight_map": {n: s.file for n, s in sorted(self.slots.items())},
+            }
+            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.buffer and self.size + nbytes > self.max:
-            self._flush()
-        self.buffer[name] = tensor.contiguous()
-        self.size += nbytes
-        self.total += nbytes
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        save_file(self.buffer, str(self.out / f".shard{len(self.shards)}.tmp"), {"format": "pt"})
-        self.shards.append(sorted(self.buffer))
-        self.buffer, self.size = {}, 0
+        slot = self.slots.get(name)
+        if slot is None:
+            raise WeightsError(f"tensor '{name}' is not in the checkpoint being mirrored")
+        if name in self.written:
+            raise WeightsError(f"tensor '{name}' written twice")
+        if DTYPE_NAMES[tensor.dtype] != slot.dtype or tuple(tensor.shape) != slot.shape:
+            raise WeightsError(
+                f"tensor '{name}' is {DTYPE_NAMES.get(tensor.dtype, tensor.dtype)} "
+                f"{tuple(tensor.shape)}, the checkpoint has {slot.dtype} {slot.shape}"
+            )
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        with open(self.out / slot.file, "r+b") as f:
+            f.seek(self.headers[slot.file] + slot.begin)
+            f.write(data.tobytes())
+        self.written.add(name)
 
     def close(self) -> list[Path]:
-        if self.buffer or not self.shards:
-            self._flush()
-        n = len(self.shards)
-        if n == 1:
-            names = [self.out / "model.safetensors"]
-        else:
-            names = [self.out / f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        for i, final in enumerate(names):
-            (self.out / f".shard{i}.tmp").replace(final)
-        if n > 1:
-            index = {
-                "metadata": {"total_size": self.total},
-                "weight_map": {t: names[i].name for i, ts in enumerate(self.shards) for t in ts},
-            }
-            (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        return names
+        missing = sorted(set(self.slots) - self.written)
+        if missing:
+            raise WeightsError(f"{len(missing)} tensor(s) were never written, e.g. {missing[0]}")
+        return sorted(self.out / f for f in self.headers)
 
 
-def _dtypes(reader: SafetensorsReader) -> dict[str, torch.dtype]:
-    """The dtype of every tensor of the original checkpoint (file names), read from headers."""
+def _greedy_shards(
+    tensors: dict[str, tuple[str, tuple[int, ...]]], max_bytes: int
+) -> dict[str, list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, (dtype, shape) in tensors.items():
+        nbytes = DTYPE_BYTES[dtype] * math.prod(shape)
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    if len(shards) == 1:
+        return {"model.safetensors": shards[0]}
+    n = len(shards)
+    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": names for i, names in enumerate(shards)}
+
+
+def _layout(reader: SafetensorsReader) -> tuple[dict[str, tuple[str, tuple[int, ...]]],
+                                                dict[str, list[str]] | None]:  # fmt: skip
+    """(dtype and shape of every tensor of the original checkpoint in file order, its shard
+    groups when it is sharded), read from the safetensors headers."""
     from safetensors import safe_open
 
-    out = {}
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    groups: dict[str, list[str]] = {}
     for shard in sorted(set(reader.files.values())):
         with safe_open(shard, "pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is no dict
-                out[name] = DTYPES[f.get_slice(name).get_dtype()]
-    return out
+                piece = f.get_slice(name)
+                tensors[name] = (piece.get_dtype(), tuple(piece.get_shape()))
+                groups.setdefault(shard.name, []).append(name)
+    sharded = (reader.path / "model.safetensors.index.json").is_file()
+    return tensors, groups if sharded else None
 
 
 def export_hf(
@@ -101,8 +165,11 @@ def export_hf(
     like `like` into `out`. Every tensor of `like` is written exactly once. Returns the shards."""
     reader = SafetensorsReader(like)
     rules = {r.canonical: r for r in rules_for(like)}
-    originals = _dtypes(reader)
-    writer = ShardWriter(out, max_shard_bytes)
+    layout, shard_groups = _layout(reader)
+    if dtype is not None:
+        layout = {n: (DTYPE_NAMES[dtype], shape) for n, (_, shape) in layout.items()}
+    writer = ShardWriter(out, layout, shard_groups, max_shard_bytes)
+    originals = {n: DTYPES[d] for n, (d, _) in layout.items()}
     done: set[str] = set()
     embedding = None  # a tied head's stored copy (if the original has one) is the embedding
     for group in groups:
@@ -115,7 +182,7 @@ def export_hf(
             done.add(name)
             for hf_name, piece in zip(rule.hf, rule.to_hf(tensor), strict=True):
                 file_name = to_file_name(hf_name, reader.style)
-                writer.add(file_name, piece.to(dtype or originals[file_name]))
+                writer.add(file_name, piece.to(originals[file_name]))
             if name == "embedding.word_embeddings.weight":
                 embedding = tensor
         if progress is not None:
@@ -127,7 +194,7 @@ def export_hf(
         file_name = to_file_name(hf_name, reader.style)
         tied_copy = hf_name in TIED_HEAD_COPIES and like.spec.llm.tie_embeddings
         tensor = embedding if tied_copy else reader.get(hf_name)
-        writer.add(file_name, tensor.to(dtype or originals[file_name]))
+        writer.add(file_name, tensor.to(originals[file_name]))
     shards = writer.close()
     for f in sorted(like.path.iterdir()):
         weights = f.name.endswith(WEIGHT_SUFFIXES) or f.name in WEIGHT_INDEXES

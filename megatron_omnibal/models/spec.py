@@ -260,7 +260,7 @@ class ModelSpec:
     InternVL wraps each image's placeholders in `image_start_id` / `image_end_id` (-1: none).
     """
 
-    name: str
+    name: str = field(compare=False)  # two specs of one architecture are equal whatever named
     vit: VisionSpec
     projector: ProjectorSpec
     llm: LanguageSpec
