@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import pkgutil
 import sys
 from collections.abc import Sequence
@@ -39,6 +40,9 @@ def _help_line(name: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit status: 0 done, 1 the work failed, 2 a usage error (argparse's,
+    or a ValueError naming the flag or the input at fault), 130 interrupted (Ctrl-C), 141 stdout
+    closed early (`omnibal balance ... | head`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     names = _command_names()
     top = argparse.ArgumentParser(
@@ -49,21 +53,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     top.add_argument("--version", action="version", version=f"omnibal {__version__}")
     top.add_argument("command", choices=names, metavar="COMMAND")
-    if not argv or argv[0].startswith("-"):
-        top.parse_args(argv or ["--help"])
+    if not argv:
+        top.print_help(sys.stderr)
         return 2
+    if argv[0].startswith("-"):
+        top.parse_args(argv)  # --help and --version exit 0 here, anything else with 2
+        top.error("give a command first")
     name, rest = argv[0], argv[1:]
     if name not in names:
         top.error(f"unknown command '{name}' (choose from {', '.join(names)})")
-    module = importlib.import_module(_module(name))
-    parser = argparse.ArgumentParser(prog=f"omnibal {name}", description=module.HELP)
-    module.add_arguments(parser)
-    args = parser.parse_args(rest)
     try:
-        return int(module.run(args) or 0)
+        module = importlib.import_module(_module(name))
+        parser = argparse.ArgumentParser(prog=f"omnibal {name}", description=module.HELP)
+        module.add_arguments(parser)
+        args = parser.parse_args(rest)
+        code = int(module.run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not as a traceback at interpreter exit
+        return code
+    except KeyboardInterrupt:
+        print(f"omnibal {name}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        _discard_stdout()
+        return 141
     except (ValueError, FileNotFoundError) as exc:
         print(f"omnibal {name}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"omnibal {name}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _discard_stdout() -> None:
+    """After a reader closed our stdout: send what is still buffered to /dev/null, so that the
+    interpreter's final flush does not fail again."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (captured output): nothing will be flushed at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":

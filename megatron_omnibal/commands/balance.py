@@ -14,24 +14,35 @@ import time
 
 from tqdm import tqdm
 
+from megatron_omnibal.cli_args import (
+    fraction,
+    non_negative_int,
+    output_file,
+    output_file_type,
+    pack_cost,
+    png_file,
+    positive_float,
+    positive_int,
+)
+
 HELP = "balance samples into packs over (step, DP rank, micro-batch); compare with random"
 LONG_INPUT = 200_000  # samples from which a progress bar is shown
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("lengths", help="length statistics (.npz, JSON list, meta JSON, JSONL)")
-    parser.add_argument("--dp", type=int, required=True, help="data-parallel ranks")
-    parser.add_argument("--micro-batches", type=int, default=1,
+    parser.add_argument("--dp", type=positive_int, required=True, help="data-parallel ranks")
+    parser.add_argument("--micro-batches", type=positive_int, default=1,
                         help="packs per rank per step (default 1)")
-    parser.add_argument("--vit-budget", type=int, help="image tiles per pack")
-    parser.add_argument("--token-budget", type=int, help="tokens per pack")
+    parser.add_argument("--vit-budget", type=non_negative_int, help="image tiles per pack")
+    parser.add_argument("--token-budget", type=positive_int, help="tokens per pack")
     parser.add_argument("--auto-budget", action="store_true",
                         help="choose the budgets from the data (see --samples-per-pack)")
-    parser.add_argument("--samples-per-pack", type=float, default=4.0,
+    parser.add_argument("--samples-per-pack", type=positive_float, default=4.0,
                         help="with --auto-budget: target samples per pack (default 4)")
-    parser.add_argument("--max-vit-budget", type=int,
+    parser.add_argument("--max-vit-budget", type=non_negative_int,
                         help="with --auto-budget: memory limit on tiles per pack")
-    parser.add_argument("--max-token-budget", type=int,
+    parser.add_argument("--max-token-budget", type=positive_int,
                         help="with --auto-budget: memory limit on tokens per pack")
     parser.add_argument("--mode", choices=("random", "grouped"), default="random",
                         help="random: each step's mix as random as a shuffle (default); "
@@ -41,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oversize", choices=("error", "solo", "skip"), default="error",
                         help="a sample larger than a budget: error (default), a pack of its "
                              "own, or listed as skipped")
-    parser.add_argument("--cost", metavar="A,B,C",
+    parser.add_argument("--cost", metavar="A,B,C", type=pack_cost,
                         help="modeled time of a pack: A*tiles + B*tokens + C*sum(len^2) (ms); "
                              "steps are formed to even it out across ranks")
     parser.add_argument("--plan", metavar="PLAN.json",
@@ -50,27 +61,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="modeled time from this model (preset, spec file or "
                                         "HF directory) on --hardware, as one stage")
     parser.add_argument("--hardware", help="GPU preset for --model (e.g. A100-80G)")
-    parser.add_argument("--tp", type=int, default=1, help="with --model: tensor parallel size")
-    parser.add_argument("--time-tail", type=float, default=0.03,
+    parser.add_argument("--tp", type=positive_int, default=1,
+                        help="with --model: tensor parallel size")
+    parser.add_argument("--time-tail", type=fraction, default=0.03,
                         help="with a modeled time: share of the slowest packs that get steps "
                              "of their own (default 0.03)")
     parser.add_argument("--levels", metavar="V/T[xM],..",
                         help="packing levels (hierarchical balance packing), ascending, the "
                              "last one the budgets; xM: micro-batches per rank of its steps "
                              "(default: the same tokens per step as the budgets' level)")
-    parser.add_argument("--curriculum-steps", type=int, default=0,
+    parser.add_argument("--curriculum-steps", type=non_negative_int, default=0,
                         help="with --levels: this many steps of the shortest level first")
-    parser.add_argument("--isf-rounds", type=int, default=10, help="ISF rounds (default 10)")
-    parser.add_argument("--isf-threshold", type=int,
+    parser.add_argument("--isf-rounds", type=positive_int, default=10,
+                        help="ISF rounds (default 10)")
+    parser.add_argument("--isf-threshold", type=non_negative_int,
                         help="ISF: a pack with this many tokens is full (default budget - 128)")
-    parser.add_argument("--baseline-samples", type=int,
+    parser.add_argument("--baseline-samples", type=positive_int,
                         help="samples per micro-batch of the random baseline (default: the "
                              "plan's samples per micro-batch, rounded)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="write the plan (.npz, DESIGN.md 'Balance plan')")
-    parser.add_argument("--json", dest="json_out", help="write the figures as JSON")
-    parser.add_argument("--png", help="plot per-step, per-rank tiles and tokens of the plan "
-                                      "beside random batching to this PNG file")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="seed of the plan and of random batching (default 0)")
+    parser.add_argument("--out", type=output_file_type(".npz"), metavar="PLAN.npz",
+                        help="write the plan to this .npz file")
+    parser.add_argument("--json", dest="json_out", type=output_file, metavar="FILE",
+                        help="write the figures as JSON to this file")
+    parser.add_argument("--png", type=png_file,
+                        help="plot per-step, per-rank tiles and tokens of the plan beside random "
+                             "batching to this .png file")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--vit-budget and --token-budget go together")
     cost = _cost(args)
     lengths = load_lengths(args.lengths)
+    _check_enough_samples(args, len(lengths))
     long_input = len(lengths) >= LONG_INPUT
     bar = tqdm(total=4, desc="balance", unit="stage", disable=not long_input, file=sys.stderr)
     if args.auto_budget:
@@ -106,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
                            levels=_levels(args.levels, args.micro_batches, token_budget),
                            curriculum_steps=args.curriculum_steps)
     plan = balance(lengths, config)
+    if plan.num_steps == 0:
+        raise ValueError(f"{args.lengths}: all {len(lengths)} samples exceed the budgets and "
+                         "--oversize skip leaves every one out: no plan")
     elapsed = time.perf_counter() - start
     bar.update()
     bar.set_postfix_str("checking")
@@ -116,17 +137,17 @@ def run(args: argparse.Namespace) -> int:
     ours = metrics.summarize(plan, lengths, metric_cost, seed=args.seed)
     bar.update()
     bar.set_postfix_str("random baseline")
-    per_micro = args.baseline_samples or max(
-        1, round(ours["samples_per_step"] / (args.dp * args.micro_batches)))
+    per_micro = _baseline_samples(args, ours["samples_per_step"], len(lengths))
     base_plan = metrics.random_batching(lengths, dp_size=args.dp,
                                         micro_batches=args.micro_batches,
                                         samples_per_micro=per_micro, seed=args.seed)
     base = metrics.summarize(base_plan, lengths, metric_cost, packed=False, seed=args.seed)
     bar.update()
     bar.close()
+    _print_table(plan.meta, ours, base, per_micro, elapsed, len(lengths))
     if args.out:
         save_plan(plan, args.out)
-    _print_table(plan.meta, ours, base, per_micro, elapsed, len(lengths))
+        print(f"wrote {args.out}")
     if args.png:
         from megatron_omnibal.data.plots import plot_balance
 
@@ -136,7 +157,36 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"meta": plan.meta, "plan": ours, "random_batching": base,
                        "baseline_samples_per_micro": per_micro, "seconds": elapsed}, fh,
                       indent=2)
+        print(f"wrote {args.json_out}")
     return 0
+
+
+def _check_enough_samples(args: argparse.Namespace, samples: int) -> None:
+    """A step gives every one of the dp x micro-batches slots a pack: with fewer samples than
+    slots even the first step would train empty packs, so such a plan is refused (before any
+    work: it also stops a mistyped --dp from allocating packs for minutes)."""
+    if samples == 0:
+        raise ValueError(f"{args.lengths}: no samples")
+    slots = args.dp * args.micro_batches
+    if samples < slots:
+        raise ValueError(f"{args.lengths} has {samples} sample(s), fewer than the {slots} packs "
+                         f"of one step (--dp {args.dp} x --micro-batches {args.micro_batches}); "
+                         "lower --dp or --micro-batches")
+
+
+def _baseline_samples(args: argparse.Namespace, plan_samples_per_step: float, samples: int
+                      ) -> int:
+    """Samples per micro-batch of random batching: the plan's per pack, rounded, as long as the
+    data fills one whole step of them (random batching drops an incomplete last step)."""
+    slots = args.dp * args.micro_batches
+    most = samples // slots
+    if args.baseline_samples is not None:
+        if args.baseline_samples > most:
+            raise ValueError(f"--baseline-samples {args.baseline_samples}: {slots} micro-batches "
+                             f"of that many need more than the {samples} samples; at most "
+                             f"{most}")
+        return args.baseline_samples
+    return max(1, min(most, round(plan_samples_per_step / slots)))
 
 
 def _levels(text: str | None, micro: int, token_budget: int) -> tuple:
@@ -147,7 +197,10 @@ def _levels(text: str | None, micro: int, token_budget: int) -> tuple:
         return ()
     out = []
     for part in text.split(","):
-        level = Level.parse(part, micro)
+        try:
+            level = Level.parse(part, micro)
+        except ValueError as exc:
+            raise ValueError(f"--levels {text}: {exc}") from exc
         if "x" not in part:
             level = Level(vit_budget=level.vit_budget, token_budget=level.token_budget,
                           micro_batches=max(1, round(micro * token_budget / level.token_budget)))

@@ -12,34 +12,14 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from megatron_omnibal.cli_args import counts, non_negative_int, positive_float, positive_int
+
 HELP = "check a Megatron checkpoint's logits against transformers' forward of an HF checkpoint"
 
 
-def _counts(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _tolerance(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < 1:
+    value = positive_float(text)
+    if value >= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
     return value
 
@@ -47,17 +27,18 @@ def _tolerance(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("hf_dir", type=Path, help="HF checkpoint directory (transformers format)")
     parser.add_argument("ckpt_dir", type=Path, help="Megatron checkpoint directory")
-    parser.add_argument("--iteration", type=int, help="checkpoint iteration (default: latest)")
-    parser.add_argument("--tp", type=_positive_int, help="TP to run at (default: the checkpoint's)")
-    parser.add_argument("--omnibal-vit-pp-layers", type=_counts, metavar="N,N,..",
+    parser.add_argument("--iteration", type=non_negative_int,
+                        help="checkpoint iteration (default: latest)")  # fmt: skip
+    parser.add_argument("--tp", type=positive_int, help="TP to run at (default: the checkpoint's)")
+    parser.add_argument("--omnibal-vit-pp-layers", type=counts, metavar="N,N,..",
                         help="ViT layers per stage to run at (torch_dist checkpoints)")  # fmt: skip
-    parser.add_argument("--omnibal-llm-pp-layers", type=_counts, metavar="N,N,..",
+    parser.add_argument("--omnibal-llm-pp-layers", type=counts, metavar="N,N,..",
                         help="LLM layers per stage to run at (torch_dist checkpoints)")  # fmt: skip
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="run the LLM with sequence parallelism (TP > 1)")  # fmt: skip
     parser.add_argument("--tolerance", type=_tolerance, default=1e-4,
                         help="largest relative difference (default 1e-4, fp32)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0, help="seed of the probe inputs")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the probe inputs")
 
 
 def _layout(args: argparse.Namespace, ckpt) -> tuple[list, int]:

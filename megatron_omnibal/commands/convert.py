@@ -4,34 +4,15 @@ TP/PP layout, and trained Megatron checkpoints back into Hugging Face checkpoint
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
+
+from megatron_omnibal.cli_args import counts, non_negative_int, output_dir, positive_int
 
 HELP = "convert HF InternVL/LLaVA checkpoints to Megatron checkpoints (any TP/PP) and back"
 
 DTYPES = ("bf16", "fp16", "fp32")
-
-
-def _counts(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"layer counts must be >= 0, got {text!r}")
-    return values
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _size(text: str) -> int:
@@ -44,7 +25,7 @@ def _size(text: str) -> int:
                 value = float(t[: -len(unit)]) * mult
             except ValueError:
                 break
-            if value > 0:
+            if math.isfinite(value) and value >= 1:
                 return int(value)
     if t.isdigit() and int(t) > 0:
         return int(t)
@@ -62,13 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     to_meg.add_argument("hf_dir", type=Path, help="HF checkpoint directory (config.json, "
                         "safetensors)")  # fmt: skip
-    to_meg.add_argument("--out", type=Path, required=True, help="checkpoint directory to create")
+    to_meg.add_argument("--out", type=output_dir, required=True,
+                        help="checkpoint directory to create")  # fmt: skip
     to_meg.add_argument("--plan", type=Path, help="plan.json from `omnibal plan` (layout, TP)")
-    to_meg.add_argument("--tp", type=_positive, help="tensor parallel size (without --plan)")
-    to_meg.add_argument("--pp", type=_positive, help="pipeline stages (without --plan)")
-    to_meg.add_argument("--omnibal-vit-pp-layers", type=_counts, metavar="N,N,..",
+    to_meg.add_argument("--tp", type=positive_int, help="tensor parallel size (without --plan)")
+    to_meg.add_argument("--pp", type=positive_int, help="pipeline stages (without --plan)")
+    to_meg.add_argument("--omnibal-vit-pp-layers", type=counts, metavar="N,N,..",
                         help="ViT layers per stage (without --plan)")  # fmt: skip
-    to_meg.add_argument("--omnibal-llm-pp-layers", type=_counts, metavar="N,N,..",
+    to_meg.add_argument("--omnibal-llm-pp-layers", type=counts, metavar="N,N,..",
                         help="LLM layers per stage (without --plan)")  # fmt: skip
     to_meg.add_argument("--ckpt-format", choices=("torch", "torch_dist"), default="torch",
                         help="Megatron checkpoint format (torch_dist: written by Megatron itself "
@@ -85,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("ckpt_dir", type=Path, help="Megatron checkpoint directory")
     to_hf.add_argument("--like", type=Path, required=True,
                        help="the HF checkpoint the model came from")  # fmt: skip
-    to_hf.add_argument("--out", type=Path, required=True, help="HF directory to create")
-    to_hf.add_argument("--iteration", type=int, help="iteration to export (default: latest)")
+    to_hf.add_argument("--out", type=output_dir, required=True, help="HF directory to create")
+    to_hf.add_argument("--iteration", type=non_negative_int,
+                       help="iteration to export (default: latest)")  # fmt: skip
     to_hf.add_argument("--dtype", choices=DTYPES, help="cast (default: --like's dtypes)")
     to_hf.add_argument("--max-shard-size", type=_size, default=5 * 2**30,
                        help="largest safetensors shard (default 5GB)")  # fmt: skip
@@ -211,6 +194,7 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.out = Path(args.out)
     if args.direction == "hf-to-megatron":
         return _hf_to_megatron(args)
     return _megatron_to_hf(args)

@@ -11,7 +11,7 @@ HELP = "split a layer profile into PP stages (exact search, or Megatron/BMP for 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--profile", required=True, help="layer profile JSON (DESIGN.md)")
+    parser.add_argument("--profile", required=True, help="layer profile JSON (`omnibal profile`)")
     parser.add_argument("--pp", type=positive_int, required=True, help="pipeline stages")
     parser.add_argument("--mode", choices=("exact", "bmp", "megatron"), default="exact")
     parser.add_argument(

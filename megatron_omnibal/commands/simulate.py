@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_omnibal.cli_args import non_negative_int, output_file
+from megatron_omnibal.cli_args import non_negative_int, png_file
 
 HELP = "simulate a plan.json step (1F1B, real sample lengths) and draw its Gantt chart"
 
@@ -12,7 +12,7 @@ HELP = "simulate a plan.json step (1F1B, real sample lengths) and draw its Gantt
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, help="plan.json from `omnibal plan`")
     parser.add_argument(
-        "--png", type=output_file, help="write the Gantt chart of the slowest replica here"
+        "--png", type=png_file, help="write the Gantt chart of the slowest replica to this .png"
     )
     parser.add_argument(
         "--lengths",

@@ -6,6 +6,13 @@ import argparse
 import os
 import sys
 
+from megatron_omnibal.cli_args import output_file_type, positive_int
+
+# Every output may go into a directory that does not exist yet: it is created when written.
+_LENGTH_FILE = output_file_type(".npz", ".json", create_parent=True)
+_REPORT_FILE = output_file_type(create_parent=True)
+_PNG_FILE = output_file_type(".png", create_parent=True)
+
 HELP = "compute per-sample length statistics (image tiles, tokens) of a VLM dataset"
 
 
@@ -22,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow a tokenizer directory's own Python code (auto_map), e.g. "
                              "InternLM2's; it runs on this machine")
-    parser.add_argument("--out", required=True,
+    parser.add_argument("--out", required=True, type=_LENGTH_FILE,
                         help="length file: .npz (one file), or .json (a meta file naming one "
                              "length file per dataset, in --format); the configuration of this "
                              "run is stored in it")
@@ -33,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="system message (default: the template's own)")
     parser.add_argument("--tiling", choices=["dynamic", "fixed", "anyres"],
                         help="image tiling (default: the model's; anyres = LLaVA-NeXT)")
-    parser.add_argument("--min-tiles", type=int, help="InternVL min_dynamic_patch")
-    parser.add_argument("--max-tiles", type=int,
+    parser.add_argument("--min-tiles", type=positive_int, help="InternVL min_dynamic_patch")
+    parser.add_argument("--max-tiles", type=positive_int,
                         help="InternVL max_dynamic_patch (default: the model's, else 12; a meta "
                              "entry's max_dynamic_patch overrides it)")
     parser.add_argument("--no-thumbnail", action="store_true",
@@ -43,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="LLaVA-NeXT grid resolutions as HxW list, e.g. 336x672,672x336")
     parser.add_argument("--no-dummy-tile", action="store_true",
                         help="text-only samples get vit_num 0 instead of one blank tile")
-    parser.add_argument("--max-tokens", type=int, default=None,
+    parser.add_argument("--max-tokens", type=positive_int, default=None,
                         help="samples with more tokens are errors (or skipped)")
     parser.add_argument("--verify-images", action="store_true",
                         help="decode every image fully (in the worker processes), not only its "
@@ -54,16 +61,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--on-error", choices=["error", "skip"], default="error",
                         help="bad sample: stop (default) or leave it out and list it in the "
                              "skipped report")
-    parser.add_argument("--skipped", default=None,
+    parser.add_argument("--skipped", default=None, type=_REPORT_FILE,
                         help="skipped report path (default: <out stem>.skipped.json)")
     parser.add_argument("--format", choices=["json", "jsonl", "npz"], default="json",
                         help="per-dataset file format of a .json (meta) output (default json)")
     parser.add_argument("--image-root", default=None,
                         help="image folder of a JSON/JSONL input (default: its folder)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+    parser.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
                         help="worker processes (default: all cores)")
-    parser.add_argument("--chunk-size", type=int, default=256, help="samples per work item")
-    parser.add_argument("--png", default=None,
+    parser.add_argument("--chunk-size", type=positive_int, default=256,
+                        help="samples per work item")
+    parser.add_argument("--png", default=None, type=_PNG_FILE,
                         help="also plot the tiles and tokens distributions per dataset to this "
                              "PNG file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -94,7 +102,13 @@ def build_config(args: argparse.Namespace):
                          else 1, features_per_side=spec.vit.image_size // spec.vit.patch_size)
     overrides = {"min_tiles": args.min_tiles, "max_tiles": args.max_tiles,
                  "pinpoints": _pinpoints(args.pinpoints) if args.pinpoints else None}
-    tiling = replace(tiling, **{k: v for k, v in overrides.items() if v is not None})
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    low, high = overrides.get("min_tiles", tiling.min_tiles), overrides.get("max_tiles",
+                                                                         tiling.max_tiles)
+    if low > high:
+        raise ValueError(f"--min-tiles {low} is above --max-tiles {high} (the model's default "
+                         "where not given)")
+    tiling = replace(tiling, **overrides)
     if args.no_thumbnail:
         tiling = replace(tiling, thumbnail=False)
     template = args.template or side.template
@@ -116,8 +130,6 @@ def build_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from megatron_omnibal.data.stats import StatsError, compute_stats, write_outputs
 
-    if args.workers < 1 or args.chunk_size < 1:
-        raise ValueError("--workers and --chunk-size must be at least 1")
     config = build_config(args)
     try:
         result = compute_stats(args.dataset, config, image_root=args.image_root,

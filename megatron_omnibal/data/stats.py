@@ -18,6 +18,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -142,7 +143,7 @@ def _compute(specs: list[DatasetSpec], is_meta: bool, config: StatsConfig, on_er
 
     bar = tqdm(total=total, unit="sample", desc="omnibal stats", disable=not progress,
                file=sys.stderr, dynamic_ncols=True, smoothing=0.05, delay=1.0)
-    pool = mp.get_context("fork").Pool(workers) if workers > 1 else None
+    pool = mp.get_context("fork").Pool(workers, _ignore_interrupt) if workers > 1 else None
     try:
         results = pool.imap(_run_chunk, tasks) if pool else map(_run_chunk, tasks)
         for out in results:
@@ -213,6 +214,12 @@ def _tasks(specs: list[DatasetSpec], records: list[list[RawRecord]], config: Sta
                              min_tiles=min(tiling.min_tiles, spec.max_tiles))
         for chunk in chunks(recs, chunk_size):
             yield d, spec.name, str(spec.image_root), tiling, chunk
+
+
+def _ignore_interrupt() -> None:
+    """Workers leave Ctrl-C (sent to the whole process group) to the parent, which stops them:
+    one "interrupted" line instead of a traceback per worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _run_chunk(task: tuple) -> _ChunkOut:
@@ -346,6 +353,7 @@ def write_outputs(result: StatsResult, out: str | os.PathLike, fmt: str = "json"
             meta[spec.name] = {"token_lengths": child.name, "stats_config": result.config}
         out.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
     report = Path(skipped_path) if skipped_path else out.with_name(f"{out.stem}.skipped.json")
+    report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(json.dumps(skipped_report(result), indent=1, ensure_ascii=False) + "\n")
     written.append(report)
     return written

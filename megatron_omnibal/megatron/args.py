@@ -20,6 +20,7 @@ from megatron_omnibal.balance.config import (
     Level,
     PackCost,
 )
+from megatron_omnibal.cli_args import non_negative_int, pack_cost, positive_int
 from megatron_omnibal.data.lengths import LengthsError, LengthStats, load_lengths
 from megatron_omnibal.megatron.finetune import add_finetune_args
 from megatron_omnibal.megatron.layout import (
@@ -119,13 +120,13 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     g.add_argument(
         "--omnibal-vit-budget",
-        type=int,
+        type=positive_int,
         default=None,
         help="image tiles per micro-batch the balancer aims at (default: the plan's)",
     )
     g.add_argument(
         "--omnibal-token-budget",
-        type=int,
+        type=positive_int,
         default=None,
         help="LLM tokens per micro-batch the balancer aims at (default: the plan's)",
     )
@@ -149,6 +150,7 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     g.add_argument(
         "--omnibal-cost",
+        type=pack_cost,
         default=None,
         metavar="A,B,C",
         help="modeled time of a pack, A*tiles + B*tokens + C*sum(len^2) (default: the plan's "
@@ -163,7 +165,7 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     g.add_argument(
         "--omnibal-curriculum-steps",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="with levels: this many steps of the shortest level open each epoch",
     )
@@ -213,7 +215,7 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     g.add_argument(
         "--omnibal-text-scale",
-        type=int,
+        type=positive_int,
         default=1,
         help="synthetic data only: divide each sample's text tokens by this (a CPU dry run of "
         "long real lengths on a small model)",

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from megatron_omnibal.cli_args import positive_float
+
 PARTS = ("vit", "projector", "llm")
 # Which stage submodules make up each part (models.spec order: ViT, projector, LLM).
 _MODULES = {
@@ -62,7 +64,7 @@ def add_finetune_args(group: Any) -> None:
     )
     group.add_argument(
         "--omnibal-vit-lr-mult",
-        type=float,
+        type=positive_float,
         default=1.0,
         metavar="X",
         help="the ViT's learning rate (and min lr) is X times the others' (InternVL trains its "
