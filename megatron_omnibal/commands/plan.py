@@ -155,10 +155,10 @@ def print_levels(plan, out) -> None:
             file=out,
         )
         return
-    gain = 1 - p.epoch_s / p.single_level_epoch_s if p.single_level_epoch_s else 0.0
+    change = p.epoch_s / p.single_level_epoch_s - 1 if p.single_level_epoch_s else 0.0
     print(
         f"packing levels: estimated epoch {p.epoch_s:.1f} s, one level "
-        f"{p.single_level_epoch_s:.1f} s ({gain:.1%} less)",
+        f"{p.single_level_epoch_s:.1f} s ({abs(change):.1%} {'more' if change > 0 else 'less'})",
         file=out,
     )
     print(
