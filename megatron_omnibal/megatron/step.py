@@ -60,8 +60,8 @@ def forward_step(
 def per_step_micro_batches(forward_backward_func: Callable[..., Any]) -> Callable[..., Any]:
     """The schedule, run for as many micro-batches as the data iterator's next step holds.
 
-    megatron.training's train_step passes its run-wide get_num_microbatches(); with packing
-    levels a step runs its level's count, which only the balanced stream knows
+    megatron.training's train_step passes its run-wide get_num_microbatches() (ignored here);
+    with packing levels a step runs its level's count, which only the balanced stream knows
     (BalancedDataIterator.micro_batches_of_next_step). megatron-core's schedules take the count
     per call, and with per-token loss the gradient is the same sum over tokens whatever it is.
     """
