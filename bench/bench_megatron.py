@@ -409,9 +409,12 @@ class FixedBatches:
     """Random fixed-size micro-batches (the usual sampler), in BalancedBatchSampler's protocol."""
 
     def __init__(self, n: int, batch: int, dp_size: int, dp_rank: int, micro: int, seed: int):
+        from megatron_omnibal.balance.config import Level
+
         self.n, self.batch, self.dp, self.rank, self.micro = n, batch, dp_size, dp_rank, micro
         self.seed, self.epoch, self.step = seed, 0, 0
         self.last_level = 0  # one level
+        self.levels = (Level(vit_budget=1, token_budget=1, micro_batches=micro),)
         self.steps_per_epoch = n // (batch * micro * dp_size)
 
     def set_epoch(self, epoch: int) -> None:
@@ -429,6 +432,19 @@ class FixedBatches:
                     yield order[first : first + self.batch].tolist()
                 self.step += 1
             self.epoch, self.step = self.epoch + 1, 0
+
+
+def padded_dataset(make_sample, filler):
+    """The loader's dataset with every sample padded to the longest of its micro-batch."""
+    from megatron_omnibal.megatron.loader import Loaded, MicroBatchDataset
+
+    class Padded(MicroBatchDataset):
+        def load(self, draw):
+            samples = [self.make_sample(i) for i in draw.indices] or [self.filler()]
+            return Loaded(draw, padded_collate(samples), list(range(len(draw.indices))),
+                          [len(s.images) for s in samples])  # fmt: skip
+
+    return Padded(make_sample, filler)
 
 
 def padded_collate(samples):
@@ -480,6 +496,7 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
 
         from megatron_omnibal.megatron.batch import synthetic_sample
         from megatron_omnibal.megatron.data import BalancedDataIterator
+        from megatron_omnibal.megatron.pretrain_vlm import filler_sample
 
         args = get_args()
         sampler = FixedBatches(len(settings.lengths), baseline_batch,
@@ -487,7 +504,8 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
                                parallel_state.get_data_parallel_rank(), settings.micro_batches,
                                args.seed)  # fmt: skip
         make = partial(synthetic_sample, lengths=settings.lengths, spec=spec, seed=args.seed)
-        it = BalancedDataIterator(sampler, settings.micro_batches, make, padded_collate,
+        dataset = padded_dataset(make, partial(filler_sample, spec))
+        it = BalancedDataIterator(sampler, settings.micro_batches, dataset,
                                   start_step=args.iteration)  # fmt: skip
         return it, None, None
 

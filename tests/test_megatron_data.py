@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_omnibal.balance.config import BalanceConfig
+from megatron_omnibal.balance.config import BalanceConfig, Level
 from megatron_omnibal.balance.sampler import BalancedBatchSampler
 from megatron_omnibal.data.lengths import LengthsError, from_arrays, load_lengths
 from megatron_omnibal.megatron.batch import is_shape_only, synthetic_sample
@@ -154,6 +154,8 @@ class _Packs:
     def __init__(self, packs, micro):
         self.packs, self.micro, self.pos = packs, micro, 0
         self.steps_per_epoch = len(packs) // micro
+        self.last_level = 0
+        self.levels = (Level(vit_budget=24, token_budget=256, micro_batches=micro),)
 
     def set_epoch(self, epoch):
         self.pos = 0
@@ -176,13 +178,14 @@ def test_an_empty_pack_becomes_a_filler_without_loss_tokens(lengths):
 
 
 def _fields(batch):
-    return {k: v.clone() for k, v in batch.as_dict().items()}
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in batch.as_dict().items()}  # fmt: skip
 
 
 def _same(a, b):
     assert a.keys() == b.keys()
     for k in a:
-        assert torch.equal(a[k], b[k]), k
+        assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
 
 
 def test_workers_give_the_same_micro_batches_in_the_same_order_and_resume(lengths):
@@ -261,3 +264,67 @@ def test_a_failed_sample_stops_the_run_or_is_skipped_alike_on_every_rank(lengths
     assert sorted(e["index"] for e in lines) == sorted(bad)
     assert {e["sample"] for e in lines} == {f"id s{i}" for i in bad}
     assert decider.skipped == 2 and "2 sample(s)" in decider.summary()
+
+
+LEVELS = (Level(vit_budget=5, token_budget=28, micro_batches=8),
+          Level(vit_budget=24, token_budget=256, micro_batches=2))  # fmt: skip
+
+
+def _level_iterator(lengths, start=0, workers=0, rank=0):
+    sampler = _sampler(lengths, 2, rank, micro=2, levels=LEVELS)
+    return BalancedDataIterator(sampler, 2, _dataset(lengths), start_step=start,
+                                num_workers=workers)  # fmt: skip
+
+
+def _steps(it, n):
+    """n steps as the training loop runs them: ask the step's count, then draw that many.
+    Per step: (step, count, the levels its micro-batches carry, their sample indices)."""
+    out = []
+    for _ in range(n):
+        count = it.micro_batches_of_next_step()
+        levels, indices = [], []
+        for _ in range(count):
+            levels.append(next(it).level)
+            indices.append(list(it.last_indices))
+        out.append((it.step, count, levels, indices))
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_steps_of_levels_run_their_own_micro_batches_with_the_level_in_each(lengths, workers):
+    """Oracle: the sampler's own per-step level and micro-batch count. However far the loader
+    draws ahead (2 workers prefetch), each step asks for and gets its level's count, and each
+    micro-batch says its step's level; a stream resumed at a level change continues alike."""
+    oracle = _sampler(lengths, 2, 0, micro=2, levels=LEVELS)
+    total = oracle.steps_per_epoch + 3  # into the next epoch
+    want = []
+    for s in range(total):
+        e, k = (0, s) if s < oracle.steps_per_epoch else (1, s - oracle.steps_per_epoch)
+        oracle.set_epoch(e)
+        want.append((s, oracle.micro_batches_of_step(k), oracle.level_of_step(k)))
+    assert {lv for _, _, lv in want} == {0, 1}  # both levels occur
+    got = _steps(_level_iterator(lengths, workers=workers), total)
+    assert [(s, count, levels[0]) for s, count, levels, _ in got] == want
+    assert all(levels == [levels[0]] * count for _, count, levels, _ in got)
+    start = next(s for s in range(1, total) if want[s][2] != want[s - 1][2])
+    resumed = _steps(_level_iterator(lengths, start=start, workers=workers), total - start)
+    assert resumed == got[start:]
+
+
+def test_next_step_count_is_refused_inside_a_step(lengths):
+    it = _level_iterator(lengths)
+    it.micro_batches_of_next_step()
+    next(it)
+    with pytest.raises(RuntimeError, match="still to be drawn"):
+        it.micro_batches_of_next_step()
+
+
+def test_the_level_travels_with_the_micro_batch(lengths):
+    it = _level_iterator(lengths)
+    batch = next(b for b in it if b.level == 1 and b.num_samples > 1)
+    assert batch.to("cpu").level == 1
+    from megatron_omnibal.megatron.batch import MicroBatch, drop_samples
+
+    assert MicroBatch.from_dict(batch.as_dict()).level == 1
+    tiles = [int(lengths.vit[i]) for i in it.last_indices]
+    assert drop_samples(batch, [0], tiles).level == 1

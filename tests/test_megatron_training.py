@@ -173,3 +173,166 @@ def test_bad_layout_stops_both_torchrun_ranks_without_a_hang(lengths_file, tmp_p
     assert proc.stderr.count(message) == 2, proc.stderr[-3000:]
     assert "initializing torch distributed" not in proc.stdout
     assert not list((tmp_path / "bad").glob("rank*.json"))
+
+
+# Packing levels: the short level runs 4 micro-batches per step, the top level (the budgets) the
+# run's 2; in the PP=2 plan each level recomputes other layers on each stage.
+LEVELS = "6/64x4,16/160"
+VIT, LLM = (3, 1), (0, 4)  # layers per stage: stage 1 holds the ViT's last layer and the LLM
+RECOMPUTE = {0: ((1, 0), (0, 1)), 1: ((3, 1), (0, 3))}  # level: (vit per stage, llm per stage)
+
+
+def _levels_plan(path, lengths_file):
+    """A real `omnibal plan` plan for tiny at PP=2 on the lengths, with the test's split, the
+    run's budgets and the levels above (their recompute set here, not fitted)."""
+    from dataclasses import replace
+
+    from megatron_omnibal.balance.config import Level
+    from megatron_omnibal.models.presets import get_preset
+    from megatron_omnibal.planner.hardware import get_hardware
+    from megatron_omnibal.planner.make import make_plan
+    from megatron_omnibal.planner.plan import LevelPrediction, StagePlan, save_plan
+    from megatron_omnibal.planner.request import PlanRequest
+
+    plan = make_plan(PlanRequest(model=get_preset("tiny"), hardware=get_hardware("A100-80G"),
+                                 lengths=load_lengths(lengths_file), gpus=2, tp=1, pp=2,
+                                 micro_batches=2, global_batch=8))  # fmt: skip
+    stages = tuple(
+        StagePlan(stage=s, vit_layers=(sum(VIT[:s]), sum(VIT[: s + 1])),
+                  llm_layers=(sum(LLM[:s]), sum(LLM[: s + 1])), patch_embed=s == 0,
+                  projector=s == 1, llm_embed=s == 1, head=s == 1, forward_ms=1.0,
+                  backward_ms=1.0, peak_memory_gib=1.0)
+        for s in range(2))  # fmt: skip
+    levels = tuple(
+        replace(Level.parse(text, 2), vit_recompute=RECOMPUTE[i][0],
+                llm_recompute=RECOMPUTE[i][1])
+        for i, text in enumerate(LEVELS.split(",")))  # fmt: skip
+    predicted = LevelPrediction(step_ms=1.0, samples=1, steps=1, peak_memory_gib=(1.0, 1.0))
+    plan = replace(plan, stages=stages,
+                   data=replace(plan.data, vit_budget=16, token_budget=160, pack_cost=None,
+                                levels=levels),
+                   predicted=replace(plan.predicted, levels=(predicted, predicted)))  # fmt: skip
+    save_plan(plan, path)
+    return str(path)
+
+
+def _level_run(nproc, out, flags):
+    env = {**os.environ, "OMNIBAL_TEST_WEIGHTS": "11", "OMNIBAL_TEST_GRADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(WORKER), str(out), *flags]  # fmt: skip
+    proc = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"},
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    _ok(proc)
+    return _records(out)
+
+
+def _grads(out):
+    import torch
+
+    steps = None
+    for path in sorted(Path(out).glob("grads_rank*.pt")):
+        mine = torch.load(path)
+        if steps is None:
+            steps = [{} for _ in mine]
+        for step, grads in zip(steps, mine, strict=True):
+            assert not set(step) & set(grads), "a parameter on two stages"
+            step.update(grads)
+    return steps
+
+
+@pytest.fixture(scope="module")
+def level_runs(lengths_file, tmp_path_factory):
+    """PP=1 without recompute (the oracle) and PP=2 from the levels plan, 7 steps each from the
+    same weights; then the PP=2 run stopped after step 5 (the last step of a stretch of the
+    short level) and resumed (its first step is of the top level)."""
+    out = tmp_path_factory.mktemp("levels")
+    total, stop = 7, 5
+    common = _flags(lengths_file, "--global-batch-size", "2", "--train-iters", str(total),
+                    "--hidden-dropout", "0", "--attention-dropout", "0")  # fmt: skip
+    pp1 = [*common, "--omnibal-vit-pp-layers", "4", "--omnibal-llm-pp-layers", "4",
+           "--omnibal-levels", LEVELS]  # fmt: skip
+    pp2 = [*common, "--pipeline-model-parallel-size", "2", "--omnibal-plan",
+           _levels_plan(out / "plan.json", lengths_file)]  # fmt: skip
+    ckpt = out / "ckpt"
+    runs = {
+        "pp1": _level_run(1, out / "pp1", pp1),
+        "pp2": _level_run(2, out / "pp2", pp2),
+        "stopped": _level_run(2, out / "stopped", [*pp2, "--save", str(ckpt), "--save-interval",
+                                                   "1000", "--exit-interval", str(stop)]),
+        "resumed": _level_run(2, out / "resumed", [*pp2, "--load", str(ckpt)]),
+    }  # fmt: skip
+    return out, runs, total, stop
+
+
+def _steps_of(micro):
+    """Micro-batch records grouped into steps by their level's count (4 or 2)."""
+    steps, i = [], 0
+    while i < len(micro):
+        n = 4 if micro[i]["level"] == 0 else 2
+        steps.append(micro[i : i + n])
+        i += n
+    return steps
+
+
+def test_levels_pp2_with_per_level_recompute_equals_pp1(level_runs):
+    """Oracle: the PP=1 run without recompute. Every step runs its level's micro-batches (both
+    levels occur), all micro-batches read the same samples, and the PP=2 run's losses and every
+    gradient each optimizer step applies equal PP=1's within 1e-5."""
+    out, runs, total, _ = level_runs
+    pp1, pp2 = runs["pp1"][0]["micro"], runs["pp2"][1]["micro"]
+    steps = _steps_of(pp1)
+    assert len(steps) == total and {s[0]["level"] for s in steps} == {0, 1}
+    assert all(len({m["level"] for m in s}) == 1 for s in steps)
+    for rank in (0, 1):
+        assert [m["indices"] for m in runs["pp2"][rank]["micro"]] == [m["indices"] for m in pp1]
+        assert [m["level"] for m in runs["pp2"][rank]["micro"]] == [m["level"] for m in pp1]
+    assert [m["tokens"] for m in pp2] == [m["tokens"] for m in pp1]
+    assert [m["loss"] for m in pp2] == pytest.approx([m["loss"] for m in pp1], rel=1e-5)
+    ref, got = _grads(out / "pp1"), _grads(out / "pp2")
+    assert len(ref) == len(got) == total
+    for step, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert set(a) == set(b)
+        for name, g in b.items():
+            assert g.abs().max() > 0, f"step {step}: {name} has no gradient"
+            err = float((a[name] - g).abs().max() / g.abs().max())
+            assert err <= 1e-5, f"step {step}: gradient of {name} differs by {err:.2e}"
+
+
+def test_levels_switch_the_recompute_of_each_stage(level_runs):
+    """Each micro-batch's forward checkpointed exactly the first k ViT / LLM layers of its
+    stage that its level gives (global layer numbers: stage 1 holds ViT layer 3, LLM 0-3), and
+    each such layer was run again in the backward once per micro-batch: recompute switches
+    with the level, per stage."""
+    _, runs, _, _ = level_runs
+    first = {0: (0, 0), 1: (3, 0)}  # first ViT / LLM layer of each stage
+    for rank in (0, 1):
+        rec = runs["pp2"][rank]
+        want_total = {}
+        for m in rec["micro"]:
+            vit, llm = (RECOMPUTE[m["level"]][t][rank] for t in (0, 1))
+            want = [f"vit.{first[rank][0] + i}" for i in range(vit)]
+            want += [f"llm.{first[rank][1] + i}" for i in range(llm)]
+            assert m["checkpointed"] == sorted(want), (rank, m["level"])
+            for name in want:
+                want_total[name] = want_total.get(name, 0) + 1
+        assert rec["recomputed"] == want_total
+    assert all(not m["checkpointed"] for m in runs["pp1"][0]["micro"])
+    assert runs["pp1"][0]["recomputed"] == {}
+
+
+def test_levels_resume_across_a_level_change_continues_exactly(level_runs):
+    """Stopped after 5 steps (short level) and resumed: the resumed steps start with a top
+    level step and read the same samples with the same losses as the uninterrupted run."""
+    _, runs, total, stop = level_runs
+    whole, stopped, resumed = runs["pp2"], runs["stopped"], runs["resumed"]
+    steps = _steps_of(whole[1]["micro"])
+    assert steps[stop - 1][0]["level"] != steps[stop][0]["level"]  # a level change at the stop
+    k = sum(len(s) for s in steps[:stop])
+    for rank in (0, 1):
+        assert resumed[rank]["start"] == stop
+        w, s, r = whole[rank]["micro"], stopped[rank]["micro"], resumed[rank]["micro"]
+        assert len(s) == k and len(s) + len(r) == len(w)
+        assert [m["indices"] for m in s + r] == [m["indices"] for m in w]
+        assert [m["level"] for m in s + r] == [m["level"] for m in w]
+    w, r = whole[1]["micro"], resumed[1]["micro"]
+    assert [m["loss"] for m in r] == pytest.approx([m["loss"] for m in w[k:]], rel=1e-6)

@@ -72,6 +72,16 @@ def cases(tmp_path_factory):
     old["stages"][1]["llm_layers"] = [2, 4]
     plan_gap = tmp / "plan_gap.json"
     plan_gap.write_text(json.dumps(old))
+    # Levels whose first one recomputes all 4 ViT layers of the plan's stage 0: a run that
+    # splits the ViT 2,2 cannot do that.
+    with_levels = make_plan(PlanRequest(model=get_preset("tiny"),
+                                        hardware=get_hardware("A100-80G"), lengths=real, gpus=2,
+                                        tp=1, pp=2, global_batch=8, levels="4/1024"))
+    first, top = with_levels.data.levels
+    with_levels = replace(with_levels, data=replace(with_levels.data, levels=(
+        replace(first, vit_recompute=(4, 0)), top)))
+    plan_levels = tmp / "plan_levels.json"
+    save_plan(with_levels, plan_levels)
     base = ["--omnibal", "--omnibal-lengths", str(good), "--omnibal-text-scale", "8",
             "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2",
             "--lr", "1e-3", "--transformer-impl", "local", "--pipeline-model-parallel-size",
@@ -114,6 +124,11 @@ def cases(tmp_path_factory):
           "1,3"], "--train-samples: with --omnibal a step trains a varying number of samples"),
         ([*base, *counts, "--omnibal-llm-pp-layers", "1,3", "--rampup-batch-size", "2", "2",
           "4"], "--rampup-batch-size: with --omnibal the micro-batches per step"),
+        ([*base, "--omnibal-plan", str(plan_levels), "--omnibal-vit-pp-layers", "2,2",
+          "--omnibal-llm-pp-layers", "0,4"], "the plan's data.levels: level 0 (4/1024): stage 0 "
+         "would recompute 4 ViT / 0 LLM layers, it holds 2 / 0"),
+        ([*base, *counts, "--omnibal-llm-pp-layers", "1,3", "--omnibal-levels", "8/80x3,16/160x4"],
+         "the last level (16/160 x4) must be the budgets and micro-batches (16/160 x2)"),
     ]  # fmt: skip
 
 

@@ -219,22 +219,12 @@ def _cost(args: argparse.Namespace):
     if args.cost:
         return PackCost.parse(args.cost)
     if args.plan:
-        from megatron_omnibal.planner.config_files import read_json
+        from megatron_omnibal.planner.plan import load_plan
 
-        plan = read_json(args.plan, "plan")
-        data = plan.get("data") or {}
-        if data.get("pack_cost") is not None:
-            return PackCost.from_dict(data["pack_cost"], f"{args.plan}: data.pack_cost")
-        from megatron_omnibal.models.spec import ModelSpec
-        from megatron_omnibal.planner.hardware import Hardware
-        from megatron_omnibal.planner.pack_cost import model_pack_cost
-        from megatron_omnibal.planner.plan import partition_from_plan
-
-        model = ModelSpec.from_dict(plan["model_spec"])
-        bounds, recompute = partition_from_plan(plan, model)
-        par = plan["parallel"]
-        return model_pack_cost(model, Hardware(**plan["hardware_spec"]), par["tp"], par["dp"],
-                               bounds, recompute)
+        plan = load_plan(args.plan)
+        if plan.data.pack_cost is None:
+            raise ValueError(f"--plan {args.plan}: the plan holds no data.pack_cost")
+        return plan.data.pack_cost
     if args.model:
         if not args.hardware:
             raise ValueError("--model needs --hardware")

@@ -49,6 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         help="measured layer profile from `omnibal profile` (TP 1) instead of the FLOPs model",
     )
+    parser.add_argument(
+        "--levels",
+        metavar="auto|V/T[xM],..",
+        help="packing levels (hierarchical balance packing), each with its own per-stage "
+        "recompute: 'auto' (the set of least modeled epoch time), or levels below the plan's "
+        "budgets, which form the last level (xM: micro-batches per rank; default: the same "
+        "tokens per step); default: one level",
+    )
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the drawn batch")
     parser.add_argument(
         "--out", type=output_file, default="plan.json", help="where to write the plan"
@@ -115,6 +123,7 @@ def print_table(plan, out=None) -> None:
             file=out,
         )
     print(f"predicted step: {p.step_ms:.1f} ms (bubble {p.bubble_fraction:.1%})", file=out)
+    print_levels(plan, out)
     if p.baseline is not None:
         b = p.baseline
         print(
@@ -132,6 +141,38 @@ def print_table(plan, out=None) -> None:
         file=out,
     )
     print("megatron flags: " + " ".join(plan.megatron_flags), file=out)
+
+
+def print_levels(plan, out) -> None:
+    """The packing levels with their recompute and predicted step, and the epoch estimates."""
+    p = plan.predicted
+    if p.epoch_s is None:
+        return
+    if not plan.data.levels:
+        print(
+            f"packing levels: none pays; one level at the budgets (estimated epoch "
+            f"{p.single_level_epoch_s:.1f} s)",
+            file=out,
+        )
+        return
+    change = p.epoch_s / p.single_level_epoch_s - 1 if p.single_level_epoch_s else 0.0
+    print(
+        f"packing levels: estimated epoch {p.epoch_s:.1f} s, one level "
+        f"{p.single_level_epoch_s:.1f} s ({abs(change):.1%} {'more' if change > 0 else 'less'})",
+        file=out,
+    )
+    print(
+        f"{'level':>13} {'micro':>5} {'step ms':>10} {'steps':>6} {'samples':>8} "
+        f"{'vit recompute':>14} {'llm recompute':>14} {'mem GiB':>8}",
+        file=out,
+    )
+    for lv, pr in zip(plan.data.levels, p.levels, strict=True):
+        print(
+            f"{lv.vit_budget:>5}/{lv.token_budget:<7} {lv.micro_batches:>5} {pr.step_ms:>10.1f} "
+            f"{pr.steps:>6} {pr.samples:>8} {','.join(map(str, lv.vit_recompute)):>14} "
+            f"{','.join(map(str, lv.llm_recompute)):>14} {max(pr.peak_memory_gib):>8.1f}",
+            file=out,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         profile=read_mapping(args.profile) if args.profile else None,
         profile_path=str(Path(args.profile).resolve()) if args.profile else None,
         plan_path=args.out,
+        levels=args.levels,
     )
     plan = make_plan(request, progress=sys.stderr.isatty())
     save_plan(plan, args.out)

@@ -74,6 +74,28 @@ def _request(plan, args: argparse.Namespace):
     )
 
 
+def print_epochs(plan, setting, bounds, lengths) -> None:
+    """The plan's epoch balanced with its packing levels and with its budgets alone, every
+    step simulated with its level's recompute, per level."""
+    from megatron_omnibal.planner.level_plan import pipeline, simulate_plan_epoch
+
+    pipe = pipeline(setting, bounds)
+    epochs = [simulate_plan_epoch(plan, pipe, lengths, levels) for levels in (True, False)]
+    print(
+        f"epoch with packing levels: {epochs[0].total_ms / 1e3:.1f} s, one level at the "
+        f"budgets: {epochs[1].total_ms / 1e3:.1f} s (every step simulated, modeled)"
+    )
+    print(f"{'level':>13} {'micro':>5} {'steps':>6} {'ms/step':>10} {'samples':>8}")
+    rows = [(lv, p) for lv, p in zip(plan.data.levels, epochs[0].per_level, strict=True)]
+    rows.append((plan.data.levels[-1], epochs[1].per_level[0]))
+    for i, (lv, p) in enumerate(rows):
+        label = f"{lv.vit_budget}/{lv.token_budget}" + (" alone" if i == len(rows) - 1 else "")
+        print(
+            f"{label:>13} {lv.micro_batches:>5} {p['steps']:>6} "
+            f"{p['ms'] / max(p['steps'], 1):>10.1f} {p['samples']:>8}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_omnibal.planner.baseline import (
         BaselineConfig,
@@ -121,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'stage':>5} {'busy ms':>10} {'idle ms':>10}")
     for s in range(setting.pp):
         print(f"{s:>5} {result.busy_ms[s]:>10.1f} {result.idle_ms[s]:>10.1f}")
+    if plan.data.levels and args.baseline is None:
+        print_epochs(plan, setting, part.bounds, request.lengths)
     if args.png:
         from megatron_omnibal.planner.gantt import save_gantt
 

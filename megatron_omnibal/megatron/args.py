@@ -28,6 +28,7 @@ from megatron_omnibal.megatron.layout import (
     StageLayout,
     layout_from_counts,
     layout_from_plan,
+    level_recompute,
     validate_layout,
 )
 from megatron_omnibal.planner.plan import Plan, PlanError
@@ -56,6 +57,14 @@ class OmnibalSettings:
     @property
     def pp_size(self) -> int:
         return len(self.layouts)
+
+    @property
+    def level_recompute(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per stage, its (ViT, LLM) recompute in a step of each packing level (empty without
+        levels: the layouts' counts throughout)."""
+        if not self.balance.levels:
+            return ()
+        return level_recompute(self.layouts, self.balance.levels)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -109,14 +118,16 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         type=_int_list,
         default=None,
         metavar="N,N,..",
-        help="ViT layers to recompute per stage (default: the plan's, else none)",
+        help="ViT layers to recompute per stage, at every packing level (default: the plan's, "
+        "per level with levels, else none)",
     )
     g.add_argument(
         "--omnibal-llm-recompute",
         type=_int_list,
         default=None,
         metavar="N,N,..",
-        help="LLM layers to recompute per stage (default: the plan's, else none)",
+        help="LLM layers to recompute per stage, at every packing level (default: the plan's, "
+        "per level with levels, else none)",
     )
     g.add_argument(
         "--omnibal-vit-budget",
@@ -161,7 +172,9 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=None,
         metavar="V/TxM,..",
         help="packing levels (tiles/tokens x micro-batches per rank), ascending, the last the "
-        "budgets (default: the plan's data.levels, else one level)",
+        "budgets and --global-batch-size / DP micro-batches; each step runs its level's "
+        "micro-batches (default: the plan's data.levels with their per-stage recompute, else "
+        "one level)",
     )
     g.add_argument(
         "--omnibal-curriculum-steps",
@@ -262,6 +275,10 @@ def validate_omnibal_args(
     vit_budget, token_budget = _budgets(args, plan)
     lengths = _load_lengths(args, plan, tokens_per_tile)
     balance = _balance_config(args, plan, dp, micro, vit_budget, token_budget)
+    try:  # each level's recompute must fit its stages: checked before any process group
+        level_recompute(layouts, balance.levels)
+    except LayoutError as exc:
+        raise OmnibalArgsError(f"--omnibal-levels / the plan's data.levels: {exc}") from exc
     return OmnibalSettings(
         tuple(layouts), micro, dp, args.omnibal_data, lengths, plan, balance
     )
@@ -427,7 +444,12 @@ def _balance_config(
         if args.omnibal_levels is not None:
             levels = tuple(Level.parse(t, micro) for t in args.omnibal_levels.split(","))
         else:
-            levels = plan.data.levels if plan is not None else ()
+            levels = _run_levels(plan.data.levels, micro) if plan is not None else ()
+        # Recompute given by flags holds for every step: the levels' own counts give way.
+        if args.omnibal_vit_recompute is not None:
+            levels = tuple(replace(lv, vit_recompute=()) for lv in levels)
+        if args.omnibal_llm_recompute is not None:
+            levels = tuple(replace(lv, llm_recompute=()) for lv in levels)
         config = BalanceConfig(
             dp_size=dp,
             micro_batches=micro,
@@ -443,10 +465,15 @@ def _balance_config(
         )
     except (ValueError, TypeError) as exc:
         raise OmnibalArgsError(f"--omnibal balance settings: {exc}") from exc
-    other = sorted({lv.micro_batches for lv in levels} - {micro})
-    if other:
-        raise OmnibalArgsError(
-            f"--omnibal-levels: levels with {other} micro-batches per rank, this run has {micro} "
-            "(--global-batch-size / DP); per-step micro-batch counts are not wired into Megatron"
-        )
     return config
+
+
+def _run_levels(levels: tuple[Level, ...], micro: int) -> tuple[Level, ...]:
+    """A plan's levels at this run's micro-batches per step (a dry run with another global
+    batch): every level's count scaled alike, so that the levels keep their tokens per step
+    in proportion; the last level runs exactly `micro`."""
+    if not levels or levels[-1].micro_batches == micro:
+        return levels
+    top = levels[-1].micro_batches
+    return tuple(replace(lv, micro_batches=max(1, round(lv.micro_batches * micro / top)))
+                 for lv in levels)

@@ -11,9 +11,9 @@ their image tiles. No real images ship with the project: `synthetic_sample` turn
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,7 +43,12 @@ class Sample:
 
 @dataclass
 class MicroBatch:
-    """A packed micro-batch: samples concatenated along the sequence, tiles along dim 0."""
+    """A packed micro-batch: samples concatenated along the sequence, tiles along dim 0.
+
+    `level` is the packing level of its step (hierarchical balance packing): the stage modules
+    recompute as that level says. It travels with the micro-batch because the loader draws
+    ahead of the micro-batch being trained.
+    """
 
     tokens: torch.Tensor  # int64 [1, S]
     labels: torch.Tensor  # int64 [1, S]; IGNORE_INDEX where loss_mask is 0
@@ -52,6 +57,7 @@ class MicroBatch:
     cu_seqlens: torch.Tensor  # int32 [k + 1]; sample i is tokens[0, cu[i]:cu[i+1]]
     images: torch.Tensor  # float32 [n_tiles, 3, H, W]; n_tiles may be 0
     image_flags: torch.Tensor  # int64 [n_tiles]
+    level: int = 0
 
     @property
     def num_samples(self) -> int:
@@ -60,25 +66,23 @@ class MicroBatch:
     def to(self, device: torch.device | str | int) -> MicroBatch:
         """A copy with every tensor on `device` (the iterator yields CPU tensors); shape-only
         images stay shape-only (nothing is copied for them)."""
-        return MicroBatch(**{f.name: _move(getattr(self, f.name), device) for f in fields(self)})
+        return self._map(lambda t: _move(t, device))
 
     def pin_memory(self) -> MicroBatch:
         """Pinned host copies for fast host-to-GPU copies (the DataLoader's pin thread calls
         it); shape-only images are left as they are."""
-        return MicroBatch(
-            **{
-                f.name: t if is_shape_only(t) else t.pin_memory()
-                for f in fields(self)
-                for t in [getattr(self, f.name)]
-            }
-        )
+        return self._map(lambda t: t if is_shape_only(t) else t.pin_memory())
 
-    def as_dict(self) -> dict[str, torch.Tensor]:
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
+        return MicroBatch(**{k: fn(v) if isinstance(v, torch.Tensor) else v
+                             for k, v in self.as_dict().items()})
+
+    def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, torch.Tensor]) -> MicroBatch:
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
+    def from_dict(cls, d: dict[str, Any]) -> MicroBatch:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def shape_only_images(tiles: int, size: int) -> torch.Tensor:
@@ -128,6 +132,7 @@ def drop_samples(batch: MicroBatch, drop: Sequence[int], tiles: Sequence[int]) -
         cu_seqlens=new_cu,
         images=images,
         image_flags=batch.image_flags[img],
+        level=batch.level,
     )
 
 

@@ -8,24 +8,38 @@ disjoint micro-batches. Micro-batches are built by a torch DataLoader (loader.py
 processes, prefetch, pinned memory on GPUs, in exactly the sampler's order.
 
 Position: the sampler is deterministic given its seed, budgets and DP layout, and every training
-step consumes exactly `micro_batches` micro-batches per rank, so the position after a checkpoint
-is Megatron's own iteration counter, saved in every checkpoint. A resumed run walks the epochs
+step consumes exactly the micro-batches of its step, so the position after a checkpoint is
+Megatron's own iteration counter, saved in every checkpoint. A resumed run walks the epochs
 (each may have a different number of balanced steps) from the stream's origin (iteration 0 and
 epoch 0, unless the data changed at a resume: data_identity.StreamOrigin) to the epoch and step
 of that iteration and sees exactly the batches the uninterrupted run would have seen.
+
+Packing levels (hierarchical balance packing): every step draws from one level, whose
+micro-batch count may differ from the run's. Each micro-batch carries its step's level, index
+and count from the sampler through the loader (which draws ahead of training), so the training
+loop asks `micro_batches_of_next_step()` before a step and the stage modules read the level of
+the micro-batch they run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
 
+from megatron_omnibal.balance.config import Level
 from megatron_omnibal.data.lengths import LengthsError, LengthStats
 from megatron_omnibal.megatron.batch import MicroBatch, collate
 from megatron_omnibal.megatron.data_identity import StreamOrigin
-from megatron_omnibal.megatron.loader import BadSamplePolicy, MicroBatchDataset, identity
+from megatron_omnibal.megatron.loader import (
+    BadSamplePolicy,
+    Draw,
+    Loaded,
+    MicroBatchDataset,
+    identity,
+)
 
 
 class MicroBatchSampler(Protocol):
@@ -33,6 +47,7 @@ class MicroBatchSampler(Protocol):
 
     steps_per_epoch: int
     last_level: int
+    levels: tuple[Level, ...]
 
     def set_epoch(self, epoch: int) -> None: ...
 
@@ -45,9 +60,10 @@ class BalancedDataIterator:
     """This rank's micro-batches, starting at training step `start_step` (Megatron's iteration
     counter) of the stream that starts at `origin`.
 
-    `num_workers` processes build them (0: in this process), `prefetch` micro-batches ahead
-    per worker; `pin_memory` pins them for the copy to the GPU. `policy` decides what a
-    sample that fails to load does (error, or skipped on every rank of the replica).
+    `micro_batches` is the run's count per step (the last level's); `num_workers` processes
+    build them (0: in this process), `prefetch` micro-batches ahead per worker; `pin_memory`
+    pins them for the copy to the GPU. `policy` decides what a sample that fails to load does
+    (error, or skipped on every rank of the replica).
     """
 
     def __init__(
@@ -100,6 +116,10 @@ class BalancedDataIterator:
         )
         self._batches = iter(loader)
         self.last_indices: list[int] = []  # the sample indices of the last micro-batch drawn
+        self.step = start_step  # the training step of the last micro-batch drawn
+        self.level = 0  # its packing level
+        self._left = 0  # micro-batches of that step still to draw
+        self._ahead: Loaded | None = None  # drawn by micro_batches_of_next_step
 
     def _seek(self, step: int, first_epoch: int) -> None:
         """Position the sampler `step` training steps after the start of epoch `first_epoch`
@@ -121,43 +141,59 @@ class BalancedDataIterator:
         self._sampler.load_state_dict({"epoch": epoch, "step": left, "micro": 0})
 
     @property
-    def level(self) -> int:
-        """Packing level of the last micro-batch drawn (its step's level: the stage modules
-        switch their recompute to that level's counts, BalanceConfig.all_levels)."""
-        return self._sampler.last_level
-
-    @property
-    def step(self) -> float:
-        """Training steps consumed since step 0 (fractional inside a step)."""
-        return self.start_step + self._consumed / self._micro
-
-    @property
     def policy(self) -> BadSamplePolicy:
         return self._policy
+
+    def micro_batches_of_next_step(self) -> int:
+        """Micro-batches of the step the next draw begins (its level's count): what the
+        training loop runs as its next step. Call it between steps; it draws one ahead."""
+        if self._left:
+            raise RuntimeError(
+                f"micro_batches_of_next_step: {self._left} micro-batch(es) of step {self.step} "
+                "are still to be drawn"
+            )
+        if self._ahead is None:
+            self._ahead = next(self._batches)
+        return self._ahead.draw.micro_batches
 
     def __iter__(self) -> BalancedDataIterator:
         return self
 
     def __next__(self) -> MicroBatch:
-        step = int(self.step)
+        loaded, self._ahead = self._ahead or next(self._batches), None
+        draw = loaded.draw
+        if self._left == 0:  # the first micro-batch of a step
+            if draw.micro != 0:
+                raise RuntimeError(f"balanced stream out of step: micro-batch {draw.micro} of "
+                                   f"{draw.micro_batches} drawn where a step begins")
+            if self._consumed:
+                self.step += 1
+            self._left = draw.micro_batches
+        self._left -= 1
         micro = self.start_step * self._micro + self._consumed
-        loaded = next(self._batches)
         self._consumed += 1
         self.last_indices = list(loaded.indices)
-        batch = self._policy.resolve(micro, step, loaded)
+        self.level = draw.level
+        batch = self._policy.resolve(micro, self.step, loaded)
         if batch is None:  # every sample of the pack failed and was skipped
             batch = collate([self._dataset.filler()])
-        return batch
+        return replace(batch, level=draw.level)
 
 
 class _Batches:
-    """The sampler as the DataLoader's (endless) batch sampler, from its current position."""
+    """The sampler as the DataLoader's (endless) batch sampler, from its current position (a
+    step's first micro-batch): each draw with its step's level, index and count."""
 
     def __init__(self, sampler: MicroBatchSampler) -> None:
         self._sampler = sampler
 
-    def __iter__(self) -> Iterator[list[int]]:
-        return iter(self._sampler)
+    def __iter__(self) -> Iterator[Draw]:
+        micro = 0
+        for indices in self._sampler:
+            level = self._sampler.last_level
+            count = self._sampler.levels[level].micro_batches
+            yield Draw(list(indices), level, micro, count)
+            micro = (micro + 1) % count
 
 
 def model_lengths(

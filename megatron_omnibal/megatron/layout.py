@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from megatron_omnibal.balance.config import Level
 from megatron_omnibal.planner.plan import Plan
 
 
@@ -230,6 +231,36 @@ def layout_from_counts(
         t += llm_counts[r]
     validate_layout(out, vit_layers, llm_layers)
     return out
+
+
+def level_recompute(
+    layouts: Sequence[StageLayout], levels: Sequence[Level]
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per stage, the (ViT, LLM) layers it recomputes in a step of each packing level: the
+    level's per-stage counts where it gives them, else the stage's own (layout) counts."""
+    pp = len(layouts)
+    for i, lv in enumerate(levels):
+        for name, counts in (("vit", lv.vit_recompute), ("llm", lv.llm_recompute)):
+            if counts and len(counts) != pp:
+                raise LayoutError(
+                    f"level {i} ({lv.vit_budget}/{lv.token_budget}): {name}_recompute has "
+                    f"{len(counts)} stages, the pipeline {pp}"
+                )
+    out = []
+    for r, st in enumerate(layouts):
+        row = []
+        for i, lv in enumerate(levels):
+            vit = lv.vit_recompute[r] if lv.vit_recompute else st.vit_recompute
+            llm = lv.llm_recompute[r] if lv.llm_recompute else st.llm_recompute
+            if vit > st.num_vit_layers or llm > st.num_llm_layers:
+                raise LayoutError(
+                    f"level {i} ({lv.vit_budget}/{lv.token_budget}): stage {r} would recompute "
+                    f"{vit} ViT / {llm} LLM layers, it holds {st.num_vit_layers} / "
+                    f"{st.num_llm_layers}"
+                )
+            row.append((vit, llm))
+        out.append(tuple(row))
+    return tuple(out)
 
 
 def embedding_ranks(layouts: Sequence[StageLayout]) -> Callable[..., list[int]]:

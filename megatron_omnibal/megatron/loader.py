@@ -36,17 +36,33 @@ class SampleLoadError(ValueError):
     """A sample whose data (an image) cannot be loaded; the message names the sample."""
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One micro-batch as the sampler drew it: its samples, and its place in its step: the
+    step's packing level, its index in the step and the step's micro-batch count. The loader
+    draws ahead of training, so the step's size and level must travel with each draw."""
+
+    indices: list[int]
+    level: int = 0
+    micro: int = 0
+    micro_batches: int = 1
+
+
 @dataclass
 class Loaded:
     """One micro-batch as a worker built it: the packed batch of the samples that loaded,
     their positions in the drawn list, and the failures (position, reason)."""
 
-    indices: list[int]
+    draw: Draw
     batch: MicroBatch | None
     kept: list[int]
     tiles: list[int]  # tiles per kept sample, in batch order
     failures: list[tuple[int, str]] = field(default_factory=list)
     fatal: str | None = None  # a configuration error (not one sample's data): stop
+
+    @property
+    def indices(self) -> list[int]:
+        return self.draw.indices
 
     def pin_memory(self) -> Loaded:
         if self.batch is not None:
@@ -55,7 +71,7 @@ class Loaded:
 
 
 class MicroBatchDataset:
-    """The DataLoader's dataset: a list of sample indices in, a `Loaded` micro-batch out.
+    """The DataLoader's dataset: a `Draw` in, a `Loaded` micro-batch out.
 
     `make_sample(i)` builds sample i (raising SampleLoadError when its data cannot be loaded,
     any other ValueError for a configuration problem); `filler()` stands in for an empty pack.
@@ -65,16 +81,16 @@ class MicroBatchDataset:
         self.make_sample = make_sample
         self.filler = filler
 
-    def __getitems__(self, indices: list[int]) -> Loaded:
-        return self.load(list(indices))
+    def __getitems__(self, draw: Draw) -> Loaded:  # the batch sampler yields Draws
+        return self.load(draw)
 
     def __getitem__(self, index: int) -> Loaded:  # the DataLoader only calls __getitems__
-        return self.load([index])
+        return self.load(Draw([index]))
 
-    def load(self, indices: list[int]) -> Loaded:
+    def load(self, draw: Draw) -> Loaded:
         samples, kept, failures = [], [], []
         try:
-            for pos, index in enumerate(indices):
+            for pos, index in enumerate(draw.indices):
                 try:
                     samples.append(self.make_sample(index))
                     kept.append(pos)
@@ -82,10 +98,10 @@ class MicroBatchDataset:
                     failures.append((pos, str(exc)))
             batch = collate(samples) if samples else None
         except ValueError as exc:  # the data does not fit its length file or the model
-            return Loaded(indices, None, [], [], failures, fatal=str(exc))
-        if not indices:  # an empty pack: a filler without loss tokens keeps the schedule
+            return Loaded(draw, None, [], [], failures, fatal=str(exc))
+        if not draw.indices:  # an empty pack: a filler without loss tokens keeps the schedule
             batch = collate([self.filler()])
-        return Loaded(indices, batch, kept, [len(s.images) for s in samples], failures)
+        return Loaded(draw, batch, kept, [len(s.images) for s in samples], failures)
 
 
 def identity(loaded: Loaded) -> Loaded:

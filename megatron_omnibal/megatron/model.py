@@ -19,6 +19,7 @@ own, stripped again at the head.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
-from megatron_omnibal.megatron.configs import StageConfigs
+from megatron_omnibal.megatron.configs import StageConfigs, _recompute
 from megatron_omnibal.megatron.layer_specs import HAVE_TE, block_spec
 from megatron_omnibal.megatron.layout import StageLayout
 from megatron_omnibal.megatron.projector import Projector
@@ -100,6 +101,9 @@ class VLMStage(MegatronModule):
     the logits [1, S, padded vocab] gathered over TP. Set `capture` to a dict to also get the
     ViT features entering the projector ("vit", [tiles, tokens, Cv]) and the LLM's final hidden
     states ("llm", [S, H]) of the last forward on the stages that hold them.
+
+    `level_recompute[l]` is the (ViT, LLM) layers this stage recomputes in a micro-batch of
+    packing level l (forward's `level`); empty: the layout's counts for every micro-batch.
     """
 
     def __init__(
@@ -110,6 +114,7 @@ class VLMStage(MegatronModule):
         configs: StageConfigs,
         use_te: bool | None = None,
         pg_collection: ProcessGroupCollection | None = None,
+        level_recompute: Sequence[tuple[int, int]] = (),
     ) -> None:
         super().__init__(config=configs.llm)
         # Megatron's schedules read model_type; the VLM pipeline is one decoder-style chain.
@@ -130,6 +135,7 @@ class VLMStage(MegatronModule):
         self.post_process = stage == self.num_stages - 1
         self.share_embeddings_and_output_weights = spec.llm.tie_embeddings
         self.capture: dict[str, torch.Tensor] | None = None
+        self.level_recompute = tuple(level_recompute)
         if use_te is None:  # TE when importable, unless the config asks for local modules
             use_te = HAVE_TE and configs.llm.transformer_impl == "transformer_engine"
         if use_te and not HAVE_TE:
@@ -290,11 +296,14 @@ class VLMStage(MegatronModule):
         images: torch.Tensor,
         image_flags: torch.Tensor,
         cu_seqlens: torch.Tensor,
+        level: int = 0,
         **_: Any,
     ) -> torch.Tensor:
         # Every stage checks the (shared) micro-batch before any communication, so a bad one
         # stops all pipeline ranks with the same error instead of hanging the others.
         validate_batch(self.spec, tokens, labels, images, image_flags, cu_seqlens)
+        if self.level_recompute:
+            self._recompute(*self.level_recompute[level])
         seq = tokens.shape[1]
         position_ids, cu_seqlens = self._pad_for_sequence_parallel(position_ids, cu_seqlens)
         x = None if self.stage == 0 else self.input_tensor
@@ -335,6 +344,15 @@ class VLMStage(MegatronModule):
         target = labels.transpose(0, 1).contiguous().clamp(min=0)
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target)
         return loss.transpose(0, 1).contiguous()  # [1, S]
+
+    def _recompute(self, vit_layers: int, llm_layers: int) -> None:
+        """Recompute the first layers of each block in this micro-batch. megatron-core's
+        TransformerBlock reads these config fields in its forward and checkpoints there, so
+        the backward of each micro-batch follows its own forward's choice."""
+        for block, layers in ((self.vit, vit_layers), (self.llm, llm_layers)):
+            if block is not None:
+                for key, value in _recompute(layers).items():  # as the config was built
+                    setattr(block.config, key, value)
 
     def _pad_for_sequence_parallel(
         self, position_ids: torch.Tensor, cu_seqlens: torch.Tensor

@@ -264,6 +264,7 @@ def train(
 
     from megatron_omnibal.megatron.step import forward_step
 
+    _run_steps_of_their_levels()
     args.calculate_per_token_loss = True  # losses are token sums; Megatron divides globally
     if finetune is not None:
         install_vit_lr_override(finetune.vit_lr_mult)
@@ -333,6 +334,26 @@ def _install_iteration_log(
     training_log.install(log)
 
 
+def _run_steps_of_their_levels() -> None:
+    """megatron.training runs each step for its run-wide get_num_microbatches(); a step of a
+    packing level runs that level's count instead (step.per_step_micro_batches; the count of
+    a one-level run is the run's own). Megatron's sample counters and learning-rate schedule
+    keep counting --global-batch-size per step."""
+    import megatron.training.training as loop
+
+    from megatron_omnibal.megatron.step import per_step_micro_batches
+
+    if getattr(loop.get_forward_backward_func, "__omnibal__", False):
+        return
+    get = loop.get_forward_backward_func
+
+    def get_forward_backward_func(*args: Any, **kwargs: Any) -> Any:
+        return per_step_micro_batches(get(*args, **kwargs))
+
+    get_forward_backward_func.__omnibal__ = True  # type: ignore[attr-defined]
+    loop.get_forward_backward_func = get_forward_backward_func
+
+
 def _first_rank(pp_ranks: list[int], *_: Any) -> list[int]:
     return list(pp_ranks[:1])
 
@@ -359,6 +380,7 @@ def _model_provider(
         config_overrides=overrides,
         pg_collection=pg_collection,
         finetune=finetune,
+        level_recompute=settings.level_recompute,
     )
 
 
@@ -409,7 +431,8 @@ def build_data_iterators(
     if args.num_workers:
         # The worker processes are the parallelism; a forked tokenizer's thread pool is not.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    policy = bad_sample_policy(args, pixels, describe, dp_rank, settings.micro_batches)
+    most = max(lv.micro_batches for lv in settings.balance.all_levels)  # per step
+    policy = bad_sample_policy(args, pixels, describe, dp_rank, most)
     iterator = BalancedDataIterator(
         sampler,
         settings.micro_batches,

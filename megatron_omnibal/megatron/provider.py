@@ -6,6 +6,7 @@ model of this rank"; the layout (from plan.json or --omnibal-*-pp-layers) says w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from megatron.core import parallel_state
@@ -27,11 +28,14 @@ def vlm_model_provider(
     config_overrides: dict[str, Any] | None = None,
     pg_collection: ProcessGroupCollection | None = None,
     finetune: FinetuneSettings | None = None,
+    level_recompute: Sequence[Sequence[tuple[int, int]]] = (),
 ) -> VLMStage:
     """This rank's stage. pre_process/post_process are accepted for megatron.training's
     signature and checked against the layout (the layout decides what the stage holds);
     pg_collection is megatron.training's (None: parallel_state's groups); `finetune` freezes
-    parts and marks the ViT for its learning-rate multiplier."""
+    parts and marks the ViT for its learning-rate multiplier; `level_recompute[stage]` the
+    stage's (ViT, LLM) recompute per packing level (layout.level_recompute; empty: the
+    layout's counts throughout)."""
     if vp_stage is not None:
         raise LayoutError("virtual pipeline stages are not supported by the VLM stage module")
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -45,7 +49,14 @@ def vlm_model_provider(
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     configs = stage_configs(spec, layouts, rank, tp, config_overrides)
-    stage = VLMStage(spec, layouts, rank, configs, pg_collection=pg_collection)
+    stage = VLMStage(
+        spec,
+        layouts,
+        rank,
+        configs,
+        pg_collection=pg_collection,
+        level_recompute=level_recompute[rank] if level_recompute else (),
+    )
     if finetune is not None:
         apply_to_stage(stage, finetune)
     return stage

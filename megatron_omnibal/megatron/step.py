@@ -2,12 +2,13 @@
 
 Why per token: balanced micro-batches carry different numbers of samples and tokens; summing the
 loss and counting tokens (calculate_per_token_loss=True) lets Megatron divide by the global token
-count across micro-batches and data-parallel ranks, so every token weighs the same.
+count across micro-batches and data-parallel ranks, so every token weighs the same, whatever
+the number of micro-batches of a step (packing levels run different counts per step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -51,5 +52,26 @@ def forward_step(
         images=batch.images,
         image_flags=batch.image_flags,
         cu_seqlens=batch.cu_seqlens,
+        level=batch.level,
     )
     return output, partial(loss_func, batch.loss_mask)
+
+
+def per_step_micro_batches(forward_backward_func: Callable[..., Any]) -> Callable[..., Any]:
+    """The schedule, run for as many micro-batches as the data iterator's next step holds.
+
+    megatron.training's train_step passes its run-wide get_num_microbatches() (ignored here);
+    with packing levels a step runs its level's count, which only the balanced stream knows
+    (BalancedDataIterator.micro_batches_of_next_step). megatron-core's schedules take the count
+    per call, and with per-token loss the gradient is the same sum over tokens whatever it is.
+    """
+
+    def run(*, data_iterator: Any, num_microbatches: int, **kwargs: Any) -> Any:
+        source = getattr(data_iterator, "iterable", data_iterator)  # Megatron's rerun wrapper
+        return forward_backward_func(
+            data_iterator=data_iterator,
+            num_microbatches=source.micro_batches_of_next_step(),
+            **kwargs,
+        )
+
+    return run

@@ -23,7 +23,7 @@ from megatron_omnibal.balance.hierarchy import assign_levels
 from megatron_omnibal.balance.plan_io import BalancePlan
 from megatron_omnibal.data.lengths import LengthStats
 from megatron_omnibal.planner.costs import GROUP_LLM, GROUP_VIT, MIB, CostModel, workload_features
-from megatron_omnibal.planner.memory import inflight_1f1b
+from megatron_omnibal.planner.memory import inflight_1f1b, stage_memory_mib
 from megatron_omnibal.planner.recompute import SegmentFrontier
 from megatron_omnibal.planner.simulate import simulate
 
@@ -49,13 +49,17 @@ class Pipeline:
         return len(self.bounds) - 1
 
 
+def _peak_costs(pipe: Pipeline, vit_budget: int, token_budget: int):
+    """Layer costs of the largest pack a level allows: its budgets, one sample of all tokens."""
+    return pipe.cost_model.at(workload_features([vit_budget], [token_budget],
+                                                [float(token_budget) ** 2])[0])
+
+
 def level_recompute(pipe: Pipeline, vit_budget: int, token_budget: int, micro_batches: int
                     ) -> list[dict[int, int]] | None:
     """Each stage's cheapest recompute counts (per group) that fit memory with packs at the
     budgets and 1F1B's micro-batches in flight; None if a stage cannot fit."""
-    peak = pipe.cost_model.at(workload_features([vit_budget], [token_budget],
-                                                [float(token_budget) ** 2])[0])
-    frontier = SegmentFrontier(peak)
+    frontier = SegmentFrontier(_peak_costs(pipe, vit_budget, token_budget))
     out = []
     for s, (lo, hi) in enumerate(itertools.pairwise(pipe.bounds)):
         choice = frontier.choice(lo, hi, inflight_1f1b(s, pipe.pp, micro_batches),
@@ -72,10 +76,21 @@ def with_recompute(level: Level, recompute: list[dict[int, int]]) -> Level:
                    llm_recompute=tuple(int(r.get(GROUP_LLM, 0)) for r in recompute))
 
 
-def _recompute_of(level: Level, pp: int) -> list[dict[int, int]]:
+def recompute_of(level: Level, pp: int) -> list[dict[int, int]]:
+    """The level's per-stage counts as the planner's {group: count} per stage."""
     vit = level.vit_recompute or (0,) * pp
     llm = level.llm_recompute or (0,) * pp
     return [{GROUP_VIT: int(v), GROUP_LLM: int(t)} for v, t in zip(vit, llm, strict=True)]
+
+
+def level_memory_mib(pipe: Pipeline, level: Level) -> np.ndarray:
+    """(pp,) peak memory of each stage at the level's largest pack with its recompute and
+    1F1B's micro-batches in flight (the model level_recompute fits)."""
+    costs = _peak_costs(pipe, level.vit_budget, level.token_budget)
+    recompute = recompute_of(level, pipe.pp)
+    return np.array([stage_memory_mib(costs, lo, hi, recompute[s],
+                                      inflight_1f1b(s, pipe.pp, level.micro_batches))
+                     for s, (lo, hi) in enumerate(itertools.pairwise(pipe.bounds))])
 
 
 def stage_times(pipe: Pipeline, features: np.ndarray, recompute: list[dict[int, int]]
@@ -130,24 +145,43 @@ def candidate_levels(top: Level, lengths: LengthStats, floor_tokens: int = 1024)
     return out[::-1]
 
 
-def estimate_epoch_ms(pipe: Pipeline, lengths: LengthStats, levels: tuple[Level, ...],
-                      recompute: list[list[dict[int, int]]]) -> float:
-    """Epoch estimate: per level, its samples' packs at FILL of the budgets, in whole steps of
-    identical packs, each step simulated once."""
+@dataclass(frozen=True)
+class LevelEstimate:
+    """A level's share of an epoch as choose_levels estimates it: the samples it holds (those
+    no shorter level fits), its steps and the ms of one step."""
+
+    samples: int
+    steps: int
+    step_ms: float
+
+
+def level_estimates(pipe: Pipeline, lengths: LengthStats, levels: tuple[Level, ...],
+                    recompute: list[list[dict[int, int]]]) -> list[LevelEstimate]:
+    """Per level, its samples' packs at FILL of the budgets, in whole steps of identical packs,
+    each step simulated once. A level without samples of its own is timed with packs of the
+    samples that fit it (the whole budgets with one sample if none does)."""
     level_of = assign_levels(lengths.vit, lengths.tokens, levels)
-    total = 0.0
+    out = []
     for i, lv in enumerate(levels):
         mine = level_of == i
-        if not mine.any():
-            continue
-        v, t = lengths.vit[mine].sum(), lengths.tokens[mine].astype(np.float64)
+        shape = mine if mine.any() else lv.fits(lengths.vit, lengths.tokens)
+        v, t = lengths.vit[shape].sum(), lengths.tokens[shape].astype(np.float64)
+        if not shape.any():
+            v, t = lv.vit_budget, np.array([float(lv.token_budget)])
         packs = max(v / (lv.vit_budget * FILL) if lv.vit_budget else 0.0,
                     t.sum() / (lv.token_budget * FILL))
-        steps = math.ceil(packs / (pipe.dp * lv.micro_batches))
         feat = workload_features([v / packs], [t.sum() / packs], [(t * t).sum() / packs])
         replica = np.repeat(feat, lv.micro_batches, axis=0)
-        total += steps * step_ms(pipe, [replica], recompute[i])
-    return total
+        steps = math.ceil(packs / (pipe.dp * lv.micro_batches)) if mine.any() else 0
+        out.append(LevelEstimate(int(mine.sum()), steps,
+                                 step_ms(pipe, [replica], recompute[i])))
+    return out
+
+
+def estimate_epoch_ms(pipe: Pipeline, lengths: LengthStats, levels: tuple[Level, ...],
+                      recompute: list[list[dict[int, int]]]) -> float:
+    """Epoch estimate: the levels' steps times their step times (level_estimates)."""
+    return sum(e.steps * e.step_ms for e in level_estimates(pipe, lengths, levels, recompute))
 
 
 def choose_levels(pipe: Pipeline, lengths: LengthStats, top: Level,
@@ -175,6 +209,40 @@ def choose_levels(pipe: Pipeline, lengths: LengthStats, top: Level,
     return tuple(with_recompute(lv, rec) for lv, rec in best)
 
 
+def parse_levels(text: str, top: Level) -> tuple[Level, ...]:
+    """`--levels V/T[xM],..`: levels below `top` (without xM, micro-batches for the top's
+    tokens per step), ascending, then `top`; listing the top itself is allowed."""
+    out = []
+    for part in text.split(","):
+        level = Level.parse(part.strip(), top.micro_batches)
+        if "x" not in part:
+            micro = max(1, round(top.micro_batches * top.token_budget / level.token_budget))
+            level = replace(level, micro_batches=micro)
+        if (level.vit_budget, level.token_budget) == (top.vit_budget, top.token_budget):
+            continue
+        if level.token_budget >= top.token_budget or level.vit_budget > top.vit_budget:
+            raise ValueError(f"--levels {part}: not below the plan's budgets "
+                             f"{top.vit_budget}/{top.token_budget} (the last level)")
+        out.append(level)
+    if any(a.token_budget >= b.token_budget or a.vit_budget > b.vit_budget
+           for a, b in itertools.pairwise(out)):
+        raise ValueError(f"--levels {text}: levels must ascend (tokens strictly, tiles not "
+                         "descending)")
+    return (*out, top)
+
+
+def fit_levels(pipe: Pipeline, levels: tuple[Level, ...]) -> tuple[Level, ...]:
+    """Each level with its cheapest recompute that fits memory (level_recompute)."""
+    out = []
+    for lv in levels:
+        rec = level_recompute(pipe, lv.vit_budget, lv.token_budget, lv.micro_batches)
+        if rec is None:
+            raise ValueError(f"level {lv.vit_budget}/{lv.token_budget} x{lv.micro_batches} does "
+                             "not fit memory even with every layer recomputed")
+        out.append(with_recompute(lv, rec))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class EpochTime:
     """Simulated epoch of a plan: total ms and, per level, steps, ms, tokens and samples."""
@@ -190,7 +258,7 @@ def simulate_epoch(pipe: Pipeline, plan: BalancePlan, lengths: LengthStats,
     recompute = []
     for lv in levels:
         if lv.vit_recompute or lv.llm_recompute:
-            recompute.append(_recompute_of(lv, pipe.pp))
+            recompute.append(recompute_of(lv, pipe.pp))
         else:
             rec = level_recompute(pipe, lv.vit_budget, lv.token_budget, lv.micro_batches)
             if rec is None:

@@ -9,6 +9,7 @@ detail. Every figure is modeled (cost model + pipeline simulator), not measured.
 
 from __future__ import annotations
 
+from megatron_omnibal.balance.config import Level
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.baseline import (
     BaselineSearch,
@@ -17,6 +18,7 @@ from megatron_omnibal.planner.baseline import (
 )
 from megatron_omnibal.planner.costs import GROUP_LLM, GROUP_VIT
 from megatron_omnibal.planner.flags import baseline_flags, plan_flags
+from megatron_omnibal.planner.level_plan import pipeline, plan_levels, plan_pack_cost
 from megatron_omnibal.planner.memory import GIB_MIB
 from megatron_omnibal.planner.parallel_search import plan_candidates
 from megatron_omnibal.planner.partition import Partition
@@ -117,6 +119,11 @@ def make_plan(request: PlanRequest, progress: bool = False) -> Plan:
     step = _ms(best.result.step_ms)
     base = baseline_plan(request, best_megatron_baseline(request))
     same_part, same, same_fits = same_parallel_baseline(st)
+    levels = None
+    if request.levels is not None:
+        top = Level(vit_budget=st.vit_budget, token_budget=st.token_budget, micro_batches=st.m)
+        levels = plan_levels(pipeline(st, best.part.bounds), request.lengths, top,
+                             request.levels)
     prediction = Prediction(
         step_ms=step,
         bubble_fraction=round(best.result.bubble_fraction, 4),
@@ -134,6 +141,9 @@ def make_plan(request: PlanRequest, progress: bool = False) -> Plan:
         cost_model="analytic" if request.profile is None else "measured profile",
         profile_path=request.profile_path,
         profile_sha256=None if request.profile is None else profile_sha256(request.profile),
+        levels=() if levels is None else levels.predictions,
+        epoch_s=None if levels is None else levels.epoch_s,
+        single_level_epoch_s=None if levels is None else levels.single_level_epoch_s,
     )
     return Plan(
         model_spec=model,
@@ -150,6 +160,8 @@ def make_plan(request: PlanRequest, progress: bool = False) -> Plan:
             num_samples=len(request.lengths),
             lengths_path=request.lengths_path,
             lengths_sha256=lengths_sha256(request.lengths),
+            pack_cost=plan_pack_cost(st, best.part.bounds, list(best.part.recompute)),
+            levels=() if levels is None else levels.levels,
         ),
         predicted=prediction,
         megatron_flags=tuple(

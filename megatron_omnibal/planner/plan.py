@@ -34,6 +34,7 @@ __all__ = [
     "PLAN_VERSION",
     "BaselinePlan",
     "DataPlan",
+    "LevelPrediction",
     "ParallelSizes",
     "Plan",
     "PlanError",
@@ -140,7 +141,8 @@ class DataPlan:
     num_samples: int
     lengths_path: str | None
     lengths_sha256: str
-    # The balancer's modeled time of a pack (per stage) and the packing levels, if any.
+    # The balancer's modeled time of a pack (per stage) and the packing levels (hierarchical
+    # balance packing; empty: one level at the budgets), each with its per-stage recompute.
     pack_cost: PackCost | None = None
     levels: tuple[Level, ...] = ()
 
@@ -210,8 +212,28 @@ class SameParallelBaseline:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LevelPrediction:
+    """One packing level (data.levels, same order), modeled: a step of packs at 95% of its
+    budgets with its recompute, the samples it holds (those no shorter level fits) and its
+    estimated steps per epoch, and each stage's peak memory at its largest pack."""
+
+    step_ms: float
+    samples: int
+    steps: int
+    peak_memory_gib: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "step_ms", "samples", "steps")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Prediction:
-    """Modeled step of the plan; `speedup` is against `baseline` (None when nothing fits)."""
+    """Modeled step of the plan; `speedup` is against `baseline` (None when nothing fits).
+
+    With `--levels`: `levels` per packing level, and the estimated epoch with the levels and
+    with the budgets alone (`epoch_s`, `single_level_epoch_s`; set even when no level paid and
+    the plan kept one).
+    """
 
     step_ms: float
     bubble_fraction: float
@@ -223,10 +245,17 @@ class Prediction:
     cost_model: str
     profile_path: str | None = None
     profile_sha256: str | None = None
+    levels: tuple[LevelPrediction, ...] = ()
+    epoch_s: float | None = None
+    single_level_epoch_s: float | None = None
     modeled: bool = True
 
     def __post_init__(self) -> None:
         _non_negative(self, "step_ms", "bubble_fraction", "sync_ms")
+        need(
+            (self.epoch_s is None) == (self.single_level_epoch_s is None),
+            "epoch_s and single_level_epoch_s are recorded together",
+        )
         need(self.partition_mode in MODES, f"partition_mode {self.partition_mode!r} not in {MODES}")
         need(self.cost_model in COST_MODELS, f"cost_model {self.cost_model!r} not in {COST_MODELS}")
         need(self.modeled, "modeled must be true: every figure here is a model prediction")
@@ -329,12 +358,56 @@ class Plan:
                 "predicted.baseline: micro_batch_size x micro_batches x dp must be the global "
                 "batch",
             )
+        self._check_levels(budget)
         ranges = self.predicted.same_parallel.unit_ranges
         need(
             len(ranges) == pp and ranges[0][0] == 0 and ranges[-1][1] == nv + 1 + nl,
             f"predicted.same_parallel.unit_ranges must cover the {nv + 1 + nl} units in {pp} "
             "stages",
         )
+
+    def _check_levels(self, budget_gib: float) -> None:
+        """Levels end at the budgets and micro-batches, recompute within each stage's layers,
+        every level within the memory budget, one prediction per level; pack cost per stage."""
+        data, pp = self.data, self.parallel.pp
+        cost = data.pack_cost
+        need(cost is None or cost.stages == pp, f"data.pack_cost needs {pp} stages")
+        levels = data.levels
+        need(
+            len(self.predicted.levels) == len(levels),
+            f"predicted.levels: {len(self.predicted.levels)} entries for {len(levels)} levels",
+        )
+        if not levels:
+            return
+        top = levels[-1]
+        need(
+            (top.vit_budget, top.token_budget, top.micro_batches)
+            == (data.vit_budget, data.token_budget, self.parallel.micro_batches),
+            "data.levels: the last level must be the budgets and parallel.micro_batches",
+        )
+        for i, (a, b) in enumerate(zip(levels, levels[1:], strict=False)):
+            need(
+                a.token_budget < b.token_budget and a.vit_budget <= b.vit_budget,
+                f"data.levels[{i + 1}]: levels must ascend (tokens strictly, tiles not "
+                "descending)",
+            )
+        for i, (lv, pred) in enumerate(zip(levels, self.predicted.levels, strict=True)):
+            at = f"data.levels[{i}]"
+            need(
+                len(lv.vit_recompute) == pp == len(lv.llm_recompute),
+                f"{at}: vit_recompute and llm_recompute need pp={pp} counts",
+            )
+            for s, st in enumerate(self.stages):
+                need(
+                    lv.vit_recompute[s] <= st.num_vit_layers
+                    and lv.llm_recompute[s] <= st.num_llm_layers,
+                    f"{at}: stage {s} recomputes more layers than it holds",
+                )
+            need(
+                len(pred.peak_memory_gib) == pp and max(pred.peak_memory_gib) <= budget_gib,
+                f"predicted.levels[{i}].peak_memory_gib {list(pred.peak_memory_gib)} exceeds "
+                f"the {self.memory_budget_gib:.3f} GiB budget (or is not one per stage)",
+            )
 
     @property
     def memory_budget_gib(self) -> float:

@@ -60,7 +60,7 @@ def from_json(
         kwargs[name] = _value(hints[name], doc[name], where, sub)
     try:
         return cls(**kwargs)
-    except PlanError as exc:
+    except ValueError as exc:  # PlanError, or a class's own check (balance's Level, PackCost)
         raise PlanError(f"{at}: {exc}") from None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_omnibal.balance.config import Level
 from megatron_omnibal.data.lengths import LengthStats
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.hardware import Hardware
@@ -21,7 +22,9 @@ from megatron_omnibal.planner.plan import MODES
 class PlanRequest:
     """`tp` / `pp` / `micro_batches` None: searched. `profile`: a measured layer profile (from
     `omnibal profile`, TP 1) replacing the FLOPs model; `lengths_path` / `profile_path` are
-    recorded in the plan (None: in-memory data)."""
+    recorded in the plan (None: in-memory data). `levels`: packing levels (hierarchical balance
+    packing): 'auto' (the planner chooses), 'V/T[xM],..' (levels below the plan's budgets,
+    which form the last level), None (one level)."""
 
     model: ModelSpec
     hardware: Hardware
@@ -37,6 +40,7 @@ class PlanRequest:
     profile: dict | None = None
     profile_path: str | None = None
     plan_path: str = "plan.json"
+    levels: str | None = None
 
     def __post_init__(self) -> None:
         for flag, value in (("--gpus", self.gpus), ("--global-batch", self.global_batch)):
@@ -50,6 +54,12 @@ class PlanRequest:
             raise ValueError(f"unknown partition mode '{self.mode}' (choose from {MODES})")
         if len(self.lengths) == 0:
             raise ValueError(f"{self.lengths_path or 'lengths'}: no samples")
+        if self.levels not in (None, "auto"):
+            for part in self.levels.split(","):
+                try:
+                    Level.parse(part.strip(), 1)
+                except ValueError as exc:
+                    raise ValueError(f"--levels: {exc} (or 'auto')") from None
         if self.profile is None and self.profile_path is not None:
             raise ValueError("profile_path without a profile")
         if self.profile is not None and self.tp not in (None, 1):

@@ -10,9 +10,15 @@ with main()'s status (2 on a bad flag, before any process group). A stop by --ex
 With OMNIBAL_WATCH_DIR set, every file this rank or its DataLoader worker processes open under
 that folder is appended to OUT_DIR/opened_rank{R}.txt (a Python audit hook, inherited by the
 forked workers; it sees Pillow's opens too).
-With RECORD_PARAMS_AT_STEP=S in the environment, the stage's parameters as the step with
-iteration counter S starts (after S optimizer steps, or as loaded) go to OUT_DIR/params{R}.pt
-under their model-wide names (megatron.model.global_named_parameters).
+
+Each micro-batch record also holds its `level` and, under "checkpointed", the ViT/LLM layers
+("vit.3", "llm.0", global numbering) whose forward ran without autograd (the first pass of a
+recomputed layer); "recomputed" counts, per layer, the forwards run during backward passes.
+With OMNIBAL_TEST_WEIGHTS=SEED a run that starts at step 0 sets every parameter from its global
+name and SEED (the same weights at any pipeline split); with OMNIBAL_TEST_GRADS=1 the gradient
+each optimizer step applies is saved per global name to OUT_DIR/grads_rank{R}.pt.
+With RECORD_PARAMS_AT_STEP=S, the stage's parameters as step S runs (after S optimizer steps, or
+as loaded) go to OUT_DIR/params{R}.pt under their model-wide names.
 """
 
 from __future__ import annotations
@@ -20,30 +26,97 @@ from __future__ import annotations
 import json
 import os
 import sys
+import zlib
+from collections import Counter
 from pathlib import Path
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from megatron_omnibal.megatron.pretrain_vlm import main
 from megatron_omnibal.megatron.step import forward_step
 
 RECORDS: list[dict] = []
-STATE: dict = {}
+STATE: dict = {"in_forward_step": False, "checkpointed": [], "recomputed": Counter()}
+GRADS: list[dict] = []
 PARAMS_AT = os.environ.get("RECORD_PARAMS_AT_STEP")
 
 
-def snapshot_parameters(model) -> dict:
+def _stage(model):
+    from megatron_omnibal.megatron.model import VLMStage
+
+    while not isinstance(model, VLMStage):  # DDP / Float16Module wrappers
+        model = model.module
+    return model
+
+
+def _test_weights(names: dict, seed: int) -> None:
+    """Every parameter from its global name: norms around 1, the rest small."""
+    with torch.no_grad():
+        for name, p in names.items():
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()) ^ seed)
+            value = 0.05 * torch.randn(p.shape, generator=g)
+            if p.dim() == 1 and "norm" in name and name.endswith("weight"):
+                value += 1.0
+            p.copy_(value)
+
+
+def _watch_layers(stage) -> None:
+    def hook(name):
+        def count(_module, _args, _output):
+            if STATE["in_forward_step"] and not torch.is_grad_enabled():
+                STATE["checkpointed"].append(name)
+            elif not STATE["in_forward_step"] and torch.is_grad_enabled():
+                STATE["recomputed"][name] += 1
+
+        return count
+
+    for tower in ("vit", "llm"):
+        block = getattr(stage, tower)
+        for layer in block.layers if block is not None else ():
+            layer.register_forward_hook(hook(f"{tower}.{layer.layer_number - 1}"))
+
+
+def _record_grads(names: dict) -> None:
+    by_id = {id(p): n for n, p in names.items()}
+
+    def hook(optimizer, _args, _kwargs):
+        GRADS.append({by_id[id(p)]: p.grad.detach().clone() for group in optimizer.param_groups
+                      for p in group["params"] if id(p) in by_id and p.grad is not None})
+
+    register_optimizer_step_pre_hook(hook)
+
+
+def _first_call(source, model) -> None:
     from megatron_omnibal.megatron.model import global_named_parameters
 
-    while hasattr(model, "module"):  # DDP / Float16Module wrappers
-        model = model.module
-    return {name: p.detach().clone() for name, p in global_named_parameters(model).items()}
+    stage = _stage(model)
+    names = global_named_parameters(stage)
+    seed = os.environ.get("OMNIBAL_TEST_WEIGHTS")
+    if seed is not None and source.start_step == 0:
+        _test_weights(names, int(seed))
+    if os.environ.get("OMNIBAL_TEST_GRADS"):
+        _record_grads(names)
+    _watch_layers(stage)
 
 
 def recording_forward_step(data_iterator, model):
     source = getattr(data_iterator, "iterable", data_iterator)  # Megatron's RerunDataIterator
+    if not RECORDS:
+        _first_call(source, model)
+    STATE["in_forward_step"], STATE["checkpointed"] = True, []
+    try:
+        output, loss_func = forward_step(data_iterator, model)
+    finally:
+        STATE["in_forward_step"] = False
     if PARAMS_AT is not None and source.step == int(PARAMS_AT) and "params" not in STATE:
-        STATE["params"] = snapshot_parameters(model)
-    output, loss_func = forward_step(data_iterator, model)
-    record = {"indices": source.last_indices}
+        from megatron_omnibal.megatron.model import global_named_parameters
+
+        # Drawn and run forward, not yet updated: the parameters step S starts from.
+        STATE["params"] = {n: p.detach().clone()
+                           for n, p in global_named_parameters(_stage(model)).items()}
+    record = {"indices": source.last_indices, "level": source.level,
+              "checkpointed": sorted(STATE["checkpointed"])}
     RECORDS.append(record)
     STATE["start"] = source.start_step
 
@@ -91,11 +164,12 @@ def run() -> int:
         "dp_rank": ps.get_data_parallel_rank(),
         "start": STATE.get("start"),
         "micro": RECORDS,
+        "recomputed": dict(STATE["recomputed"]),
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    if GRADS:
+        torch.save(GRADS, out / f"grads_rank{dist.get_rank()}.pt")
     if "params" in STATE:
-        import torch
-
         torch.save(STATE["params"], out / f"params{dist.get_rank()}.pt")
     return 0
 
