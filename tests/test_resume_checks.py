@@ -169,6 +169,11 @@ def test_a_torch_dist_checkpoint_loads_at_any_split_unless_the_vocabulary_pads_d
         check_layout(saved, layouts((4, 0), (1, 3)), 2, "ckpt", 128)
     wide = dataclasses.replace(saved, vocab_size=256)
     check_layout(wide, layouts((4, 0), (1, 3)), 2, "ckpt", 256)
+    # a ViT of 3 heads: 3 at TP=1, padded to 4 at TP=2 and TP=4: TP 2 <-> 4 reshards
+    with pytest.raises(OmnibalArgsError, match="3 attention heads are padded to 3; at TP=2"):
+        check_layout(wide, layouts((4, 0), (1, 3)), 2, "ckpt", 256, vit_heads=3)
+    at_tp2 = dataclasses.replace(saved, tp=2, vocab_size=512)
+    check_layout(at_tp2, layouts((4, 0), (1, 3)), 4, "ckpt", 512, vit_heads=3)
 
 
 def test_a_bad_tracker_file_or_a_missing_iteration_is_refused(tmp_path):

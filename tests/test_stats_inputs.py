@@ -267,3 +267,40 @@ def test_stored_configuration_round_trips_and_png_is_written(root, tmp_path):
     with Image.open(tmp_path / "stats.png") as img:
         assert img.size[0] > 500 and img.size[1] > 300
     assert Path(tmp_path / "stats.png").stat().st_size > 10_000
+
+
+def test_stats_and_plan_take_the_model_from_an_hf_checkpoint(root, tmp_path):
+    """`--model HF_DIR`: the length file stores the checkpoint's own tokens per tile and image
+    token ids (read from its config.json and tokenizer files), and `omnibal plan` plans that
+    very architecture."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import hf_models
+
+    from megatron_omnibal.models.hf_config import spec_from_hf
+    from megatron_omnibal.planner.plan import load_plan
+
+    built = hf_models.internvl(tmp_path / "hf", six_b=True)
+    spec = spec_from_hf(built.path)
+    conv = [{"from": "human", "value": "<image>\nwhat is this"}, {"from": "gpt", "value": "a cat"}]
+    recs = [{"id": str(i), "image": f"{i % 3}.jpg", "conversations": conv} for i in range(12)]
+    (tmp_path / "d.json").write_text(json.dumps(recs))
+    out = tmp_path / "lengths.npz"
+    assert cli_main(["stats", str(tmp_path / "d.json"), "--model", str(built.path), "--tokenizer",
+                     str(root / "tok.json"), "--image-root", str(root), "--out", str(out),
+                     "--workers", "1", "--no-progress"]) == 0  # fmt: skip
+    stored = read_stats_config(out)
+    config, _ = config_from_dict(stored, str(out))
+    m = config.model
+    assert (m.image_size, m.tokens_per_tile, m.image_token_id, m.image_start_id, m.image_end_id,
+            m.vocab_size) == (16, 4, 150, 151, 152, 160)  # the checkpoint's, not a preset's
+    assert (spec.vit.image_size, spec.tokens_per_tile, spec.image_token_id) == (16, 4, 150)
+    assert config.tiling.tokens_per_tile == 4
+    lengths = load_lengths(out)
+    text_only = lengths.tokens - lengths.image_flags * 4
+    assert (lengths.image_flags > 0).all() and (text_only > 0).all()
+    plan = tmp_path / "plan.json"
+    assert cli_main(["plan", "--model", str(built.path), "--hardware", "A100-80G", "--gpus", "2",
+                     "--global-batch", "8", "--lengths", str(out), "--out", str(plan)]) == 0
+    assert load_plan(plan).model_spec == spec

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _layout(args: argparse.Namespace, ckpt) -> tuple[list, int]:
-    from megatron_omnibal.megatron.configs import check_tensor_parallel
+    from megatron_omnibal.megatron.configs import check_tensor_parallel, padded_heads
     from megatron_omnibal.megatron.layout import layout_from_counts
 
     spec = ckpt.spec
@@ -57,6 +57,13 @@ def _layout(args: argparse.Namespace, ckpt) -> tuple[list, int]:
         layouts = list(ckpt.layouts)
     tp = args.tp or ckpt.tp
     check_tensor_parallel(spec, tp)
+    heads = spec.vit.num_attention_heads
+    if padded_heads(heads, tp) != padded_heads(heads, ckpt.tp):
+        raise ValueError(
+            f"--tp {tp}: the ViT's {heads} heads are padded to {padded_heads(heads, tp)} there, "
+            f"the checkpoint (TP {ckpt.tp}) holds {padded_heads(heads, ckpt.tp)}; use a TP that "
+            "pads them alike"
+        )
     same = tp == ckpt.tp and [(s.vit_layers, s.llm_layers) for s in layouts] == [
         (s.vit_layers, s.llm_layers) for s in ckpt.layouts
     ]

@@ -193,10 +193,16 @@ def _describe(tp: int, pp: int, layouts: list[dict[str, Any]] | None) -> str:
 
 
 def check_layout(
-    saved: SavedRun, layouts: tuple[StageLayout, ...], tp: int, load: str, vocab_size: int
+    saved: SavedRun,
+    layouts: tuple[StageLayout, ...],
+    tp: int,
+    load: str,
+    vocab_size: int,
+    vit_heads: int = 0,
 ) -> None:
     """Refuse a checkpoint that cannot load at this run's TP/PP split: a format bound to its
-    layout, or a vocabulary padded to another size at another TP."""
+    layout, a vocabulary padded to another size at another TP, or a ViT whose heads are padded
+    to another count at another TP (`vit_heads`: the model's real ViT heads)."""
     mine = [st.to_dict() for st in layouts]
     if saved.format in LAYOUT_BOUND_FORMATS:
         same = saved.tp == tp and saved.pp == len(layouts)
@@ -223,15 +229,34 @@ def check_layout(
                 f"pads it to {now}, so the word embedding and output layer cannot be resharded. "
                 f"Resume at a TP size whose padding gives {before} rows (TP={saved.tp})"
             )
+    if saved.tp != tp and vit_heads:
+        from megatron_omnibal.megatron.configs import padded_heads
+
+        before, now = padded_heads(vit_heads, saved.tp), padded_heads(vit_heads, tp)
+        if before != now:
+            raise OmnibalArgsError(
+                f"--load {load}: iteration {saved.iteration} was saved at TP={saved.tp}, where "
+                f"the ViT's {vit_heads} attention heads are padded to {before}; at TP={tp} they "
+                f"are padded to {now}, so its attention weights cannot be resharded. Resume at "
+                f"a TP size that pads them to {before} heads, or export the checkpoint "
+                "(omnibal convert megatron-to-hf) and convert it again at the new TP"
+            )
 
 
-def check_resume(args: argparse.Namespace, settings: OmnibalSettings) -> ResumePlan:
+def check_resume(
+    args: argparse.Namespace, settings: OmnibalSettings, vit_heads: int = 0
+) -> ResumePlan:
     """Read the checkpoint this run will load (if any), refuse what cannot resume, and say
-    where the data stream starts."""
+    where the data stream starts. `vit_heads`: the model's ViT attention heads."""
     saved = read_saved_run(args)
     if saved is not None:
         check_layout(
-            saved, settings.layouts, args.tensor_model_parallel_size, args.load, args.vocab_size
+            saved,
+            settings.layouts,
+            args.tensor_model_parallel_size,
+            args.load,
+            args.vocab_size,
+            vit_heads,
         )
     return plan_resume(
         saved,

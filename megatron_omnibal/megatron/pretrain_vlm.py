@@ -89,7 +89,7 @@ def main(
             # configuration, count and a spread of samples (from their text: no image opened)
             open_source(args, settings.lengths, spec, pixels=False)
         finetune = finetune_settings(args)
-        resume = check_resume(args, settings)
+        resume = check_resume(args, settings, spec.vit.num_attention_heads)
     except (OmnibalArgsError, ValueError) as exc:
         return _fail(exc)
     # Saved with Megatron's args in every checkpoint: the export reads the model and layout.

@@ -156,10 +156,18 @@ def _language(text: Any, arch: str, path: Path) -> LanguageSpec:
     )
 
 
-def _internvl(path: Path, doc: dict) -> HFModel:
+def _transformers_config(path: Path) -> Any:
+    """The directory's config through transformers' own classes (their defaults apply)."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise HFConfigError(f"{path / 'config.json'}: transformers rejects it ({exc})") from None
+
+
+def _internvl(path: Path, doc: dict) -> HFModel:
+    cfg = _transformers_config(path)
     vc, tc = cfg.vision_config, cfg.text_config
     arch = TEXT_MODEL_TYPES.get(tc.model_type)
     _need(arch is not None, path, f"text_config.model_type {tc.model_type!r} is not supported")
@@ -208,9 +216,7 @@ def _internvl(path: Path, doc: dict) -> HFModel:
 
 
 def _llava(path: Path, doc: dict) -> HFModel:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    cfg = _transformers_config(path)
     vc, tc = cfg.vision_config, cfg.text_config
     _need(
         vc.model_type == "clip_vision_model",

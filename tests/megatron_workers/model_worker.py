@@ -34,37 +34,18 @@ from megatron_omnibal.megatron.layout import layout_from_counts  # noqa: E402
 from megatron_omnibal.megatron.model import global_named_parameters  # noqa: E402
 from megatron_omnibal.megatron.provider import vlm_model_provider  # noqa: E402
 from megatron_omnibal.megatron.step import forward_step  # noqa: E402
+from megatron_omnibal.megatron.tp_shard import shard, unshard  # noqa: E402
 from megatron_omnibal.models.spec import ModelSpec  # noqa: E402
 
 
-def is_gated_fc1(name: str) -> bool:
-    return name.startswith("llm.layers.") and "mlp.linear_fc1" in name
-
-
-def shard(full: torch.Tensor, p: torch.nn.Parameter, name: str, r: int, tp: int) -> torch.Tensor:
-    """This TP rank's piece of a full (TP=1) tensor, as megatron-core lays it out."""
-    if not getattr(p, "tensor_model_parallel", False) or tp == 1:
-        return full
-    d = p.partition_dim
-    if is_gated_fc1(name):  # [gate; up] -> [gate_r; up_r]
-        gate, up = full.chunk(2, d)
-        return torch.cat([gate.chunk(tp, d)[r], up.chunk(tp, d)[r]], d)
-    return full.chunk(tp, d)[r]
-
-
-def unshard(part: torch.Tensor, p: torch.nn.Parameter, name: str) -> torch.Tensor:
-    """The full tensor from every TP rank's piece (inverse of shard)."""
+def gather(part: torch.Tensor, p: torch.nn.Parameter, name: str, spec: ModelSpec) -> torch.Tensor:
+    """The whole tensor from every TP rank's piece (megatron.tp_shard.unshard)."""
     tp = ps.get_tensor_model_parallel_world_size()
-    if not getattr(p, "tensor_model_parallel", False) or tp == 1:
-        return part
+    if tp == 1:
+        return unshard(name, [part], spec)
     parts = [torch.empty_like(part) for _ in range(tp)]
     dist.all_gather(parts, part.contiguous(), group=ps.get_tensor_model_parallel_group())
-    d = p.partition_dim
-    if is_gated_fc1(name):
-        gates = [x.chunk(2, d)[0] for x in parts]
-        ups = [x.chunk(2, d)[1] for x in parts]
-        return torch.cat(gates + ups, d)
-    return torch.cat(parts, d)
+    return unshard(name, parts, spec)
 
 
 def build(spec: ModelSpec, case: dict, seed: int) -> torch.nn.Module:
@@ -89,13 +70,14 @@ def build(spec: ModelSpec, case: dict, seed: int) -> torch.nn.Module:
 
 
 def reference_weights(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
-    """Full TP=1 weights, perturbed so that no norm weight is a trivial 1 or bias a 0."""
+    """Whole (canonical) weights of a TP=1 model, perturbed so that no norm weight is a trivial
+    1 or bias a 0."""
     model = build(
         spec, {"tp": 1, "pp": 1, "vit": [spec.vit.num_layers], "llm": [spec.llm.num_layers]}, seed
     )
     g = torch.Generator().manual_seed(seed + 1)
     return {
-        n: (p.detach() + 0.05 * torch.randn(p.shape, generator=g)).clone()
+        n: unshard(n, [p.detach() + 0.05 * torch.randn(p.shape, generator=g)], spec)
         for n, p in sorted(global_named_parameters(model).items())
     }
 
@@ -130,7 +112,7 @@ def run_case(spec: ModelSpec, case: dict, weights: dict, batches: list, seed: in
     named = global_named_parameters(model)
     with torch.no_grad():
         for n, p in named.items():
-            p.copy_(shard(weights[n], p, n, tp_rank, tp))
+            p.copy_(shard(n, weights[n], spec, tp, tp_rank))
     model.train()
     # Fresh RNG per case, the same on every rank: dropout masks depend only on the seed.
     model_parallel_cuda_manual_seed(seed + 7)
@@ -146,7 +128,7 @@ def run_case(spec: ModelSpec, case: dict, weights: dict, batches: list, seed: in
     grads = {}
     for n, p in named.items():
         g = p.grad if p.grad is not None else torch.zeros_like(p)
-        grads[n] = unshard(g.detach(), p, n)
+        grads[n] = gather(g.detach(), p, n, spec)
     if ps.get_data_parallel_rank() == 0 and tp_rank == 0:
         result = {
             "losses": [x["lm loss"].tolist() for x in losses] if losses else [],

@@ -1,0 +1,91 @@
+"""Reading Hugging Face checkpoint directories into the model spec: every field the stage
+module builds comes from the checkpoint's own config (checked against the configs the tiny
+models were built from), and what cannot be built exactly is an error naming the field."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_models  # noqa: E402
+
+from megatron_omnibal.models.hf_config import HFConfigError, read_hf  # noqa: E402
+
+
+def test_internvl_6b_like(tmp_path: Path) -> None:
+    hf = read_hf(hf_models.internvl(tmp_path / "m", six_b=True).path)
+    v, p, llm = hf.spec.vit, hf.spec.projector, hf.spec.llm
+    assert (hf.family, hf.llm_arch) == ("internvl", "qwen2")
+    assert (v.num_layers, v.hidden_size, v.num_attention_heads, v.norm) == (4, 48, 3, "rmsnorm")
+    assert v.qk_norm and v.layer_scale and not v.qkv_bias and v.post_norm and v.class_token
+    assert (p.type, p.downsample, p.shuffle_version) == ("pixel_shuffle_mlp", 0.5, 2)
+    assert llm.qkv_bias and llm.tie_embeddings and llm.rotary_base == 5000.0
+    assert (llm.num_query_groups, llm.norm_eps, llm.vocab_size) == (2, 1e-5, 160)
+    assert (hf.spec.image_token_id, hf.spec.image_start_id, hf.spec.image_end_id) == (150, 151, 152)
+    assert hf.spec.tokens_per_tile == 4
+
+
+def test_internvl_300m_like_and_the_remote_layout(tmp_path: Path) -> None:
+    hf = read_hf(hf_models.internvl(tmp_path / "m", six_b=False).path)
+    v = hf.spec.vit
+    assert v.norm == "layernorm" and v.qkv_bias and not v.qk_norm and not v.post_norm
+    assert hf.llm_arch == "llama" and not hf.spec.llm.qkv_bias
+    assert not hf.spec.llm.tie_embeddings
+    chat = read_hf(hf_models.internvl_chat(tmp_path / "c").path)
+    assert (chat.family, chat.llm_arch) == ("internvl_chat", "internlm2")
+    assert chat.spec.vit.qk_norm and chat.spec.vit.qk_norm_eps == 1e-6
+    assert chat.spec.image_token_id == hf_models.IMG_CONTEXT
+
+
+def test_llava(tmp_path: Path) -> None:
+    hf = read_hf(hf_models.llava(tmp_path / "m").path)
+    v = hf.spec.vit
+    assert hf.vit_checkpoint_layers == 5 and v.num_layers == 4  # vision_feature_layer -2
+    assert v.pre_norm and not v.patch_bias and v.activation == "quick_gelu" and v.norm_eps == 1e-5
+    assert hf.spec.projector.type == "mlp" and hf.spec.tokens_per_tile == 16
+    assert hf.spec.image_token_id == hf_models.LLAVA_IMAGE and hf.spec.image_start_id == -1
+
+
+def _edited(src: Path, dst: Path, edit) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    doc = json.loads((dst / "config.json").read_text())
+    edit(doc)
+    (dst / "config.json").write_text(json.dumps(doc))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(model_type="qwen2_vl"), "model_type 'qwen2_vl' is not supported"),
+        (lambda d: d.update(vision_feature_layer=[-2, -1]), "features from several layers"),
+        (lambda d: d["text_config"].update(rope_parameters={
+            "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 128}),
+         "RoPE scaling 'llama3' is not supported"),
+        (lambda d: d["text_config"].update(rope_parameters={"rope_type": "llama3"}),
+         "transformers rejects it"),
+        (lambda d: d["vision_config"].update(hidden_act="swish"), "activation 'swish'"),
+    ],
+)
+def test_what_cannot_be_built_exactly_is_refused(tmp_path: Path, edit, message: str) -> None:
+    src = hf_models.llava(tmp_path / "m").path
+    with pytest.raises(HFConfigError, match=message):
+        read_hf(_edited(src, tmp_path / "bad", edit))
+
+
+def test_remote_layout_without_its_image_token_and_a_missing_config(tmp_path: Path) -> None:
+    chat = hf_models.internvl_chat(tmp_path / "c").path
+    (chat / "tokenizer_config.json").unlink()
+    with pytest.raises(HFConfigError, match="no <IMG_CONTEXT> token"):
+        read_hf(chat)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(HFConfigError, match="config.json: no such file"):
+        read_hf(tmp_path / "empty")
