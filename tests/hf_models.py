@@ -1,5 +1,5 @@
 """Tiny random Hugging Face VLMs for the tests, built from config objects with the installed
-transformers and saved locally (nothing is downloaded), plus their reference outputs.
+transformers and saved locally (nothing is downloaded).
 
 Families (each shaped like the real one, a few layers wide):
 - internvl_6b: transformers' InternVL with an InternViT-6B-like tower (RMSNorm, QK-norm across
@@ -238,70 +238,3 @@ def llava(path: Path, seed: int = 0) -> Built:
     _perturb(model, seed + 1)
     model.save_pretrained(path)
     return Built(path, model, "llava", LLAVA_IMAGE, 16, 16)
-
-
-def samples(built: Built, seed: int = 0) -> list[dict]:
-    """A micro-batch's samples: two images (2 tiles and 1 tile) and a text-only sample with
-    InternVL's dummy tile (LLaVA: none). Token ids, image tiles and flags per sample."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = 100  # plain text ids stay clear of the special tokens
-
-    def text(n: int) -> list[int]:
-        return torch.randint(1, vocab, (n,), generator=g).tolist()
-
-    def image(tiles: int) -> list[int]:
-        ctx = [built.image_token] * (built.tokens_per_tile * tiles)
-        return [IMG_START, *ctx, IMG_END] if built.family != "llava" else ctx
-
-    size = built.image_size
-    tiles_per_image = (2, 1) if built.family != "llava" else (1, 1)
-    out = []
-    for t, n_text in zip(tiles_per_image, (5, 9), strict=True):
-        ids = [0, *text(3), *image(t), *text(n_text)]
-        out.append(
-            {
-                "tokens": torch.tensor(ids),
-                "labels": torch.full((len(ids),), -100),
-                "images": torch.randn(t, 3, size, size, generator=g),
-                "image_flags": torch.ones(t, dtype=torch.int64),
-            }
-        )
-    dummy = 1 if built.family != "llava" else 0
-    ids = [0, *text(10)]  # an odd total length: sequence parallelism must pad
-    out.append(
-        {
-            "tokens": torch.tensor(ids),
-            "labels": torch.full((len(ids),), -100),
-            "images": torch.randn(dummy, 3, size, size, generator=g),
-            "image_flags": torch.zeros(dummy, dtype=torch.int64),
-        }
-    )
-    return out
-
-
-def reference(built: Built, batch: list[dict]) -> dict[str, torch.Tensor]:
-    """transformers' forward, one sample at a time: logits [S, V] and LLM final hidden states
-    [S, H] of the packed sequence, and the ViT features entering the projector for the real
-    tiles [tiles, tokens, C]."""
-    model = built.model
-    logits, hidden, feats = [], [], []
-    with torch.no_grad():
-        for s in batch:
-            real = s["images"][s["image_flags"].bool()]
-            pixels = real if len(real) else None
-            ids = s["tokens"][None]
-            out = model(input_ids=ids, pixel_values=pixels)
-            base = model.model(input_ids=ids, pixel_values=pixels)
-            logits.append(out.logits[0])
-            hidden.append(base.last_hidden_state[0])
-            if pixels is not None:
-                feats.append(vision_features(built, pixels))
-    return {"logits": torch.cat(logits), "llm": torch.cat(hidden), "vit": torch.cat(feats)}
-
-
-def vision_features(built: Built, pixels: torch.Tensor) -> torch.Tensor:
-    """What the projector receives, as transformers selects it (before dropping the CLS)."""
-    tower = built.model.model.vision_tower
-    if built.family == "llava":
-        return tower(pixels, output_hidden_states=True).hidden_states[-2]
-    return tower(pixel_values=pixels).last_hidden_state

@@ -6,15 +6,17 @@ heads, layer scale, no qkv bias, final LayerNorm; Qwen2 with a tied head), Inter
 InternLM2 wqkv) and LLaVA-1.5 (CLIP, feature layer -2). Each is loaded through the package's own
 mapping and sharding at PP=1, 2 and 4 (the ViT split over two stages, one stage holding the ViT
 tail and the LLM's first layers), TP=2 with and without sequence parallelism, and TP=2 x PP=2.
-Oracle: transformers' forward of the same checkpoint, sample by sample. Logits (real vocabulary),
-the ViT features entering the projector and the LLM's final hidden states must agree within
-1e-4 relative (max abs difference / max abs value) in fp32.
+Oracle: transformers' forward of the same checkpoint, sample by sample (models.hf_reference
+runs it on the probe inputs of megatron.probe: two images over three tiles, a text-only
+sample). Logits (real vocabulary), the ViT features entering the projector and the LLM's final
+hidden states must agree within 1e-4 relative (max abs difference / max abs value) in fp32.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,10 @@ pytestmark = pytest.mark.megatron
 sys.path.insert(0, str(Path(__file__).resolve().parent / "megatron_workers"))
 import hf_models  # noqa: E402
 from launch import torchrun  # noqa: E402
+
+from megatron_omnibal.megatron.probe import probe_samples  # noqa: E402
+from megatron_omnibal.models.hf_config import read_hf  # noqa: E402
+from megatron_omnibal.models.hf_reference import reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "megatron_workers" / "hf_worker.py"
@@ -58,9 +64,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     models, refs = {}, {}
     for family in FAMILIES:
         built = build(family, root)
-        batch = hf_models.samples(built)
-        torch.save(batch, root / f"{family}.batch.pt")
-        refs[family] = (hf_models.reference(built, batch), batch)
+        hf = read_hf(built.path)
+        batch = probe_samples(hf.spec)
+        torch.save([asdict(s) for s in batch], root / f"{family}.batch.pt")
+        refs[family] = (reference(built.model, hf, batch), batch)
         models[family] = {"hf_dir": str(built.path), "batch": str(root / f"{family}.batch.pt")}
     cfg = root / "cases.json"
     cfg.write_text(json.dumps({"models": models, "cases": CASES}))
@@ -96,5 +103,5 @@ def test_logits_and_tower_outputs_equal_transformers(results, family: str, case:
     got = outputs(out, family, case)
     assert relative(got["logits"], ref["logits"]) <= RTOL, "logits"
     assert relative(got["llm"], ref["llm"]) <= RTOL, "LLM final hidden states"
-    flags = torch.cat([s["image_flags"] for s in batch]).bool()
+    flags = torch.cat([s.image_flags for s in batch]).bool()
     assert relative(got["vit"][flags], ref["vit"]) <= RTOL, "ViT features"

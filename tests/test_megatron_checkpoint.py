@@ -27,7 +27,7 @@ import torch
 
 from megatron_omnibal.balance.config import BalanceConfig
 from megatron_omnibal.balance.sampler import BalancedBatchSampler
-from megatron_omnibal.data.lengths import load_lengths, read_stats_config, save_lengths
+from megatron_omnibal.data.lengths import load_lengths
 from megatron_omnibal.megatron.data import model_lengths
 from megatron_omnibal.models.presets import PRESETS
 
@@ -41,16 +41,6 @@ WORKER = ROOT / "tests" / "megatron_workers" / "train_record.py"
 EXAMPLE = ROOT / "examples" / "data" / "internvl_subset.npz"
 ITERS, SAVED = 4, 2  # the source run trains ITERS steps and is resumed from iteration SAVED
 MICRO = 2  # micro-batches per step (DP = 1)
-
-
-@pytest.fixture(scope="module")
-def lengths_file(tmp_path_factory):
-    """40 real records of the example data: a few balanced steps per epoch."""
-    real = load_lengths(EXAMPLE)
-    pick = np.sort(np.random.default_rng(1).choice(len(real), 40, replace=False))
-    path = tmp_path_factory.mktemp("lengths") / "lengths.npz"
-    save_lengths(real.subset(pick), path, config=read_stats_config(EXAMPLE))  # 256 per tile
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -10,26 +10,15 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from megatron_omnibal.data.lengths import load_lengths, read_stats_config, save_lengths
+from megatron_omnibal.data.lengths import load_lengths
 
 pytestmark = pytest.mark.megatron
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "megatron_workers" / "train_record.py"
 EXAMPLE = ROOT / "examples" / "data" / "internvl_subset.npz"
-
-
-@pytest.fixture(scope="module")
-def lengths_file(tmp_path_factory):
-    """40 real records of the example data: a few balanced steps per epoch."""
-    real = load_lengths(EXAMPLE)
-    pick = np.sort(np.random.default_rng(1).choice(len(real), 40, replace=False))
-    path = tmp_path_factory.mktemp("lengths") / "lengths.npz"
-    save_lengths(real.subset(pick), path, config=read_stats_config(EXAMPLE))  # 256 per tile
-    return path
 
 
 def _flags(lengths_file, *extra):

@@ -25,69 +25,28 @@ enable_cpu_megatron()
 
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 
 from megatron_omnibal.megatron.batch import Sample, collate  # noqa: E402
-from megatron_omnibal.megatron.layout import embedding_ranks, layout_from_counts  # noqa: E402
-from megatron_omnibal.megatron.provider import vlm_model_provider  # noqa: E402
+from megatron_omnibal.megatron.layout import layout_from_counts  # noqa: E402
+from megatron_omnibal.megatron.stage_runtime import (  # noqa: E402
+    build_stage,
+    forward_outputs,
+    init_parallel,
+)
 from megatron_omnibal.megatron.stage_weights import load_into  # noqa: E402
 from megatron_omnibal.models.hf_config import read_hf  # noqa: E402
 from megatron_omnibal.models.hf_weights import SafetensorsReader, canonical_tensors  # noqa: E402
 
 
-def build(spec, case: dict):
+def run(name: str, spec, tensors: dict, batch, case: dict, out: Path) -> None:
     layouts = layout_from_counts(
         case["vit"], case["llm"], vit_layers=spec.vit.num_layers, llm_layers=spec.llm.num_layers
     )
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        case["tp"], case["pp"], get_embedding_ranks=embedding_ranks(layouts)
-    )
-    model_parallel_cuda_manual_seed(0)
-    rank, pp = ps.get_pipeline_model_parallel_rank(), case["pp"]
-    overrides = {"sequence_parallel": bool(case.get("sequence_parallel"))}
-    return vlm_model_provider(
-        spec, layouts, rank == 0, rank == pp - 1, config_overrides=overrides
-    )
-
-
-def run(name: str, spec, tensors: dict, batch, case: dict, out: Path) -> None:
-    model = build(spec, case)
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    load_into(model, spec, tensors, tp, tp_rank)
-    model.eval()
-    model.capture = {}
-    kept: dict[str, torch.Tensor] = {}
-
-    def forward_step(data_iterator, model):
-        b = next(data_iterator)
-        output = model(
-            tokens=b.tokens,
-            position_ids=b.position_ids,
-            labels=None,
-            images=b.images,
-            image_flags=b.image_flags,
-            cu_seqlens=b.cu_seqlens,
-        )
-
-        def keep(output_tensor):
-            kept["logits"] = output_tensor.detach()[0, :, : spec.llm.vocab_size]
-            return output_tensor.sum() * 0, torch.tensor(1), {}
-
-        return output, keep
-
-    with torch.no_grad():
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter([batch]),
-            model=[model],
-            num_microbatches=1,
-            seq_length=batch.tokens.shape[1],
-            micro_batch_size=1,
-            forward_only=True,
-        )
-    kept.update({k: v for k, v in model.capture.items()})
+    init_parallel(layouts, case["tp"])
+    model = build_stage(spec, layouts, bool(case.get("sequence_parallel")))
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    load_into(model, spec, tensors, case["tp"], tp_rank)
+    kept = forward_outputs(model, batch, spec.llm.vocab_size)
     if ps.get_data_parallel_rank() == 0 and tp_rank == 0:
         stage = ps.get_pipeline_model_parallel_rank()
         torch.save(kept, out / f"{name}.{case['name']}.stage{stage}.pt")
