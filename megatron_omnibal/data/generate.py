@@ -83,11 +83,14 @@ def train_tokenizer(
             vocab_size=vocab_size,
             special_tokens=list(special_tokens),
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
         )
     else:
         tok = Tokenizer(models.BPE(unk_token="<unk>" if "<unk>" in special_tokens else None))
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens))
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=list(special_tokens), show_progress=False
+        )
     tok.train_from_iterator(corpus, trainer)
     if bos:
         tok.post_processor = processors.TemplateProcessing(
