@@ -13,7 +13,7 @@
 #            mode of bench/bench_megatron.py); pipeline Gantt PNGs of both (`omnibal simulate`)
 # Usage: scripts/demo.sh [data|balance|train|compare ...]   (default: all four, in this order)
 # Environment: DEMO_OUT (default out/demo), DEMO_SAMPLES (generated samples, 1200), DEMO_STEPS
-# (training steps, 60), DEMO_COMPARE_STEPS (steps per compared run, 5; the first is not timed),
+# (training steps, 60), DEMO_COMPARE_STEPS (steps per compared run, 8; the first is not timed),
 # PYTHON (interpreter, default .venv/bin/python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ PY=${PYTHON:-.venv/bin/python}
 OUT=${DEMO_OUT:-out/demo}
 SAMPLES=${DEMO_SAMPLES:-1200}
 STEPS=${DEMO_STEPS:-60}
-COMPARE_STEPS=${DEMO_COMPARE_STEPS:-5}
+COMPARE_STEPS=${DEMO_COMPARE_STEPS:-8}
 EXAMPLE=examples/data/internvl_subset.npz
 SYSTEM_PROMPT="answer the question ."  # words the generated tokenizer knows
 export OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1 TOKENIZERS_PARALLELISM=false
