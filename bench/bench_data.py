@@ -42,8 +42,14 @@ LAYOUTS = {  # model preset, stats flags, budgets (tiles, tokens) per micro-batc
 
 def generate(root: Path, samples: int, images: int, seed: int) -> None:
     """Images, the InternVL meta + JSONL, the LLaVA JSON list and a tokenizer under root."""
-    from PIL import Image
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from megatron_omnibal.data.generate import (
+        image_array,
+        save_image,
+        train_tokenizer,
+        write_json_list,
+        write_jsonl,
+        write_meta,
+    )
 
     rng = random.Random(seed)
     nrng = np.random.default_rng(seed)
@@ -51,13 +57,9 @@ def generate(root: Path, samples: int, images: int, seed: int) -> None:
     files = []
     for k in range(images):
         w, h = rng.randint(200, 1600), rng.randint(200, 1600)
-        y, x = np.mgrid[0:h, 0:w]
-        base = np.stack([(x * 255 // w), (y * 255 // h), np.full_like(x, k % 256)], -1)
-        noise = nrng.integers(0, 40, (h, w, 3))
-        img = Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8), "RGB")
         name = f"{k:04d}.{'png' if k % 5 == 0 else 'jpg'}"
-        img.save(root / "images" / name, **({"compress_level": 1} if k % 5 == 0 else
-                                            {"quality": 85}))
+        save_image(root / "images" / name,
+                   image_array(w, h, (0, 0, k % 256), noise=40, gradient=True, rng=nrng))
         files.append(name)
 
     def words(lo: int, hi: int) -> str:
@@ -68,14 +70,10 @@ def generate(root: Path, samples: int, images: int, seed: int) -> None:
         conv = [{"from": "human", "value": "<image>\n" + words(5, 30)},
                 {"from": "gpt", "value": words(10, 120)}]
         recs.append({"id": f"s{i}", "image": rng.choice(files), "conversations": conv})
-    (root / "llava.json").write_text(json.dumps(recs))
-    (root / "part.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    (root / "meta.json").write_text(json.dumps(
-        {"part": {"root": str(root / "images"), "annotation": "part.jsonl"}}))
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([words(20, 60) for _ in range(300)], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]))
+    write_json_list(root / "llava.json", recs)
+    write_jsonl(root / "part.jsonl", recs)
+    write_meta(root / "meta.json", {"part": {"root": "images", "annotation": "part.jsonl"}})
+    tok = train_tokenizer([words(20, 60) for _ in range(300)], vocab_size=300)
     tok.save(str(root / "tokenizer.json"))
 
 

@@ -39,7 +39,8 @@ Shapes (small enough for a CPU; widths set so the measured vision share matches)
             ViT (class token, dropped before an MLP projector, no pixel shuffle)
 
 Usage: python bench/bench_megatron.py [--shapes 6+20b,llava-7b] [--steps 12] [--warmup 2]
-       [--profile-runs 2] [--json PATH]
+       [--profile-runs 2] [--runs baseline,+data,+partition,+recompute] [--no-predict]
+       [--work-dir DIR] [--json PATH]
        (also its own torchrun worker: --worker baseline|balanced OUT -- FLAGS)
 """
 
@@ -258,6 +259,8 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
     padded = probe.fixed.reshape(-1, 4).mean(axis=0)
     shapes = [(max(1, round(mean[0])), max(1, round(mean[1])))]
     shapes.append((2 * shapes[0][0], max(round(padded[1]), 2 * shapes[0][1])))
+    if not args.predict:  # the plan needs one profile; only the fit needs the second
+        shapes = shapes[:1]
     docs = [profile_min(model_file, tiles, tokens, m, args, tmp / f"profile{i}")
             for i, (tiles, tokens) in enumerate(shapes)]  # fmt: skip
     (tmp / "profile.json").write_text(json.dumps(docs[0], indent=1))
@@ -277,7 +280,7 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
         plan = make_plan(request(budget, profile))
     save_plan(plan, tmp / "plan.json")
     setting = make_setting(request(budget, profile), 1, PP, 1, m)
-    fitted = replace(setting, model=fit_costs(setting.model, docs))
+    fitted = replace(setting, model=fit_costs(setting.model, docs)) if args.predict else None
     bounds, recompute = plan_partition(plan)
     planned = setting.problem(float("inf")).evaluate(bounds, recompute)
     megatron_part, _, _ = same_parallel_baseline(setting)
@@ -297,33 +300,41 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
                        False),
     }  # fmt: skip
     results = {}
-    for label in ("+data", "+partition", "+recompute"):
-        mode, flags, part, padded = runs[label]
-        results[label] = (measure(mode, tmp / label, flags, args.warmup), part, padded)
-    per_micro = np.mean([len(i) for s in results["+data"][0]["micro_indices"] for i in s])
+    for label in args.runs:  # the balanced runs first: the baseline takes their samples
+        if label in runs:
+            mode, flags, part, padded = runs[label]
+            results[label] = (measure(mode, tmp / label, flags, args.warmup), part, padded)
+    # Fixed-size baseline: as many samples per step as the balanced runs took on average.
+    balanced = [idx for got, _, _ in results.values() for idx in got["micro_indices"]]
+    per_micro = np.mean([len(i) for step in balanced for i in step])
     batch = max(1, round(float(per_micro)))
-    flags = [*base, *budgets, *layout_flags(megatron_part, nv), "--omnibal-baseline-batch",
-             str(batch)]  # fmt: skip
-    results["baseline"] = (measure("baseline", tmp / "baseline", flags, args.warmup),
-                           megatron_part, True)  # fmt: skip
+    if "baseline" in args.runs:
+        flags = [*base, *budgets, *layout_flags(megatron_part, nv), "--omnibal-baseline-batch",
+                 str(batch)]  # fmt: skip
+        results["baseline"] = (measure("baseline", tmp / "baseline", flags, args.warmup),
+                               megatron_part, True)  # fmt: skip
 
     rows = []
-    for label in STEPS:
+    for label in (s for s in STEPS if s in results):
         got, part, padded = results[label]
-        feats = [step_features(lengths, step, padded)[None] for step in got["micro_indices"]]
-        pred = float(statistics.median(fitted.predict(part, f).step_ms for f in feats))
-        linear = float(statistics.median(setting.predict(part, f).step_ms for f in feats))
+        samples = float(np.mean([sum(map(len, step)) for step in got["micro_indices"]]))
+        row = {"step": label, "measured_ms": round(got["median_step_ms"], 1),
+               "samples_per_step": round(samples, 2),
+               "samples_per_s": round(1000 * samples / got["median_step_ms"], 2)}  # fmt: skip
+        if fitted is not None:
+            feats = [step_features(lengths, step, padded)[None] for step in got["micro_indices"]]
+            pred = float(statistics.median(fitted.predict(part, f).step_ms for f in feats))
+            linear = float(statistics.median(setting.predict(part, f).step_ms for f in feats))
+            row.update({
+                "predicted_ms": round(pred, 1),
+                "error": round(pred / got["median_step_ms"] - 1, 4),
+                "linear_predicted_ms": round(linear, 1),
+                "linear_error": round(linear / got["median_step_ms"] - 1, 4),
+            })  # fmt: skip
         rows.append({
-            "step": label,
-            "measured_ms": round(got["median_step_ms"], 1),
-            "predicted_ms": round(pred, 1),
-            "error": round(pred / got["median_step_ms"] - 1, 4),
-            "linear_predicted_ms": round(linear, 1),
-            "linear_error": round(linear / got["median_step_ms"] - 1, 4),
+            **row,
             "measured_steps_ms": [round(t, 1) for t in got["times_ms"]],
             "load_average": got["load_average"],
-            "samples_per_step": round(float(np.mean([sum(map(len, s))
-                                                     for s in got["micro_indices"]])), 2),
             "stages": [list(s) for s in part.stages],
             "recompute": [{("vit" if g == 0 else "llm"): int(k) for g, k in r.items()}
                           for r in part.recompute],
@@ -352,15 +363,19 @@ def print_shape(res: dict) -> None:
           f"{res['budgets']['vit']} tiles / {res['budgets']['tokens']} tokens; baseline "
           f"{res['baseline_batch']} samples per micro-batch, padded; modeled memory budget "
           f"{res['memory_budget_mib']:.0f} MiB per rank")  # fmt: skip
-    print(f"  {'step':<11} {'measured ms':>11} {'predicted ms':>12} {'error':>7} "
-          f"{'linear ms':>10} {'error':>7} {'vs baseline':>11} {'samples':>7}  "
-          "stages (units) / recompute (load average)")  # fmt: skip
-    first = res["rows"][0]["measured_ms"]
+    predicted = "predicted_ms" in res["rows"][0]
+    head = f"{'predicted ms':>12} {'error':>7} {'linear ms':>10} {'error':>7} " if predicted else ""
+    print(f"  {'step':<11} {'measured ms':>11} {head}{'vs baseline':>11} {'samples':>7} "
+          f"{'samples/s':>9}  stages (units) / recompute (load average)")  # fmt: skip
+    first = res["rows"][0]["measured_ms"]  # the baseline's, when it ran
     for row in res["rows"]:
-        print(f"  {row['step']:<11} {row['measured_ms']:>11.1f} {row['predicted_ms']:>12.1f} "
-              f"{row['error']:>+7.1%} {row['linear_predicted_ms']:>10.1f} "
-              f"{row['linear_error']:>+7.1%} {first / row['measured_ms']:>10.2f}x "
-              f"{row['samples_per_step']:>7.1f}  {row['stages']} {row['recompute']} "
+        pred = (f"{row['predicted_ms']:>12.1f} {row['error']:>+7.1%} "
+                f"{row['linear_predicted_ms']:>10.1f} {row['linear_error']:>+7.1%} "
+                if predicted else "")  # fmt: skip
+        print(f"  {row['step']:<11} {row['measured_ms']:>11.1f} {pred}"
+              f"{first / row['measured_ms']:>10.2f}x {row['samples_per_step']:>7.1f} "
+              f"{row['samples_per_s']:>9.2f}  "
+              f"{row['stages']} {row['recompute']} "
               f"(load {row['load_average'][0]:.1f}-{row['load_average'][1]:.1f})")  # fmt: skip
 
 
@@ -376,15 +391,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="omnibal profile repeats")
     parser.add_argument("--profile-runs", type=int, default=2,
                         help="omnibal profile runs per shape (the least time of each is kept)")
+    parser.add_argument("--runs", default=",".join(STEPS),
+                        help="comma-separated ablation steps to run (at least one balanced)")
+    parser.add_argument("--no-predict", dest="predict", action="store_false",
+                        help="measure only: one profile (for the plan), no predictions")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="keep the model, lengths, profiles, plan and run records here "
+                             "(default: a new temporary folder)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     shapes = args.shapes.split(",")
     for s in shapes:
         if s not in SHAPES:
             parser.error(f"--shapes: unknown shape {s!r} (known: {', '.join(SHAPES)})")
+    args.runs = args.runs.split(",")
+    for r in args.runs:
+        if r not in STEPS:
+            parser.error(f"--runs: unknown step {r!r} (known: {', '.join(STEPS)})")
+    if set(args.runs) <= {"baseline"}:
+        parser.error("--runs: the baseline takes the balanced runs' samples per step: name one")
     if args.steps - args.warmup < 3:
         parser.error("need at least 3 timed steps (--steps - --warmup >= 3)")
-    tmp = Path(tempfile.mkdtemp(prefix="bench_megatron_"))
+    tmp = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_megatron_"))
     report = {"note": "measured on this CPU (PP=2, 2 gloo ranks, 1 thread each); predictions "
                       "from profiles measured here", "load_average": os.getloadavg(),
               "steps": args.steps, "warmup": args.warmup, "shapes": []}  # fmt: skip
@@ -393,9 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         report["shapes"].append(res)
         print_shape(res)
     report["load_average_end"] = os.getloadavg()
-    errors = [abs(r["error"]) for s in report["shapes"] for r in s["rows"]]
-    print(f"\nlargest prediction error {max(errors):.1%} (goal: within 10% on a quiet machine); "
-          f"load average {report['load_average'][0]:.1f} at the start, "
+    errors = [abs(r["error"]) for s in report["shapes"] for r in s["rows"] if "error" in r]
+    if errors:
+        print(f"\nlargest prediction error {max(errors):.1%} (goal: within 10% on a quiet "
+              "machine)")
+    print(f"load average {report['load_average'][0]:.1f} at the start, "
           f"{report['load_average_end'][0]:.1f} at the end")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

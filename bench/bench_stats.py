@@ -26,6 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_omnibal.data.generate import (
+    image_array,
+    save_image,
+    train_tokenizer,
+    write_json_list,
+    write_jsonl,
+    write_meta,
+)
 from megatron_omnibal.data.stats import compute_stats
 from megatron_omnibal.data.stats_config import StatsConfig
 
@@ -37,14 +45,8 @@ WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with
 
 
 def _image(args: tuple[int, Path, int, int]) -> None:
-    from PIL import Image
-
     k, path, width, height = args
-    img = Image.new("RGB", (width, height), (k % 256, 80, 160))
-    if path.suffix == ".png":
-        img.save(path, compress_level=1)
-    else:
-        img.save(path, quality=50)
+    save_image(path, image_array(width, height, (k % 256, 80, 160)), quality=50)
 
 
 def _words(rng: random.Random, lo: int, hi: int) -> str:
@@ -79,29 +81,18 @@ def generate(root: Path, samples: int, images: int, seed: int, workers: int) -> 
             rec["image"] = rng.sample(names, rng.randint(2, 4))
             conv[0]["value"] = "<image>\n" * len(rec["image"]) + conv[0]["value"]
         records.append(rec)
-    (root / "data.json").write_text(json.dumps(records))
+    write_json_list(root / "data.json", records)
     half = samples // 2
     for name, part in (("part_a", records[:half]), ("part_b", records[half:])):
-        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
-    meta = {name: {"root": str(root), "annotation": str(root / f"{name}.jsonl"),
-                   "repeat_time": 1, "data_augment": False} for name in ("part_a", "part_b")}
-    (root / "meta.json").write_text(json.dumps(meta))
-    _tokenizer(rng, root / "tokenizer.json")
+        write_jsonl(root / f"{name}.jsonl", part)
+    write_meta(root / "meta.json", {
+        name: {"root": str(root), "annotation": str(root / f"{name}.jsonl"), "repeat_time": 1,
+               "data_augment": False} for name in ("part_a", "part_b")})
+    tok = train_tokenizer((_words(rng, 20, 80) for _ in range(3000)), vocab_size=4000,
+                          special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<img>",
+                                          "</img>", "<IMG_CONTEXT>"], byte_level=True)
+    tok.save(str(root / "tokenizer.json"))
     return {"samples": samples, "image_files": images}
-
-
-def _tokenizer(rng: random.Random, path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=4000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<img>", "</img>",
-                        "<IMG_CONTEXT>"])
-    tok.train_from_iterator((_words(rng, 20, 80) for _ in range(3000)), trainer)
-    tok.save(str(path))
 
 
 def _timed(path: Path, config: StatsConfig, workers: int):

@@ -1,58 +1,122 @@
 #!/usr/bin/env bash
-# `make demo`: the whole OmniBal flow on the shipped example data, on this CPU, in < 3 minutes.
-#   1. the lengths as a tiny VLM sees them (4 image tokens per tile, text / 4, for a CPU);
-#   2. `omnibal balance`: balanced micro-batches of those lengths, with its balance summary;
-#   3. `omnibal plan`: budgets, the split of the tiny model over 2 pipeline stages, recompute;
-#   4. a real Megatron training with that plan and the balanced data: torchrun, 2 gloo processes,
-#      PP=2 (1F1B), synthetic samples shaped like the example lengths; prints the losses.
-# Outputs go to $DEMO_OUT (default out/demo). PYTHON overrides the interpreter.
+# `make demo`: what megatron-omnibal does, in under 3 minutes on a 2-core CPU after set-up.
+#   data     a generated InternVL-format dataset: real JPEG/PNG files, conversations whose
+#            answers follow from the question and the picture, a BPE tokenizer trained on the
+#            fly; `omnibal stats` measures it for the `tiny` model
+#   balance  `omnibal balance` of the shipped 70,706 real InternVL lengths over 64
+#            data-parallel ranks, beside random batching; per-rank balance PNG
+#   train    Megatron training on the generated samples (--omnibal-data): torchrun, 2 gloo
+#            processes (DP=2), balanced micro-batches; the log's start-up summary, the loss
+#            and the per-step balance
+#   compare  OmniBal (planned split and recompute, balanced batches) against Megatron's layout
+#            with random padded batches, PP=2 on the 2 processes, a few steps each (the short
+#            mode of bench/bench_megatron.py); pipeline Gantt PNGs of both (`omnibal simulate`)
+# Usage: scripts/demo.sh [data|balance|train|compare ...]   (default: all four, in this order)
+# Environment: DEMO_OUT (default out/demo), DEMO_SAMPLES (generated samples, 1200), DEMO_STEPS
+# (training steps, 60), DEMO_COMPARE_STEPS (steps per compared run, 8; the first is not timed),
+# PYTHON (interpreter, default .venv/bin/python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=${DEMO_OUT:-out/demo}
-DATA=examples/data/internvl_subset.npz
-STEPS=${DEMO_STEPS:-8}
-export OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1
+SAMPLES=${DEMO_SAMPLES:-1200}
+STEPS=${DEMO_STEPS:-60}
+COMPARE_STEPS=${DEMO_COMPARE_STEPS:-8}
+EXAMPLE=examples/data/internvl_subset.npz
+SYSTEM_PROMPT="answer the question ."  # words the generated tokenizer knows
+export OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1 TOKENIZERS_PARALLELISM=false
+SECTIONS=("$@")
+[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(data balance train compare)
+for s in "${SECTIONS[@]}"; do
+    case $s in data | balance | train | compare) ;;
+    *) echo "demo: unknown section '$s' (data, balance, train, compare)" >&2; exit 2 ;;
+    esac
+done
 mkdir -p "$OUT"
-omnibal() { "$PY" -m megatron_omnibal.cli "$@"; }
+START=$(date +%s)
 
-echo "== 1. lengths of $DATA as the tiny model sees them -> $OUT/lengths.npz"
-"$PY" - "$DATA" "$OUT/lengths.npz" <<'EOF'
-import sys
-
-from megatron_omnibal.data.lengths import load_lengths, save_lengths
-from megatron_omnibal.megatron.data import model_lengths
-
-real = load_lengths(sys.argv[1])
-tiny = model_lengths(real, data_tokens_per_tile=256, model_tokens_per_tile=4, text_scale=4)
-save_lengths(tiny, sys.argv[2])
-print(f"{len(tiny)} samples: {tiny.vit.mean():.2f} tiles, {tiny.tokens.mean():.1f} tokens "
-      f"on average (was {real.tokens.mean():.1f} tokens)")
-EOF
-
-echo "== 2. omnibal balance (1 data-parallel rank, 4 micro-batches per step)"
-omnibal balance "$OUT/lengths.npz" --dp 1 --micro-batches 4 --vit-budget 34 \
-    --token-budget 448 --out "$OUT/balance.npz"
-
-echo "== 3. omnibal plan: tiny VLM on 2 GPUs, PP=2, 32 samples per step"
-omnibal plan --model tiny --hardware A100-80G --gpus 2 --tp 1 --pp 2 --micro-batches 4 \
-    --global-batch 32 --lengths "$OUT/lengths.npz" --out "$OUT/plan.json"
-
-echo "== 4. Megatron training on CPU: torchrun, 2 processes (gloo), PP=2, $STEPS steps"
-"$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
-    -m megatron_omnibal.pretrain_vlm \
-    --omnibal --omnibal-plan "$OUT/plan.json" --omnibal-lengths "$OUT/lengths.npz" \
-    --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 4 \
-    --train-iters "$STEPS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine \
-    --transformer-impl local --seed 1 --log-interval 1 \
-    --save "$OUT/checkpoints" --save-interval "$STEPS" --ckpt-format torch \
-    >"$OUT/train.log" 2>&1 || {
-    tail -n 40 "$OUT/train.log" >&2
-    echo "demo: training failed (full log: $OUT/train.log)" >&2
-    exit 1
+header() { printf '\n== %s (%ds)\n' "$1" $(($(date +%s) - START)); }
+run() { # print a command as a user would type it, then run it
+    local words=() word
+    for word in "$@"; do
+        [[ $word =~ [[:space:]] ]] && word="'$word'"
+        words+=("$word")
+    done
+    echo "\$ ${words[*]}" | sed "s#^\$ $PY -m megatron_omnibal.cli#\$ omnibal#"
+    "$@"
 }
-grep -oE "iteration +[0-9]+/ *[0-9]+ .*lm loss: [0-9.E+-]+" "$OUT/train.log" |
-    sed -E 's/ \| consumed samples:.*lm loss:/ | lm loss:/'
-echo "(synthetic samples have random tokens: the loss stays near ln(vocab 512) = 6.24)"
-echo "checkpoint: $OUT/checkpoints (iteration $(cat "$OUT/checkpoints/latest_checkpointed_iteration.txt"))"
-echo "full log: $OUT/train.log"
+torchrun_log() { # run torchrun quietly into a log; on failure show its end
+    local log=$1
+    shift
+    "$@" >"$log" 2>&1 || {
+        tail -n 40 "$log" >&2
+        echo "demo: training failed (full log: $log)" >&2
+        exit 1
+    }
+}
+
+data() {
+    header "data: a generated InternVL-format dataset of real images and conversations"
+    rm -rf "$OUT/data"
+    run "$PY" -m megatron_omnibal.data.generate "$OUT/data" --samples "$SAMPLES" \
+        --images $((SAMPLES / 4 + 1))
+    echo "e.g. $(head -n 1 "$OUT/data/pictures.jsonl")"
+    run "$PY" -m megatron_omnibal.cli stats "$OUT/data/meta.json" --model tiny \
+        --tokenizer "$OUT/data/tokenizer.json" --max-tiles 6 --system-prompt "$SYSTEM_PROMPT" \
+        --out "$OUT/data/lengths.npz" --workers 2 --no-progress
+}
+
+balance() {
+    header "balance: 70,706 real InternVL samples over 64 data-parallel ranks"
+    echo "(budgets 18 tiles / 6016 tokens per micro-batch; 'random batching' is the usual"
+    echo " sampler: fixed-size random micro-batches; max/mean over ranks, 1.0 = no rank waits)"
+    run "$PY" -m megatron_omnibal.cli balance "$EXAMPLE" --dp 64 --vit-budget 18 \
+        --token-budget 6016 --json "$OUT/balance.json" --png "$OUT/balance.png"
+}
+
+train() {
+    header "train: Megatron on the generated samples, torchrun with 2 CPU processes (DP=2)"
+    [ -f "$OUT/data/lengths.npz" ] || {
+        echo "demo: no $OUT/data/lengths.npz: run the data section first" >&2
+        exit 2
+    }
+    rm -rf "$OUT/checkpoints"
+    echo "\$ torchrun --nproc-per-node 2 -m megatron_omnibal.pretrain_vlm --omnibal" \
+        "--omnibal-model tiny --omnibal-data $OUT/data/meta.json" \
+        "--omnibal-lengths $OUT/data/lengths.npz ... --train-iters $STEPS > $OUT/train.log"
+    torchrun_log "$OUT/train.log" "$PY" -m torch.distributed.run --standalone \
+        --nproc-per-node 2 -m megatron_omnibal.pretrain_vlm \
+        --omnibal --omnibal-model tiny --omnibal-data "$OUT/data/meta.json" \
+        --omnibal-lengths "$OUT/data/lengths.npz" --omnibal-vit-budget 24 \
+        --omnibal-token-budget 400 --omnibal-vit-pp-layers 4 --omnibal-llm-pp-layers 4 \
+        --pipeline-model-parallel-size 1 --micro-batch-size 1 --global-batch-size 4 \
+        --train-iters "$STEPS" --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine \
+        --lr-warmup-iters 5 --transformer-impl local --seed 1 --log-interval 5 \
+        --num-workers 1 --save "$OUT/checkpoints" --save-interval "$STEPS"
+    "$PY" scripts/demo_report.py train "$OUT/train.log" "$OUT/train.json"
+    echo "(the answers follow from the question and the picture: the loss falls from"
+    echo " ln(128 tokens) = 4.85 as the model learns them; checkpoint: $OUT/checkpoints)"
+}
+
+compare() {
+    header "compare: OmniBal vs baseline step time, PP=2 on the 2 CPU processes"
+    echo "(a small VLM whose ViT costs about as much as its LLM, as InternViT-6B + InternLM2-20B,"
+    echo " on synthetic samples shaped like 3000 real InternVL lengths; the plan comes from"
+    echo " \`omnibal profile\` on this CPU; $COMPARE_STEPS steps per run, the first not timed)"
+    rm -rf "$OUT/step_time"
+    run "$PY" bench/bench_megatron.py --shapes 6+20b --runs +recompute,baseline \
+        --steps "$COMPARE_STEPS" --warmup 1 --samples-per-micro-batch 3 --profile-runs 1 \
+        --repeats 1 --no-predict --work-dir "$OUT/step_time" --json "$OUT/step_time.json"
+    echo
+    "$PY" scripts/demo_report.py compare "$OUT/step_time.json"
+    local plan="$OUT/step_time/6+20b/plan.json"
+    echo
+    run "$PY" -m megatron_omnibal.cli simulate --plan "$plan" --png "$OUT/gantt_omnibal.png"
+    run "$PY" -m megatron_omnibal.cli simulate --plan "$plan" --baseline same-parallel \
+        --png "$OUT/gantt_baseline.png"
+}
+
+for s in "${SECTIONS[@]}"; do "$s"; done
+header "summary"
+"$PY" scripts/demo_report.py summary "$OUT"
+echo "took $(($(date +%s) - START)) s; everything is under $OUT"

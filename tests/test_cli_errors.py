@@ -54,14 +54,10 @@ def test_ctrl_c_exits_130_with_one_line_and_no_traceback(tmp_path):
     """Ctrl-C in a terminal signals the whole process group: the parent and its worker
     processes. A stats run with 2 workers over 200,000 records is interrupted once its progress
     bar shows it counting."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from megatron_omnibal.data.generate import TEMPLATE_SPECIALS, train_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["what is the cat", "a dog is here"], trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"]))
+    tok = train_tokenizer(["what is the cat", "a dog is here"], vocab_size=300,
+                          special_tokens=TEMPLATE_SPECIALS[1:], byte_level=True)
     tok.save(str(tmp_path / "tok.json"))
     record = json.dumps({"conversations": [{"from": "human", "value": "what is the cat"},
                                            {"from": "gpt", "value": "a dog"}]})

@@ -24,6 +24,14 @@ import torch
 from PIL import Image
 
 from megatron_omnibal.cli import main as cli_main
+from megatron_omnibal.data.generate import (
+    image_array,
+    save_image,
+    train_tokenizer,
+    write_json_list,
+    write_jsonl,
+    write_meta,
+)
 from megatron_omnibal.data.lengths import load_lengths, save_lengths
 from megatron_omnibal.megatron.dataset import DatasetError, open_source
 from megatron_omnibal.megatron.loader import SampleLoadError
@@ -81,18 +89,8 @@ def _records(rng, n, images, prefix):
 
 
 def _tokenizer(rng, bos):
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
     corpus = [" ".join(rng.choice(WORDS) for _ in range(30)) for _ in range(200)]
-    trainer = trainers.BpeTrainer(vocab_size=90, special_tokens=[
-        "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"])
-    tok.train_from_iterator(corpus, trainer)
-    if bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    return tok
+    return train_tokenizer(corpus, vocab_size=90, bos=bos)
 
 
 def _stats(dataset, tokenizer, flags, out):
@@ -111,21 +109,19 @@ def data(tmp_path_factory):
     images = []
     for k, (w, h) in enumerate(SIZES):
         name = f"img/{k}.{'png' if k % 2 else 'jpg'}"
-        pixels = nrng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-        Image.fromarray(pixels, "RGB").save(root / name)
+        save_image(root / name, image_array(w, h, noise=256, rng=nrng))
         images.append(name)
     _tokenizer(random.Random(0), bos=False).save(str(root / "tok.json"))
     _tokenizer(random.Random(0), bos=True).save(str(root / "tok_bos.json"))
     recs = _records(rng, 18, images, "a")
-    (root / "data.json").write_text(json.dumps(recs, indent=1))
+    write_json_list(root / "data.json", recs, indent=1)
     # InternVL meta: a JSONL dataset repeated twice with 2 tiles at most, and a second one.
     for name, n in (("one", 7), ("two", 5)):
-        lines = [json.dumps(r) for r in _records(rng, n, images, name)]
-        (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
-    meta = {"one": {"root": str(root), "annotation": "one.jsonl", "repeat_time": 2,
-                    "max_dynamic_patch": 2},
-            "two": {"root": str(root), "annotation": "two.jsonl"}}
-    (root / "meta.json").write_text(json.dumps(meta))
+        write_jsonl(root / f"{name}.jsonl", _records(rng, n, images, name))
+    write_meta(root / "meta.json", {
+        "one": {"root": str(root), "annotation": "one.jsonl", "repeat_time": 2,
+                "max_dynamic_patch": 2},
+        "two": {"root": str(root), "annotation": "two.jsonl"}})
     spec_file = root / "tiny_llava.json"
     spec_file.write_text(json.dumps(LLAVA_SPEC.to_dict()))
     return SimpleNamespace(root=root, recs=recs, llava_flags=f"--model {spec_file}")

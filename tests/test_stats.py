@@ -18,6 +18,12 @@ from PIL import Image
 
 from megatron_omnibal.cli import main as cli_main
 from megatron_omnibal.data.conversations import INTERNVL_SYSTEM, LLAVA_IMAGE, VICUNA_SYSTEM
+from megatron_omnibal.data.generate import (
+    TEMPLATE_SPECIALS,
+    image_array,
+    save_image,
+    train_tokenizer,
+)
 from megatron_omnibal.data.lengths import load_lengths
 from megatron_omnibal.data.stats import StatsError, compute_stats, write_outputs
 from megatron_omnibal.data.stats_config import StatsConfig
@@ -69,17 +75,9 @@ def _records(rng, n, images):
 
 
 def _train_tokenizer(rng):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     corpus = [_words(rng, 5, 40) for _ in range(400)]
-    trainer = trainers.BpeTrainer(vocab_size=400,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"])
-    tok.train_from_iterator(corpus, trainer)
-    return tok
+    return train_tokenizer(corpus, vocab_size=400, special_tokens=TEMPLATE_SPECIALS[1:],
+                           byte_level=True)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +91,7 @@ def data(tmp_path_factory):
     images = []
     for k, (w, h) in enumerate(SIZES):
         name = f"img/{k}.{'png' if k % 2 else 'jpg'}"
-        Image.new("RGB", (w, h), (k * 20, 90, 200)).save(root / name)
+        save_image(root / name, image_array(w, h, (k * 20, 90, 200)))
         images.append(name)
     tok = _train_tokenizer(rng)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")

@@ -140,7 +140,8 @@ PRESETS: dict[str, ModelSpec] = {
         image_token_id=32000,
         source="llava-hf/llava-1.5-13b-hf",
     ),
-    # Tests: a few layers, tiny widths, 16px tiles of 4px patches -> 4 tokens per tile.
+    # Tests and the demo's training: a few layers, tiny widths, 16px tiles of 4px patches -> 4
+    # tokens per tile.
     "tiny": ModelSpec(
         name="tiny",
         vit=VisionSpec(
