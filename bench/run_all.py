@@ -1,6 +1,6 @@
 """Run every benchmark under bench/ in turn, each writing its figures to bench/results/NAME.json.
 
-Usage: python bench/run_all.py [NAME ...]   (names: balance, planner, stats, data, megatron)
+Usage: python bench/run_all.py [NAME ...]   (names: balance, planner, stats, data, megatron, convert)
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ("balance", "planner", "stats", "data", "megatron")
+BENCHES = ("balance", "planner", "stats", "data", "megatron", "convert")
 
 
 def main(argv: list[str]) -> int:
