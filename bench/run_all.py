@@ -1,6 +1,7 @@
 """Run every benchmark under bench/ in turn, each writing its figures to bench/results/NAME.json.
 
-Usage: python bench/run_all.py [NAME ...]   (names: balance, planner, stats, data, megatron, convert)
+Usage: python bench/run_all.py [NAME ...]
+Names: balance, planner, stats, data, megatron, convert.
 """
 
 from __future__ import annotations
