@@ -57,14 +57,15 @@ def split_to_multiple(samples: np.ndarray, ptr: np.ndarray, per_step: int,
     return np.sort(np.concatenate([ptr, cuts, empty])).astype(np.int64)
 
 
-def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, optional: np.ndarray,
-               *, vit_budget: int, token_budget: int, per_step: int, algorithm: str,
-               repair: bool, seed: int, isf_rounds: int, isf_threshold: int,
+def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, weight2: np.ndarray,
+               optional: np.ndarray, *, vit_budget: int, token_budget: int, per_step: int,
+               algorithm: str, repair: bool, seed: int, isf_rounds: int, isf_threshold: int,
                min_packs: int = 0, offset: int = 0, use_reference: bool = False) -> Packs:
     """Pack every sample whose `optional` flag is off into packs (at least `min_packs`) whose
     count plus `offset` (packs of this level made elsewhere) is a multiple of `per_step`;
     optional samples (GreedyFill's top-up) go where there is room, the rest come back in
-    `returned`. Every sample must fit the budgets on its own."""
+    `returned`. `weight` is balanced, `weight2` (the modeled time) beside it. Every sample must
+    fit the budgets on its own."""
     n = len(vit)
     if n == 0:
         empty = np.zeros(0, np.int64)
@@ -102,7 +103,7 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, optional
             params = core.slot_params(vit_budget=vit_budget, token_budget=token_budget,
                                       packs=packs, grow=grow, seed=seed + i,
                                       band=band, repair=repair, use_reference=use_reference)
-            samples, ptr, leftover = core.pack_slots(pv, weight[part], pt, params,
+            samples, ptr, leftover = core.pack_slots(pv, weight[part], weight2[part], pt, params,
                                                      use_reference=use_reference)
             lost = leftover[~optional[part[leftover]]]
             if len(lost) == 0:
