@@ -915,6 +915,65 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* w2, const i64* 
   return res;
 }
 
+// ---------------------------------------------------------------- token balancing (LPT)
+// When the tokens bind long before the tiles (the short levels of hierarchical balance packing:
+// text-only and small-image samples, many packs per rank), a pack's tiles follow from its
+// samples' tokens and exact tile slots do not fit the data. Then samples go, most tokens first
+// (ties in a seeded random order), each to the pack with the fewest tokens that has room for
+// its tiles and tokens (longest-processing-time-first into a fixed number of packs): tokens even
+// out and no pack stays empty while there are samples. Samples with no room: `leftover`.
+SlotResult lpt_balance(const i64* vit, const i64* tok, i64 n, const SlotParams& p) {
+  Vec rank(n), order(n);
+  {
+    Vec shuffled(n);
+    for (i64 i = 0; i < n; ++i) shuffled[i] = i;
+    Rng rng(p.seed);
+    shuffle(shuffled, rng);
+    for (i64 r = 0; r < n; ++r) rank[shuffled[r]] = r;
+  }
+  for (i64 i = 0; i < n; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](i64 a, i64 b) {
+    return tok[a] != tok[b] ? tok[a] > tok[b] : rank[a] < rank[b];
+  });
+  const i64 packs = p.packs;
+  Vec tiles(packs, 0), tokens(packs, 0);
+  std::vector<Vec> members(packs);
+  using Entry = std::pair<i64, i64>;  // (tokens, pack): the lightest pack on top
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> light;
+  for (i64 q = 0; q < packs; ++q) light.push({0, q});
+  SlotResult res;
+  std::vector<Entry> stash;
+  for (const i64 i : order) {
+    i64 chosen = -1;
+    stash.clear();
+    while (!light.empty()) {
+      const Entry e = light.top();
+      if (e.first + tok[i] > p.token_budget) break;  // the lightest has no room: none has
+      light.pop();
+      if (tiles[e.second] + vit[i] <= p.vit_budget) {
+        chosen = e.second;
+        break;
+      }
+      stash.push_back(e);
+    }
+    for (const Entry& e : stash) light.push(e);
+    if (chosen < 0) {
+      res.leftover.push_back(i);
+      continue;
+    }
+    members[chosen].push_back(i);
+    tiles[chosen] += vit[i];
+    tokens[chosen] += tok[i];
+    light.push({tokens[chosen], chosen});
+  }
+  res.ptr.push_back(0);
+  for (const Vec& m : members) {
+    res.samples.insert(res.samples.end(), m.begin(), m.end());
+    res.ptr.push_back(static_cast<i64>(res.samples.size()));
+  }
+  return res;
+}
+
 // ---------------------------------------------------------------- bindings
 using Arr = py::array_t<i64, py::array::c_style | py::array::forcecast>;
 
@@ -932,7 +991,7 @@ void check_same(const Arr& a, const Arr& b, const char* what) {
 }  // namespace
 
 PYBIND11_MODULE(_balance_core, m) {
-  m.doc() = "megatron-omnibal balancing core: splitmix64 PRNG, ISF, slot balancing";
+  m.doc() = "megatron-omnibal balancing core: splitmix64 PRNG, ISF, slot and token balancing";
 
   py::class_<IsfParams>(m, "IsfParams", "Parameters of isf(): budgets, threshold, rounds, seed.")
       .def(py::init<>())
@@ -1013,4 +1072,17 @@ PYBIND11_MODULE(_balance_core, m) {
   }, py::arg("vit"), py::arg("weight"), py::arg("weight2"), py::arg("tokens"), py::arg("params"),
      "Slot balancing into params.packs packs (more, params.grow at a time, while tiles do not "
      "fit): returns (samples, pack_ptr, leftover).");
+
+  m.def("lpt_balance", [](Arr vit, Arr tok, const SlotParams& p) {
+    check_same(vit, tok, "lpt_balance");
+    if (p.packs < 1) throw std::invalid_argument("lpt_balance: packs must be >= 1");
+    SlotResult r;
+    {
+      py::gil_scoped_release release;
+      r = lpt_balance(vit.data(), tok.data(), vit.size(), p);
+    }
+    return py::make_tuple(to_numpy(r.samples), to_numpy(r.ptr), to_numpy(r.leftover));
+  }, py::arg("vit"), py::arg("tokens"), py::arg("params"),
+     "Token balancing (longest-processing-time-first) into params.packs packs within the "
+     "budgets: returns (samples, pack_ptr, leftover).");
 }

@@ -53,6 +53,15 @@ def pack_isf(vit: np.ndarray, tokens: np.ndarray, *, vit_budget: int, token_budg
     return np.asarray(samples, np.int64), np.asarray(ptr, np.int64)
 
 
+def pack_lpt(vit: np.ndarray, tokens: np.ndarray, params, *, use_reference: bool = False
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token balancing (longest-processing-time-first) into params.packs packs: (samples,
+    pack_ptr, leftover) over positions of the arrays."""
+    out = backend(use_reference).lpt_balance(
+        *(np.asarray(a, np.int64) for a in (vit, tokens)), params)
+    return tuple(np.asarray(a, np.int64) for a in out)
+
+
 def ratio_band(vit: np.ndarray, weight: np.ndarray) -> tuple[int, int]:
     """A low and a high weight per tile of the data (x1024, integers). The low one is how
     lightly a pack's other tiles can be filled, which decides how many tiles a heavy sample's pack

@@ -81,6 +81,9 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, weight2:
         ptr = np.concatenate([ptr, np.full(short, ptr[-1])]).astype(np.int64)
         return Packs(samples, ptr, np.zeros(0, np.int64))
     band = core.ratio_band(vit, weight)
+    # Tokens bind before tiles (full packs would hold more tiles than the tokens leave room
+    # for): tiles follow the tokens, packs are balanced by tokens alone (core.pack_lpt).
+    by_tokens = int(tokens.sum()) * vit_budget > int(vit.sum()) * token_budget
     k = max(1, round(n / CHUNK))
     parts = [np.arange(i, n, k) for i in range(k)]  # strided: each chunk a cross-section
     out_samples, out_sizes, returned = [], [], []
@@ -103,8 +106,12 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, weight2:
             params = core.slot_params(vit_budget=vit_budget, token_budget=token_budget,
                                       packs=packs, grow=grow, seed=seed + i,
                                       band=band, repair=repair, use_reference=use_reference)
-            samples, ptr, leftover = core.pack_slots(pv, weight[part], weight2[part], pt, params,
-                                                     use_reference=use_reference)
+            if by_tokens:
+                samples, ptr, leftover = core.pack_lpt(pv, pt, params,
+                                                       use_reference=use_reference)
+            else:
+                samples, ptr, leftover = core.pack_slots(pv, weight[part], weight2[part], pt,
+                                                         params, use_reference=use_reference)
             lost = leftover[~optional[part[leftover]]]
             if len(lost) == 0:
                 break

@@ -752,3 +752,48 @@ def slot_balance(vit: np.ndarray, weight: np.ndarray, weight2: np.ndarray, token
     if p.repair_passes > 0:
         repair(d, p, r, t, pk)
     return _flatten(pk.members) + (np.array(pk.leftover, np.int64),)
+
+
+# ---------------------------------------------------------------- token balancing (LPT)
+
+def lpt_balance(vit: np.ndarray, tokens: np.ndarray, p: SlotParams
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Samples, most tokens first (ties in a seeded random order), each to the pack with the
+    fewest tokens (then lowest index) that has room for its tiles and tokens, into p.packs
+    packs: returns (samples, pack_ptr, leftover)."""
+    if len(vit) != len(tokens):
+        raise ValueError("lpt_balance: arrays must be 1-D and of equal length")
+    if p.packs < 1:
+        raise ValueError("lpt_balance: packs must be >= 1")
+    v, t = [int(x) for x in vit], [int(x) for x in tokens]
+    n = len(v)
+    rank = [0] * n
+    for r, i in enumerate(permutation(n, p.seed)):
+        rank[int(i)] = r
+    order = sorted(range(n), key=lambda i: (-t[i], rank[i]))
+    tiles, load = [0] * p.packs, [0] * p.packs
+    members: list[list[int]] = [[] for _ in range(p.packs)]
+    light = [(0, q) for q in range(p.packs)]
+    heapq.heapify(light)
+    leftover = []
+    for i in order:
+        chosen, stash = -1, []
+        while light:
+            e = light[0]
+            if e[0] + t[i] > p.token_budget:
+                break
+            heapq.heappop(light)
+            if tiles[e[1]] + v[i] <= p.vit_budget:
+                chosen = e[1]
+                break
+            stash.append(e)
+        for e in stash:
+            heapq.heappush(light, e)
+        if chosen < 0:
+            leftover.append(i)
+            continue
+        members[chosen].append(i)
+        tiles[chosen] += v[i]
+        load[chosen] += t[i]
+        heapq.heappush(light, (load[chosen], chosen))
+    return _flatten(members) + (np.array(leftover, np.int64),)
