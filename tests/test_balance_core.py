@@ -152,6 +152,47 @@ def test_slot_balance_places_every_sample_once_within_budgets(case):
     assert np.bincount(pid, tokens[samples], packs).max() <= tb
 
 
+@pytest.mark.parametrize("case", range(8))
+def test_lpt_balance_matches_reference(case):
+    rng = np.random.default_rng(300 + case)
+    n = int(rng.integers(1, 700))
+    vit, tokens = _samples(rng, n, vmax=int(rng.integers(1, 6)), with_text=case % 2 == 1)
+    if case % 4 == 3:  # ties in tokens: the seeded order decides
+        tokens = 256 * vit + 100
+    vb = int(max(vit.max(), rng.integers(3, 12)))
+    tb = int(max(tokens.max(), rng.integers(1500, 4000)))
+    packs = max(1, int(np.ceil(tokens.sum() / tb)) + int(rng.integers(-2, 4)))
+    fields = dict(vit_budget=vb, token_budget=tb, packs=packs, seed=case)
+    a = core.lpt_balance(vit, tokens, _params(core, "SlotParams", **fields))
+    b = ref.lpt_balance(vit, tokens, _params(ref, "SlotParams", **fields))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_lpt_balance_evens_tokens_and_leaves_no_pack_empty():
+    """With room everywhere, longest-processing-time-first leaves packs at most one sample apart
+    (max - min load <= the largest sample) and no pack empty while there are samples."""
+    rng = np.random.default_rng(7)
+    vit = rng.integers(1, 4, 5000).astype(np.int64)
+    tokens = (256 * vit + rng.integers(10, 2000, 5000)).astype(np.int64)
+    packs = 1500
+    samples, ptr, leftover = core.lpt_balance(
+        vit, tokens, _params(core, "SlotParams", vit_budget=40, token_budget=20_000,
+                             packs=packs, seed=3))
+    assert len(leftover) == 0 and sorted(samples.tolist()) == list(range(5000))
+    pid = np.repeat(np.arange(packs), np.diff(ptr))
+    load = np.bincount(pid, tokens[samples], packs)
+    assert np.diff(ptr).min() >= 1
+    assert load.max() - load.min() <= tokens.max()
+    # tight budgets: whatever finds no room comes back, nothing is over a budget
+    samples, ptr, leftover = core.lpt_balance(
+        vit, tokens, _params(core, "SlotParams", vit_budget=6, token_budget=3000, packs=packs,
+                             seed=3))
+    assert sorted(np.concatenate([samples, leftover]).tolist()) == list(range(5000))
+    pid = np.repeat(np.arange(packs), np.diff(ptr))
+    assert np.bincount(pid, vit[samples], packs).max() <= 6
+    assert np.bincount(pid, tokens[samples], packs).max() <= 3000
+
+
 def test_slot_balance_rejects_bad_input():
     v = np.array([1, 9])
     for module in (core, ref):
@@ -165,3 +206,6 @@ def test_slot_balance_rejects_bad_input():
             _slots(module, v, v, -v, v, vit_budget=9, token_budget=100, packs=2)
     with pytest.raises(ValueError, match="rounds"):
         _isf(core, v, v, 9, 100, 90, 0, 1)
+    for module in (core, ref):
+        with pytest.raises(ValueError, match="equal length"):
+            module.lpt_balance(v, v[:1], _params(module, "SlotParams", packs=2))

@@ -19,7 +19,7 @@ except ImportError:  # not built: the reference runs (slowly), balance() still w
 
 TOLERANCE_DIV = 400      # repair packs whose weight is off the mean by more than 1/400
 TOLERANCE2_DIV = 100     # ... or whose second weight (modeled time) by more than 1/100
-REPAIR_PASSES = 8        # passes of the swap repair
+REPAIR_PASSES = 5        # passes of the swap repair
 REPAIR_WINDOW = 8        # swap candidates per sample on either side of the ideal weight
 REPAIR_PARTNERS = 4      # most-deviating packs of the other sign tried as swap partners
 LOW_RATIO_PERCENTILE = 10.0   # see ratio_band()

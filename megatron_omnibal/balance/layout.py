@@ -40,6 +40,16 @@ def relative_sizes(pack_vit: np.ndarray, pack_weight: np.ndarray, pack_time: np.
 GROUP_WINDOW = 128  # steps' worth of packs, in time order, a group's packs are chosen among
 
 
+def nearest(dist: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the k smallest distances, ties to the lower position (a stable argsort's
+    first k, in linear time)."""
+    if k >= len(dist):
+        return np.arange(len(dist))
+    cut = np.partition(dist, k - 1)[k - 1]
+    below = np.flatnonzero(dist < cut)
+    return np.concatenate([below, np.flatnonzero(dist == cut)[:k - len(below)]])
+
+
 def nearest_groups(packs: np.ndarray, sizes: np.ndarray, per_step: int) -> list[np.ndarray]:
     """`packs` in groups of per_step packs alike in every size (rows of `sizes`, relative):
     the slowest pack left with the per_step - 1 packs nearest to it (largest difference over the
@@ -53,7 +63,7 @@ def nearest_groups(packs: np.ndarray, sizes: np.ndarray, per_step: int) -> list[
         head = np.concatenate([head, order[at:at + more]])
         at += more
         dist = np.abs(sizes[head] - sizes[head[0]]).max(axis=1)
-        pick = np.argsort(dist, kind="stable")[:per_step]
+        pick = nearest(dist, per_step)
         groups.append(np.sort(head[pick]))
         keep = np.ones(len(head), bool)
         keep[pick] = False

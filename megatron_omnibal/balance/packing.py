@@ -16,6 +16,7 @@ from megatron_omnibal.balance import core
 
 CHUNK = 80_000   # samples packed together (larger inputs: chunks of this size)
 MAX_RETRIES = 64
+LPT_GROWTH = 32  # token balancing short of room retries with at least 1/32 more packs
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,11 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, weight2:
             lost = leftover[~optional[part[leftover]]]
             if len(lost) == 0:
                 break
-            # as many more packs as the samples without room need (each retry is a full pass)
+            # as many more packs as the samples without room need (each retry is a full pass);
+            # token balancing fills every pack evenly, so it needs a share more packs instead
             more = packs_needed(pv[lost], pt[lost], vit_budget, token_budget)
+            if by_tokens:
+                more = max(more, -(-packs // LPT_GROWTH))
             packs = len(ptr) - 1 + (-(-more // per_step) * per_step if last else more)
         else:
             raise RuntimeError(f"balance: could not place all samples after {MAX_RETRIES} "
