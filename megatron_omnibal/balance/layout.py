@@ -71,19 +71,22 @@ def nearest_groups(packs: np.ndarray, sizes: np.ndarray, per_step: int) -> list[
     return groups
 
 
-def tail_bands(sizes: np.ndarray, per_step: int, tolerance: float
+def tail_bands(sizes: np.ndarray, per_step: int, tolerance: float, micro_batches: int = 1
                ) -> tuple[list[np.ndarray], np.ndarray]:
     """(steps of their own, the rest) from the packs' relative sizes (relative_sizes):
 
-    - packs over 1 + `tolerance` in any size (a heavy sample the data had no light partners
-      for, an oversize sample alone), in as many whole steps as they fill (topped up with the
-      next most over), grouped by nearest_groups;
+    - packs over 1 + `tolerance` * micro_batches in any size (a heavy sample the data had no
+      light partners for, an oversize sample alone; a rank's load is the sum of its
+      micro_batches packs, which dilutes one pack's excess), in as many whole steps as they
+      fill (topped up with the next most over), grouped by nearest_groups;
     - then, while the tiles the other packs lack (against the largest) add up to more than
-      `tolerance` of their tiles, a step of the packs with the fewest tiles (then least time).
+      `tolerance` of their tiles (a lack every rank shares, however many packs it has), a step
+      of the packs with the fewest tiles (then least time).
     """
     num = len(sizes)
     over = sizes.max(axis=1) - 1.0 if num else np.zeros(0)
-    count = min(num // per_step, -(-int(np.count_nonzero(over > tolerance)) // per_step))
+    heavy = int(np.count_nonzero(over > tolerance * micro_batches))
+    count = min(num // per_step, -(-heavy // per_step))
     order = np.argsort(-over, kind="stable")
     bands = nearest_groups(order[:count * per_step], sizes, per_step) if count else []
     rest = order[count * per_step:]
@@ -121,7 +124,7 @@ def layout(pack_vit: np.ndarray, pack_weight: np.ndarray, pack_time: np.ndarray,
     step = np.empty(num, np.int64)
     if mode == "random":
         bands, rest = (([], np.arange(num)) if tail_tolerance is None
-                       else tail_bands(sizes, per_step, tail_tolerance))
+                       else tail_bands(sizes, per_step, tail_tolerance, micro_batches))
         # Stratified: packs in random order within strata (dominant dataset, then tiles), dealt
         # to the steps in turn, so every step gets its share of each stratum.
         shuffled = permutation(num, seed ^ _LAYOUT_SALT)
