@@ -507,6 +507,8 @@ Slots tile_slots(Vec& count, const Vec& limit, i64 vit_budget, i64 w_tiled, i64 
 }
 
 // Phases 0 and 1 for `packs` packs; while tiles are left over, more packs (`grow` at a time).
+constexpr i64 UNCUT_GROWTH = 64;
+
 Reservation reserve(const Data& d, const SlotParams& p) {
   Reservation r;
   r.packs = p.packs;
@@ -520,9 +522,10 @@ Reservation reserve(const Data& d, const SlotParams& p) {
     Vec left(d.count);
     const Cuts raw = heavy_cuts(d, p, r.heavy, r.fill, r.packs);
     const Vec cut = share_slack(raw, r.packs * r.fill - d.sum_v);
-    // More than max_uncut heavy packs left over their target: more packs (at most twice those
-    // asked for, against data whose heavy samples keep multiplying as packs get lighter).
-    if (p.grow > 0 && r.packs < 2 * p.packs) {
+    // More than max_uncut heavy packs left over their target: more packs, if as many as the
+    // missing cuts need keep the total within 1/UNCUT_GROWTH more than asked for (beyond that
+    // the data is too lumpy for its budgets: more packs would only cost steps).
+    if (p.grow > 0) {
       Vec denied;
       for (size_t k = 0; k < cut.size(); ++k)
         if (cut[k] < raw.cut[k]) denied.push_back(raw.cut[k] - cut[k]);
@@ -531,8 +534,12 @@ Reservation reserve(const Data& d, const SlotParams& p) {
         i64 need = 0;
         for (size_t k = 0; k < denied.size() - static_cast<size_t>(p.max_uncut); ++k)
           need += denied[k];
-        r.packs += p.grow * std::max<i64>(1, (need + r.fill * p.grow - 1) / (r.fill * p.grow));
-        continue;
+        const i64 more = p.grow * std::max<i64>(1, (need + r.fill * p.grow - 1) /
+                                                       (r.fill * p.grow));
+        if (r.packs + more <= p.packs + std::max(p.grow, p.packs / UNCUT_GROWTH)) {
+          r.packs += more;
+          continue;
+        }
       }
     }
     for (size_t k = 0; k < r.heavy.size(); ++k) {
@@ -543,9 +550,13 @@ Reservation reserve(const Data& d, const SlotParams& p) {
       r.pre[h] = 1;
     }
     // Targets with the end packs' cut first; if tiles then find no slot (sums that cannot be
-    // made exactly), no cut; only then more packs.
+    // made exactly), no end cut; then no heavy cuts either (the data's large samples may need
+    // every tile there is: at a 9-tile budget, one 5-tile sample per pack); only then more
+    // packs.
     const Vec seated(r.tiles), count(left);
-    for (const bool cut : {true, false}) {
+    for (const int attempt : {0, 1, 2, 3}) {
+      const bool cut = attempt % 2 == 0;
+      if (attempt == 2) r.cap.assign(r.packs, -1);
       r.tiles = seated;
       left = count;
       r.limit = tile_targets(d, r.packs, r.fill, r.cap, cut);

@@ -425,6 +425,9 @@ def tile_slots(count: list[int], limit: list[int], vit_budget: int, w_tiled: int
     return slots
 
 
+UNCUT_GROWTH = 64
+
+
 def reserve(d: Data, p: SlotParams) -> Reservation:
     r = Reservation(packs=p.packs)
     while True:
@@ -436,12 +439,14 @@ def reserve(d: Data, p: SlotParams) -> Reservation:
         left = list(d.count)
         raw = heavy_cuts(d, p, r.heavy, r.fill, r.packs)
         cut = share_slack(raw, r.packs * r.fill - d.sum_v)
-        if p.grow > 0 and r.packs < 2 * p.packs:
+        if p.grow > 0:
             denied = sorted(raw[0][k] - cut[k] for k in range(len(cut)) if cut[k] < raw[0][k])
             if len(denied) > p.max_uncut:
                 need = sum(denied[:len(denied) - p.max_uncut])
-                r.packs += p.grow * max(1, (need + r.fill * p.grow - 1) // (r.fill * p.grow))
-                continue
+                more = p.grow * max(1, (need + r.fill * p.grow - 1) // (r.fill * p.grow))
+                if r.packs + more <= p.packs + max(p.grow, p.packs // UNCUT_GROWTH):
+                    r.packs += more
+                    continue
         for k, (_, _, h) in enumerate(r.heavy):
             c = d.vit[h]
             r.cap[k] = r.fill - cut[k]
@@ -449,7 +454,10 @@ def reserve(d: Data, p: SlotParams) -> Reservation:
             left[c] -= 1
             r.pre[h] = True
         seated, count = list(r.tiles), list(left)
-        for cut in (True, False):
+        for attempt in range(4):
+            cut = attempt % 2 == 0
+            if attempt == 2:
+                r.cap = [-1] * r.packs
             r.tiles, left = list(seated), list(count)
             r.limit = tile_targets(d, r.packs, r.fill, r.cap, cut)
             r.free = tile_slots(left, r.limit, p.vit_budget, d.w_tiled, d.w_text, r.tiles)
