@@ -40,7 +40,8 @@ struct Rng {
 };
 
 // Fisher-Yates from the back: for i = n..2, swap a[i-1] with a[below(i)].
-void shuffle(Vec& a, Rng& rng) {
+template <class T>
+void shuffle(std::vector<T>& a, Rng& rng) {
   for (size_t i = a.size(); i > 1; --i) {
     size_t j = rng.below(i);
     std::swap(a[i - 1], a[j]);
@@ -60,30 +61,31 @@ struct IsfParams {
 
 Packs isf(const i64* vit, const i64* tok, i64 n, const IsfParams& p) {
   const i64 vit_budget = p.vit_budget, token_budget = p.token_budget;
-  struct VT {
-    i64 v, t;
+  struct Sample {  // shuffled whole, so that the filling pass reads in order
+    i64 id, v, t;
   };
-  std::vector<VT> vt(n);  // one cache line per sample in the random-order pass
-  for (i64 i = 0; i < n; ++i) vt[i] = {vit[i], tok[i]};
+  std::vector<Sample> ids(n), rest;
+  for (i64 i = 0; i < n; ++i) ids[i] = {i, vit[i], tok[i]};
   Vec out_samples, out_ptr{0};
   out_samples.reserve(n);
-  Vec ids(n), rest;
-  for (i64 i = 0; i < n; ++i) ids[i] = i;
   for (i64 r = 0; r < p.rounds && !ids.empty(); ++r) {
     Rng rng(p.seed + static_cast<uint64_t>(r));
     shuffle(ids, rng);
     const bool last = r == p.rounds - 1;
     rest.clear();
     auto close = [&](size_t begin, size_t end, i64 sv, i64 st) {
-      Vec& to = last || sv == vit_budget || st >= p.token_threshold ? out_samples : rest;
-      to.insert(to.end(), ids.begin() + static_cast<std::ptrdiff_t>(begin),
-                ids.begin() + static_cast<std::ptrdiff_t>(end));
-      if (&to == &out_samples) out_ptr.push_back(static_cast<i64>(out_samples.size()));
+      if (last || sv == vit_budget || st >= p.token_threshold) {
+        for (size_t k = begin; k < end; ++k) out_samples.push_back(ids[k].id);
+        out_ptr.push_back(static_cast<i64>(out_samples.size()));
+      } else {
+        rest.insert(rest.end(), ids.begin() + static_cast<std::ptrdiff_t>(begin),
+                    ids.begin() + static_cast<std::ptrdiff_t>(end));
+      }
     };
     size_t begin = 0;
     i64 sv = 0, st = 0;
     for (size_t k = 0; k < ids.size(); ++k) {
-      const VT& x = vt[ids[k]];
+      const Sample& x = ids[k];
       if (k > begin && (sv + x.v > vit_budget || st + x.t > token_budget)) {
         close(begin, k, sv, st);
         begin = k;
