@@ -328,13 +328,17 @@ i128 floor_div(i128 a, i128 b) {  // rounding toward -infinity, as Python's //
 }
 
 // One pack's tile counts summing to `rest` exactly (or as close below as the counts allow):
-// the multiset that keeps every tile count closest to its share of the slot tiles placed so far,
-// i.e. least sum over counts c of total[c] * (used[c] / total[c] - placed / slot_tiles)^2 after
-// the pack (fixed point, x 2^16). A bounded knapsack over the sum: counts ascending, each taken
-// k times at cost k (2 ahead[c] + k slot_tiles) / total[c], `ahead` how far c is ahead of its
-// share. Unlike a count-by-count choice it looks at the whole pack, so small counts are not used
-// up early closing odd remainders (which leaves large counts with no holes at the end).
-Vec compose_pack(const Vec& count, const Vec& total, i64 placed, i64 slot_tiles, i64 rest) {
+// the multiset that keeps every tile count c closest to its share of the packs that can hold
+// it, i.e. least sum over c of total[c] * (used[c] / total[c] - done[c] / room[c])^2 after the
+// pack (fixed point, x 2^16), room[c] the tile targets of all packs with room for c, done[c]
+// those of the packs composed so far, this one included. A bounded knapsack over the sum:
+// counts ascending, each taken k times at cost k (2 ahead[c] + k room[c]) / (total[c] room[c]),
+// `ahead` how far c is ahead of its share. Unlike a count-by-count choice it looks at the whole
+// pack, so small counts are not used up early closing odd remainders (which leaves large counts
+// with no holes at the end); and large counts are used up while packs large enough for them
+// remain (the end packs that give up tiles cannot take them).
+Vec compose_pack(const Vec& count, const Vec& total, const Vec& room, const Vec& done,
+                 i64 rest) {
   std::vector<i128> cost(rest + 1, 0), next;
   std::vector<char> ok(rest + 1, 0), next_ok;
   ok[0] = 1;
@@ -342,9 +346,9 @@ Vec compose_pack(const Vec& count, const Vec& total, i64 placed, i64 slot_tiles,
   Vec kinds;
   std::vector<i128> step_cost;
   for (i64 c = 1; c <= rest; ++c) {
-    if (count[c] == 0) continue;
-    const i128 ahead = static_cast<i128>(total[c] - count[c]) * slot_tiles -
-                       static_cast<i128>(placed + rest) * total[c];
+    if (count[c] == 0 || room[c] == 0) continue;
+    const i128 ahead = static_cast<i128>(total[c] - count[c]) * room[c] -
+                       static_cast<i128>(done[c] + rest) * total[c];
     next = cost;
     next_ok = ok;
     Vec k_at(rest + 1, 0);
@@ -352,8 +356,8 @@ Vec compose_pack(const Vec& count, const Vec& total, i64 placed, i64 slot_tiles,
     step_cost.resize(most + 1);
     for (i64 k = 1; k <= most; ++k)
       step_cost[k] = floor_div(
-          static_cast<i128>(k) * (2 * ahead + static_cast<i128>(k) * slot_tiles) * 65536,
-          total[c]);
+          static_cast<i128>(k) * (2 * ahead + static_cast<i128>(k) * room[c]) * 65536,
+          static_cast<i128>(total[c]) * room[c]);
     for (i64 s = 0; s < rest; ++s) {
       if (!ok[s]) continue;
       for (i64 k = 1; k <= most && s + k * c <= rest; ++k) {
@@ -465,11 +469,18 @@ Slots tile_slots(Vec& count, const Vec& limit, i64 vit_budget, i64 w_tiled, i64 
   sum_v = slot_tiles;
   for (i64 p = 0; p < packs; ++p) sum_v += tiles[p];
   const Vec total(count);
+  Vec host(vit_budget + 1, 0), done(vit_budget + 1, 0);  // per tile count, see compose_pack
+  for (i64 p = 0; p < packs; ++p) {
+    const i64 open = std::min<i64>(std::max<i64>(0, limit[p] - tiles[p]), vit_budget);
+    for (i64 c = 1; c <= open; ++c) host[c] += open;
+  }
   i64 placed = 0;
   for (i64 p = 0; p < packs && placed < slot_tiles; ++p) {
-    const i64 rest = std::min(std::max<i64>(0, limit[p] - tiles[p]), slot_tiles - placed);
+    const i64 open = std::min<i64>(std::max<i64>(0, limit[p] - tiles[p]), vit_budget);
+    const i64 rest = std::min(open, slot_tiles - placed);
     if (rest == 0) continue;
-    const Vec take = compose_pack(count, total, placed, slot_tiles, rest);
+    const Vec take = compose_pack(count, total, host, done, rest);
+    for (i64 c = 1; c <= open; ++c) done[c] += rest;
     for (i64 c = 1; c <= rest; ++c) {
       if (take[c] == 0) continue;
       slots[p].emplace_back(c, take[c]);

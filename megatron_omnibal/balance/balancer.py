@@ -92,7 +92,9 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarra
             free_v = packs * level.vit_budget - float(vit[own].sum())
             free_t = packs * level.token_budget - float(tok[own].sum())
             pools = [order[pending[order] & (level_of[order] == j)] for j in range(lv - 1, -1, -1)]
-            fill = hierarchy.top_up(pools, vit, tok, free_v, free_t)
+            budgets = (level.vit_budget, level.token_budget)
+            big_room = packs - int(hierarchy.big(vit[own], tok[own], *budgets).sum())
+            fill = hierarchy.top_up(pools, vit, tok, free_v, free_t, big_room, budgets)
         members = np.concatenate([own, fill]).astype(np.int64)
         optional = np.concatenate([np.zeros(len(own), bool), np.ones(len(fill), bool)])
         threshold = config.threshold if lv == len(levels) - 1 else level.token_budget - 128

@@ -281,22 +281,23 @@ def add_slot(slots: list[list[int]], c: int) -> None:
     slots.append([c, 1])
 
 
-def compose_pack(count: list[int], total: list[int], placed: int, slot_tiles: int, rest: int
-                 ) -> list[int]:
+def compose_pack(count: list[int], total: list[int], room: list[int], done: list[int],
+                 rest: int) -> list[int]:
     """One pack's tile counts summing to `rest` (or as close below as the counts allow): the
-    bounded knapsack of least squared lag behind the counts' shares (see the C++ comment)."""
+    bounded knapsack of least squared lag behind each count's share of the packs that can hold
+    it (see the C++ comment)."""
     cost, ok = [0] * (rest + 1), [False] * (rest + 1)
     ok[0] = True
     took: list[list[int]] = []
     kinds: list[int] = []
     for c in range(1, rest + 1):
-        if count[c] == 0:
+        if count[c] == 0 or room[c] == 0:
             continue
-        ahead = (total[c] - count[c]) * slot_tiles - (placed + rest) * total[c]
+        ahead = (total[c] - count[c]) * room[c] - (done[c] + rest) * total[c]
         nxt, nxt_ok = list(cost), list(ok)
         k_at = [0] * (rest + 1)
         most = min(count[c], rest // c)
-        step_cost = [0] + [(k * (2 * ahead + k * slot_tiles) * 65536) // total[c]
+        step_cost = [0] + [(k * (2 * ahead + k * room[c]) * 65536) // (total[c] * room[c])
                            for k in range(1, most + 1)]
         for s in range(rest):
             if not ok[s]:
@@ -386,14 +387,22 @@ def tile_slots(count: list[int], limit: list[int], vit_budget: int, w_tiled: int
     slot_tiles = sum(c * count[c] for c in range(1, vit_budget + 1))
     sum_v = slot_tiles + sum(tiles)
     total = list(count)
+    room, done = [0] * (vit_budget + 1), [0] * (vit_budget + 1)
+    for q in range(packs):
+        hole = min(max(0, limit[q] - tiles[q]), vit_budget)
+        for c in range(1, hole + 1):
+            room[c] += hole
     placed = 0
     for q in range(packs):
         if placed >= slot_tiles:
             break
-        rest = min(max(0, limit[q] - tiles[q]), slot_tiles - placed)
+        hole = min(max(0, limit[q] - tiles[q]), vit_budget)
+        rest = min(hole, slot_tiles - placed)
         if rest == 0:
             continue
-        take = compose_pack(count, total, placed, slot_tiles, rest)
+        take = compose_pack(count, total, room, done, rest)
+        for c in range(1, hole + 1):
+            done[c] += rest
         for c in range(1, rest + 1):
             if take[c] == 0:
                 continue
