@@ -40,7 +40,8 @@ struct Rng {
 };
 
 // Fisher-Yates from the back: for i = n..2, swap a[i-1] with a[below(i)].
-void shuffle(Vec& a, Rng& rng) {
+template <class T>
+void shuffle(std::vector<T>& a, Rng& rng) {
   for (size_t i = a.size(); i > 1; --i) {
     size_t j = rng.below(i);
     std::swap(a[i - 1], a[j]);
@@ -60,30 +61,31 @@ struct IsfParams {
 
 Packs isf(const i64* vit, const i64* tok, i64 n, const IsfParams& p) {
   const i64 vit_budget = p.vit_budget, token_budget = p.token_budget;
-  struct VT {
-    i64 v, t;
+  struct Sample {  // shuffled whole, so that the filling pass reads in order
+    i64 id, v, t;
   };
-  std::vector<VT> vt(n);  // one cache line per sample in the random-order pass
-  for (i64 i = 0; i < n; ++i) vt[i] = {vit[i], tok[i]};
+  std::vector<Sample> ids(n), rest;
+  for (i64 i = 0; i < n; ++i) ids[i] = {i, vit[i], tok[i]};
   Vec out_samples, out_ptr{0};
   out_samples.reserve(n);
-  Vec ids(n), rest;
-  for (i64 i = 0; i < n; ++i) ids[i] = i;
   for (i64 r = 0; r < p.rounds && !ids.empty(); ++r) {
     Rng rng(p.seed + static_cast<uint64_t>(r));
     shuffle(ids, rng);
     const bool last = r == p.rounds - 1;
     rest.clear();
     auto close = [&](size_t begin, size_t end, i64 sv, i64 st) {
-      Vec& to = last || sv == vit_budget || st >= p.token_threshold ? out_samples : rest;
-      to.insert(to.end(), ids.begin() + static_cast<std::ptrdiff_t>(begin),
-                ids.begin() + static_cast<std::ptrdiff_t>(end));
-      if (&to == &out_samples) out_ptr.push_back(static_cast<i64>(out_samples.size()));
+      if (last || sv == vit_budget || st >= p.token_threshold) {
+        for (size_t k = begin; k < end; ++k) out_samples.push_back(ids[k].id);
+        out_ptr.push_back(static_cast<i64>(out_samples.size()));
+      } else {
+        rest.insert(rest.end(), ids.begin() + static_cast<std::ptrdiff_t>(begin),
+                    ids.begin() + static_cast<std::ptrdiff_t>(end));
+      }
     };
     size_t begin = 0;
     i64 sv = 0, st = 0;
     for (size_t k = 0; k < ids.size(); ++k) {
-      const VT& x = vt[ids[k]];
+      const Sample& x = ids[k];
       if (k > begin && (sv + x.v > vit_budget || st + x.t > token_budget)) {
         close(begin, k, sv, st);
         begin = k;
@@ -99,36 +101,41 @@ Packs isf(const i64* vit, const i64* tok, i64 n, const IsfParams& p) {
 }
 
 // ---------------------------------------------------------------- slot balancing (default)
-// Weights are balanced in units of "excess": a sample's weight beyond what the data's weight per
-// tile predicts for its tiles (key = packs * (w * sum_v - vit * sum_w), exact in 128 bits).
+// Two weights per sample: `w` (the tokens), placed and repaired, and `w2` (the modeled time,
+// tokens plus attention; zeros: none), repaired beside it. Weights are balanced in units of
+// "excess": a sample's weight beyond what the data's weight per tile predicts for its tiles
+// (key = packs * (w * sum_v - vit * sum_w), exact in 128 bits).
 // 0. heavy_samples: samples with more excess than a full pack's other tiles could offset even at
 //    a low weight per tile each start a pack of their own, heaviest first, whose tile target is
-//    cut to what their weight leaves room for: such a pack ends light in tiles instead of heavy
-//    in weight.
-// 1. tile_slots: each pack's multiset of tile counts is drawn one at a time, taking the tile
-//    count most behind its proportional share, among those that still let the pack hit its tile
-//    target exactly. Targets (tile_targets) are the full-pack tiles, except that the packs at the
-//    end give up evenly what the data lacks to fill them all (none is left empty). reserve()
-//    adds packs (`grow` at a time) while tiles are left without a slot.
+//    cut (heavy_cuts) to what their weight leaves room for: such a pack ends light in tiles
+//    instead of heavy in weight. The cuts share the tiles the packs have to spare
+//    (share_slack); when more than `max_uncut` packs would go without theirs, reserve() adds
+//    packs first.
+// 1. tile_slots: each pack's multiset of tile counts (compose_pack) is the one that keeps every
+//    tile count closest to its proportional share, and hits the pack's tile target exactly.
+//    Targets (tile_targets) are the full-pack tiles, except that the packs at the end give up
+//    evenly what the data lacks to fill them all (none is left empty). refill_end() repairs an
+//    end game with samples left over; reserve() adds packs (`grow` at a time) while tiles are
+//    still left without a slot.
 // 2. place_samples: samples into slots of their tile count (tiles stay exact): samples of
 //    positive excess, largest first, each to the pack that most lacks weight; then those of
 //    negative excess, most negative first, each to the pack with the most
 //    (longest-processing-time-first). weight_targets() sets what each pack should carry.
-// 3. repair: a pack off its weight target by more than the tolerance swaps one sample for one of
-//    equal tiles in any other pack, the swap that best lowers the larger of the two deviations;
-//    candidates are the `window` samples on either side of the weight that would halve it.
+// 3. repair: a pack off its target in either weight swaps one sample for one of equal tiles in
+//    another pack, the swap that best lowers the worse of the two packs' deviations (both
+//    weights, each in units of its tolerance); candidates are the `window` samples on either
+//    side of the weight, and of the second weight, that would halve the deviation.
 // Budgets are hard: a sample is only ever placed where the pack's tiles (placed and reserved)
 // and tokens stay within them.
 using i128 = __int128;
 using Slots = std::vector<std::vector<std::pair<i64, i64>>>;  // per pack: (tile count, slots)
 
-i128 abs128(i128 x) { return x < 0 ? -x : x; }
-
 struct SlotParams {
   i64 vit_budget = 0, token_budget = 1;
   i64 packs = 1, grow = 0;  // packs to start with; packs added at a time while tiles do not fit
+  i64 max_uncut = 0;        // heavy packs that may go without their tile cut before packs grow
   uint64_t seed = 0;
-  i64 repair_passes = 0, tol_div = 400, window = 8, partners = 4;
+  i64 repair_passes = 0, tol_div = 400, tol2_div = 400, window = 8, partners = 4;
   i64 ratio_lo = 0, ratio_hi = 0;  // weight per tile x1024: low (heavy samples), high (reach)
 };
 
@@ -154,19 +161,22 @@ struct Keyed {
 
 // The samples, their totals and their shuffled order (ties in every sort go by this order).
 struct Data {
-  const i64 *vit, *w, *tok;
-  i64 n = 0, sum_v = 0, sum_w = 0, sum_t = 0, w_tiled = 0, w_text = 0, vmax = 0, text_max = 0;
+  const i64 *vit, *w, *w2, *tok;  // w2: the second weight, balanced beside w by the repair
+  i64 n = 0, sum_v = 0, sum_w = 0, sum_w2 = 0, sum_t = 0, w_tiled = 0, w_text = 0, vmax = 0,
+      text_max = 0;
   Vec count;     // samples per tile count
   Vec shuffled;  // positions in random order
 };
 
-Data describe(const i64* vit, const i64* w, const i64* tok, i64 n, const SlotParams& p) {
-  Data d{vit, w, tok};
+Data describe(const i64* vit, const i64* w, const i64* w2, const i64* tok, i64 n,
+              const SlotParams& p) {
+  Data d{vit, w, w2, tok};
   d.n = n;
   d.count.assign(p.vit_budget + 1, 0);
   for (i64 i = 0; i < n; ++i) {
     d.sum_v += vit[i];
     d.sum_w += w[i];
+    d.sum_w2 += w2[i];
     d.sum_t += tok[i];
     (vit[i] > 0 ? d.w_tiled : d.w_text) += w[i];
     d.count[vit[i]] += 1;
@@ -220,6 +230,56 @@ std::vector<Keyed> heavy_samples(const Data& d, const SlotParams& p,
   return heavy;
 }
 
+// Tiles each heavy sample's pack gives up (what the rest of the pack cannot fill at the data's
+// low weight per tile, ratio_lo / 1024, never below the sample's own tiles): `cut` so that the
+// pack can carry the mean weight, `hard` so that it can stay within the token budget (the
+// weight is the tokens, or close to them).
+struct Cuts {
+  Vec cut, hard;
+};
+
+Cuts heavy_cuts(const Data& d, const SlotParams& p, const std::vector<Keyed>& heavy, i64 fill,
+                i64 packs) {
+  Cuts out{Vec(heavy.size(), 0), Vec(heavy.size(), 0)};
+  auto tiles_for = [&](i128 room, i128 per) {  // tiles `room` holds at ratio_lo, x `per`
+    return room > 0 && p.ratio_lo > 0 ? room * 1024 / (per * p.ratio_lo) : i128{0};
+  };
+  for (size_t k = 0; k < heavy.size(); ++k) {
+    const i64 h = heavy[k].id, c = d.vit[h];
+    const i128 more = tiles_for(static_cast<i128>(d.sum_w) - static_cast<i128>(packs) * d.w[h],
+                                packs);
+    const i128 room = tiles_for(static_cast<i128>(p.token_budget) - d.tok[h], 1);
+    out.cut[k] = fill - c - static_cast<i64>(std::min<i128>(fill - c, more));
+    out.hard[k] = std::min(out.cut[k], fill - c - static_cast<i64>(std::min<i128>(fill - c, room)));
+  }
+  return out;
+}
+
+// The cuts within the tiles the packs have to spare (`slack`: full-pack tiles of all packs minus
+// the tiles there are), so that cutting costs no packs: every hard cut, then the rest of the
+// cuts, smallest first, as many whole as fit. A pack left with its hard cut only stays over its
+// weight target (a partial cut would leave it over anyway, and uneven with the others); the
+// layout gives such packs steps of their own.
+Vec share_slack(const Cuts& c, i64 slack) {
+  Vec cut(c.hard);
+  std::vector<size_t> order;
+  for (size_t k = 0; k < cut.size(); ++k) {
+    slack -= c.hard[k];
+    if (c.cut[k] > c.hard[k]) order.push_back(k);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return c.cut[a] - c.hard[a] < c.cut[b] - c.hard[b];
+  });
+  for (const size_t k : order) {
+    const i64 extra = c.cut[k] - c.hard[k];
+    if (extra <= slack) {
+      cut[k] = c.cut[k];
+      slack -= extra;
+    }
+  }
+  return cut;
+}
+
 // Packs, their heavy samples and tile slots (phases 0 and 1).
 struct Reservation {
   i64 packs = 0, fill = 0;
@@ -253,6 +313,79 @@ Vec tile_targets(const Data& d, i64 packs, i64 fill, const Vec& cap, bool cut) {
   return limit;
 }
 
+void add_slot(std::vector<std::pair<i64, i64>>& slots, i64 c) {
+  for (auto& e : slots)
+    if (e.first == c) {
+      e.second += 1;
+      return;
+    }
+  slots.emplace_back(c, 1);
+}
+
+i128 floor_div(i128 a, i128 b) {  // rounding toward -infinity, as Python's //
+  const i128 q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+
+// One pack's tile counts summing to `rest` exactly (or as close below as the counts allow):
+// the multiset that keeps every tile count c closest to its share of the packs that can hold
+// it, i.e. least sum over c of total[c] * (used[c] / total[c] - done[c] / room[c])^2 after the
+// pack (fixed point, x 2^16), room[c] the tile targets of all packs with room for c, done[c]
+// those of the packs composed so far, this one included. A bounded knapsack over the sum:
+// counts ascending, each taken k times at cost k (2 ahead[c] + k room[c]) / (total[c] room[c]),
+// `ahead` how far c is ahead of its share. Unlike a count-by-count choice it looks at the whole
+// pack, so small counts are not used up early closing odd remainders (which leaves large counts
+// with no holes at the end); and large counts are used up while packs large enough for them
+// remain (the end packs that give up tiles cannot take them).
+Vec compose_pack(const Vec& count, const Vec& total, const Vec& room, const Vec& done,
+                 i64 rest) {
+  std::vector<i128> cost(rest + 1, 0), next;
+  std::vector<char> ok(rest + 1, 0), next_ok;
+  ok[0] = 1;
+  std::vector<Vec> took;  // per tile count present: the k that reached each sum
+  Vec kinds;
+  std::vector<i128> step_cost;
+  for (i64 c = 1; c <= rest; ++c) {
+    if (count[c] == 0 || room[c] == 0) continue;
+    const i128 ahead = static_cast<i128>(total[c] - count[c]) * room[c] -
+                       static_cast<i128>(done[c] + rest) * total[c];
+    next = cost;
+    next_ok = ok;
+    Vec k_at(rest + 1, 0);
+    const i64 most = std::min(count[c], rest / c);
+    step_cost.resize(most + 1);
+    for (i64 k = 1; k <= most; ++k)
+      step_cost[k] = floor_div(
+          static_cast<i128>(k) * (2 * ahead + static_cast<i128>(k) * room[c]) * 65536,
+          static_cast<i128>(total[c]) * room[c]);
+    for (i64 s = 0; s < rest; ++s) {
+      if (!ok[s]) continue;
+      for (i64 k = 1; k <= most && s + k * c <= rest; ++k) {
+        const i128 v = cost[s] + step_cost[k];
+        const i64 t = s + k * c;
+        if (!next_ok[t] || v < next[t]) {
+          next[t] = v;
+          next_ok[t] = 1;
+          k_at[t] = k;
+        }
+      }
+    }
+    cost.swap(next);
+    ok.swap(next_ok);
+    took.push_back(std::move(k_at));
+    kinds.push_back(c);
+  }
+  i64 s = rest;
+  while (s > 0 && !ok[s]) --s;
+  Vec out(count.size(), 0);
+  for (i64 j = static_cast<i64>(kinds.size()) - 1; j >= 0; --j) {
+    const i64 k = took[j][s];
+    out[kinds[j]] = k;
+    s -= k * kinds[j];
+  }
+  return out;
+}
+
 // reach[r]: r tiles can be made from the tile counts still present (presence only).
 void rebuild_reach(const Vec& count, std::vector<char>& reach) {
   const i64 top = static_cast<i64>(reach.size()) - 1;
@@ -267,13 +400,61 @@ void rebuild_reach(const Vec& count, std::vector<char>& reach) {
   }
 }
 
-void add_slot(std::vector<std::pair<i64, i64>>& slots, i64 c) {
-  for (auto& e : slots)
-    if (e.first == c) {
-      e.second += 1;
+bool any_tiles_left(const Vec& count) {
+  for (size_t c = 1; c < count.size(); ++c)
+    if (count[c] > 0) return true;
+  return false;
+}
+
+// The end game of phase 1. compose_pack keeps the mix even but does not look ahead, so the last
+// packs can be left with samples that fit no hole (5-tile samples for 3-tile holes). Then the
+// packs with holes and the last `span` packs give their slots back and are filled again,
+// largest tile count first while the rest stays reachable (small counts kept to close the
+// packs); `span` doubles until nothing is left over, up to 1/REFILL_SHARE of the packs (beyond
+// that the packs' mix would suffer; reserve() then drops the end packs' cut or adds packs).
+constexpr i64 REFILL_SHARE = 8;
+void refill_end(Vec& count, const Vec& limit, i64 vit_budget, Vec& tiles, Slots& slots) {
+  const i64 packs = static_cast<i64>(limit.size());
+  if (!any_tiles_left(count)) return;
+  std::vector<char> reach(vit_budget + 1);
+  for (i64 span = 2 * (vit_budget + 1); span / 2 < packs / REFILL_SHARE; span *= 2) {
+    Vec left(count), filled(tiles);
+    Slots trial(slots);
+    Vec redo;
+    for (i64 q = 0; q < packs; ++q) {
+      if (limit[q] <= filled[q] && q < packs - span) continue;
+      redo.push_back(q);
+      for (const auto& [c, k] : trial[q]) {
+        left[c] += k;
+        filled[q] -= c * k;
+      }
+      trial[q].clear();
+    }
+    rebuild_reach(left, reach);
+    for (const i64 q : redo) {
+      i64 rest = std::max<i64>(0, limit[q] - filled[q]);
+      while (rest > 0) {
+        i64 chosen = 0;
+        for (i64 c = rest; c >= 1; --c)
+          if (left[c] > 0 && reach[rest - c]) {
+            chosen = c;
+            break;
+          }
+        if (chosen == 0) break;
+        add_slot(trial[q], chosen);
+        filled[q] += chosen;
+        rest -= chosen;
+        left[chosen] -= 1;
+        if (left[chosen] == 0) rebuild_reach(left, reach);
+      }
+    }
+    if (!any_tiles_left(left)) {
+      count.swap(left);
+      tiles.swap(filled);
+      slots.swap(trial);
       return;
     }
-  slots.emplace_back(c, 1);
+  }
 }
 
 // Phase 1. `count`: samples per tile count not yet placed (on return: those that found no
@@ -282,39 +463,33 @@ void add_slot(std::vector<std::pair<i64, i64>>& slots, i64 c) {
 Slots tile_slots(Vec& count, const Vec& limit, i64 vit_budget, i64 w_tiled, i64 w_text,
                  Vec& tiles) {
   const i64 packs = static_cast<i64>(limit.size());
-  std::vector<char> reach(vit_budget + 1);
-  rebuild_reach(count, reach);
   Slots slots(packs);
-  i64 sum_v = 0;
-  for (i64 c = 1; c <= vit_budget; ++c) sum_v += c * count[c];
+  i64 slot_tiles = 0, sum_v = 0;
+  for (i64 c = 1; c <= vit_budget; ++c) slot_tiles += c * count[c];
+  sum_v = slot_tiles;
   for (i64 p = 0; p < packs; ++p) sum_v += tiles[p];
   const Vec total(count);
-  i64 placed = 0;
+  Vec host(vit_budget + 1, 0), done(vit_budget + 1, 0);  // per tile count, see compose_pack
   for (i64 p = 0; p < packs; ++p) {
-    i64 rest = std::max<i64>(0, limit[p] - tiles[p]);
-    while (rest > 0) {
-      // The feasible tile count most behind its proportional share of the tiles placed so far,
-      // so that what is left keeps the data's mix and the last packs can still be filled.
-      i64 chosen = 0;
-      i128 best = 0;
-      for (i64 c = 1; c <= rest; ++c) {
-        if (count[c] == 0 || !reach[rest - c]) continue;
-        const i128 lag = static_cast<i128>(total[c]) * placed -
-                         static_cast<i128>(total[c] - count[c]) * sum_v;
-        if (chosen == 0 || lag > best) {
-          chosen = c;
-          best = lag;
-        }
-      }
-      if (chosen == 0) break;
-      placed += chosen;
-      add_slot(slots[p], chosen);
-      tiles[p] += chosen;
-      rest -= chosen;
-      count[chosen] -= 1;
-      if (count[chosen] == 0) rebuild_reach(count, reach);
+    const i64 open = std::min<i64>(std::max<i64>(0, limit[p] - tiles[p]), vit_budget);
+    for (i64 c = 1; c <= open; ++c) host[c] += open;
+  }
+  i64 placed = 0;
+  for (i64 p = 0; p < packs && placed < slot_tiles; ++p) {
+    const i64 open = std::min<i64>(std::max<i64>(0, limit[p] - tiles[p]), vit_budget);
+    const i64 rest = std::min(open, slot_tiles - placed);
+    if (rest == 0) continue;
+    const Vec take = compose_pack(count, total, host, done, rest);
+    for (i64 c = 1; c <= open; ++c) done[c] += rest;
+    for (i64 c = 1; c <= rest; ++c) {
+      if (take[c] == 0) continue;
+      slots[p].emplace_back(c, take[c]);
+      tiles[p] += c * take[c];
+      placed += c * take[c];
+      count[c] -= take[c];
     }
   }
+  refill_end(count, limit, vit_budget, tiles, slots);
   // What did not fit exactly goes, largest first, to the pack with the most room.
   std::priority_queue<std::pair<i64, i64>> room;  // (room, -pack)
   for (i64 p = 0; p < packs; ++p) room.push({limit[p] - tiles[p], -p});
@@ -345,6 +520,8 @@ Slots tile_slots(Vec& count, const Vec& limit, i64 vit_budget, i64 w_tiled, i64 
 }
 
 // Phases 0 and 1 for `packs` packs; while tiles are left over, more packs (`grow` at a time).
+constexpr i64 UNCUT_GROWTH = 64;
+
 Reservation reserve(const Data& d, const SlotParams& p) {
   Reservation r;
   r.packs = p.packs;
@@ -356,20 +533,43 @@ Reservation reserve(const Data& d, const SlotParams& p) {
     r.cap.assign(r.packs, -1);
     r.pre.assign(d.n, 0);
     Vec left(d.count);
+    const Cuts raw = heavy_cuts(d, p, r.heavy, r.fill, r.packs);
+    const Vec cut = share_slack(raw, r.packs * r.fill - d.sum_v);
+    // More than max_uncut heavy packs left over their target: more packs, if as many as the
+    // missing cuts need keep the total within 1/UNCUT_GROWTH more than asked for (beyond that
+    // the data is too lumpy for its budgets: more packs would only cost steps).
+    if (p.grow > 0) {
+      Vec denied;
+      for (size_t k = 0; k < cut.size(); ++k)
+        if (cut[k] < raw.cut[k]) denied.push_back(raw.cut[k] - cut[k]);
+      if (static_cast<i64>(denied.size()) > p.max_uncut) {
+        std::sort(denied.begin(), denied.end());
+        i64 need = 0;
+        for (size_t k = 0; k < denied.size() - static_cast<size_t>(p.max_uncut); ++k)
+          need += denied[k];
+        const i64 more = p.grow * std::max<i64>(1, (need + r.fill * p.grow - 1) /
+                                                       (r.fill * p.grow));
+        if (r.packs + more <= p.packs + std::max(p.grow, p.packs / UNCUT_GROWTH)) {
+          r.packs += more;
+          continue;
+        }
+      }
+    }
     for (size_t k = 0; k < r.heavy.size(); ++k) {
       const i64 h = r.heavy[k].id, c = d.vit[h];
-      const i128 room_w = static_cast<i128>(d.sum_w) - static_cast<i128>(r.packs) * d.w[h];
-      const i128 more = room_w > 0 && p.ratio_lo > 0
-                            ? room_w * 1024 / (static_cast<i128>(r.packs) * p.ratio_lo) : 0;
-      r.cap[k] = c + static_cast<i64>(std::min<i128>(r.fill - c, more));
+      r.cap[k] = r.fill - cut[k];
       r.tiles[k] = c;
       left[c] -= 1;
       r.pre[h] = 1;
     }
     // Targets with the end packs' cut first; if tiles then find no slot (sums that cannot be
-    // made exactly), no cut; only then more packs.
+    // made exactly), no end cut; then no heavy cuts either (the data's large samples may need
+    // every tile there is: at a 9-tile budget, one 5-tile sample per pack); only then more
+    // packs.
     const Vec seated(r.tiles), count(left);
-    for (const bool cut : {true, false}) {
+    for (const int attempt : {0, 1, 2, 3}) {
+      const bool cut = attempt % 2 == 0;
+      if (attempt == 2) r.cap.assign(r.packs, -1);
       r.tiles = seated;
       left = count;
       r.limit = tile_targets(d, r.packs, r.fill, r.cap, cut);
@@ -393,7 +593,7 @@ Reservation reserve(const Data& d, const SlotParams& p) {
 // tiles are expected to bring.
 struct Targets {
   i128 unit = 0;
-  std::vector<i128> target, need;
+  std::vector<i128> target, need, target2;  // target2: the second weight's, target's share of it
 };
 
 Targets weight_targets(const Data& d, const SlotParams& p, const Reservation& r) {
@@ -428,6 +628,10 @@ Targets weight_targets(const Data& d, const SlotParams& p, const Reservation& r)
     t.target[q] = std::min(lo_w * t.unit, reach_w[q]);
     t.need[q] = t.target[q] - static_cast<i128>(packs) * r.tiles[q] * d.sum_w;
   }
+  t.target2.resize(packs);
+  for (i64 q = 0; q < packs; ++q)
+    t.target2[q] = d.sum_w > 0 ? t.target[q] * d.sum_w2 / d.sum_w
+                               : static_cast<i128>(d.sum_w2) * t.unit / packs;
   return t;
 }
 
@@ -524,56 +728,101 @@ Packing place_samples(const Data& d, const SlotParams& p, Reservation& r, Target
   return out;
 }
 
-// Phase 3: swaps of equal-tile samples between packs (deviations in key units; a pack is fine
-// within target / tol_div).
+// Phase 3: swaps of equal-tile samples between packs, balancing both weights. A pack is off when
+// a weight is over its target by more than target / tol_div (tol2_div for the second weight) or
+// under it by UNDER_FACTOR times that: heavy packs are what a step waits for, light ones only
+// lower its mean a little. How far off a pack is: its worst weight, each in units of its
+// tolerance (light deviations count 1 / UNDER_FACTOR), in integers: score = max(pen(dev) * A,
+// pen(dev2) * B), pen(d) = d * UNDER_FACTOR if d > 0 else -d, A = tol_div * sum_w2, B =
+// tol2_div * sum_w (without a second weight, A = 1 and B = 0). A swap is taken if it lowers the
+// larger score of the two packs below the off pack's score; the best such swap among: for each
+// member, the `window` samples on either side of the weight (and of the second weight) that
+// would halve the pack's deviation, in packs not off the same way, and the members of the
+// `partners` most deviating packs of the other sign. A pack that finds no swap 8 times is left.
+constexpr i64 UNDER_FACTOR = 4;
+
+struct Scorer {
+  i128 a = 1, b = 0;
+  static i128 pen(i128 d) { return d > 0 ? d * UNDER_FACTOR : -d; }
+  i128 operator()(i128 d1, i128 d2) const { return std::max(pen(d1) * a, pen(d2) * b); }
+  // +1 / -1: the sign of the weight that sets the score (ties: the first weight).
+  int sign(i128 d1, i128 d2) const {
+    const bool second = pen(d2) * b > pen(d1) * a;
+    const i128 d = second ? d2 : d1;
+    return d > 0 ? 1 : d < 0 ? -1 : 0;
+  }
+};
+
+struct ByWeight {
+  i64 vit, w, id;
+};
+
+// Samples in packs by (tiles, weight, id), and where each tile count starts.
+std::vector<ByWeight> sorted_by(const i64* vit, const i64* w, const Vec& pack_of, i64 vit_budget,
+                                Vec& cls_start) {
+  std::vector<ByWeight> by;
+  for (i64 i = 0; i < static_cast<i64>(pack_of.size()); ++i)
+    if (pack_of[i] >= 0) by.push_back({vit[i], w[i], i});
+  std::sort(by.begin(), by.end(), [](const ByWeight& a, const ByWeight& b) {
+    return std::tie(a.vit, a.w, a.id) < std::tie(b.vit, b.w, b.id);
+  });
+  cls_start.assign(vit_budget + 2, 0);
+  for (const ByWeight& e : by) cls_start[e.vit + 1] += 1;
+  for (i64 c = 0; c <= vit_budget; ++c) cls_start[c + 1] += cls_start[c];
+  return by;
+}
+
 void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targets& t,
             Packing& pk) {
   const i64 packs = r.packs, n = d.n;
-  const i64 *vit = d.vit, *w = d.w, *tok = d.tok;
+  const i64 *vit = d.vit, *w = d.w, *w2 = d.w2, *tok = d.tok;
   const i128 unit = t.unit;
+  Scorer score;
+  if (d.sum_w2 > 0) {
+    score.a = static_cast<i128>(p.tol_div) * d.sum_w2;
+    score.b = static_cast<i128>(p.tol2_div) * d.sum_w;
+  }
   Vec pack_of(n, -1);
-  std::vector<i128> dev(packs), tol(packs);
+  std::vector<i128> dev(packs), dev2(packs), tol(packs), tol2(packs);
   for (i64 q = 0; q < packs; ++q) {
-    i64 sw = 0;
+    i64 sw = 0, sw2 = 0;
     for (i64 i : pk.members[q]) {
       pack_of[i] = q;
       sw += w[i];
+      sw2 += w2[i];
     }
     dev[q] = sw * unit - t.target[q];
+    dev2[q] = sw2 * unit - t.target2[q];
     tol[q] = t.target[q] / p.tol_div;
+    tol2[q] = t.target2[q] / p.tol2_div;
   }
-  struct ByWeight {
-    i64 vit, w, id;
+  Vec cls1, cls2;
+  const std::vector<ByWeight> by_w = sorted_by(vit, w, pack_of, p.vit_budget, cls1);
+  std::vector<ByWeight> by_w2;
+  if (d.sum_w2 > 0) by_w2 = sorted_by(vit, w2, pack_of, p.vit_budget, cls2);
+  auto off = [](i128 dv, i128 tl, int sign) {  // over (sign > 0) / under its tolerance
+    return sign > 0 ? dv > tl : dv < -UNDER_FACTOR * tl;
   };
-  std::vector<ByWeight> by_w;
-  by_w.reserve(n);
-  for (i64 i = 0; i < n; ++i)
-    if (pack_of[i] >= 0) by_w.push_back({vit[i], w[i], i});
-  std::sort(by_w.begin(), by_w.end(), [](const ByWeight& a, const ByWeight& b) {
-    return std::tie(a.vit, a.w, a.id) < std::tie(b.vit, b.w, b.id);
-  });
-  Vec cls_start(p.vit_budget + 2, 0);
-  for (const ByWeight& e : by_w) cls_start[e.vit + 1] += 1;
-  for (i64 c = 0; c <= p.vit_budget; ++c) cls_start[c + 1] += cls_start[c];
-  // Heavy packs are what a step waits for; light ones only lower its mean a little, so they are
-  // repaired only when far off (UNDER_FACTOR tolerances). A pack that finds no swap 8 times is
-  // left alone.
-  constexpr i64 UNDER_FACTOR = 4;
-  auto bad = [&](i64 q) { return dev[q] > tol[q] || dev[q] < -UNDER_FACTOR * tol[q]; };
+  auto beyond = [](i128 dv, i128 tl, int sign) {  // off the same way by more than tl
+    return sign > 0 ? dv > tl : dv < -tl;
+  };
+  auto bad = [&](i64 q) {
+    return off(dev[q], tol[q], 1) || off(dev[q], tol[q], -1) ||
+           (d.sum_w2 > 0 && (off(dev2[q], tol2[q], 1) || off(dev2[q], tol2[q], -1)));
+  };
+  auto worse = [&](i64 a, i64 b) {
+    const i128 sa = score(dev[a], dev2[a]), sb = score(dev[b], dev2[b]);
+    return sa != sb ? sa > sb : a < b;
+  };
   Vec work, next;
   std::vector<char> queued(packs, 0), fails(packs, 0);
   for (i64 q = 0; q < packs; ++q)
     if (bad(q)) work.push_back(q);
-  // Partners beyond the window: the most deviating packs of the other sign, best pair swap.
   Vec over, under;
-  auto extremes = [&](Vec& out, bool positive, size_t want) {
+  auto extremes = [&](Vec& out, int sign, size_t want) {
     out.clear();
     for (i64 q = 0; q < packs; ++q)
-      if (positive ? dev[q] > 0 : dev[q] < 0) out.push_back(q);
-    auto worse = [&](i64 a, i64 b) {
-      const i128 da = abs128(dev[a]), db = abs128(dev[b]);
-      return da != db ? da > db : a < b;
-    };
+      if (score.sign(dev[q], dev2[q]) == sign) out.push_back(q);
     if (out.size() > want) {
       std::nth_element(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(want), out.end(),
                        worse);
@@ -582,18 +831,16 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
     std::sort(out.begin(), out.end(), worse);
   };
   for (i64 pass = 0; pass < p.repair_passes && !work.empty(); ++pass) {
-    std::sort(work.begin(), work.end(), [&](i64 a, i64 b) {
-      const i128 da = abs128(dev[a]), db = abs128(dev[b]);
-      return da != db ? da > db : a < b;
-    });
+    std::sort(work.begin(), work.end(), worse);
     for (i64 q : work) queued[q] = 0;
     next.clear();
-    extremes(over, true, 2 * work.size() + p.partners);
-    extremes(under, false, 2 * work.size() + p.partners);
+    extremes(over, 1, 2 * work.size() + p.partners);
+    extremes(under, -1, 2 * work.size() + p.partners);
     size_t next_over = 0, next_under = 0;
     for (i64 q0 : work) {
       if (!bad(q0)) continue;
-      i128 best = abs128(dev[q0]);
+      const int sign = score.sign(dev[q0], dev2[q0]);
+      i128 best = score(dev[q0], dev2[q0]);
       i64 bx = -1, by = -1;
       auto consider = [&](i64 x, i64 y) {
         const i64 q = pack_of[y];
@@ -601,35 +848,42 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
         if (pk.pack_tokens[q0] - tok[x] + tok[y] > p.token_budget ||
             pk.pack_tokens[q] - tok[y] + tok[x] > p.token_budget)
           return;
-        const i128 delta = (w[x] - w[y]) * unit;
-        const i128 cost = std::max(abs128(dev[q0] - delta), abs128(dev[q] + delta));
+        const i128 d1 = static_cast<i128>(w[x] - w[y]) * unit;
+        const i128 d2 = static_cast<i128>(w2[x] - w2[y]) * unit;
+        const i128 cost = std::max(score(dev[q0] - d1, dev2[q0] - d2),
+                                   score(dev[q] + d1, dev2[q] + d2));
         if (cost < best) {
           best = cost;
           bx = x;
           by = y;
         }
       };
-      for (i64 x : pk.members[q0]) {
-        const i64 c = vit[x], lo = cls_start[c], hi = cls_start[c + 1];
-        const i64 want = w[x] - static_cast<i64>(dev[q0] / (2 * unit));
-        const i64 k = std::lower_bound(by_w.begin() + lo, by_w.begin() + hi, want,
+      // Outward from the sample that would halve q0's deviation, the first `window` candidates
+      // on each side in packs not off the same way as q0 (those could not take the difference),
+      // within 4 * window.
+      auto scan = [&](const std::vector<ByWeight>& by_w_, const Vec& cls, i64 x, i64 want) {
+        const i64 c = vit[x], lo = cls[c], hi = cls[c + 1];
+        const i64 k = std::lower_bound(by_w_.begin() + lo, by_w_.begin() + hi, want,
                                        [](const ByWeight& e, i64 value) { return e.w < value; }) -
-                      by_w.begin();
-        // Outward from k, the first `window` candidates on each side in packs that are not
-        // off the same way as q0 (those could not take the difference), within 4 * window.
+                      by_w_.begin();
         for (const i64 step : {i64{1}, i64{-1}}) {
           i64 taken = 0;
           for (i64 j = step > 0 ? k : k - 1, seen = 0;
                j >= lo && j < hi && taken < p.window && seen < 4 * p.window; j += step, ++seen) {
-            const i64 q = pack_of[by_w[j].id];
-            if (dev[q0] > 0 ? dev[q] > tol[q] : dev[q] < -tol[q]) continue;
-            consider(x, by_w[j].id);
+            const i64 q = pack_of[by_w_[j].id];
+            if (beyond(dev[q], tol[q], sign) || (d.sum_w2 > 0 && beyond(dev2[q], tol2[q], sign)))
+              continue;
+            consider(x, by_w_[j].id);
             taken += 1;
           }
         }
+      };
+      for (i64 x : pk.members[q0]) {
+        scan(by_w, cls1, x, w[x] - static_cast<i64>(dev[q0] / (2 * unit)));
+        if (d.sum_w2 > 0) scan(by_w2, cls2, x, w2[x] - static_cast<i64>(dev2[q0] / (2 * unit)));
       }
-      const Vec& other = dev[q0] > 0 ? under : over;
-      size_t& at = dev[q0] > 0 ? next_under : next_over;
+      const Vec& other = sign > 0 ? under : over;
+      size_t& at = sign > 0 ? next_under : next_over;
       for (i64 s = 0; s < p.partners && at < other.size(); ++s, ++at)
         for (i64 x : pk.members[q0])
           for (i64 y : pk.members[other[at]]) consider(x, y);
@@ -641,9 +895,12 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
         continue;
       }
       const i64 q = pack_of[by];
-      const i128 delta = (w[bx] - w[by]) * unit;
-      dev[q0] -= delta;
-      dev[q] += delta;
+      const i128 d1 = static_cast<i128>(w[bx] - w[by]) * unit;
+      const i128 d2 = static_cast<i128>(w2[bx] - w2[by]) * unit;
+      dev[q0] -= d1;
+      dev[q] += d1;
+      dev2[q0] -= d2;
+      dev2[q] += d2;
       pk.pack_tokens[q0] += tok[by] - tok[bx];
       pk.pack_tokens[q] += tok[bx] - tok[by];
       *std::find(pk.members[q0].begin(), pk.members[q0].end(), bx) = by;
@@ -664,13 +921,14 @@ struct SlotResult {
   Vec samples, ptr, leftover;
 };
 
-SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n,
+SlotResult slot_balance(const i64* vit, const i64* w, const i64* w2, const i64* tok, i64 n,
                         const SlotParams& p) {
-  const Data d = describe(vit, w, tok, n, p);
+  const Data d = describe(vit, w, w2, tok, n, p);
   Reservation r = reserve(d, p);
   Targets t = weight_targets(d, p, r);
   Packing pk = place_samples(d, p, r, t);
   if (p.repair_passes > 0) repair(d, p, r, t, pk);
+
   SlotResult res;
   res.ptr.push_back(0);
   for (const Vec& m : pk.members) {
@@ -678,6 +936,65 @@ SlotResult slot_balance(const i64* vit, const i64* w, const i64* tok, i64 n,
     res.ptr.push_back(static_cast<i64>(res.samples.size()));
   }
   res.leftover = pk.leftover;
+  return res;
+}
+
+// ---------------------------------------------------------------- token balancing (LPT)
+// When the tokens bind long before the tiles (the short levels of hierarchical balance packing:
+// text-only and small-image samples, many packs per rank), a pack's tiles follow from its
+// samples' tokens and exact tile slots do not fit the data. Then samples go, most tokens first
+// (ties in a seeded random order), each to the pack with the fewest tokens that has room for
+// its tiles and tokens (longest-processing-time-first into a fixed number of packs): tokens even
+// out and no pack stays empty while there are samples. Samples with no room: `leftover`.
+SlotResult lpt_balance(const i64* vit, const i64* tok, i64 n, const SlotParams& p) {
+  Vec rank(n), order(n);
+  {
+    Vec shuffled(n);
+    for (i64 i = 0; i < n; ++i) shuffled[i] = i;
+    Rng rng(p.seed);
+    shuffle(shuffled, rng);
+    for (i64 r = 0; r < n; ++r) rank[shuffled[r]] = r;
+  }
+  for (i64 i = 0; i < n; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](i64 a, i64 b) {
+    return tok[a] != tok[b] ? tok[a] > tok[b] : rank[a] < rank[b];
+  });
+  const i64 packs = p.packs;
+  Vec tiles(packs, 0), tokens(packs, 0);
+  std::vector<Vec> members(packs);
+  using Entry = std::pair<i64, i64>;  // (tokens, pack): the lightest pack on top
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> light;
+  for (i64 q = 0; q < packs; ++q) light.push({0, q});
+  SlotResult res;
+  std::vector<Entry> stash;
+  for (const i64 i : order) {
+    i64 chosen = -1;
+    stash.clear();
+    while (!light.empty()) {
+      const Entry e = light.top();
+      if (e.first + tok[i] > p.token_budget) break;  // the lightest has no room: none has
+      light.pop();
+      if (tiles[e.second] + vit[i] <= p.vit_budget) {
+        chosen = e.second;
+        break;
+      }
+      stash.push_back(e);
+    }
+    for (const Entry& e : stash) light.push(e);
+    if (chosen < 0) {
+      res.leftover.push_back(i);
+      continue;
+    }
+    members[chosen].push_back(i);
+    tiles[chosen] += vit[i];
+    tokens[chosen] += tok[i];
+    light.push({tokens[chosen], chosen});
+  }
+  res.ptr.push_back(0);
+  for (const Vec& m : members) {
+    res.samples.insert(res.samples.end(), m.begin(), m.end());
+    res.ptr.push_back(static_cast<i64>(res.samples.size()));
+  }
   return res;
 }
 
@@ -698,7 +1015,7 @@ void check_same(const Arr& a, const Arr& b, const char* what) {
 }  // namespace
 
 PYBIND11_MODULE(_balance_core, m) {
-  m.doc() = "megatron-omnibal balancing core: splitmix64 PRNG, ISF, slot balancing";
+  m.doc() = "megatron-omnibal balancing core: splitmix64 PRNG, ISF, slot and token balancing";
 
   py::class_<IsfParams>(m, "IsfParams", "Parameters of isf(): budgets, threshold, rounds, seed.")
       .def(py::init<>())
@@ -714,9 +1031,11 @@ PYBIND11_MODULE(_balance_core, m) {
       .def_readwrite("token_budget", &SlotParams::token_budget)
       .def_readwrite("packs", &SlotParams::packs)
       .def_readwrite("grow", &SlotParams::grow)
+      .def_readwrite("max_uncut", &SlotParams::max_uncut)
       .def_readwrite("seed", &SlotParams::seed)
       .def_readwrite("repair_passes", &SlotParams::repair_passes)
       .def_readwrite("tol_div", &SlotParams::tol_div)
+      .def_readwrite("tol2_div", &SlotParams::tol2_div)
       .def_readwrite("window", &SlotParams::window)
       .def_readwrite("partners", &SlotParams::partners)
       .def_readwrite("ratio_lo", &SlotParams::ratio_lo)
@@ -752,13 +1071,18 @@ PYBIND11_MODULE(_balance_core, m) {
   }, py::arg("vit"), py::arg("tokens"), py::arg("params"),
      "OmniBal ISF: returns (samples, pack_ptr) over positions of the input arrays.");
 
-  m.def("slot_balance", [](Arr vit, Arr weight, Arr tok, const SlotParams& p) {
+  m.def("slot_balance", [](Arr vit, Arr weight, Arr weight2, Arr tok, const SlotParams& p) {
     check_same(vit, tok, "slot_balance");
     check_same(weight, tok, "slot_balance");
-    if (p.packs < 1 || p.repair_passes < 0 || p.vit_budget < 0 || p.tol_div < 1 ||
+    check_same(weight2, tok, "slot_balance");
+    if (p.packs < 1 || p.repair_passes < 0 || p.vit_budget < 0 || p.tol_div < 1 || p.tol2_div < 1 ||
         p.window < 0 || p.partners < 0 || p.grow < 0)
-      throw std::invalid_argument("slot_balance: packs and tol_div must be >= 1, "
+      throw std::invalid_argument("slot_balance: packs, tol_div and tol2_div must be >= 1, "
                                   "grow, repair_passes, window and partners >= 0");
+    const i64* w2 = weight2.data();
+    for (i64 i = 0; i < weight2.size(); ++i)
+      if (w2[i] < 0)
+        throw std::invalid_argument("slot_balance: weight2 values must be >= 0");
     const i64* v = vit.data();
     for (i64 i = 0; i < vit.size(); ++i)
       if (v[i] < 0 || v[i] > p.vit_budget)
@@ -766,10 +1090,23 @@ PYBIND11_MODULE(_balance_core, m) {
     SlotResult r;
     {
       py::gil_scoped_release release;
-      r = slot_balance(v, weight.data(), tok.data(), vit.size(), p);
+      r = slot_balance(v, weight.data(), w2, tok.data(), vit.size(), p);
     }
     return py::make_tuple(to_numpy(r.samples), to_numpy(r.ptr), to_numpy(r.leftover));
-  }, py::arg("vit"), py::arg("weight"), py::arg("tokens"), py::arg("params"),
+  }, py::arg("vit"), py::arg("weight"), py::arg("weight2"), py::arg("tokens"), py::arg("params"),
      "Slot balancing into params.packs packs (more, params.grow at a time, while tiles do not "
      "fit): returns (samples, pack_ptr, leftover).");
+
+  m.def("lpt_balance", [](Arr vit, Arr tok, const SlotParams& p) {
+    check_same(vit, tok, "lpt_balance");
+    if (p.packs < 1) throw std::invalid_argument("lpt_balance: packs must be >= 1");
+    SlotResult r;
+    {
+      py::gil_scoped_release release;
+      r = lpt_balance(vit.data(), tok.data(), vit.size(), p);
+    }
+    return py::make_tuple(to_numpy(r.samples), to_numpy(r.ptr), to_numpy(r.leftover));
+  }, py::arg("vit"), py::arg("tokens"), py::arg("params"),
+     "Token balancing (longest-processing-time-first) into params.packs packs within the "
+     "budgets: returns (samples, pack_ptr, leftover).");
 }

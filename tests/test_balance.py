@@ -6,11 +6,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_omnibal.balance import metrics
+from megatron_omnibal.balance import layout, metrics
 from megatron_omnibal.balance.balancer import balance
 from megatron_omnibal.balance.budgets import auto_budget
 from megatron_omnibal.balance.checks import check_plan
 from megatron_omnibal.balance.config import BalanceConfig, PackCost
+from megatron_omnibal.balance.mixes import long_tail_mix
 from megatron_omnibal.balance.plan_io import load_plan, save_plan
 from megatron_omnibal.data.lengths import from_arrays, load_lengths
 
@@ -131,11 +132,66 @@ def test_default_beats_isf_and_random_on_real_data(real):
     rnd = metrics.summarize(metrics.random_batching(real, dp_size=64, micro_batches=1,
                                                     samples_per_micro=4), real, packed=False)
     assert ours["tokens_max_mean"] < isf["tokens_max_mean"] - 0.05
-    assert ours["tokens_max_mean"] <= 1.02 and ours["tiles_max_mean"] <= 1.02
-    assert ours["mix_skew_ratio"] <= 1.0  # mix no more skewed than a plain shuffle's
+    # issue 11's targets: tiles and tokens within 1%, modeled time within 1.5%, per step, with
+    # the mix no more skewed than a plain shuffle's
+    assert ours["tiles_max_mean"] <= 1.01 and ours["tokens_max_mean"] <= 1.01
+    assert ours["time_max_mean"] <= 1.015
+    assert ours["mix_skew_ratio"] <= 1.0
+    assert ours["empty_packs"] == 0
     assert rnd["tokens_max_mean"] > 1.25
     grouped = metrics.summarize(balance(real, cfg(mode="grouped", **kw)), real)
     assert grouped["tokens_max_mean"] <= 1.005 and grouped["tiles_max_mean"] <= 1.005
+
+
+def test_long_tail_mix_grouped_meets_the_targets():
+    """Generated long-tail mix (text-only, multi-image, video-like) at 32 ranks: grouped steps
+    keep tiles and tokens within 2% and the modeled time within 3%, with no empty pack."""
+    mix = long_tail_mix(20_000, seed=0, long_share=0.0, max_frames=16)
+    vb, tb = auto_budget(mix)
+    for kw in (dict(vit_budget=vb, token_budget=tb),
+               dict(vit_budget=18, token_budget=6016, oversize="skip")):
+        plan = balance(mix, BalanceConfig(dp_size=32, mode="grouped", **kw))
+        figures = metrics.summarize(plan, mix)
+        assert figures["tiles_max_mean"] <= 1.02 and figures["tokens_max_mean"] <= 1.02
+        assert figures["time_max_mean"] <= 1.03 and figures["empty_packs"] == 0
+
+
+def test_tail_steps_hold_every_pack_over_the_tolerance():
+    """Random layout: every pack over the median tiles or the mean tokens or time by more than
+    the tolerance (times the micro-batches a rank sums) is in a step of its own kind (the tail),
+    never in a random step; the light tile packs follow while their lack exceeds it; steps are
+    whole and disjoint."""
+    rng = np.random.default_rng(5)
+    num, per_step, tol = 64 * 40, 64, 0.015
+    vit = np.where(rng.random(num) < 0.1, rng.integers(12, 18, num), 18).astype(float)
+    tok = vit * 280 + rng.normal(0, 30, num) + np.where(rng.random(num) < 0.05, 400, 0)
+    time = tok + rng.normal(0, 20, num)
+    sizes = layout.relative_sizes(vit, tok, time)
+    bands, rest = layout.tail_bands(sizes, per_step, tol, 4)
+    assert all(len(b) == per_step for b in bands)
+    everything = np.sort(np.concatenate([*bands, rest]))
+    assert np.array_equal(everything, np.arange(num))
+    over = np.flatnonzero(sizes.max(axis=1) - 1 > 4 * tol)
+    assert len(over) and set(over.tolist()) <= set(np.concatenate(bands).tolist())
+    top = vit[rest].max()
+    assert (top - vit[rest]).sum() <= tol * top * len(rest) + 18 * per_step
+    step, rank, micro = layout.layout(vit, tok, time, 16, 4, "random", 0, None, tol)
+    assert np.array_equal(np.bincount(step), np.full(40, per_step))
+    for band in bands:  # a tail band is one whole step
+        assert len(np.unique(step[band])) == 1
+
+
+def test_grouped_steps_are_alike():
+    """Grouped layout on two clusters of packs (small and large in every size): no step mixes
+    them."""
+    rng = np.random.default_rng(2)
+    big = np.repeat([0, 1], 640)
+    rng.shuffle(big)
+    vit = np.where(big, 18, 9).astype(float)
+    tok = vit * 300 + rng.normal(0, 20, len(vit))
+    step, _, _ = layout.layout(vit, tok, tok * 1.1, 32, 2, "grouped", 0)
+    for s in range(step.max() + 1):
+        assert len(np.unique(big[step == s])) == 1
 
 
 def test_cost_model_balances_attention(subset):

@@ -99,3 +99,20 @@ def test_choose_levels_ends_with_the_top_and_fits():
         assert len(lv.vit_recompute) == 4 and len(lv.llm_recompute) == 4
         assert lv.micro_batches * lv.token_budget == 4 * 16384
     BalanceConfig(dp_size=8, micro_batches=4, vit_budget=32, token_budget=16384, levels=levels)
+
+
+def test_levels_leave_no_pack_empty():
+    """Short levels are token-bound (text-only and small images): packed by tokens into whole
+    steps, no pack is left empty while the level has samples for it (issue 11 counted hundreds at
+    the shortest level); every pack keeps its level's budgets (balance checks the plan)."""
+    mix = long_tail_mix(6000, seed=3, long_share=0.03, long_tokens=8000, max_frames=24)
+    levels = (Level(vit_budget=10, token_budget=2048, micro_batches=16),
+              Level(vit_budget=24, token_budget=4096, micro_batches=8),
+              Level(vit_budget=32, token_budget=8192, micro_batches=4))
+    plan = balance(mix, BalanceConfig(dp_size=4, micro_batches=4, vit_budget=32,
+                                      token_budget=8192, levels=levels, oversize="skip"))
+    sizes = np.diff(plan.pack_ptr)
+    for lv in range(len(levels)):
+        mine = plan.pack_level == lv
+        assert mine.any()
+        assert np.count_nonzero(sizes[mine] == 0) == max(0, mine.sum() - sizes[mine].sum())

@@ -50,7 +50,7 @@ def test_identity_is_the_same_for_the_same_inputs_and_survives_a_round_trip():
         ({"oversize": "solo"}, "oversize", "error", "solo"),
         ({"cost": PackCost.parse("1,2,0")}, "cost", "null",
          '{"attention_ms":[0.0],"tile_ms":[1.0],"token_ms":[2.0]}'),
-        ({"time_tail": 0.1}, "time_tail", 0.03, 0.1),
+        ({"tail_tolerance": 0.1}, "tail_tolerance", 0.015, 0.1),
         ({"levels": (Level(vit_budget=8, token_budget=80, micro_batches=4),
                      Level(vit_budget=16, token_budget=160, micro_batches=4))}, "levels", "[]",
          None),

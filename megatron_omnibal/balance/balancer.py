@@ -25,7 +25,7 @@ import numpy as np
 
 from megatron_omnibal.balance import hierarchy, layout
 from megatron_omnibal.balance.checks import check_plan
-from megatron_omnibal.balance.config import BalanceConfig
+from megatron_omnibal.balance.config import DEFAULT_COST, BalanceConfig, PackCost
 from megatron_omnibal.balance.core import permutation
 from megatron_omnibal.balance.packing import pack_level, packs_needed
 from megatron_omnibal.balance.plan_io import PLAN_VERSION, BalancePlan
@@ -45,6 +45,15 @@ def _oversize(lengths: LengthStats, config: BalanceConfig) -> np.ndarray:
     return over
 
 
+def time_weight(lengths: LengthStats, cost: PackCost | None) -> np.ndarray:
+    """Each sample's modeled time (the config's cost, else DEFAULT_COST) as an integer in units
+    of a token on average: the packer's second weight, balanced beside tokens."""
+    ms = (cost or DEFAULT_COST).sample_ms(lengths.vit, lengths.tokens)
+    total = float(ms.sum())
+    scale = float(lengths.tokens.sum()) / total if total > 0 else 0.0
+    return np.rint(ms * scale).astype(np.int64)
+
+
 def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """Concatenation of range(starts[k], starts[k] + sizes[k]) over k."""
     total = int(sizes.sum())
@@ -60,6 +69,7 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarra
     packs of oversize samples join the top level."""
     levels = config.all_levels
     vit, tok = lengths.vit, lengths.tokens
+    time = time_weight(lengths, config.cost)
     level_of = np.full(len(lengths), -1, np.int64)
     level_of[regular] = hierarchy.assign_levels(vit[regular], tok[regular], levels)
     # Pools of samples not yet packed, per level, in a seeded random order (GreedyFill's order).
@@ -82,11 +92,13 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarra
             free_v = packs * level.vit_budget - float(vit[own].sum())
             free_t = packs * level.token_budget - float(tok[own].sum())
             pools = [order[pending[order] & (level_of[order] == j)] for j in range(lv - 1, -1, -1)]
-            fill = hierarchy.top_up(pools, vit, tok, free_v, free_t)
+            budgets = (level.vit_budget, level.token_budget)
+            big_room = packs - int(hierarchy.big(vit[own], tok[own], *budgets).sum())
+            fill = hierarchy.top_up(pools, vit, tok, free_v, free_t, big_room, budgets)
         members = np.concatenate([own, fill]).astype(np.int64)
         optional = np.concatenate([np.zeros(len(own), bool), np.ones(len(fill), bool)])
         threshold = config.threshold if lv == len(levels) - 1 else level.token_budget - 128
-        got = pack_level(vit[members], tok[members], tok[members], optional,
+        got = pack_level(vit[members], tok[members], tok[members], time[members], optional,
                          vit_budget=level.vit_budget, token_budget=level.token_budget,
                          per_step=per_step, algorithm=config.algorithm,
                          repair=config.mode == "random", seed=config.seed + 7919 * lv,
@@ -119,7 +131,7 @@ def balance(lengths: LengthStats, config: BalanceConfig, *, use_reference: bool 
     solo = np.flatnonzero(over) if config.oversize == "solo" else np.zeros(0, np.int64)
     skipped = np.flatnonzero(over) if config.oversize == "skip" else np.zeros(0, np.int64)
     per_level = _level_packs(lengths, config, regular, solo, use_reference)
-    cost = config.cost
+    cost = config.cost or DEFAULT_COST
     names = max(len(lengths.names), 1)
     levels = config.all_levels
     parts = []  # per level: samples, sizes, local step, rank, micro
@@ -130,14 +142,15 @@ def balance(lengths: LengthStats, config: BalanceConfig, *, use_reference: bool 
         pack_id = np.repeat(np.arange(num), sizes)
         pack_vit = np.bincount(pack_id, lengths.vit[samples], num)
         pack_tok = np.bincount(pack_id, lengths.tokens[samples], num)
-        pack_time = None if cost is None else np.bincount(
+        pack_time = np.bincount(
             pack_id, cost.sample_ms(lengths.vit[samples], lengths.tokens[samples]), num)
         counts = np.bincount(pack_id * names + lengths.dataset[samples], minlength=num * names)
         dominant = counts.reshape(num, names).argmax(axis=1)
-        step, rank, micro = layout.layout(pack_vit, pack_tok, config.dp_size,
+        step, rank, micro = layout.layout(pack_vit, pack_tok, pack_time, config.dp_size,
                                           levels[lv].micro_batches, config.mode,
-                                          config.seed + lv, dominant, pack_time,
-                                          config.time_tail)
+                                          config.seed + lv, dominant,
+                                          None if config.algorithm == "isf"
+                                          else config.tail_tolerance)
         parts.append((samples, ptr, step, rank, micro))
         steps.append(int(step.max()) + 1 if num else 0)
     step_level = hierarchy.interleave(steps, config.curriculum_steps, config.seed)

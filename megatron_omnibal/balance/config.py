@@ -96,6 +96,11 @@ class PackCost:
                              f"({exc})") from exc
 
 
+DEFAULT_COST = PackCost(tile_ms=(0.0,), token_ms=(1.0,), attention_ms=(1.0 / (6 * 2048),))
+"""Modeled time without a model: the LLM cost of a 2048-wide model, tokens + sum(len^2) / (6 x
+2048) (Megatron's per-layer FLOPs in units of a token; attention in a pack is block-diagonal)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Level:
     """One packing level of hierarchical balance packing: its budgets, the micro-batches per
@@ -158,9 +163,11 @@ class BalanceConfig:
       a step). algorithm: 'default' (slot balancing) or 'isf' (OmniBal's ISF, isf_rounds rounds,
       a pack with isf_threshold tokens is full; default token_budget - 128).
     - oversize: a sample over a budget is an 'error', a pack of its own ('solo') or 'skip'ped.
-    - cost: the modeled time of a pack (PackCost). With it the slowest `time_tail` of the packs
-      form steps of their own, sorted by time, so that they do not set the pace of the others
-      (random mode; grouped mode sorts every step by it).
+    - cost: the modeled time of a pack (PackCost; None: DEFAULT_COST), balanced beside tokens.
+    - tail_tolerance: packs over the mean tokens or modeled time by more than this share (and,
+      while the tiles packs lack cost more than this share, the packs with the fewest tiles)
+      form steps of their own, among equals, so that they do not set the pace of the others
+      (random mode; grouped mode sorts every step by tiles and time).
     - levels: hierarchical balance packing (empty: one level at the budgets). Levels ascend;
       the last one is the budgets and micro_batches above. curriculum_steps: that many steps of
       the first (shortest) level open the epoch.
@@ -176,7 +183,7 @@ class BalanceConfig:
     algorithm: str = "default"
     oversize: str = "error"
     cost: PackCost | None = None
-    time_tail: float = 0.03
+    tail_tolerance: float = 0.015
     isf_rounds: int = 10
     isf_threshold: int | None = None
     levels: tuple[Level, ...] = field(default=())
@@ -196,8 +203,9 @@ class BalanceConfig:
         _check_choice(where, "mode", self.mode, MODES)
         _check_choice(where, "algorithm", self.algorithm, ALGORITHMS)
         _check_choice(where, "oversize", self.oversize, OVERSIZE)
-        if not 0.0 <= float(self.time_tail) <= 1.0:
-            raise ValueError(f"{where}: time_tail must lie in [0, 1], got {self.time_tail!r}")
+        if not 0.0 <= float(self.tail_tolerance) <= 1.0:
+            raise ValueError(f"{where}: tail_tolerance must lie in [0, 1], got "
+                             f"{self.tail_tolerance!r}")
         if self.cost is not None and not isinstance(self.cost, PackCost):
             raise ValueError(f"{where}: cost must be a PackCost, got {type(self.cost).__name__}")
         levels = tuple(self.levels)

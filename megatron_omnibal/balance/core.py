@@ -18,11 +18,13 @@ except ImportError:  # not built: the reference runs (slowly), balance() still w
     _native = None
 
 TOLERANCE_DIV = 400      # repair packs whose weight is off the mean by more than 1/400
-REPAIR_PASSES = 8        # passes of the swap repair
+TOLERANCE2_DIV = 100     # ... or whose second weight (modeled time) by more than 1/100
+REPAIR_PASSES = 5        # passes of the swap repair
 REPAIR_WINDOW = 8        # swap candidates per sample on either side of the ideal weight
 REPAIR_PARTNERS = 4      # most-deviating packs of the other sign tried as swap partners
 LOW_RATIO_PERCENTILE = 10.0   # see ratio_band()
 HIGH_RATIO_PERCENTILE = 99.5
+UNCUT_SHARE = 0.01       # heavy packs left over their weight target (no tile cut) before packs grow
 
 
 def backend(use_reference: bool = False):
@@ -51,6 +53,15 @@ def pack_isf(vit: np.ndarray, tokens: np.ndarray, *, vit_budget: int, token_budg
     return np.asarray(samples, np.int64), np.asarray(ptr, np.int64)
 
 
+def pack_lpt(vit: np.ndarray, tokens: np.ndarray, params, *, use_reference: bool = False
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token balancing (longest-processing-time-first) into params.packs packs: (samples,
+    pack_ptr, leftover) over positions of the arrays."""
+    out = backend(use_reference).lpt_balance(
+        *(np.asarray(a, np.int64) for a in (vit, tokens)), params)
+    return tuple(np.asarray(a, np.int64) for a in out)
+
+
 def ratio_band(vit: np.ndarray, weight: np.ndarray) -> tuple[int, int]:
     """A low and a high weight per tile of the data (x1024, integers). The low one is how
     lightly a pack's other tiles can be filled, which decides how many tiles a heavy sample's pack
@@ -60,8 +71,10 @@ def ratio_band(vit: np.ndarray, weight: np.ndarray) -> tuple[int, int]:
         return 0, 0
     ratio = weight[has] / vit[has]
     mean = weight[has].sum() / vit[has].sum()
-    low = min(np.percentile(ratio, LOW_RATIO_PERCENTILE), mean)
-    high = max(np.percentile(ratio, HIGH_RATIO_PERCENTILE), mean)
+    order = np.argsort(ratio, kind="stable")  # percentiles over tiles, not samples
+    at = np.cumsum(vit[has][order]) / vit[has].sum() * 100.0
+    low = min(ratio[order][np.searchsorted(at, LOW_RATIO_PERCENTILE)], mean)
+    high = max(ratio[order][min(np.searchsorted(at, HIGH_RATIO_PERCENTILE), len(at) - 1)], mean)
     return int(math.floor(low * 1024)), int(math.ceil(high * 1024))
 
 
@@ -71,16 +84,20 @@ def slot_params(*, vit_budget: int, token_budget: int, packs: int, grow: int, se
     p = backend(use_reference).SlotParams()
     p.vit_budget, p.token_budget, p.packs, p.grow = int(vit_budget), int(token_budget), \
         int(packs), int(grow)
+    p.max_uncut = int(UNCUT_SHARE * packs)
     p.seed = u64(seed)
     p.repair_passes = REPAIR_PASSES if repair else 0
-    p.tol_div, p.window, p.partners = TOLERANCE_DIV, REPAIR_WINDOW, REPAIR_PARTNERS
+    p.tol_div, p.tol2_div = TOLERANCE_DIV, TOLERANCE2_DIV
+    p.window, p.partners = REPAIR_WINDOW, REPAIR_PARTNERS
     p.ratio_lo, p.ratio_hi = int(band[0]), int(band[1])
     return p
 
 
-def pack_slots(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, params, *,
-               use_reference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Slot balancing: (samples, pack_ptr, leftover) over positions of the arrays."""
+def pack_slots(vit: np.ndarray, weight: np.ndarray, weight2: np.ndarray, tokens: np.ndarray,
+               params, *, use_reference: bool = False
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Slot balancing: (samples, pack_ptr, leftover) over positions of the arrays; `weight` is
+    placed and repaired, `weight2` (>= 0; zeros: none) repaired beside it."""
     out = backend(use_reference).slot_balance(
-        *(np.asarray(a, np.int64) for a in (vit, weight, tokens)), params)
+        *(np.asarray(a, np.int64) for a in (vit, weight, weight2, tokens)), params)
     return tuple(np.asarray(a, np.int64) for a in out)

@@ -25,31 +25,44 @@ def assign_levels(vit: np.ndarray, tokens: np.ndarray, levels: tuple[Level, ...]
     return out
 
 
+def big(vit: np.ndarray, tokens: np.ndarray, vit_budget: int, token_budget: int) -> np.ndarray:
+    """Samples over half a budget: no two of them share a pack."""
+    return (2 * np.asarray(vit) > vit_budget) | (2 * np.asarray(tokens) > token_budget)
+
+
 def top_up(candidates: list[np.ndarray], vit: np.ndarray, tokens: np.ndarray,
-           free_tiles: float, free_tokens: float) -> np.ndarray:
+           free_tiles: float, free_tokens: float, big_room: int = 0,
+           budgets: tuple[int, int] = (0, 0)) -> np.ndarray:
     """GreedyFill's choice: samples from the candidate lists in turn (nearest shorter level
     first, each in its given order) while their running totals stay within TOP_UP_FILL of the
-    free room; a sample that would overflow is passed over, as GreedyFill does."""
+    free room; a sample that would overflow is passed over, as GreedyFill does. A sample over
+    half a budget (`budgets`) also needs a pack without one: at most `big_room` of them (more
+    would fit the totals but not the packs)."""
     room_v, room_t = free_tiles * TOP_UP_FILL, free_tokens * TOP_UP_FILL
     chosen = []
     for cand in candidates:
         if room_t <= 0:
             break
         v, t = vit[cand].astype(np.float64), tokens[cand].astype(np.float64)
-        cv, ct = np.cumsum(v), np.cumsum(t)
-        take = (cv <= room_v) & (ct <= room_t)
+        large = big(vit[cand], tokens[cand], *budgets)
+        cv, ct, cb = np.cumsum(v), np.cumsum(t), np.cumsum(large)
+        take = (cv <= room_v) & (ct <= room_t) & (cb <= big_room)
         # past the first overflow, keep going with the samples that still fit (greedy)
         stop = int(np.argmin(take)) if not take.all() else len(cand)
         picked = list(cand[:stop])
         used_v, used_t = float(cv[stop - 1]) if stop else 0.0, float(ct[stop - 1]) if stop else 0.0
+        used_b = int(cb[stop - 1]) if stop else 0
         for j in range(stop, len(cand)):
-            if used_v + v[j] <= room_v and used_t + t[j] <= room_t:
+            if used_v + v[j] <= room_v and used_t + t[j] <= room_t and \
+                    used_b + int(large[j]) <= big_room:
                 picked.append(int(cand[j]))
                 used_v += v[j]
                 used_t += t[j]
+                used_b += int(large[j])
         chosen.extend(picked)
         room_v -= used_v
         room_t -= used_t
+        big_room -= used_b
     return np.asarray(chosen, np.int64)
 
 

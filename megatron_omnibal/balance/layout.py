@@ -1,17 +1,19 @@
 """Lay packs out over (global step, data-parallel rank, micro-batch).
 
 Every step gets exactly dp * micro_batches packs (Megatron needs the same number of micro-batches
-on every rank), so the packer is asked for a multiple of that. `random` draws each step's packs
-at random, stratified by each pack's dominant dataset and tile count (every step gets its share
-of each stratum), so a step's dataset mix is at least as close to the epoch's as a plain
-shuffle's; `grouped` puts packs of similar size into the same step (the tightest balance).
-With a modeled time per pack (tiles and tokens are even, but attention, sum(len^2), is not),
-the slowest `time_tail` of the packs form steps of their own, sorted by time (HBP's
-attention-balance sort), so that they do not set the pace of the other steps; the rest are
-drawn at random as above. A larger tail evens the time out more and skews those steps' mix
-more. Either way the order of the steps is then shuffled. Within a step, ranks get their
-micro_batches packs by a serpentine deal of the step's packs sorted by size, so per-rank totals
-even out when micro_batches > 1.
+on every rank), so the packer is asked for a multiple of that. A step waits for its largest
+pack, so what matters is that the packs of one step are alike in tiles, tokens and modeled
+time. `random` draws each step's packs at random, stratified by each pack's dominant dataset and
+tile count (every step gets its share of each stratum), so a step's dataset mix is at least as
+close to the epoch's as a plain shuffle's; the packs the packer could not bring to the common
+level (over the mean tokens or time, or the full tiles, by more than `tail_tolerance`; then, while
+the tiles packs lack would cost more than that, the packs with the fewest tiles) first form steps
+of their own among packs alike in all three (HBP's attention-balance sort, in three
+dimensions), so that they do not set the pace of the others. A smaller tolerance evens the steps
+out more and skews more steps' mix. `grouped` forms every step from packs alike in all three
+(the tightest balance, the most skew). Either way the order of the steps is then shuffled.
+Within a step, ranks get their micro_batches packs by a serpentine deal of the step's packs
+sorted by size, so per-rank totals even out when micro_batches > 1.
 """
 
 from __future__ import annotations
@@ -24,35 +26,92 @@ from megatron_omnibal.balance.core import permutation
 _LAYOUT_SALT = 0x4C41594F5554  # "LAYOUT": the layout's RNG stream differs from the packer's
 
 
-def pack_size_key(*values: np.ndarray) -> np.ndarray:
-    """One number per pack: each of its sizes (tiles, tokens, time) relative to its mean, added."""
-    out = np.zeros(len(values[0]))
-    for v in values:
-        v = np.asarray(v, np.float64)
-        out += v / max(float(v.mean()), 1e-9) if len(v) else 0.0
-    return out
+def relative_sizes(pack_vit: np.ndarray, pack_weight: np.ndarray, pack_time: np.ndarray
+                   ) -> np.ndarray:
+    """(packs, 3): tiles over the median pack's (a full one), tokens and time over their means."""
+    out = [np.asarray(pack_vit, np.float64)]
+    out[0] = out[0] / max(float(np.median(out[0])), 1.0) if len(out[0]) else out[0]
+    for x in (pack_weight, pack_time):
+        x = np.asarray(x, np.float64)
+        out.append(x / max(float(x.mean()), 1e-300) if len(x) else x)
+    return np.stack(out, axis=1)
 
 
-def time_bands(pack_time: np.ndarray, per_step: int, time_tail: float) -> list[np.ndarray]:
-    """Packs (indices) in bands of whole steps: the slowest `time_tail` of the packs, sorted by
-    modeled time, one band per step; the rest one band."""
-    order = np.argsort(pack_time, kind="stable")
-    steps = len(order) // per_step
-    tail = min(steps, int(np.ceil(time_tail * steps)))
-    cut = (steps - tail) * per_step
-    bands = [order[:cut]] if cut else []
-    bands += [order[k:k + per_step] for k in range(cut, len(order), per_step)]
-    return bands
+GROUP_WINDOW = 128  # steps' worth of packs, in time order, a group's packs are chosen among
 
 
-def layout(pack_vit: np.ndarray, pack_weight: np.ndarray, dp_size: int, micro_batches: int,
-           mode: str, seed: int, pack_dataset: np.ndarray | None = None,
-           pack_time: np.ndarray | None = None, time_tail: float = 0.0
+def nearest(dist: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the k smallest distances, ties to the lower position (a stable argsort's
+    first k, in linear time)."""
+    if k >= len(dist):
+        return np.arange(len(dist))
+    cut = np.partition(dist, k - 1)[k - 1]
+    below = np.flatnonzero(dist < cut)
+    return np.concatenate([below, np.flatnonzero(dist == cut)[:k - len(below)]])
+
+
+def nearest_groups(packs: np.ndarray, sizes: np.ndarray, per_step: int) -> list[np.ndarray]:
+    """`packs` in groups of per_step packs alike in every size (rows of `sizes`, relative):
+    the slowest pack left with the per_step - 1 packs nearest to it (largest difference over the
+    sizes) among the next GROUP_WINDOW * per_step in time order. Sorting by one size would put
+    packs of very different tiles, or very different time, into one step."""
+    order = packs[np.argsort(-sizes[packs, -1], kind="stable")]
+    window = GROUP_WINDOW * per_step
+    head, at, groups = order[:0], 0, []
+    while at < len(order) or len(head):
+        more = min(window - len(head), len(order) - at)
+        head = np.concatenate([head, order[at:at + more]])
+        at += more
+        dist = np.abs(sizes[head] - sizes[head[0]]).max(axis=1)
+        pick = nearest(dist, per_step)
+        groups.append(np.sort(head[pick]))
+        keep = np.ones(len(head), bool)
+        keep[pick] = False
+        head = head[keep]
+    return groups
+
+
+def tail_bands(sizes: np.ndarray, per_step: int, tolerance: float, micro_batches: int = 1
+               ) -> tuple[list[np.ndarray], np.ndarray]:
+    """(steps of their own, the rest) from the packs' relative sizes (relative_sizes):
+
+    - packs over 1 + `tolerance` * micro_batches in any size (a heavy sample the data had no
+      light partners for, an oversize sample alone; a rank's load is the sum of its
+      micro_batches packs, which dilutes one pack's excess), in as many whole steps as they
+      fill (topped up with the next most over), grouped by nearest_groups;
+    - then, while the tiles the other packs lack (against the largest) add up to more than
+      `tolerance` of their tiles (a lack every rank shares, however many packs it has), a step
+      of the packs with the fewest tiles (then least time).
+    """
+    num = len(sizes)
+    over = sizes.max(axis=1) - 1.0 if num else np.zeros(0)
+    heavy = int(np.count_nonzero(over > tolerance * micro_batches))
+    count = min(num // per_step, -(-heavy // per_step))
+    order = np.argsort(-over, kind="stable")
+    bands = nearest_groups(order[:count * per_step], sizes, per_step) if count else []
+    rest = order[count * per_step:]
+    if len(rest):
+        vit, time = sizes[:, 0], sizes[:, -1]
+        top = float(vit[rest].max())
+        rest = rest[np.lexsort((time[rest], vit[rest]))]  # fewest tiles first
+        lack = float((top - vit[rest]).sum())
+        while len(rest) > per_step and lack > tolerance * top * len(rest) and \
+                vit[rest[per_step - 1]] < top:
+            bands.append(rest[:per_step])
+            lack -= float((top - vit[rest[:per_step]]).sum())
+            rest = rest[per_step:]
+    return bands, np.sort(rest)
+
+
+def layout(pack_vit: np.ndarray, pack_weight: np.ndarray, pack_time: np.ndarray, dp_size: int,
+           micro_batches: int, mode: str, seed: int, pack_dataset: np.ndarray | None = None,
+           tail_tolerance: float | None = 0.015
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(pack_step, pack_rank, pack_micro) for packs whose count is a multiple of dp*micro.
 
     `pack_dataset` (each pack's most frequent source dataset) stratifies the random mode;
-    `pack_time` (modeled ms) bands it and orders the grouped mode.
+    tail_tolerance None: no steps of their own (every pack drawn at random, as OmniBal's
+    sampler draws ISF's packs).
     """
     if mode not in MODES:
         raise ValueError(f"layout: unknown mode '{mode}' (choose from {', '.join(MODES)})")
@@ -61,32 +120,29 @@ def layout(pack_vit: np.ndarray, pack_weight: np.ndarray, dp_size: int, micro_ba
     if num % per_step:
         raise ValueError(f"layout: {num} packs is not a multiple of dp*micro = {per_step}")
     steps = num // per_step
-    sizes = (pack_vit, pack_weight) if pack_time is None else (pack_vit, pack_weight, pack_time)
-    key = pack_size_key(*sizes)
+    sizes = relative_sizes(pack_vit, pack_weight, pack_time)
     step = np.empty(num, np.int64)
     if mode == "random":
+        bands, rest = (([], np.arange(num)) if tail_tolerance is None
+                       else tail_bands(sizes, per_step, tail_tolerance, micro_batches))
         # Stratified: packs in random order within strata (dominant dataset, then tiles), dealt
-        # to the steps of their band in turn, so every step gets its share of each stratum.
+        # to the steps in turn, so every step gets its share of each stratum.
         shuffled = permutation(num, seed ^ _LAYOUT_SALT)
         rank_in = np.empty(num, np.int64)
         rank_in[shuffled] = np.arange(num)
         strata = (np.zeros(num, np.int64) if pack_dataset is None
                   else np.asarray(pack_dataset, np.int64))
-        bands = ([np.arange(num)] if pack_time is None or steps == 0
-                 else time_bands(pack_time, per_step, time_tail))
-        first = 0
-        for band in bands:
-            order = band[np.lexsort((rank_in[band], pack_vit[band], strata[band]))]
-            count = len(band) // per_step
-            step[order] = first + np.arange(len(band)) % count
-            first += count
-    else:  # same tiles, then similar time (or weight)
-        order = np.lexsort((pack_weight if pack_time is None else pack_time, pack_vit))
-        step[order] = np.arange(num) // per_step
+        order = rest[np.lexsort((rank_in[rest], pack_vit[rest], strata[rest]))]
+        if len(rest):
+            step[order] = len(bands) + np.arange(len(rest)) % (len(rest) // per_step)
+    else:
+        bands = nearest_groups(np.arange(num), sizes, per_step)
+    for k, band in enumerate(bands):
+        step[band] = k
     if steps:
         step = permutation(steps, seed ^ _LAYOUT_SALT ^ 1)[step]
-    # Within each step: heaviest first, dealt to ranks in a serpentine (0..dp-1, dp-1..0, ...).
-    within = np.lexsort((-key, step))
+    # Within each step: largest first, dealt to ranks in a serpentine (0..dp-1, dp-1..0, ...).
+    within = np.lexsort((-sizes.sum(axis=1), step))
     k = np.empty(num, np.int64)
     k[within] = np.arange(num) % per_step
     rnd, j = k // dp_size, k % dp_size

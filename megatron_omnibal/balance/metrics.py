@@ -21,12 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_omnibal.balance.config import PackCost
+from megatron_omnibal.balance.config import DEFAULT_COST, PackCost
 from megatron_omnibal.balance.core import permutation
 from megatron_omnibal.balance.plan_io import BalancePlan
 from megatron_omnibal.data.lengths import LengthStats
 
-DEFAULT_COST = PackCost(tile_ms=(0.0,), token_ms=(1.0,), attention_ms=(1.0 / (6 * 2048),))
 _SHUFFLE_SALT = 0x534B4557  # "SKEW"
 
 

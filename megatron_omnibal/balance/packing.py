@@ -16,6 +16,7 @@ from megatron_omnibal.balance import core
 
 CHUNK = 80_000   # samples packed together (larger inputs: chunks of this size)
 MAX_RETRIES = 64
+LPT_GROWTH = 32  # token balancing short of room retries with at least 1/32 more packs
 
 
 @dataclass(frozen=True)
@@ -57,14 +58,15 @@ def split_to_multiple(samples: np.ndarray, ptr: np.ndarray, per_step: int,
     return np.sort(np.concatenate([ptr, cuts, empty])).astype(np.int64)
 
 
-def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, optional: np.ndarray,
-               *, vit_budget: int, token_budget: int, per_step: int, algorithm: str,
-               repair: bool, seed: int, isf_rounds: int, isf_threshold: int,
+def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, weight2: np.ndarray,
+               optional: np.ndarray, *, vit_budget: int, token_budget: int, per_step: int,
+               algorithm: str, repair: bool, seed: int, isf_rounds: int, isf_threshold: int,
                min_packs: int = 0, offset: int = 0, use_reference: bool = False) -> Packs:
     """Pack every sample whose `optional` flag is off into packs (at least `min_packs`) whose
     count plus `offset` (packs of this level made elsewhere) is a multiple of `per_step`;
     optional samples (GreedyFill's top-up) go where there is room, the rest come back in
-    `returned`. Every sample must fit the budgets on its own."""
+    `returned`. `weight` is balanced, `weight2` (the modeled time) beside it. Every sample must
+    fit the budgets on its own."""
     n = len(vit)
     if n == 0:
         empty = np.zeros(0, np.int64)
@@ -80,6 +82,9 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, optional
         ptr = np.concatenate([ptr, np.full(short, ptr[-1])]).astype(np.int64)
         return Packs(samples, ptr, np.zeros(0, np.int64))
     band = core.ratio_band(vit, weight)
+    # Tokens bind before tiles (full packs would hold more tiles than the tokens leave room
+    # for): tiles follow the tokens, packs are balanced by tokens alone (core.pack_lpt).
+    by_tokens = int(tokens.sum()) * vit_budget > int(vit.sum()) * token_budget
     k = max(1, round(n / CHUNK))
     parts = [np.arange(i, n, k) for i in range(k)]  # strided: each chunk a cross-section
     out_samples, out_sizes, returned = [], [], []
@@ -102,13 +107,20 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, optional
             params = core.slot_params(vit_budget=vit_budget, token_budget=token_budget,
                                       packs=packs, grow=grow, seed=seed + i,
                                       band=band, repair=repair, use_reference=use_reference)
-            samples, ptr, leftover = core.pack_slots(pv, weight[part], pt, params,
-                                                     use_reference=use_reference)
+            if by_tokens:
+                samples, ptr, leftover = core.pack_lpt(pv, pt, params,
+                                                       use_reference=use_reference)
+            else:
+                samples, ptr, leftover = core.pack_slots(pv, weight[part], weight2[part], pt,
+                                                         params, use_reference=use_reference)
             lost = leftover[~optional[part[leftover]]]
             if len(lost) == 0:
                 break
-            # as many more packs as the samples without room need (each retry is a full pass)
+            # as many more packs as the samples without room need (each retry is a full pass);
+            # token balancing fills every pack evenly, so it needs a share more packs instead
             more = packs_needed(pv[lost], pt[lost], vit_budget, token_budget)
+            if by_tokens:
+                more = max(more, -(-packs // LPT_GROWTH))
             packs = len(ptr) - 1 + (-(-more // per_step) * per_step if last else more)
         else:
             raise RuntimeError(f"balance: could not place all samples after {MAX_RETRIES} "

@@ -36,9 +36,11 @@ class SlotParams:
     token_budget: int = 1
     packs: int = 1
     grow: int = 0
+    max_uncut: int = 0
     seed: int = 0
     repair_passes: int = 0
     tol_div: int = 400
+    tol2_div: int = 400
     window: int = 8
     partners: int = 4
     ratio_lo: int = 0
@@ -136,10 +138,12 @@ class Data:
 
     vit: list[int]
     w: list[int]
+    w2: list[int]
     tok: list[int]
     n: int = 0
     sum_v: int = 0
     sum_w: int = 0
+    sum_w2: int = 0
     sum_t: int = 0
     w_tiled: int = 0
     w_text: int = 0
@@ -149,13 +153,16 @@ class Data:
     shuffled: list[int] = field(default_factory=list)
 
 
-def describe(vit: np.ndarray, w: np.ndarray, tok: np.ndarray, p: SlotParams) -> Data:
-    d = Data([int(x) for x in vit], [int(x) for x in w], [int(x) for x in tok])
+def describe(vit: np.ndarray, w: np.ndarray, w2: np.ndarray, tok: np.ndarray, p: SlotParams
+             ) -> Data:
+    d = Data([int(x) for x in vit], [int(x) for x in w], [int(x) for x in w2],
+             [int(x) for x in tok])
     d.n = len(d.vit)
     d.count = [0] * (p.vit_budget + 1)
     for i in range(d.n):
         d.sum_v += d.vit[i]
         d.sum_w += d.w[i]
+        d.sum_w2 += d.w2[i]
         d.sum_t += d.tok[i]
         if d.vit[i] > 0:
             d.w_tiled += d.w[i]
@@ -197,6 +204,39 @@ def heavy_samples(d: Data, p: SlotParams, key: list[int], fill: int, packs: int
     return heavy[:packs]
 
 
+def _tiles_for(room: int, per: int, ratio_lo: int) -> int:
+    return room * 1024 // (per * ratio_lo) if room > 0 and ratio_lo > 0 else 0
+
+
+def heavy_cuts(d: Data, p: SlotParams, heavy: list[tuple[int, int, int]], fill: int, packs: int
+               ) -> tuple[list[int], list[int]]:
+    """(cut, hard): tiles each heavy pack gives up to carry the mean weight / to stay within the
+    token budget."""
+    cut, hard = [0] * len(heavy), [0] * len(heavy)
+    for k, (_, _, h) in enumerate(heavy):
+        c = d.vit[h]
+        more = _tiles_for(d.sum_w - packs * d.w[h], packs, p.ratio_lo)
+        room = _tiles_for(p.token_budget - d.tok[h], 1, p.ratio_lo)
+        cut[k] = fill - c - min(fill - c, more)
+        hard[k] = min(cut[k], fill - c - min(fill - c, room))
+    return cut, hard
+
+
+def share_slack(cuts: tuple[list[int], list[int]], slack: int) -> list[int]:
+    """Every hard cut, then the rest of the cuts, smallest first, as many whole as fit."""
+    full, hard = cuts
+    cut = list(hard)
+    slack -= sum(hard)
+    order = [k for k in range(len(cut)) if full[k] > hard[k]]
+    order.sort(key=lambda k: full[k] - hard[k])  # stable, as std::stable_sort
+    for k in order:
+        extra = full[k] - hard[k]
+        if extra <= slack:
+            cut[k] = full[k]
+            slack -= extra
+    return cut
+
+
 @dataclass
 class Reservation:
     """Packs, their heavy samples and tile slots (phases 0 and 1)."""
@@ -233,12 +273,6 @@ def tile_targets(d: Data, packs: int, fill: int, cap: list[int], cut: bool) -> l
     return limit
 
 
-def rebuild_reach(count: list[int], reach: list[bool]) -> None:
-    reach[0] = True
-    for r in range(1, len(reach)):
-        reach[r] = any(count[c] > 0 and reach[r - c] for c in range(1, r + 1))
-
-
 def add_slot(slots: list[list[int]], c: int) -> None:
     for e in slots:
         if e[0] == c:
@@ -247,35 +281,136 @@ def add_slot(slots: list[list[int]], c: int) -> None:
     slots.append([c, 1])
 
 
+def compose_pack(count: list[int], total: list[int], room: list[int], done: list[int],
+                 rest: int) -> list[int]:
+    """One pack's tile counts summing to `rest` (or as close below as the counts allow): the
+    bounded knapsack of least squared lag behind each count's share of the packs that can hold
+    it (see the C++ comment)."""
+    cost, ok = [0] * (rest + 1), [False] * (rest + 1)
+    ok[0] = True
+    took: list[list[int]] = []
+    kinds: list[int] = []
+    for c in range(1, rest + 1):
+        if count[c] == 0 or room[c] == 0:
+            continue
+        ahead = (total[c] - count[c]) * room[c] - (done[c] + rest) * total[c]
+        nxt, nxt_ok = list(cost), list(ok)
+        k_at = [0] * (rest + 1)
+        most = min(count[c], rest // c)
+        step_cost = [0] + [(k * (2 * ahead + k * room[c]) * 65536) // (total[c] * room[c])
+                           for k in range(1, most + 1)]
+        for s in range(rest):
+            if not ok[s]:
+                continue
+            k = 1
+            while k <= most and s + k * c <= rest:
+                v = cost[s] + step_cost[k]
+                t = s + k * c
+                if not nxt_ok[t] or v < nxt[t]:
+                    nxt[t], nxt_ok[t], k_at[t] = v, True, k
+                k += 1
+        cost, ok = nxt, nxt_ok
+        took.append(k_at)
+        kinds.append(c)
+    s = rest
+    while s > 0 and not ok[s]:
+        s -= 1
+    out = [0] * len(count)
+    for j in range(len(kinds) - 1, -1, -1):
+        k = took[j][s]
+        out[kinds[j]] = k
+        s -= k * kinds[j]
+    return out
+
+
+def rebuild_reach(count: list[int], reach: list[bool]) -> None:
+    reach[0] = True
+    for r in range(1, len(reach)):
+        reach[r] = any(count[c] > 0 and reach[r - c] for c in range(1, r + 1))
+
+
+def any_tiles_left(count: list[int]) -> bool:
+    return any(count[c] > 0 for c in range(1, len(count)))
+
+
+REFILL_SHARE = 8
+
+
+def refill_end(count: list[int], limit: list[int], vit_budget: int, tiles: list[int],
+               slots: list[list[list[int]]]) -> None:
+    """Phase 1's end game: the packs with holes and the last `span` packs refilled largest tile
+    count first, `span` doubling up to packs // REFILL_SHARE (see the C++ comment)."""
+    packs = len(limit)
+    if not any_tiles_left(count):
+        return
+    reach = [False] * (vit_budget + 1)
+    span = 2 * (vit_budget + 1)
+    while span // 2 < packs // REFILL_SHARE:
+        left, filled = list(count), list(tiles)
+        trial = [[list(e) for e in sl] for sl in slots]
+        redo = []
+        for q in range(packs):
+            if limit[q] <= filled[q] and q < packs - span:
+                continue
+            redo.append(q)
+            for c, k in trial[q]:
+                left[c] += k
+                filled[q] -= c * k
+            trial[q] = []
+        rebuild_reach(left, reach)
+        for q in redo:
+            rest = max(0, limit[q] - filled[q])
+            while rest > 0:
+                chosen = next((c for c in range(rest, 0, -1) if left[c] > 0 and reach[rest - c]),
+                              0)
+                if chosen == 0:
+                    break
+                add_slot(trial[q], chosen)
+                filled[q] += chosen
+                rest -= chosen
+                left[chosen] -= 1
+                if left[chosen] == 0:
+                    rebuild_reach(left, reach)
+        if not any_tiles_left(left):
+            count[:] = left
+            tiles[:] = filled
+            slots[:] = trial
+            return
+        span *= 2
+
+
 def tile_slots(count: list[int], limit: list[int], vit_budget: int, w_tiled: int, w_text: int,
                tiles: list[int]) -> list[list[list[int]]]:
     """Phase 1; `count` is left holding the samples per tile count that found no slot."""
     packs = len(limit)
-    reach = [False] * (vit_budget + 1)
-    rebuild_reach(count, reach)
     slots: list[list[list[int]]] = [[] for _ in range(packs)]
-    sum_v = sum(c * count[c] for c in range(1, vit_budget + 1)) + sum(tiles)
+    slot_tiles = sum(c * count[c] for c in range(1, vit_budget + 1))
+    sum_v = slot_tiles + sum(tiles)
     total = list(count)
+    room, done = [0] * (vit_budget + 1), [0] * (vit_budget + 1)
+    for q in range(packs):
+        hole = min(max(0, limit[q] - tiles[q]), vit_budget)
+        for c in range(1, hole + 1):
+            room[c] += hole
     placed = 0
     for q in range(packs):
-        rest = max(0, limit[q] - tiles[q])
-        while rest > 0:
-            chosen, best = 0, 0
-            for c in range(1, rest + 1):
-                if count[c] == 0 or not reach[rest - c]:
-                    continue
-                lag = total[c] * placed - (total[c] - count[c]) * sum_v
-                if chosen == 0 or lag > best:
-                    chosen, best = c, lag
-            if chosen == 0:
-                break
-            placed += chosen
-            add_slot(slots[q], chosen)
-            tiles[q] += chosen
-            rest -= chosen
-            count[chosen] -= 1
-            if count[chosen] == 0:
-                rebuild_reach(count, reach)
+        if placed >= slot_tiles:
+            break
+        hole = min(max(0, limit[q] - tiles[q]), vit_budget)
+        rest = min(hole, slot_tiles - placed)
+        if rest == 0:
+            continue
+        take = compose_pack(count, total, room, done, rest)
+        for c in range(1, hole + 1):
+            done[c] += rest
+        for c in range(1, rest + 1):
+            if take[c] == 0:
+                continue
+            slots[q].append([c, take[c]])
+            tiles[q] += c * take[c]
+            placed += c * take[c]
+            count[c] -= take[c]
+    refill_end(count, limit, vit_budget, tiles, slots)
     room = [(-(limit[q] - tiles[q]), q) for q in range(packs)]  # max room, then min pack
     heapq.heapify(room)
     for c in range(vit_budget, 0, -1):
@@ -299,6 +434,9 @@ def tile_slots(count: list[int], limit: list[int], vit_budget: int, w_tiled: int
     return slots
 
 
+UNCUT_GROWTH = 64
+
+
 def reserve(d: Data, p: SlotParams) -> Reservation:
     r = Reservation(packs=p.packs)
     while True:
@@ -308,17 +446,27 @@ def reserve(d: Data, p: SlotParams) -> Reservation:
         r.tiles, r.cap = [0] * r.packs, [-1] * r.packs
         r.pre = [False] * d.n
         left = list(d.count)
+        raw = heavy_cuts(d, p, r.heavy, r.fill, r.packs)
+        cut = share_slack(raw, r.packs * r.fill - d.sum_v)
+        if p.grow > 0:
+            denied = sorted(raw[0][k] - cut[k] for k in range(len(cut)) if cut[k] < raw[0][k])
+            if len(denied) > p.max_uncut:
+                need = sum(denied[:len(denied) - p.max_uncut])
+                more = p.grow * max(1, (need + r.fill * p.grow - 1) // (r.fill * p.grow))
+                if r.packs + more <= p.packs + max(p.grow, p.packs // UNCUT_GROWTH):
+                    r.packs += more
+                    continue
         for k, (_, _, h) in enumerate(r.heavy):
             c = d.vit[h]
-            room_w = d.sum_w - r.packs * d.w[h]
-            more = room_w * 1024 // (r.packs * p.ratio_lo) if room_w > 0 and p.ratio_lo > 0 \
-                else 0
-            r.cap[k] = c + min(r.fill - c, more)
+            r.cap[k] = r.fill - cut[k]
             r.tiles[k] = c
             left[c] -= 1
             r.pre[h] = True
         seated, count = list(r.tiles), list(left)
-        for cut in (True, False):
+        for attempt in range(4):
+            cut = attempt % 2 == 0
+            if attempt == 2:
+                r.cap = [-1] * r.packs
             r.tiles, left = list(seated), list(count)
             r.limit = tile_targets(d, r.packs, r.fill, r.cap, cut)
             r.free = tile_slots(left, r.limit, p.vit_budget, d.w_tiled, d.w_text, r.tiles)
@@ -335,6 +483,7 @@ class Targets:
     unit: int = 0
     target: list[int] = field(default_factory=list)
     need: list[int] = field(default_factory=list)
+    target2: list[int] = field(default_factory=list)
 
 
 def weight_targets(d: Data, p: SlotParams, r: Reservation) -> Targets:
@@ -355,7 +504,9 @@ def weight_targets(d: Data, p: SlotParams, r: Reservation) -> Targets:
             lo_w = mid + 1
     target = [min(lo_w * unit, x) for x in reach_w]
     need = [target[q] - packs * r.tiles[q] * d.sum_w for q in range(packs)]
-    return Targets(unit, target, need)
+    target2 = [target[q] * d.sum_w2 // d.sum_w if d.sum_w > 0 else d.sum_w2 * unit // packs
+               for q in range(packs)]
+    return Targets(unit, target, need, target2)
 
 
 @dataclass
@@ -442,29 +593,71 @@ def place_samples(d: Data, p: SlotParams, r: Reservation, t: Targets) -> Packing
     return out
 
 
+class Scorer:
+    """How far off a pack is: max(pen(dev) * a, pen(dev2) * b), light deviations 1/UNDER_FACTOR."""
+
+    def __init__(self, d: Data, p: SlotParams) -> None:
+        self.a, self.b = (p.tol_div * d.sum_w2, p.tol2_div * d.sum_w) if d.sum_w2 > 0 else (1, 0)
+
+    @staticmethod
+    def pen(x: int) -> int:
+        return x * UNDER_FACTOR if x > 0 else -x
+
+    def __call__(self, d1: int, d2: int) -> int:
+        return max(self.pen(d1) * self.a, self.pen(d2) * self.b)
+
+    def sign(self, d1: int, d2: int) -> int:
+        x = d2 if self.pen(d2) * self.b > self.pen(d1) * self.a else d1
+        return 1 if x > 0 else -1 if x < 0 else 0
+
+
+def sorted_by(vit: list[int], w: list[int], pack_of: list[int], vit_budget: int
+              ) -> tuple[list[int], list[int], list[int]]:
+    """Samples in packs by (tiles, weight, id): (ids, weights, where each tile count starts)."""
+    ids = sorted((i for i in range(len(pack_of)) if pack_of[i] >= 0),
+                 key=lambda i: (vit[i], w[i], i))
+    cls = [0] * (vit_budget + 2)
+    for i in ids:
+        cls[vit[i] + 1] += 1
+    for c in range(vit_budget + 1):
+        cls[c + 1] += cls[c]
+    return ids, [w[i] for i in ids], cls
+
+
 def repair(d: Data, p: SlotParams, r: Reservation, t: Targets, pk: Packing) -> None:
     packs, n, unit = r.packs, d.n, t.unit
-    v, w, tok = d.vit, d.w, d.tok
+    v, w, w2, tok = d.vit, d.w, d.w2, d.tok
+    second = d.sum_w2 > 0
+    score = Scorer(d, p)
     pack_of = [-1] * n
-    dev = [0] * packs
+    dev, dev2 = [0] * packs, [0] * packs
     for q in range(packs):
         for i in pk.members[q]:
             pack_of[i] = q
         dev[q] = sum(w[i] for i in pk.members[q]) * unit - t.target[q]
+        dev2[q] = sum(w2[i] for i in pk.members[q]) * unit - t.target2[q]
     tol = [x // p.tol_div for x in t.target]
-    by_w = sorted((i for i in range(n) if pack_of[i] >= 0), key=lambda i: (v[i], w[i], i))
-    by_w_w = [w[i] for i in by_w]
-    cls_start = [0] * (p.vit_budget + 2)
-    for i in by_w:
-        cls_start[v[i] + 1] += 1
-    for c in range(p.vit_budget + 1):
-        cls_start[c + 1] += cls_start[c]
+    tol2 = [x // p.tol2_div for x in t.target2]
+    sorts = [sorted_by(v, w, pack_of, p.vit_budget)]
+    if second:
+        sorts.append(sorted_by(v, w2, pack_of, p.vit_budget))
 
-    def worse(q: int) -> tuple[int, int]:
-        return -abs(dev[q]), q
+    def off(dv: int, tl: int, sign: int) -> bool:
+        return dv > tl if sign > 0 else dv < -UNDER_FACTOR * tl
+
+    def beyond(dv: int, tl: int, sign: int) -> bool:
+        return dv > tl if sign > 0 else dv < -tl
 
     def bad(q: int) -> bool:
-        return dev[q] > tol[q] or dev[q] < -UNDER_FACTOR * tol[q]
+        return off(dev[q], tol[q], 1) or off(dev[q], tol[q], -1) or \
+            (second and (off(dev2[q], tol2[q], 1) or off(dev2[q], tol2[q], -1)))
+
+    def worse(q: int) -> tuple[int, int]:
+        return -score(dev[q], dev2[q]), q
+
+    def extremes(sign: int, want: int) -> list[int]:
+        return sorted((q for q in range(packs) if score.sign(dev[q], dev2[q]) == sign),
+                      key=worse)[:want]
 
     work = [q for q in range(packs) if bad(q)]
     queued = [False] * packs
@@ -477,13 +670,13 @@ def repair(d: Data, p: SlotParams, r: Reservation, t: Targets, pk: Packing) -> N
             queued[q] = False
         nxt: list[int] = []
         want_n = 2 * len(work) + p.partners
-        over = sorted((q for q in range(packs) if dev[q] > 0), key=worse)[:want_n]
-        under = sorted((q for q in range(packs) if dev[q] < 0), key=worse)[:want_n]
-        at = {True: 0, False: 0}  # next partner in `under` (q0 over) / `over` (q0 under)
+        over, under = extremes(1, want_n), extremes(-1, want_n)
+        at = {True: 0, False: 0}  # next partner in `under` (sign > 0) / `over`
         for q0 in work:
             if not bad(q0):
                 continue
-            best = [abs(dev[q0]), -1, -1]
+            sign = score.sign(dev[q0], dev2[q0])
+            best = [score(dev[q0], dev2[q0]), -1, -1]
 
             def consider(x: int, y: int, q0: int = q0, best: list = best) -> None:
                 q = pack_of[y]
@@ -492,28 +685,34 @@ def repair(d: Data, p: SlotParams, r: Reservation, t: Targets, pk: Packing) -> N
                 if pk.pack_tokens[q0] - tok[x] + tok[y] > p.token_budget or \
                         pk.pack_tokens[q] - tok[y] + tok[x] > p.token_budget:
                     return
-                delta = (w[x] - w[y]) * unit
-                cost = max(abs(dev[q0] - delta), abs(dev[q] + delta))
+                d1, d2 = (w[x] - w[y]) * unit, (w2[x] - w2[y]) * unit
+                cost = max(score(dev[q0] - d1, dev2[q0] - d2), score(dev[q] + d1, dev2[q] + d2))
                 if cost < best[0]:
                     best[:] = [cost, x, y]
 
-            for x in pk.members[q0]:
+            def scan(ids: list[int], ws: list[int], cls: list[int], x: int, want: int,
+                     sign: int = sign) -> None:
                 c = v[x]
-                lo, hi = cls_start[c], cls_start[c + 1]
-                want = w[x] - _trunc_div(dev[q0], 2 * unit)
-                k = bisect_left(by_w_w, want, lo, hi)
+                lo, hi = cls[c], cls[c + 1]
+                k = bisect_left(ws, want, lo, hi)
                 for step in (1, -1):
                     taken = seen = 0
                     j = k if step > 0 else k - 1
                     while lo <= j < hi and taken < p.window and seen < 4 * p.window:
-                        q = pack_of[by_w[j]]
-                        if not (dev[q] > tol[q] if dev[q0] > 0 else dev[q] < -tol[q]):
-                            consider(x, by_w[j])
+                        q = pack_of[ids[j]]
+                        if not (beyond(dev[q], tol[q], sign) or
+                                (second and beyond(dev2[q], tol2[q], sign))):
+                            consider(x, ids[j])
                             taken += 1
                         j += step
                         seen += 1
-            other = under if dev[q0] > 0 else over
-            side = dev[q0] > 0
+
+            for x in pk.members[q0]:
+                scan(*sorts[0], x, w[x] - _trunc_div(dev[q0], 2 * unit))
+                if second:
+                    scan(*sorts[1], x, w2[x] - _trunc_div(dev2[q0], 2 * unit))
+            other = under if sign > 0 else over
+            side = sign > 0
             s = 0
             while s < p.partners and at[side] < len(other):
                 for x in pk.members[q0]:
@@ -529,9 +728,11 @@ def repair(d: Data, p: SlotParams, r: Reservation, t: Targets, pk: Packing) -> N
                     nxt.append(q0)
                 continue
             q = pack_of[by]
-            delta = (w[bx] - w[by]) * unit
-            dev[q0] -= delta
-            dev[q] += delta
+            d1, d2 = (w[bx] - w[by]) * unit, (w2[bx] - w2[by]) * unit
+            dev[q0] -= d1
+            dev[q] += d1
+            dev2[q0] -= d2
+            dev2[q] += d2
             pk.pack_tokens[q0] += tok[by] - tok[bx]
             pk.pack_tokens[q] += tok[bx] - tok[by]
             pk.members[q0][pk.members[q0].index(bx)] = by
@@ -550,18 +751,66 @@ def _trunc_div(a: int, b: int) -> int:
     return q if (a >= 0) == (b >= 0) else -q
 
 
-def slot_balance(vit: np.ndarray, weight: np.ndarray, tokens: np.ndarray, p: SlotParams
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Slot balancing into p.packs packs (more, p.grow at a time, while tiles do not fit):
-    returns (samples, pack_ptr, leftover)."""
-    if len(vit) != len(tokens) or len(weight) != len(tokens):
+def slot_balance(vit: np.ndarray, weight: np.ndarray, weight2: np.ndarray, tokens: np.ndarray,
+                 p: SlotParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Slot balancing into p.packs packs (more, p.grow at a time, while tiles do not fit, or
+    while more than p.max_uncut heavy packs would stay over their target): returns (samples,
+    pack_ptr, leftover)."""
+    if len(vit) != len(tokens) or len(weight) != len(tokens) or len(weight2) != len(tokens):
         raise ValueError("slot_balance: arrays must be 1-D and of equal length")
     if any(int(c) < 0 or int(c) > p.vit_budget for c in vit):
         raise ValueError("slot_balance: vit values must lie in [0, vit_budget]")
-    d = describe(vit, weight, tokens, p)
+    if any(int(x) < 0 for x in weight2):
+        raise ValueError("slot_balance: weight2 values must be >= 0")
+    d = describe(vit, weight, weight2, tokens, p)
     r = reserve(d, p)
     t = weight_targets(d, p, r)
     pk = place_samples(d, p, r, t)
     if p.repair_passes > 0:
         repair(d, p, r, t, pk)
     return _flatten(pk.members) + (np.array(pk.leftover, np.int64),)
+
+
+# ---------------------------------------------------------------- token balancing (LPT)
+
+def lpt_balance(vit: np.ndarray, tokens: np.ndarray, p: SlotParams
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Samples, most tokens first (ties in a seeded random order), each to the pack with the
+    fewest tokens (then lowest index) that has room for its tiles and tokens, into p.packs
+    packs: returns (samples, pack_ptr, leftover)."""
+    if len(vit) != len(tokens):
+        raise ValueError("lpt_balance: arrays must be 1-D and of equal length")
+    if p.packs < 1:
+        raise ValueError("lpt_balance: packs must be >= 1")
+    v, t = [int(x) for x in vit], [int(x) for x in tokens]
+    n = len(v)
+    rank = [0] * n
+    for r, i in enumerate(permutation(n, p.seed)):
+        rank[int(i)] = r
+    order = sorted(range(n), key=lambda i: (-t[i], rank[i]))
+    tiles, load = [0] * p.packs, [0] * p.packs
+    members: list[list[int]] = [[] for _ in range(p.packs)]
+    light = [(0, q) for q in range(p.packs)]
+    heapq.heapify(light)
+    leftover = []
+    for i in order:
+        chosen, stash = -1, []
+        while light:
+            e = light[0]
+            if e[0] + t[i] > p.token_budget:
+                break
+            heapq.heappop(light)
+            if tiles[e[1]] + v[i] <= p.vit_budget:
+                chosen = e[1]
+                break
+            stash.append(e)
+        for e in stash:
+            heapq.heappush(light, e)
+        if chosen < 0:
+            leftover.append(i)
+            continue
+        members[chosen].append(i)
+        tiles[chosen] += v[i]
+        load[chosen] += t[i]
+        heapq.heappush(light, (load[chosen], chosen))
+    return _flatten(members) + (np.array(leftover, np.int64),)

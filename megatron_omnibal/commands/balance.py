@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a sample larger than a budget: error (default), a pack of its "
                              "own, or listed as skipped")
     parser.add_argument("--cost", metavar="A,B,C", type=pack_cost,
-                        help="modeled time of a pack: A*tiles + B*tokens + C*sum(len^2) (ms); "
-                             "steps are formed to even it out across ranks")
+                        help="modeled time of a pack: A*tiles + B*tokens + C*sum(len^2) (ms), "
+                             "balanced beside tokens (default: tokens + sum(len^2) / 12288)")
     parser.add_argument("--plan", metavar="PLAN.json",
                         help="take the modeled time from an `omnibal plan` file: its "
                              "data.pack_cost, else its model, hardware and stages")
@@ -63,9 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", help="GPU preset for --model (e.g. A100-80G)")
     parser.add_argument("--tp", type=positive_int, default=1,
                         help="with --model: tensor parallel size")
-    parser.add_argument("--time-tail", type=fraction, default=0.03,
-                        help="with a modeled time: share of the slowest packs that get steps "
-                             "of their own (default 0.03)")
+    parser.add_argument("--tail-tolerance", type=fraction, default=0.015,
+                        help="random mode: packs over the mean tokens or modeled time (or the "
+                             "full tiles) by more than this share, and the packs with the "
+                             "fewest tiles while their lack costs more than it, get steps of "
+                             "their own among packs alike (default 0.015; smaller: tighter "
+                             "balance, more steps with a skewed dataset mix)")
     parser.add_argument("--levels", metavar="V/T[xM],..",
                         help="packing levels (hierarchical balance packing), ascending, the "
                              "last one the budgets; xM: micro-batches per rank of its steps "
@@ -119,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
     config = BalanceConfig(dp_size=args.dp, micro_batches=args.micro_batches,
                            vit_budget=vit_budget, token_budget=token_budget, seed=args.seed,
                            mode=args.mode, algorithm=args.algorithm, oversize=args.oversize,
-                           cost=cost, time_tail=args.time_tail, isf_rounds=args.isf_rounds,
-                           isf_threshold=args.isf_threshold,
+                           cost=cost, tail_tolerance=args.tail_tolerance,
+                           isf_rounds=args.isf_rounds, isf_threshold=args.isf_threshold,
                            levels=_levels(args.levels, args.micro_batches, token_budget),
                            curriculum_steps=args.curriculum_steps)
     plan = balance(lengths, config)

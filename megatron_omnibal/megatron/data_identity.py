@@ -57,7 +57,7 @@ class StreamIdentity:
     algorithm: str
     oversize: str
     cost: str  # the modeled pack time (PackCost) or "null": tokens
-    time_tail: float
+    tail_tolerance: float
     isf_rounds: int
     isf_threshold: int  # 0: the algorithm's default
     levels: str  # packing levels (HBP), "[]" without
@@ -91,7 +91,7 @@ class StreamIdentity:
             algorithm=balance.algorithm,
             oversize=balance.oversize,
             cost=_text(None if balance.cost is None else balance.cost.to_dict()),
-            time_tail=float(balance.time_tail),
+            tail_tolerance=float(balance.tail_tolerance),
             isf_rounds=balance.isf_rounds,
             isf_threshold=balance.isf_threshold or 0,
             levels=_text([lv.to_dict() for lv in balance.levels]),
