@@ -19,7 +19,7 @@ $(INSTALLED): requirements.txt Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -r requirements.txt
-	# megatron-core >0.16.1 declares Python >=3.12 but runs on 3.11 (shared/DESIGN.md).
+	# megatron-core >0.16.1 declares Python >=3.12 but runs on 3.11; the whole test suite runs on it.
 	$(PY) -m pip install -q --no-deps --ignore-requires-python megatron-core==$(MCORE_VERSION)
 	# `import megatron.core` imports triton (moe/ops/paged_stash.py); it imports fine on CPU.
 	$(PY) -m pip install -q triton

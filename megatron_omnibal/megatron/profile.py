@@ -6,7 +6,7 @@ layer and one LLM layer are built from megatron-core's GPT layer spec (local tor
 Transformer Engine when importable) and timed on a micro-batch of `tiles` tiles and `tokens`
 tokens; all layers of a tower share the shape, so each tower's numbers stand for all its layers.
 The patch embedding is added to the first ViT layer and the output layer + loss to the last LLM
-layer, as the layer profile of shared/DESIGN.md has only layers.
+layer, as the layer profile format has only layers.
 
 Memory is measured, not modelled: the bytes of the tensors autograd saves during the forward
 (distinct storages), once plainly and once under megatron-core's recompute checkpoint, whose
@@ -191,7 +191,7 @@ def profile_model(
     memory_budget_gib: float | None = None,
     dtype: torch.dtype | None = None,
 ) -> dict:
-    """The DESIGN.md layer profile of `model`, measured on this machine's device."""
+    """The layer profile (docs/planner.md) of `model`, measured on this machine's device."""
     enable_cpu_megatron()
     _init_single_process()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -260,7 +260,7 @@ PROFILE_GROUPS = {"vit": GROUP_VIT, "llm": GROUP_LLM, "none": GROUP_NONE}
 
 
 def load_profile(path: str | Path) -> tuple[LayerCosts, dict]:
-    """Read a layer profile (DESIGN.md contract); returns the costs and the top-level options.
+    """Read a layer profile (format: docs/planner.md); returns the costs and top-level options.
 
     Optional per-layer fields beyond the contract: `checkpoint_mib` (what a recomputed layer
     still stores, default 0), `output_mib` (tensor sent to the next stage, default 0), `group`
@@ -347,7 +347,7 @@ def costs_to_profile(
     memory_budget_gib: float | None = None,
     p2p_ms: float | None = None,
 ) -> dict:
-    """The DESIGN.md layer profile of single-micro-batch costs (extras folded into end units)."""
+    """A layer profile (docs/planner.md) of single-micro-batch costs, extras in end units."""
     fwd = np.array(costs.forward_ms, np.float64)
     bwd = np.array(costs.backward_ms, np.float64)
     act = np.array(costs.activation_mib, np.float64)
