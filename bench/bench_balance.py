@@ -194,7 +194,11 @@ def load_reference(directory: str | None):
     if not directory:
         return None
     sys.path.insert(0, str(Path(directory).resolve()))
-    return importlib.import_module("fast_random_group")
+    try:
+        return importlib.import_module("fast_random_group")
+    except ImportError as e:
+        raise SystemExit(f"--reference-isf {directory}: no built fast_random_group module there "
+                         f"(build OmniBal's fast_isf with Cython first): {e}") from None
 
 
 def reference_isf(module, big, vb: int, tb: int, repeats: int) -> tuple[int, float, float]:
