@@ -9,8 +9,10 @@ RealSampleSource) as a first-stage rank does (decode, resize, tile, normalize) w
 DataLoader workers, and as a later-stage rank does (tokens and labels, no image opened).
 
 Figures per case: micro-batches/s delivered to the training process (after a warm-up
-micro-batch per worker, so worker start-up is not counted), and CPU seconds per sample spent on
-the training process's own thread (time.thread_time: what a training step would lose).
+micro-batch per worker, so worker start-up is not counted; first-stage cases the best of
+`--repeats` interleaved runs of 60 micro-batches, as single runs varied by 10-20% on this
+machine), and CPU seconds per sample spent on the training process's own thread
+(time.thread_time: what a training step would lose).
 Targets on a 2-core machine: 2 workers >= 1.6x no worker; a later-stage rank >= 10x the first
 stage's (both without workers).
 
@@ -120,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=600)
     parser.add_argument("--images", type=int, default=120)
-    parser.add_argument("--micro-batches", type=int, default=20,
+    parser.add_argument("--micro-batches", type=int, default=60,
                         help="micro-batches timed per case (first stage)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of each first-stage case, interleaved; the best is kept")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the figures as JSON")
     args = parser.parse_args(argv)
@@ -143,8 +147,13 @@ def main(argv: list[str] | None = None) -> int:
                 return rc
         load = os.getloadavg()[0]
         for layout in LAYOUTS:
-            for workers in (0, 1, 2):
-                results.append(measure(root, layout, True, workers, args.micro_batches))
+            best: dict[int, dict] = {}
+            for _ in range(args.repeats):  # interleaved, so a noisy minute hits every case
+                for workers in (0, 1, 2):
+                    r = measure(root, layout, True, workers, args.micro_batches)
+                    if workers not in best or r["micro_per_s"] > best[workers]["micro_per_s"]:
+                        best[workers] = r
+            results.extend(best[w] for w in (0, 1, 2))
             results.append(measure(root, layout, False, 0, 10 * args.micro_batches))
             results.append(measure(root, layout, False, 2, 10 * args.micro_batches))
     print(f"{'layout':<10}{'rank':<13}{'workers':>8}{'micro-batches/s':>17}"
