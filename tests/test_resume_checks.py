@@ -122,6 +122,12 @@ def test_another_stream_is_refused_naming_both_values():
     assert "--omnibal-allow-data-change" in text and "123 consumed samples" in text
 
 
+def test_a_stream_of_an_older_packer_is_refused():
+    older = dataclasses.replace(identity(), packer_version=identity().packer_version - 1)
+    with pytest.raises(OmnibalArgsError, match="packer_version: checkpoint"):
+        resume(saved_run(stream=older))
+
+
 def test_another_length_file_is_named_with_both_paths():
     other = LENGTHS.subset(np.arange(1, 50))
     with pytest.raises(OmnibalArgsError, match="lengths: checkpoint .* this run now.json"):

@@ -31,6 +31,12 @@ from megatron_omnibal.balance.packing import pack_level, packs_needed
 from megatron_omnibal.balance.plan_io import PLAN_VERSION, BalancePlan
 from megatron_omnibal.data.lengths import LengthStats
 
+# The packers' output version: raised whenever balance() gives other packs or another layout
+# for the same lengths and config, so that a checkpoint trained on an older stream is not
+# resumed into a newer one at the same iteration (megatron/data_identity.py records it).
+# 3: knapsack-composed tile slots, token-bound levels by LPT, the modeled time repaired.
+PACKER_VERSION = 3
+
 _TOP_UP_SALT = 0x544F505550  # "TOPUP"
 
 
@@ -172,6 +178,7 @@ def balance(lengths: LengthStats, config: BalanceConfig, *, use_reference: bool 
     samples = samples[_ranges(starts[order], sizes[order])]
     ptr = np.concatenate([[0], np.cumsum(sizes[order])]).astype(np.int64)
     meta = dict(config.to_dict(), num_samples=len(lengths), version=PLAN_VERSION,
+                packer_version=PACKER_VERSION,
                 dp=config.dp_size, level_steps=steps)
     plan = BalancePlan(samples, ptr, g_step[order], g_rank[order], g_micro[order],
                        skipped.astype(np.int64), meta, g_level[order])

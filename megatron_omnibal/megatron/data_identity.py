@@ -19,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from megatron_omnibal.balance.balancer import PACKER_VERSION
 from megatron_omnibal.balance.config import BalanceConfig
 from megatron_omnibal.data.lengths import LengthStats
 
@@ -62,11 +63,12 @@ class StreamIdentity:
     isf_threshold: int  # 0: the algorithm's default
     levels: str  # packing levels (HBP), "[]" without
     curriculum_steps: int
+    packer_version: int  # balance.balancer.PACKER_VERSION: the same inputs, other packs
 
     def __post_init__(self) -> None:
         for name in ("num_samples", "text_scale", "vit_budget", "token_budget", "dp_size",
                      "micro_batches", "isf_rounds", "isf_threshold",
-                     "curriculum_steps"):  # fmt: skip
+                     "curriculum_steps", "packer_version"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"StreamIdentity.{name} must be an integer >= 0, got {value!r}")
@@ -96,6 +98,7 @@ class StreamIdentity:
             isf_threshold=balance.isf_threshold or 0,
             levels=_text([lv.to_dict() for lv in balance.levels]),
             curriculum_steps=balance.curriculum_steps,
+            packer_version=PACKER_VERSION,
         )
 
     def to_dict(self) -> dict[str, Any]:
