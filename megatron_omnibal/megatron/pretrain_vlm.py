@@ -402,7 +402,10 @@ def build_data_iterators(
     stream that starts at `origin` (data_identity.StreamOrigin; None: iteration 0, epoch 0).
 
     Only ranks whose stage holds the patch embedding decode pixels; the others get token ids,
-    labels and shape-only tiles. Micro-batches come from Megatron's --num-workers processes.
+    labels and shape-only tiles. Micro-batches come from Megatron's --num-workers processes on
+    the ranks that decode pixels; the others build them in the training process (they only
+    tokenize: a worker's hand-over costs them more than the work, and each worker process
+    holds a few hundred MB).
     """
     import atexit
 
@@ -428,7 +431,8 @@ def build_data_iterators(
 
         make_sample = open_source(args, settings.lengths, spec, pixels=pixels, check=0)
         describe = make_sample.describe
-    if args.num_workers:
+    workers = args.num_workers if pixels else 0
+    if workers:
         # The worker processes are the parallelism; a forked tokenizer's thread pool is not.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     most = max(lv.micro_batches for lv in settings.balance.all_levels)  # per step
@@ -438,7 +442,7 @@ def build_data_iterators(
         settings.micro_batches,
         MicroBatchDataset(make_sample, partial(filler_sample, spec)),
         start_step=args.iteration,
-        num_workers=args.num_workers,
+        num_workers=workers,
         pin_memory=torch.cuda.is_available(),
         policy=policy,
         origin=origin,
