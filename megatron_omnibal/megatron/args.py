@@ -9,7 +9,6 @@ wrong, not hang a 1000-GPU job in its first collective. Nothing here imports tor
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass, replace
 
 from megatron_omnibal.balance.config import (
@@ -31,6 +30,7 @@ from megatron_omnibal.megatron.layout import (
     level_recompute,
     validate_layout,
 )
+from megatron_omnibal.megatron.stderr import write_line
 from megatron_omnibal.planner.plan import Plan, PlanError
 from megatron_omnibal.planner.plan import load_plan as read_plan
 from megatron_omnibal.planner.provenance import lengths_sha256
@@ -376,10 +376,9 @@ def _check_plan_sizes(plan: Plan, args: argparse.Namespace, micro: int) -> None:
     for key, value in (("dp", args.data_parallel_size), ("micro_batches", micro)):
         planned = getattr(par, key)
         if planned != value and getattr(args, "rank", 0) == 0:
-            print(
+            write_line(
                 f"pretrain_vlm: note: {where} was made for {key}={planned}, this run has "
-                f"{key}={value}",
-                file=sys.stderr,
+                f"{key}={value}"
             )
 
 

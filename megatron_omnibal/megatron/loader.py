@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megatron_omnibal.megatron.batch import MicroBatch, Sample, collate, drop_samples
+from megatron_omnibal.megatron.stderr import write_line
 
 BAD_SAMPLE = ("error", "skip")
 
@@ -175,8 +175,7 @@ class BadSamplePolicy:
     def _log(self, step: int, index: int, reason: str) -> None:
         self.skipped += 1
         where = self.describe(index)
-        print(f"pretrain_vlm: skipped {where} at step {step}: {reason}", file=sys.stderr,
-              flush=True)
+        write_line(f"pretrain_vlm: skipped {where} at step {step}: {reason}")
         if self.report is not None:
             self.report.parent.mkdir(parents=True, exist_ok=True)
             entry = {"step": step, "index": index, "sample": where, "reason": reason}

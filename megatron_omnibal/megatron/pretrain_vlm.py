@@ -38,6 +38,7 @@ from megatron_omnibal.megatron.finetune import (
     install_vit_lr_override,
 )
 from megatron_omnibal.megatron.layout import embedding_ranks
+from megatron_omnibal.megatron.stderr import write_line
 
 ForwardStep = Callable[[Any, Any], Any]
 IteratorsBuilder = Callable[..., tuple[Any, Any, Any]]
@@ -119,7 +120,7 @@ def _help() -> int:
 
 
 def _fail(exc: Exception) -> int:
-    print(f"pretrain_vlm: error: {exc}", file=sys.stderr, flush=True)
+    write_line(f"pretrain_vlm: error: {exc}")
     return 2
 
 
@@ -486,7 +487,7 @@ def bad_sample_policy(
 def _report_skipped(policy: Any) -> None:
     summary = policy.summary()
     if summary:
-        print(summary, file=sys.stderr, flush=True)
+        write_line(summary)
 
 
 def filler_sample(spec: Any) -> Any:
