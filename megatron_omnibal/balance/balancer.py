@@ -25,9 +25,14 @@ import numpy as np
 
 from megatron_omnibal.balance import hierarchy, layout
 from megatron_omnibal.balance.checks import check_plan
-from megatron_omnibal.balance.config import DEFAULT_COST, BalanceConfig, PackCost
+from megatron_omnibal.balance.config import (
+    DEFAULT_COST,
+    ISF_THRESHOLD_MARGIN,
+    BalanceConfig,
+    PackCost,
+)
 from megatron_omnibal.balance.core import permutation
-from megatron_omnibal.balance.packing import pack_level, packs_needed
+from megatron_omnibal.balance.packing import big, pack_level, packs_needed
 from megatron_omnibal.balance.plan_io import PLAN_VERSION, BalancePlan
 from megatron_omnibal.data.lengths import LengthStats
 
@@ -79,7 +84,7 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarra
     level_of = np.full(len(lengths), -1, np.int64)
     level_of[regular] = hierarchy.assign_levels(vit[regular], tok[regular], levels)
     # Pools of samples not yet packed, per level, in a seeded random order (GreedyFill's order).
-    order = permutation(len(lengths), config.seed ^ _TOP_UP_SALT)
+    order = permutation(len(lengths), config.seed ^ _TOP_UP_SALT) if len(levels) > 1 else None
     pending = np.zeros(len(lengths), bool)
     pending[regular] = True
     out: list[tuple[np.ndarray, np.ndarray]] = [(np.zeros(0, np.int64), np.zeros(1, np.int64))
@@ -99,12 +104,13 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarra
             free_t = packs * level.token_budget - float(tok[own].sum())
             pools = [order[pending[order] & (level_of[order] == j)] for j in range(lv - 1, -1, -1)]
             budgets = (level.vit_budget, level.token_budget)
-            big_room = packs - int(hierarchy.big(vit[own], tok[own], *budgets).sum())
+            big_room = packs - int(big(vit[own], tok[own], *budgets).sum())
             fill = hierarchy.top_up(pools, vit, tok, free_v, free_t, big_room, budgets)
         members = np.concatenate([own, fill]).astype(np.int64)
         optional = np.concatenate([np.zeros(len(own), bool), np.ones(len(fill), bool)])
-        threshold = config.threshold if lv == len(levels) - 1 else level.token_budget - 128
-        got = pack_level(vit[members], tok[members], tok[members], time[members], optional,
+        threshold = (config.threshold if lv == len(levels) - 1
+                     else level.token_budget - ISF_THRESHOLD_MARGIN)
+        got = pack_level(vit[members], tok[members], time[members], optional,
                          vit_budget=level.vit_budget, token_budget=level.token_budget,
                          per_step=per_step, algorithm=config.algorithm,
                          repair=config.mode == "random", seed=config.seed + 7919 * lv,

@@ -15,6 +15,7 @@ import numpy as np
 ALGORITHMS = ("default", "isf")
 MODES = ("random", "grouped")
 OVERSIZE = ("error", "solo", "skip")
+ISF_THRESHOLD_MARGIN = 128  # ISF's default full pack: token budget - this (OmniBal's search)
 
 
 def _check_int(where: str, name: str, value: object, low: int) -> None:
@@ -233,7 +234,9 @@ class BalanceConfig:
     @property
     def threshold(self) -> int:
         """ISF's full-pack token count."""
-        return self.token_budget - 128 if self.isf_threshold is None else self.isf_threshold
+        if self.isf_threshold is None:
+            return self.token_budget - ISF_THRESHOLD_MARGIN
+        return self.isf_threshold
 
     @property
     def all_levels(self) -> tuple[Level, ...]:

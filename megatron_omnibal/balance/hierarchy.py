@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron_omnibal.balance import packing
 from megatron_omnibal.balance.config import Level
 
 TOP_UP_FILL = 0.95   # GreedyFill tops long packs up to this share of their free tiles and tokens
@@ -25,14 +26,9 @@ def assign_levels(vit: np.ndarray, tokens: np.ndarray, levels: tuple[Level, ...]
     return out
 
 
-def big(vit: np.ndarray, tokens: np.ndarray, vit_budget: int, token_budget: int) -> np.ndarray:
-    """Samples over half a budget: no two of them share a pack."""
-    return (2 * np.asarray(vit) > vit_budget) | (2 * np.asarray(tokens) > token_budget)
-
-
 def top_up(candidates: list[np.ndarray], vit: np.ndarray, tokens: np.ndarray,
-           free_tiles: float, free_tokens: float, big_room: int = 0,
-           budgets: tuple[int, int] = (0, 0)) -> np.ndarray:
+           free_tiles: float, free_tokens: float, big_room: int,
+           budgets: tuple[int, int]) -> np.ndarray:
     """GreedyFill's choice: samples from the candidate lists in turn (nearest shorter level
     first, each in its given order) while their running totals stay within TOP_UP_FILL of the
     free room; a sample that would overflow is passed over, as GreedyFill does. A sample over
@@ -44,7 +40,7 @@ def top_up(candidates: list[np.ndarray], vit: np.ndarray, tokens: np.ndarray,
         if room_t <= 0:
             break
         v, t = vit[cand].astype(np.float64), tokens[cand].astype(np.float64)
-        large = big(vit[cand], tokens[cand], *budgets)
+        large = packing.big(vit[cand], tokens[cand], *budgets)
         cv, ct, cb = np.cumsum(v), np.cumsum(t), np.cumsum(large)
         take = (cv <= room_v) & (ct <= room_t) & (cb <= big_room)
         # past the first overflow, keep going with the samples that still fit (greedy)

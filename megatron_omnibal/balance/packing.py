@@ -22,11 +22,15 @@ LPT_GROWTH = 32  # token balancing short of room retries with at least 1/32 more
 @dataclass(frozen=True)
 class Packs:
     """Packs as positions into the arrays they were made from: pack p is
-    samples[ptr[p]:ptr[p+1]]; `returned`: optional samples that found no room (see pack_level)."""
+    samples[ptr[p]:ptr[p+1]]."""
 
     samples: np.ndarray
     ptr: np.ndarray
-    returned: np.ndarray
+
+
+def big(vit: np.ndarray, tokens: np.ndarray, vit_budget: int, token_budget: int) -> np.ndarray:
+    """Samples over half a budget: no two of them share a pack."""
+    return (2 * np.asarray(vit) > vit_budget) | (2 * np.asarray(tokens) > token_budget)
 
 
 def packs_needed(vit: np.ndarray, tokens: np.ndarray, vit_budget: int, token_budget: int
@@ -35,9 +39,9 @@ def packs_needed(vit: np.ndarray, tokens: np.ndarray, vit_budget: int, token_bud
     budget (two of them never share one)."""
     if len(vit) == 0:
         return 0
-    big = int(np.sum((2 * vit > vit_budget) | (2 * tokens > token_budget)))
+    alone = int(big(vit, tokens, vit_budget, token_budget).sum())
     bound = max(vit.sum() / vit_budget if vit_budget else 0.0, tokens.sum() / token_budget)
-    return max(big, math.ceil(bound), 1)
+    return max(alone, math.ceil(bound), 1)
 
 
 def split_to_multiple(samples: np.ndarray, ptr: np.ndarray, per_step: int,
@@ -58,20 +62,20 @@ def split_to_multiple(samples: np.ndarray, ptr: np.ndarray, per_step: int,
     return np.sort(np.concatenate([ptr, cuts, empty])).astype(np.int64)
 
 
-def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, weight2: np.ndarray,
-               optional: np.ndarray, *, vit_budget: int, token_budget: int, per_step: int,
-               algorithm: str, repair: bool, seed: int, isf_rounds: int, isf_threshold: int,
+def pack_level(vit: np.ndarray, tokens: np.ndarray, weight2: np.ndarray, optional: np.ndarray,
+               *, vit_budget: int, token_budget: int, per_step: int, algorithm: str,
+               repair: bool, seed: int, isf_rounds: int, isf_threshold: int,
                min_packs: int = 0, offset: int = 0, use_reference: bool = False) -> Packs:
     """Pack every sample whose `optional` flag is off into packs (at least `min_packs`) whose
     count plus `offset` (packs of this level made elsewhere) is a multiple of `per_step`;
-    optional samples (GreedyFill's top-up) go where there is room, the rest come back in
-    `returned`. `weight` is balanced, `weight2` (the modeled time) beside it. Every sample must
-    fit the budgets on its own."""
+    optional samples (GreedyFill's top-up) go where there is room, the others are left out.
+    Tokens are balanced, `weight2` (the modeled time) beside them. Every sample must fit the
+    budgets on its own."""
     n = len(vit)
     if n == 0:
         empty = np.zeros(0, np.int64)
         count = -(-(max(min_packs, 0) + offset) // per_step) * per_step - offset
-        return Packs(empty, np.zeros(count + 1, np.int64), empty)
+        return Packs(empty, np.zeros(count + 1, np.int64))
     if algorithm == "isf":
         samples, ptr = core.pack_isf(vit, tokens, vit_budget=vit_budget,
                                      token_budget=token_budget, threshold=isf_threshold,
@@ -80,14 +84,15 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, weight2:
         short = max(min_packs - (len(ptr) - 1), 0)
         short = -(-short // per_step) * per_step
         ptr = np.concatenate([ptr, np.full(short, ptr[-1])]).astype(np.int64)
-        return Packs(samples, ptr, np.zeros(0, np.int64))
-    band = core.ratio_band(vit, weight)
+        return Packs(samples, ptr)
     # Tokens bind before tiles (full packs would hold more tiles than the tokens leave room
-    # for): tiles follow the tokens, packs are balanced by tokens alone (core.pack_lpt).
+    # for): tiles follow the tokens, packs are balanced by tokens alone (core.pack_lpt, which
+    # uses no tokens-per-tile band).
     by_tokens = int(tokens.sum()) * vit_budget > int(vit.sum()) * token_budget
+    band = (0, 0) if by_tokens else core.ratio_band(vit, tokens)
     k = max(1, round(n / CHUNK))
     parts = [np.arange(i, n, k) for i in range(k)]  # strided: each chunk a cross-section
-    out_samples, out_sizes, returned = [], [], []
+    out_samples, out_sizes = [], []
     placed, scale = offset, 1.0  # scale: packs the last chunk needed over its budgets' bound
     for i, part in enumerate(parts):
         pv, pt = vit[part], tokens[part]
@@ -111,7 +116,7 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, weight2:
                 samples, ptr, leftover = core.pack_lpt(pv, pt, params,
                                                        use_reference=use_reference)
             else:
-                samples, ptr, leftover = core.pack_slots(pv, weight[part], weight2[part], pt,
+                samples, ptr, leftover = core.pack_slots(pv, pt, weight2[part], pt,
                                                          params, use_reference=use_reference)
             lost = leftover[~optional[part[leftover]]]
             if len(lost) == 0:
@@ -127,10 +132,8 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight: np.ndarray, weight2:
                                "attempts")
         out_samples.append(part[samples])
         out_sizes.append(np.diff(ptr))
-        returned.append(part[leftover])
         placed += len(ptr) - 1
         scale = (len(ptr) - 1) / bound
     sizes = np.concatenate(out_sizes)
     return Packs(np.concatenate(out_samples).astype(np.int64),
-                 np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-                 np.concatenate(returned).astype(np.int64))
+                 np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))

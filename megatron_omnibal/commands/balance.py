@@ -97,7 +97,6 @@ def run(args: argparse.Namespace) -> int:
     from megatron_omnibal.balance import metrics
     from megatron_omnibal.balance.balancer import balance
     from megatron_omnibal.balance.budgets import auto_budget
-    from megatron_omnibal.balance.checks import check_plan
     from megatron_omnibal.balance.config import BalanceConfig
     from megatron_omnibal.balance.plan_io import save_plan
     from megatron_omnibal.data.lengths import load_lengths
@@ -110,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = load_lengths(args.lengths)
     _check_enough_samples(args, len(lengths))
     long_input = len(lengths) >= LONG_INPUT
-    bar = tqdm(total=4, desc="balance", unit="stage", disable=not long_input, file=sys.stderr)
+    bar = tqdm(total=3, desc="balance", unit="stage", disable=not long_input, file=sys.stderr)
     if args.auto_budget:
         vit_budget, token_budget = auto_budget(
             lengths, samples_per_pack=args.samples_per_pack,
@@ -131,9 +130,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.lengths}: all {len(lengths)} samples exceed the budgets and "
                          "--oversize skip leaves every one out: no plan")
     elapsed = time.perf_counter() - start
-    bar.update()
-    bar.set_postfix_str("checking")
-    check_plan(plan, lengths)  # balance() checked it too: this file is what gets written
     bar.update()
     metric_cost = cost or metrics.DEFAULT_COST
     bar.set_postfix_str("metrics")
