@@ -2,7 +2,7 @@
 hierarchical balance packing (HBP) on the modeled 6+20B, speed on the 1.2M replicate.
 
 - Real data (70,706 samples, budgets 18 tiles / 6016 tokens): per-step max/mean across DP ranks
-  of tiles, tokens and modeled time (the issue-11 LLM cost of a 2048-wide model, tokens +
+  of tiles, tokens and modeled time (the LLM cost of a 2048-wide model, tokens +
   sum(len^2) / 12288, given to the balancer as its PackCost), mean over steps, and the
   dataset-mix skew relative to a plain shuffle; random batching (4 samples per micro-batch),
   OmniBal's ISF (10 rounds, and 50 as its test script runs it) and ours in both layout modes,
@@ -65,7 +65,7 @@ from megatron_omnibal.planner.partition import Problem, search  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "data" / "internvl_subset.npz"
 REFERENCE_CYTHON_S = {(18, 6016): 7.7, (9, 4096): 146.5}  # 50 rounds, threshold budget - 128,
-# measured on this 2-core machine before issue 11 (quoted when the reference is not at hand)
+# measured earlier on this 2-core machine (quoted when the reference is not at hand)
 REFERENCE_ROUNDS = 50
 ISF_REPEATS = {(18, 6016): 3, (9, 4096): 1}  # runs of each ISF call, ours and the reference
 REFERENCE_RECORDS = 1_202_002
@@ -116,7 +116,7 @@ def quality(lengths, dps, micros) -> list[dict]:
 
 
 def long_tail(samples: int) -> list[dict]:
-    """The issue's cases on a generated mix at 32 ranks, in both layout modes."""
+    """The long-tail cases on a generated mix at 32 ranks, in both layout modes."""
     mix = long_tail_mix(samples, seed=0, long_share=0.0, max_frames=16)
     vb, tb = auto_budget(mix)
     cases = [("auto budget", dict(vit_budget=vb, token_budget=tb)),

@@ -2,7 +2,7 @@
 
 Every rank waits for the slowest at each step, so what matters is, per step, the largest rank
 load over the mean rank load (1.0 is perfect), for each kind of work: image tiles (vision
-encoder), tokens (LLM) and the modeled time of a PackCost (by default the issue-11 LLM cost of
+encoder), tokens (LLM) and the modeled time of a PackCost (by default the LLM cost of
 a 2048-wide model: tokens + sum(len^2) / (6 x 2048), Megatron's per-layer FLOPs in units of a
 token; `omnibal plan`'s cost model gives real milliseconds).
 OmniBal reports the same imbalance as a "dist ratio": sum over ranks of (max - x) / (ranks * max),
