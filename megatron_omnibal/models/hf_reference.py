@@ -53,9 +53,8 @@ def reference(
             real = s.images[s.image_flags.bool()]
             pixels = real if len(real) else None
             ids = s.tokens[None]
-            out = model(input_ids=ids, pixel_values=pixels)
-            base = model.model(input_ids=ids, pixel_values=pixels)
-            logits.append(out.logits[0])
+            base = model.model(input_ids=ids, pixel_values=pixels)  # the head's input, once
+            logits.append(model.lm_head(base.last_hidden_state)[0])
             hidden.append(base.last_hidden_state[0])
             if pixels is not None:
                 feats.append(vision_features(model, hf, pixels))
