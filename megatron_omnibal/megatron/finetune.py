@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from megatron_omnibal.cli_args import positive_float
+
+if TYPE_CHECKING:  # annotations only: megatron/args.py imports this module without torch
+    import torch
 
 PARTS = ("vit", "projector", "llm")
 # Which stage submodules make up each part (models.spec order: ViT, projector, LLM).
