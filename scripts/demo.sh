@@ -23,7 +23,8 @@ SAMPLES=${DEMO_SAMPLES:-1200}
 STEPS=${DEMO_STEPS:-60}
 COMPARE_STEPS=${DEMO_COMPARE_STEPS:-8}
 EXAMPLE=examples/data/internvl_subset.npz
-SYSTEM_PROMPT="answer the question ."  # words the generated tokenizer knows
+# the generated data's system prompt: words its tokenizer knows (one definition, in generate.py)
+SYSTEM_PROMPT=$("$PY" -c 'from megatron_omnibal.data.generate import SYSTEM_PROMPT; print(SYSTEM_PROMPT)')
 export OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1 TOKENIZERS_PARALLELISM=false
 SECTIONS=("$@")
 [ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(data balance train compare)

@@ -29,6 +29,11 @@ class DatasetSpec:
     repeat_time: float = 1.0
     max_tiles: int | None = None  # InternVL's per-dataset max_dynamic_patch
 
+    @property
+    def repeats(self) -> int:
+        """Passes over the records per epoch (a fraction keeps a part once, see read_records)."""
+        return int(self.repeat_time) if self.repeat_time > 1 else 1
+
 
 @dataclass(frozen=True)
 class RawRecord:

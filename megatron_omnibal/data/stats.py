@@ -167,7 +167,7 @@ def _compute(specs: list[DatasetSpec], is_meta: bool, config: StatsConfig, on_er
         if int(keep.sum()) + n_skipped != len(records[d]):
             raise RuntimeError(f"{spec.annotation}: {int(keep.sum())} measured + {n_skipped} "
                                f"skipped != {len(records[d])} records")
-        repeat = int(spec.repeat_time) if spec.repeat_time > 1 else 1
+        repeat = spec.repeats
         vit, tokens, flags = (np.tile(a, repeat) for a in arrays)
         datasets.append(from_arrays(vit, tokens, flags, names=(spec.name,),
                                     source=str(spec.annotation)))
@@ -363,7 +363,7 @@ def _check_result(result: StatsResult) -> None:
     """The invariants of what is about to be written: every record measured or skipped once."""
     for spec, stats, n, multi in zip(result.specs, result.datasets, result.records,
                                      result.image_tiles, strict=True):
-        repeat = int(spec.repeat_time) if spec.repeat_time > 1 else 1
+        repeat = spec.repeats
         skipped = sum(1 for s in result.skipped if s.dataset == spec.name)
         if len(stats) != (n - skipped) * repeat:
             raise RuntimeError(f"{spec.annotation}: {len(stats)} length entries for {n} "

@@ -101,7 +101,7 @@ class RealSampleSource:
         per_dataset = []
         for d, spec in enumerate(self.specs):
             records = [r for r in read_records(spec) if r.index not in skipped.get(spec.name, ())]
-            repeat = int(spec.repeat_time) if spec.repeat_time > 1 else 1
+            repeat = spec.repeats
             entries.extend([(d, r) for r in records] * repeat)
             per_dataset.append(len(records) * repeat)
         if len(entries) != len(self.lengths):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_omnibal.balance.balancer import balance
-from megatron_omnibal.balance.config import BalanceConfig, Level, PackCost
+from megatron_omnibal.balance.config import BalanceConfig, Level
 from megatron_omnibal.data.lengths import LengthStats
 from megatron_omnibal.planner.levels import (
     EpochTime,
@@ -26,7 +26,6 @@ from megatron_omnibal.planner.levels import (
     simulate_epoch,
 )
 from megatron_omnibal.planner.memory import GIB_MIB
-from megatron_omnibal.planner.pack_cost import pack_cost
 from megatron_omnibal.planner.plan import LevelPrediction, Plan
 from megatron_omnibal.planner.setting import Setting, budget_mib
 
@@ -36,12 +35,6 @@ def pipeline(setting: Setting, bounds: tuple[int, ...]) -> Pipeline:
     budget and pipeline link."""
     return Pipeline(setting.model, tuple(bounds), setting.dp, budget_mib(setting.hw),
                     setting.link_gbs(), setting.hw.p2p_latency_ms)
-
-
-def plan_pack_cost(setting: Setting, bounds: tuple[int, ...],
-                   recompute: list[dict[int, int]]) -> PackCost:
-    """The balancer's modeled time of a pack on each stage of the partition."""
-    return pack_cost(setting.model, tuple(bounds), list(recompute))
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ from megatron_omnibal.planner.baseline import (
 )
 from megatron_omnibal.planner.costs import GROUP_LLM, GROUP_VIT
 from megatron_omnibal.planner.flags import baseline_flags, plan_flags
-from megatron_omnibal.planner.level_plan import pipeline, plan_levels, plan_pack_cost
+from megatron_omnibal.planner.level_plan import pipeline, plan_levels
 from megatron_omnibal.planner.memory import GIB_MIB
+from megatron_omnibal.planner.pack_cost import pack_cost
 from megatron_omnibal.planner.parallel_search import plan_candidates
 from megatron_omnibal.planner.partition import Partition
 from megatron_omnibal.planner.plan import (
@@ -160,7 +161,7 @@ def make_plan(request: PlanRequest, progress: bool = False) -> Plan:
             num_samples=len(request.lengths),
             lengths_path=request.lengths_path,
             lengths_sha256=lengths_sha256(request.lengths),
-            pack_cost=plan_pack_cost(st, best.part.bounds, list(best.part.recompute)),
+            pack_cost=pack_cost(st.model, best.part.bounds, list(best.part.recompute)),
             levels=() if levels is None else levels.levels,
         ),
         predicted=prediction,
