@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -43,6 +44,7 @@ from megatron_omnibal.megatron.notes import note_fallbacks, quiet_fallback_warni
 from megatron_omnibal.megatron.run_args import complete_argv
 from megatron_omnibal.megatron.stderr import write_line
 
+RANK0_GRACE_S = 5.0  # how long other ranks let rank 0 print an error they all found
 ForwardStep = Callable[[Any, Any], Any]
 IteratorsBuilder = Callable[..., tuple[Any, Any, Any]]
 
@@ -176,9 +178,13 @@ def _help() -> int:
 
 
 def _fail(exc: Exception, every_rank: bool = False) -> int:
-    """Print the error (once, by rank 0, when every rank found the same one) and return 2."""
+    """Print the error and return 2. An error every rank finds alike (a flag, a file) is
+    printed once, by rank 0; the other ranks wait a moment before they exit, since torchrun
+    stops the remaining ranks as soon as one exits, and rank 0 must get to print."""
     if every_rank or int(os.environ.get("RANK", "0")) == 0:
         write_line(f"pretrain_vlm: error: {exc}")
+    else:
+        time.sleep(RANK0_GRACE_S)
     return 2
 
 
