@@ -35,6 +35,9 @@ pytestmark = pytest.mark.megatron
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "megatron_workers"))
 from launch import torchrun  # noqa: E402
+from run_records import head_micro as _head_micro  # noqa: E402
+from run_records import params as _params  # noqa: E402
+from run_records import records as _records  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "megatron_workers" / "train_record.py"
@@ -83,24 +86,6 @@ def _ok(run):
     return run
 
 
-def _records(out):
-    return {json.loads(p.read_text())["rank"]: json.loads(p.read_text())
-            for p in sorted(Path(out).glob("rank*.json"))}  # fmt: skip
-
-
-def _params(out):
-    """{global name: tensor} over all ranks, and {global name: pipeline rank}."""
-    records = _records(out)
-    merged, stage = {}, {}
-    for file in sorted(Path(out).glob("params*.pt")):
-        rank = int(file.stem.removeprefix("params"))
-        for name, value in torch.load(file, weights_only=True).items():
-            assert name not in merged or torch.equal(merged[name], value), name
-            merged[name] = value
-            stage[name] = records[rank]["pp_rank"]
-    return merged, stage
-
-
 @pytest.fixture(scope="module")
 def source(lengths_file, model_file, tmp_path_factory):
     """PP=2 (ViT on stage 0), default checkpoint format, saved at iteration 2 and 4; the
@@ -120,13 +105,6 @@ def test_default_checkpoint_format_is_torch_dist_and_saves(source):
     for it in (SAVED, ITERS):
         assert (source.ckpt / f"iter_{it:07d}" / "metadata.json").is_file()
     assert "in torch_dist format" in source.run.stdout
-
-
-def _head_micro(records):
-    """The last pipeline stage's micro-batch records (it computes the losses)."""
-    last = max(r["pp_rank"] for r in records.values())
-    rank = min(k for k, r in records.items() if r["pp_rank"] == last)
-    return records[rank]["micro"]
 
 
 def _check_resumed_steps(source, resumed):

@@ -3,7 +3,6 @@ resume after a stop gives the losses of an uninterrupted run, DP ranks read ever
 exactly once per epoch, and bad input stops every rank with a clear error before any process
 group exists."""
 
-import json
 import os
 import subprocess
 import sys
@@ -13,6 +12,10 @@ from pathlib import Path
 import pytest
 
 from megatron_omnibal.data.lengths import load_lengths
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "megatron_workers"))
+from run_records import records as _records  # noqa: E402
+from run_records import step_grads as _grads  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -38,11 +41,6 @@ def _torchrun(nproc, out, flags, timeout=240):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(WORKER), str(out), *flags]  # fmt: skip
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _records(out):
-    return {json.loads(p.read_text())["rank"]: json.loads(p.read_text())
-            for p in sorted(Path(out).glob("rank*.json"))}  # fmt: skip
 
 
 def _ok(proc):
@@ -218,20 +216,6 @@ def _level_run(nproc, out, flags):
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     _ok(proc)
     return _records(out)
-
-
-def _grads(out):
-    import torch
-
-    steps = None
-    for path in sorted(Path(out).glob("grads_rank*.pt")):
-        mine = torch.load(path)
-        if steps is None:
-            steps = [{} for _ in mine]
-        for step, grads in zip(steps, mine, strict=True):
-            assert not set(step) & set(grads), "a parameter on two stages"
-            step.update(grads)
-    return steps
 
 
 @pytest.fixture(scope="module")
