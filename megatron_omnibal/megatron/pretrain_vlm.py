@@ -120,6 +120,11 @@ def prepare(
     world = int(os.environ.get("WORLD_SIZE", "1"))
     argv = complete_argv(argv, parser, spec, plan, source, world)
     args = _parsed(parser, argv, spec, world)
+    if plan is not None and not args.use_distributed_optimizer and args.rank == 0:
+        write_line(
+            "pretrain_vlm: note: the plan's memory figures assume --use-distributed-optimizer "
+            "(Adam state sharded over DP), an optimizer setting this run does not give"
+        )
     check_model_args(args, spec)
     settings = validate_omnibal_args(
         args, vit_layers=spec.vit.num_layers, tokens_per_tile=spec.tokens_per_tile

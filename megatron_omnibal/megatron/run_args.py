@@ -4,11 +4,11 @@ Megatron parses it.
 Why before: Megatron's parser and validate_args act on what they are given (parallel sizes,
 the split of the layers, the batch), and only fill a few defaults late in their checks; the
 plan and the model already decide all of it. So the flags the plan decides (planner.flags,
-the same list `omnibal plan` prints) and those the model defines are added to the command line
-unless the user gave them. A given flag that changes the split of the model (a parallel size,
-a shape flag) and disagrees is an error naming both values; the global batch only rescales the
-step (the plan's sizes check notes that once). Nothing here imports torch or Megatron: the
-caller passes Megatron's argument parser.
+the same list `omnibal plan` prints, and the plan's length file) and those the model defines
+are added to the command line unless the user gave them. A given flag that changes the split
+of the model (a parallel size, a shape flag) and disagrees is an error naming both values; the
+global batch only rescales the step (the plan's sizes check notes that once). Nothing here
+imports torch or Megatron: the caller passes Megatron's argument parser.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from megatron_omnibal.megatron.args import OmnibalArgsError
@@ -61,6 +62,8 @@ def complete_argv(
         implied = run_flags(
             spec, par.tp, par.pp, dp, par.micro_batches, plan.data.token_budget
         )
+        if plan.data.lengths_path:
+            implied += ["--omnibal-lengths", plan_lengths(plan.data.lengths_path, given)]
     implied = _with_precision(implied, given)
     groups = _groups(implied)
     for option, values in groups:
@@ -79,6 +82,16 @@ def complete_argv(
         if parser._option_string_actions[option].dest not in given:
             out += [option, *values]
     return out
+
+
+def plan_lengths(recorded: str, given: dict[str, Any]) -> str:
+    """The length file a plan was made from: as recorded, else (a relative path that does not
+    exist from here) beside the plan file."""
+    path = Path(recorded)
+    if path.is_absolute() or path.exists() or "omnibal_plan" not in given:
+        return recorded
+    beside = Path(given["omnibal_plan"]).parent / path
+    return str(beside) if beside.exists() else recorded
 
 
 def _with_precision(implied: list[str], given: dict[str, Any]) -> list[str]:
