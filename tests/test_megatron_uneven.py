@@ -1,6 +1,7 @@
 """An LLM depth that divides by no pipeline size, through `megatron_omnibal.pretrain_vlm` and
 megatron.training (torchrun, gloo): 7 LLM layers on 3 stages (none on stage 0, which holds half
-the ViT; 3 and 4 on the others), saved in torch_dist and resumed on 2 stages split 2 + 5.
+the ViT; 3 and 4 on the others, each recomputing some), saved in torch_dist and resumed on 2
+stages split 2 + 5.
 
 Oracle: the PP=1 run of the same weights (set from each parameter's model-wide name). The PP=3
 run's losses and every gradient each optimizer step applies equal PP=1's; the PP=2 run resumes
@@ -70,7 +71,9 @@ def runs(lengths_file: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {
         "pp1": _run(1, tmp / "pp1", _flags(lengths_file, model, "pp1"), env),
         "pp3": _run(3, tmp / "pp3", _flags(lengths_file, model, "pp3", "--save", str(ckpt),
-                                           "--save-interval", str(SAVED)), env),
+                                           "--save-interval", str(SAVED),
+                                           "--omnibal-vit-recompute", "1,2,0",
+                                           "--omnibal-llm-recompute", "0,1,3"), env),
         "pp2": _run(2, tmp / "pp2", _flags(lengths_file, model, "pp2", "--load", str(ckpt),
                                            "--ckpt-step", str(SAVED)), env),
     }  # fmt: skip
@@ -84,6 +87,9 @@ def test_megatron_takes_the_uneven_layout(runs: dict) -> None:
 
 
 def test_three_stages_train_as_one(runs: dict) -> None:
+    stage = {r["pp_rank"]: r for r in runs["pp3"].records.values()}
+    assert stage[2]["micro"][0]["checkpointed"] == ["llm.3", "llm.4", "llm.5"]  # global numbers
+    assert stage[1]["micro"][0]["checkpointed"] == ["llm.0", "vit.2", "vit.3"]
     pp1, pp3 = head_micro(runs["pp1"].records), head_micro(runs["pp3"].records)
     assert len(pp1) == len(pp3) == MICRO * ITERS
     assert [m["indices"] for m in pp3] == [m["indices"] for m in pp1]
