@@ -126,6 +126,10 @@ def cases(tmp_path_factory):
           "1"], "--decoder-first-pipeline-num-layers: with --omnibal the pipeline layout"),
         ([*base, "--omnibal-plan", plan_ok, "--omnibal-precision", "fp32", "--bf16"],
          "--omnibal-precision fp32 disagrees with --bf16"),
+        ([*base, *counts, "--omnibal-llm-pp-layers", "1,3", "--no-such-flag"],
+         "unrecognized arguments: --no-such-flag"),
+        ([*base, *counts, "--omnibal-llm-pp-layers", "1,3", "--omnibal-vit-budget", "0"],
+         "argument --omnibal-vit-budget: must be a positive"),
         ([*base, "--omnibal-plan", plan_ok, "--omnibal-model", "small"],
          "--omnibal-model small differs from the model_spec of --omnibal-plan"),
         ([a for a in base if a != str(good) and a != "--omnibal-lengths"]

@@ -110,8 +110,8 @@ def prepare(
     pre = _preparse(argv)
     plan = load_plan(pre.omnibal_plan) if pre.omnibal_plan else None
     spec = resolve_spec(pre, plan)
-    parser = add_omnibal_args(
-        add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    parser = _raising(
+        add_omnibal_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     )
     source = (
         f"--omnibal-plan {pre.omnibal_plan}" if plan is not None
@@ -193,9 +193,22 @@ def _fail(exc: Exception, every_rank: bool = False) -> int:
     return 2
 
 
+def _raising(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The parser with its errors (an unknown flag, a bad value) raised as OmnibalArgsError,
+    so that they are printed once like the others, not as a usage text per rank."""
+
+    def error(message: str) -> None:
+        raise OmnibalArgsError(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
 def _preparse(argv: list[str]) -> argparse.Namespace:
     """The --omnibal* flags alone, to learn the model before Megatron's parser needs its size."""
-    parser = add_omnibal_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    parser = _raising(
+        add_omnibal_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    )
     pre, _ = parser.parse_known_args(argv)
     if not pre.omnibal:
         raise OmnibalArgsError("this entry point trains with --omnibal; pass --omnibal")
