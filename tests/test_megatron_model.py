@@ -85,6 +85,11 @@ CASES = [
     {"name": "llm7_pp2", "tp": 1, "pp": 2, "vit": [4, 0], "llm": [1, 6], "llm_layers": 7},
     {"name": "llm7_pp4", "tp": 1, "pp": 4, "vit": [2, 2, 0, 0], "llm": [0, 2, 4, 1],
      "llm_layers": 7},
+    {"name": "llm7_pp4_dropout", "tp": 1, "pp": 4, "vit": [2, 2, 0, 0], "llm": [0, 2, 4, 1],
+     "llm_layers": 7, "dropout": 0.2},
+    {"name": "llm7_pp4_dropout_recompute", "tp": 1, "pp": 4, "vit": [2, 2, 0, 0],
+     "llm": [0, 2, 4, 1], "llm_layers": 7, "dropout": 0.2, "vit_recompute": [1, 2, 0, 0],
+     "llm_recompute": [0, 1, 4, 1]},
 ]
 
 
@@ -147,6 +152,15 @@ def test_uneven_llm_depths_match_pp1(results: Path, name: str) -> None:
 
 def test_recompute_matches_no_recompute(results: Path) -> None:
     assert_same(results, "pp2_recompute")
+
+
+def test_uneven_recompute_with_dropout_replays_the_same_masks(results: Path) -> None:
+    """7 LLM layers split 0 + 2 + 4 + 1: each stage's per-layer RNG streams replay in the
+    recompute (first k layers of each stage, all of stage 2's)."""
+    assert_same(results, "llm7_pp4_dropout_recompute", ref="llm7_pp4_dropout")
+    drop, _ = load(results, "llm7_pp4_dropout")
+    plain, _ = load(results, "llm7_pp4")
+    assert any(abs(a[0] - b[0]) > 1e-3 * abs(b[0]) for a, b in zip(drop, plain, strict=True))
 
 
 def test_recompute_with_dropout_replays_the_same_masks(results: Path) -> None:

@@ -36,6 +36,19 @@ def step_grads(out: Path) -> list[dict[str, torch.Tensor]]:
     return steps or []
 
 
+def assert_same_grads(
+    got: list[dict[str, torch.Tensor]], ref: list[dict[str, torch.Tensor]], rel: float = 1e-5
+) -> None:
+    """Every step applied the reference's gradients (each nonzero there) within `rel`."""
+    assert len(got) == len(ref)
+    for step, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert set(a) == set(b)
+        for name, g in b.items():
+            assert g.abs().max() > 0, f"step {step}: {name} has no gradient"
+            err = float((a[name] - g).abs().max() / g.abs().max())
+            assert err <= rel, f"step {step}: gradient of {name} differs by {err:.2e}"
+
+
 def params(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """{global name: tensor} over all ranks (RECORD_PARAMS_AT_STEP), and {name: pipeline
     rank}."""
