@@ -101,13 +101,15 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--omnibal-plan",
         metavar="PLAN.json",
         default=None,
-        help="plan from `omnibal plan`: stage layout, recompute and data budgets",
+        help="plan from `omnibal plan`: stage layout, recompute and data budgets; its parallel "
+        "sizes, batch, precision, model shape and length file are filled in where not given",
     )
     g.add_argument(
         "--omnibal-lengths",
         metavar="FILE",
         default=None,
-        help="per-sample length statistics of the training data (vit_num, token_num)",
+        help="per-sample length statistics of the training data (vit_num, token_num; "
+        "default: the file the plan was made from)",
     )
     g.add_argument(
         "--omnibal-vit-pp-layers",
