@@ -296,8 +296,8 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
                   megatron_part, False),
         "+partition": ("balanced", [*base, *budgets, *layout_flags(searched, nv)], searched,
                        False),
-        "+recompute": ("balanced", [*base, "--omnibal-plan", str(tmp / "plan.json")], planned,
-                       False),
+        "+recompute": ("balanced", [*base, "--omnibal-plan", str(tmp / "plan.json"),
+                                    "--omnibal-precision", "fp32"], planned, False),
     }  # fmt: skip
     results = {}
     for label in args.runs:  # the balanced runs first: the baseline takes their samples

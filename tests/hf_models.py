@@ -43,13 +43,13 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
             p.add_(0.05 * torch.randn(p.shape, generator=g))
 
 
-def _text_config(kind: str, vocab: int, tie: bool) -> dict:
+def _text_config(kind: str, vocab: int, tie: bool, layers: int = 4) -> dict:
     from transformers import LlamaConfig, Qwen2Config
 
     cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[kind]
     return cls(
         hidden_size=32,
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=48,
@@ -74,9 +74,10 @@ def internvl(
     tie: bool | None = None,
     final_norm: bool | None = None,
     seed: int = 0,
+    llm_layers: int = 4,
 ) -> Built:
     """transformers' InternVL: 6B-like tower (default: Qwen2, tied, final LayerNorm) or
-    300M-like (default: Llama, own head, no final LayerNorm)."""
+    300M-like (default: Llama, own head, no final LayerNorm); `llm_layers` LLM layers."""
     from transformers import InternVLConfig, InternVLForConditionalGeneration
     from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
 
@@ -99,7 +100,7 @@ def internvl(
     )
     cfg = InternVLConfig(
         vision_config=vision.to_dict(),
-        text_config=_text_config(text, 160, tie=tie),
+        text_config=_text_config(text, 160, tie=tie, layers=llm_layers),
         image_token_id=IMG_CONTEXT,
         image_seq_length=4,
         downsample_ratio=0.5,

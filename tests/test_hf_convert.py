@@ -151,6 +151,31 @@ def test_fine_tune_export_equals_megatron_forward(models, tmp_path: Path) -> Non
     assert max(report[k]["max_rel"] for k in ("logits", "vit", "llm")) <= 1e-4
 
 
+def test_uneven_layouts_convert_train_export_and_compare(tmp_path: Path) -> None:
+    """5 LLM layers (tied Qwen2 head): converted to torch_dist on 2 stages (LLM 1 + 4), trained
+    on 2 others (ViT 2 + 2, LLM 0 + 5) from that checkpoint, exported, and compared on 3
+    stages (LLM 0 + 2 + 3): transformers' forward of the export equals the trained stages'."""
+    built = hf_models.internvl(tmp_path / "internvl5", six_b=True, llm_layers=5)
+    ckpt, trained, back = tmp_path / "converted", tmp_path / "trained", tmp_path / "hf"
+    omnibal("convert", "hf-to-megatron", str(built.path), "--omnibal-vit-pp-layers", "4,0",
+            "--omnibal-llm-pp-layers", "1,4", "--ckpt-format", "torch_dist", "--out", str(ckpt),
+            "--no-progress")  # fmt: skip
+    _train(trained, built.path, ckpt, _lengths(tmp_path / "lengths.npz"),
+           "--pipeline-model-parallel-size", "2", "--omnibal-vit-pp-layers", "2,2",
+           "--omnibal-llm-pp-layers", "0,5")  # fmt: skip
+    omnibal("convert", "megatron-to-hf", str(trained), "--like", str(built.path), "--out",
+            str(back), "--no-progress")  # fmt: skip
+    original, exported = tensors(built.path), tensors(back)
+    assert sorted(exported) == sorted(original)
+    assert sum(n.startswith("language_model.model.layers.4.") for n in exported) > 0
+    changed = [n for n, t in original.items() if not torch.equal(exported[n], t)]
+    assert len(changed) > len(original) // 2, "training changed too few tensors"
+    report = json.loads(omnibal("compare-hf", str(back), str(trained), "--omnibal-vit-pp-layers",
+                                "4,0,0", "--omnibal-llm-pp-layers", "0,2,3").stdout)  # fmt: skip
+    assert report["ok"] and report["pp"] == 3, report
+    assert max(report[k]["max_rel"] for k in ("logits", "vit", "llm")) <= 1e-4
+
+
 def test_frozen_parts_and_vit_learning_rate(models, tmp_path: Path) -> None:
     """SGD without momentum: one step moves a parameter by -lr x grad. With the ViT and the
     projector frozen they stay bit for bit and the optimizer holds state for the LLM only; with
