@@ -150,3 +150,36 @@ def test_remote_layout_without_its_image_token_and_a_missing_config(tmp_path: Pa
     (tmp_path / "empty").mkdir()
     with pytest.raises(HFConfigError, match="config.json: no such file"):
         read_hf(tmp_path / "empty")
+
+
+def test_stats_reads_each_new_family_from_its_checkpoint(tmp_path: Path, capsys) -> None:
+    """`omnibal stats --model HF_DIR` takes tokens per tile and the chat template from the
+    checkpoint: InternVL3/3.5 (both layouts) count with internvl2_5; a LLaVA on Llama-3.x that
+    ships its own chat template counts with it ("hf"), not Vicuna's; Qwen2.5-VL is refused."""
+    from megatron_omnibal.cli import main as cli_main
+    from megatron_omnibal.data.model_data import model_data_side
+
+    dirs = {
+        "internvl3_5": hf_models.internvl(tmp_path / "a", six_b=False, text="qwen3").path,
+        "internvl3_5_chat": hf_models.internvl_chat(tmp_path / "b", text="qwen3",
+                                                    six_b=False).path,  # fmt: skip
+        "internvl3_chat": hf_models.internvl_chat(tmp_path / "c", text="qwen2",
+                                                  six_b=False).path,  # fmt: skip
+        "llava_llama3": hf_models.llava(tmp_path / "d", text="llama3").path,
+    }
+    for name, path in dirs.items():
+        side = model_data_side(read_hf(path).spec, path)
+        llava = name.startswith("llava")
+        assert side.tiling.tokens_per_tile == (16 if llava else 4), name
+        assert side.template == ("vicuna_v1" if llava else "internvl2_5"), name
+    llava = dirs["llava_llama3"]
+    (llava / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}"
+                                               "{% endfor %}")  # fmt: skip
+    assert model_data_side(read_hf(llava).spec, llava).template == "hf"
+    qwen = tmp_path / "qwen"
+    qwen.mkdir()
+    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    (tmp_path / "d.json").write_text("[]")
+    code = cli_main(["stats", str(tmp_path / "d.json"), "--model", str(qwen), "--out",
+                     str(tmp_path / "o.npz"), "--no-progress"])  # fmt: skip
+    assert code == 2 and "'qwen2_5_vl' is not supported yet" in capsys.readouterr().err

@@ -11,7 +11,8 @@ from megatron_omnibal.models.spec import ModelSpec
 
 
 def model_flags(model: ModelSpec) -> list[str]:
-    """The LLM's shape, as megatron.training spells it."""
+    """The LLM's shape, as megatron.training spells it (RoPE base and Llama-3 scaling, head
+    size and QK-norm included: megatron.training's defaults differ)."""
     llm = model.llm
     flags = [
         "--num-layers", str(llm.num_layers),
@@ -21,9 +22,19 @@ def model_flags(model: ModelSpec) -> list[str]:
     ]  # fmt: skip
     if llm.num_query_groups < llm.num_attention_heads:
         flags += ["--group-query-attention", "--num-query-groups", str(llm.num_query_groups)]
+    if llm.kv_channels * llm.num_attention_heads != llm.hidden_size:
+        flags += ["--kv-channels", str(llm.kv_channels)]
+    if llm.qk_norm:
+        flags += ["--qk-layernorm"]
+    if llm.rope_scaling_factor:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", f"{llm.rope_scaling_factor:g}"]
     flags += ["--normalization", "RMSNorm" if llm.norm == "rmsnorm" else "LayerNorm"]
     if llm.gated_mlp:
         flags += ["--swiglu"]
+    flags += ["--disable-bias-linear"]
+    if llm.qkv_bias:
+        flags += ["--add-qkv-bias"]
+    flags += ["--position-embedding-type", "rope", "--rotary-base", f"{llm.rotary_base:.0f}"]
     return flags
 
 
