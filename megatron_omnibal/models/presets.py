@@ -46,6 +46,21 @@ CLIP_L_336 = VisionSpec(
     pre_norm=True,
 )
 _PIXEL_SHUFFLE = ProjectorSpec(type="pixel_shuffle_mlp", downsample=0.5)
+
+
+def _qwen3(**shape: int) -> LanguageSpec:
+    """A Qwen3 dense LLM (Qwen/Qwen3-*B config.json): heads of 128, 8 KV heads, per-head QK-norm,
+    no biases, RMSNorm eps 1e-6, vocab 151936, rope_theta 1e6, 40960 positions."""
+    return LanguageSpec(
+        **shape,
+        num_query_groups=8,
+        kv_channels=128,
+        vocab_size=151936,
+        qk_norm=True,
+        rotary_base=1e6,
+        max_position_embeddings=40960,
+    )
+
 _MLP2X_GELU = ProjectorSpec(type="mlp", downsample=1.0)
 
 PRESETS: dict[str, ModelSpec] = {
@@ -164,18 +179,7 @@ PRESETS: dict[str, ModelSpec] = {
         projector=_PIXEL_SHUFFLE,
         # OpenGVLab/InternVL3_5-8B llm_config (Qwen3-8B): 36 layers, 4096, 12288, 32 heads of
         # 128, 8 KV heads, per-head QK-norm, no biases, vocab 151936, rope_theta 1e6.
-        llm=LanguageSpec(
-            num_layers=36,
-            hidden_size=4096,
-            ffn_hidden_size=12288,
-            num_attention_heads=32,
-            num_query_groups=8,
-            kv_channels=128,
-            vocab_size=151936,
-            qk_norm=True,
-            rotary_base=1e6,
-            max_position_embeddings=40960,
-        ),
+        llm=_qwen3(num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32),
         source="OpenGVLab/InternVL3_5-8B",
     ),
     "internvl3.5-38b": ModelSpec(
@@ -185,18 +189,7 @@ PRESETS: dict[str, ModelSpec] = {
         projector=_PIXEL_SHUFFLE,
         # OpenGVLab/InternVL3_5-38B llm_config (Qwen3-32B): 64 layers, 5120, 25600, 64 heads of
         # 128 (8192 wide, not 5120), 8 KV heads, per-head QK-norm, vocab 151936, rope_theta 1e6.
-        llm=LanguageSpec(
-            num_layers=64,
-            hidden_size=5120,
-            ffn_hidden_size=25600,
-            num_attention_heads=64,
-            num_query_groups=8,
-            kv_channels=128,
-            vocab_size=151936,
-            qk_norm=True,
-            rotary_base=1e6,
-            max_position_embeddings=40960,
-        ),
+        llm=_qwen3(num_layers=64, hidden_size=5120, ffn_hidden_size=25600, num_attention_heads=64),
         source="OpenGVLab/InternVL3_5-38B",
     ),
     "llava-llama3.1-8b": ModelSpec(
