@@ -187,6 +187,7 @@ def stage_configs(
             "layernorm_epsilon": llm.norm_eps,
             "add_bias_linear": False,
             "add_qkv_bias": llm.qkv_bias,
+            "qk_layernorm": llm.qk_norm,
             "gated_linear_unit": llm.gated_mlp,
             "activation_func": ACTIVATIONS[llm.activation],
             **_recompute(st.llm_recompute),

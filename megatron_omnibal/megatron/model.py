@@ -5,7 +5,7 @@ embeddings into the text sequence), LLM embedding, LLM layers, final norm + outp
 Pipeline rank r builds only what its StageLayout names, with megatron-core TransformerBlocks whose
 layers carry GLOBAL layer numbers (checkpoints and the RNG depend on them) and the stage's own
 recompute counts. The architecture is the spec's (models.spec): InternViT or CLIP, pixel-shuffle
-or MLP projector, a Llama/Qwen2/InternLM2-style LLM, tied or separate output head.
+or MLP projector, a Llama(-3)/Qwen2/Qwen3/InternLM2-style LLM, tied or separate output head.
 
 Exactly one tensor flows between stages: the ViT hidden states [patches, tiles, Cv] before the
 projector's stage, the LLM hidden states [S, 1, H] (S / TP under sequence parallelism) after
@@ -19,6 +19,7 @@ own, stripped again at the head.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,7 +117,9 @@ class VLMStage(MegatronModule):
         pg_collection: ProcessGroupCollection | None = None,
         level_recompute: Sequence[tuple[int, int]] = (),
     ) -> None:
-        super().__init__(config=configs.llm)
+        # The model-wide config (Megatron's schedules and finalize_model_grads read it) is the
+        # LLM's, without qk_layernorm: HeadRMSNorm sums its own TP gradient (see layer_specs).
+        super().__init__(config=dataclasses.replace(configs.llm, qk_layernorm=False))
         # Megatron's schedules read model_type; the VLM pipeline is one decoder-style chain.
         self.model_type = ModelType.encoder_or_decoder
         # megatron.training's train() reads the model's process groups (GPTModel keeps them
@@ -197,6 +200,7 @@ class VLMStage(MegatronModule):
                     lay.num_llm_layers,
                     self.use_te,
                     AttnMaskType.causal if self.use_te else AttnMaskType.arbitrary,
+                    head_qk_norm=spec.llm.qk_norm,
                 ),
                 post_layer_norm=True,
                 pre_process=True,
@@ -207,6 +211,9 @@ class VLMStage(MegatronModule):
                 configs.llm.kv_channels,
                 rotary_percent=1.0,
                 rotary_base=spec.llm.rotary_base,
+                # Both passed here: megatron-core 0.19's own VLM scripts drop them.
+                rope_scaling=spec.llm.rope_scaling_factor > 0,
+                rope_scaling_factor=spec.llm.rope_scaling_factor or 8.0,
                 use_cpu_initialization=not torch.cuda.is_available(),
             )
         self.output_layer = None

@@ -144,8 +144,9 @@ def analytic_costs(
     llm_out = row(tokens=2 * h / tp / MIB)
 
     mlp = (3 if llm.gated_mlp else 2) * h * llm.ffn_hidden_size
-    tok_flops = 2 * (2 * h * h + 2 * h * llm.kv_size + mlp)
-    llm_fwd = row(tokens=tok_flops / rate + 2 * h * tp_comm, sumsq=2 * h / rate, one=over)
+    q = llm.q_size  # heads x head size: wider than h for Qwen3-32B (64 x 128 on 5120)
+    tok_flops = 2 * (2 * h * q + 2 * h * llm.kv_size + mlp)
+    llm_fwd = row(tokens=tok_flops / rate + 2 * h * tp_comm, sumsq=2 * q / rate, one=over)
     stored = 6 * h + 2 * llm.kv_size + (3 if llm.gated_mlp else 2) * llm.ffn_hidden_size
     llm_act = row(tokens=2 * stored / tp / MIB)
     llm_ckpt = row(tokens=2 * h / tp / MIB)

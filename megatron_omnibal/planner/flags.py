@@ -11,7 +11,8 @@ from megatron_omnibal.models.spec import ModelSpec
 
 
 def model_flags(model: ModelSpec) -> list[str]:
-    """The LLM's shape, as megatron.training spells it (its FLOPs figure reads these)."""
+    """The LLM's shape, as megatron.training spells it (its FLOPs figure reads these; RoPE base
+    and Llama-3 scaling, head size and QK-norm included: megatron.training's defaults differ)."""
     llm = model.llm
     flags = [
         "--num-layers", str(llm.num_layers),
@@ -24,6 +25,10 @@ def model_flags(model: ModelSpec) -> list[str]:
         flags += ["--kv-channels", str(llm.kv_channels)]
     if llm.num_query_groups < llm.num_attention_heads:
         flags += ["--group-query-attention", "--num-query-groups", str(llm.num_query_groups)]
+    if llm.qk_norm:
+        flags += ["--qk-layernorm"]
+    if llm.rope_scaling_factor:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", f"{llm.rope_scaling_factor:g}"]
     flags += ["--normalization", "RMSNorm" if llm.norm == "rmsnorm" else "LayerNorm"]
     flags += ["--norm-epsilon", str(llm.norm_eps)]
     if llm.gated_mlp:
