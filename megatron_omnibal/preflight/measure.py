@@ -119,6 +119,9 @@ class StepRecord:
     static_bytes: int = 0
     activation_peak_bytes: int = 0
     allocator_peak_bytes: int | None = None  # GPU only
+    # per tower ("vit", "llm"), per layer of this stage: [activation bytes it stored (largest
+    # micro-batch), bytes of its input (what recomputing it still stores), forward ms (mean)]
+    layers: dict[str, list[list[float]]] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
@@ -156,6 +159,7 @@ class StepMeter:
         self.steps: list[StepRecord] = []
         self.tracker = SavedTensorTracker()
         self._hooked = False
+        self._in_backward = False
 
     @property
     def current(self) -> StepRecord:
@@ -178,15 +182,56 @@ class StepMeter:
                 chunk = chunk.module
             chunk.register_forward_pre_hook(before)
             chunk.register_forward_hook(after)
+            for tower in ("vit", "llm"):
+                block = getattr(chunk, tower, None)
+                for index, layer in enumerate(getattr(block, "layers", ())):
+                    self._measure_layer(tower, index, layer)
         self._hooked = True
+
+    def _measure_layer(self, tower: str, index: int, layer: torch.nn.Module) -> None:
+        """The activations a layer stores per micro-batch (saved bytes while its forward runs),
+        its input's bytes and its forward time; the re-run forward of recomputation (inside a
+        backward) is not counted."""
+        state: list[tuple[int, int, float]] = []
+
+        def before(_: Any, args: tuple, kwargs: dict) -> None:
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            size = hidden.untyped_storage().nbytes() if isinstance(hidden, torch.Tensor) else 0
+            _sync()
+            state.append((self.tracker.bytes, size, time.perf_counter()))
+
+        def after(*_: Any) -> None:
+            _sync()
+            held, size, start = state.pop()
+            if self._in_backward:
+                return
+            rows = self.current.layers.setdefault(tower, [])
+            while len(rows) <= index:
+                rows.append([0.0, 0.0, 0.0, 0.0])  # activation, input, total ms, forwards
+            row = rows[index]
+            row[0] = max(row[0], self.tracker.bytes - held)
+            row[1] = max(row[1], size)
+            row[2] += 1e3 * (time.perf_counter() - start)
+            row[3] += 1
+
+        layer.register_forward_pre_hook(before, with_kwargs=True)
+        layer.register_forward_hook(after)
 
     def install(self) -> None:
         """Time megatron-core's backward step and wrap megatron.training's train_step."""
         from megatron.core.pipeline_parallel import schedules
         from megatron.training import training
 
-        backward = schedules.backward_step
-        schedules.backward_step = timed(lambda ms: self.current.backward_ms.append(ms), backward)
+        backward = timed(lambda ms: self.current.backward_ms.append(ms), schedules.backward_step)
+
+        def measured_backward(*args: Any, **kwargs: Any) -> Any:
+            self._in_backward = True
+            try:
+                return backward(*args, **kwargs)
+            finally:
+                self._in_backward = False
+
+        schedules.backward_step = measured_backward
         train_step = training.train_step
 
         def measured_train_step(forward_step_func: Any, data_iterator: Any, model: Any,
@@ -212,6 +257,9 @@ class StepMeter:
         # the optimizer's state exists after its first step: count it from then on
         self.current.static_bytes = sum(static_storages(model, optimizer).values())
         self.current.activation_peak_bytes = self.tracker.peak
+        for rows in self.current.layers.values():  # total ms and count -> ms per forward
+            for row in rows:
+                row[2:] = [row[2] / max(row[3], 1)]
         if self.gpu:
             self.current.allocator_peak_bytes = int(torch.cuda.max_memory_allocated())
         return out

@@ -1,88 +1,52 @@
-"""The recompute that would let a stage fit: the planner's memory model of the stage, scaled to
-what the preflight measured on it.
+"""The recompute that would let a stage fit, from what the preflight measured on it.
 
-Why scaled: the planner's activation figures are modeled (flash attention, BF16); the measured
-peak on this stage is the truth for the current recompute. The ratio of the two carries over to
-other recompute counts of the same stage on the same micro-batch, since recomputing a layer swaps
-its modeled activations for its modeled checkpoint. Pure numpy: no torch.
+Megatron recomputes the first k layers of a stage's ViT and of its LLM block. Recomputing one
+more layer frees, in each of the micro-batches the stage holds at its peak, the activations that
+layer stored less its input (which the checkpoint keeps), and costs one more forward of it in the
+backward, while that one layer's activations exist again for a moment. Every figure here is
+measured per layer on the stage's largest micro-batch (measure.StepMeter); none is modeled.
+Pure: no torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-from megatron_omnibal.models.spec import ModelSpec
-from megatron_omnibal.planner.costs import GROUP_LLM, GROUP_VIT, analytic_costs, workload_features
-from megatron_omnibal.planner.hardware import Hardware
-from megatron_omnibal.planner.memory import stage_memory_mib, stage_time_ms
 
 
 @dataclass(frozen=True, kw_only=True)
-class StageUnits:
-    """A stage's layers: ViT [vit_first, vit_end), the projector or not, LLM [llm_first,
-    llm_end), with its current recompute counts."""
+class LayerMeasure:
+    """One layer on its largest micro-batch: stored activations and input (GiB), forward ms."""
 
-    vit_first: int
-    vit_end: int
-    projector: bool
-    llm_first: int
-    llm_end: int
-    vit_recompute: int
-    llm_recompute: int
-
-    def unit_range(self, vit_layers: int) -> tuple[int, int]:
-        """[lo, hi) over the planner's units [ViT layers, projector, LLM layers]."""
-        starts = []
-        ends = []
-        if self.vit_end > self.vit_first:
-            starts.append(self.vit_first)
-            ends.append(self.vit_end)
-        if self.projector:
-            starts.append(vit_layers)
-            ends.append(vit_layers + 1)
-        if self.llm_end > self.llm_first:
-            starts.append(vit_layers + 1 + self.llm_first)
-            ends.append(vit_layers + 1 + self.llm_end)
-        if not starts:
-            raise ValueError("a stage without layers has no recompute to choose")
-        return min(starts), max(ends)
+    activation_gib: float
+    input_gib: float
+    forward_ms: float
 
 
 def fitting_recompute(
     *,
-    spec: ModelSpec,
-    hardware: Hardware,
-    tp: int,
-    stage: StageUnits,
-    tiles: int,
-    tokens: int,
-    sumsq: int,
     static_gib: float,
     activation_gib: float,
+    inflight: int,
+    vit: Sequence[LayerMeasure],
+    llm: Sequence[LayerMeasure],
+    vit_now: int,
+    llm_now: int,
     limit_gib: float,
 ) -> tuple[int, int] | None:
-    """(ViT, LLM) layers to recompute on this stage so that its measured static state plus its
-    scaled activations stay within `limit_gib`, the cheapest such choice in recompute time; None
-    when even recomputing every layer does not fit."""
-    costs = analytic_costs(spec, hardware, tp=tp).at(workload_features(tiles, tokens, sumsq))
-    lo, hi = stage.unit_range(spec.vit.num_layers)
-
-    def stored_mib(v: int, llm: int) -> float:
-        counts = {GROUP_VIT: v, GROUP_LLM: llm}
-        return (stage_memory_mib(costs, lo, hi, counts, 1)
-                - stage_memory_mib(costs, lo, hi, counts, 0))  # fmt: skip
-
-    now = stored_mib(stage.vit_recompute, stage.llm_recompute)
-    if now <= 0:
-        return None
-    # measured GiB per modeled MiB of one micro-batch: it holds the in-flight count as well
-    scale = activation_gib / now
+    """(ViT, LLM) layers to recompute, at least the current ones, whose estimated peak is within
+    `limit_gib`, the cheapest in added forward time; None when recomputing every layer does not
+    fit. `activation_gib` is the stage's measured activation peak with the current recompute,
+    `inflight` the micro-batches it holds then."""
     best: tuple[float, tuple[int, int]] | None = None
-    for v in range(stage.vit_end - stage.vit_first + 1):
-        for llm in range(stage.llm_end - stage.llm_first + 1):
-            if static_gib + scale * stored_mib(v, llm) > limit_gib:
+    for v in range(vit_now, len(vit) + 1):
+        for n in range(llm_now, len(llm) + 1):
+            new = [*vit[vit_now:v], *llm[llm_now:n]]
+            freed = inflight * sum(max(m.activation_gib - m.input_gib, 0.0) for m in new)
+            regrown = max((m.activation_gib for m in new), default=0.0)
+            if static_gib + activation_gib - freed + regrown > limit_gib:
                 continue
-            _, backward = stage_time_ms(costs, lo, hi, {GROUP_VIT: v, GROUP_LLM: llm})
-            if best is None or backward < best[0]:
-                best = (backward, (v, llm))
+            cost = sum(m.forward_ms for m in new)
+            if best is None or cost < best[0]:
+                best = (cost, (v, n))
     return None if best is None else best[1]

@@ -38,8 +38,8 @@ class Limits:
         return None if self.capacity_gib is None else self.capacity_gib - self.margin_gib
 
 
-# (stage, step label, static GiB, activation GiB, limit GiB) -> fitting (ViT, LLM) recompute
-FitRecompute = Callable[[int, str, float, float, float], "tuple[int, int] | None"]
+# (stage, its measured figures, limit GiB) -> fitting (ViT, LLM) recompute or None
+FitRecompute = Callable[[int, dict, float], "tuple[int, int] | None"]
 
 
 def _steps(ranks: Sequence[dict], stage: int) -> list[list[dict]]:
@@ -74,6 +74,9 @@ def measure_stage(steps: list[list[dict]]) -> dict[str, Any]:
         "activation_gib": peak_rec["activation_peak_bytes"] / GIB,
         "peak_step": peak_label,
         "allocator": peak_rec.get("allocator_peak_bytes") is not None,
+        # per tower, per layer on the peak step: [activation GiB, input GiB, forward ms]
+        "layers": {tower: [[a / GIB, i / GIB, ms] for a, i, ms in rows]
+                   for tower, rows in peak_rec.get("layers", {}).items()},  # fmt: skip
         "forward_ms": per_micro(typical, "forward_ms"),
         "backward_ms": per_micro(typical, "backward_ms"),
         "worst_forward_ms": per_micro(worst, "forward_ms"),
@@ -126,8 +129,7 @@ def build_report(
         else:
             verdict["memory"] = "out of memory"
             verdict["ok"] = False
-            fix = fit_recompute(s, measured["peak_step"], measured["static_gib"],
-                                measured["activation_gib"], limit)  # fmt: skip
+            fix = fit_recompute(s, measured, limit)
             entry["fix"] = None if fix is None else {
                 "vit_recompute": fix[0], "llm_recompute": fix[1],
                 "flags": recompute_flags(s, fix)}  # fmt: skip

@@ -144,15 +144,14 @@ def gather_report(meter: StepMeter, opts: PreflightOptions, settings: Any, spec:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.training import get_args
 
-    from megatron_omnibal.preflight.recompute_fit import StageUnits, fitting_recompute
+    from megatron_omnibal.preflight.recompute_fit import LayerMeasure, fitting_recompute
 
     mine = {"pp": ps.get_pipeline_model_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),
             "dp": ps.get_data_parallel_rank(), "steps": [asdict(s) for s in meter.steps]}
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
-    plan, args = settings.plan, get_args()
+    plan = settings.plan
     hardware = plan.hardware_spec if plan is not None else None
     capacity = opts.device_memory_gib
     if capacity is None and gpu:
@@ -170,22 +169,21 @@ def gather_report(meter: StepMeter, opts: PreflightOptions, settings: Any, spec:
             return packs[label].describe()
         return f"a {label} step of the balanced stream"
 
-    def fit(stage: int, label: str, static: float, activation: float, limit: float) -> Any:
-        from megatron_omnibal.planner.hardware import HARDWARE
-
-        p = packs.get(label) or next(iter(packs.values()))
+    def fit(stage: int, measured: dict, limit: float) -> Any:
+        p = packs.get(measured["peak_step"]) or next(iter(packs.values()))
         st = settings.layouts[stage]
         vit_now, llm_now = st.vit_recompute, st.llm_recompute
         if settings.level_recompute:
             vit_now, llm_now = settings.level_recompute[stage][p.level]
-        units = StageUnits(vit_first=st.vit_layers[0], vit_end=st.vit_layers[1],
-                           projector=st.projector, llm_first=st.llm_layers[0],
-                           llm_end=st.llm_layers[1], vit_recompute=vit_now,
-                           llm_recompute=llm_now)  # fmt: skip
-        return fitting_recompute(spec=spec, hardware=hardware or HARDWARE["H100-80G"],
-                                 tp=args.tensor_model_parallel_size, stage=units, tiles=p.tiles,
-                                 tokens=p.tokens, sumsq=p.tokens**2, static_gib=static,
-                                 activation_gib=activation, limit_gib=limit)  # fmt: skip
+
+        def rows(tower: str) -> list[LayerMeasure]:
+            return [LayerMeasure(activation_gib=a, input_gib=i, forward_ms=ms)
+                    for a, i, ms in measured["layers"].get(tower, [])]  # fmt: skip
+
+        return fitting_recompute(
+            static_gib=measured["static_gib"], activation_gib=measured["activation_gib"],
+            inflight=min(settings.pp_size - stage, p.micro_batches), vit=rows("vit"),
+            llm=rows("llm"), vit_now=vit_now, llm_now=llm_now, limit_gib=limit)  # fmt: skip
 
     def flags(stage: int, fix: tuple[int, int]) -> str:
         vit = [st.vit_recompute for st in settings.layouts]
