@@ -105,7 +105,8 @@ def _plan(path, lengths_file):
 
     plan = make_plan(PlanRequest(model=get_preset("tiny"), hardware=get_hardware("A100-80G"),
                                  lengths=load_lengths(lengths_file), gpus=2, tp=1, pp=2,
-                                 micro_batches=2, global_batch=2))  # fmt: skip
+                                 micro_batches=2, global_batch=2,
+                                 lengths_path=str(lengths_file)))  # fmt: skip
     plan = replace(plan, data=replace(plan.data, vit_budget=16, token_budget=160,
                                       pack_cost=None, levels=()))  # fmt: skip
     save_plan(plan, path)
@@ -119,9 +120,11 @@ def test_pp2_plan_that_fits_passes_and_a_tight_device_fails_its_heavier_stage(
     plan = _plan(tmp_path / "plan.json", lengths_file)
     flags = ["--omnibal-lengths", str(lengths_file), "--pipeline-model-parallel-size", "2",
              "--omnibal-plan", str(tmp_path / "plan.json")]  # fmt: skip
-    proc, report = _preflight(2, tmp_path / "fit.json", flags)
+    profile = tmp_path / "calibrated.json"
+    proc, report = _preflight(2, tmp_path / "fit.json", [*flags, "--calibrate", str(profile)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     assert report["ok"] and report["step_ms"]["planned"] == plan.predicted.step_ms
+    _check_calibration(report, profile, plan, lengths_file, tmp_path)
     assert report["limits"]["device_memory_gib"] == plan.hardware_spec.memory_gib  # the plan's
     for st, want in zip(report["stages"], plan.stages, strict=True):
         assert st["planned"] == {"forward_ms": want.forward_ms, "backward_ms": want.backward_ms,
@@ -169,3 +172,41 @@ def test_pp3_tight_device_fails_the_middle_stage_and_its_recompute_fits(lengths_
                               [*flags, *fix["flags"].split(), "--device-memory-gib", tight])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     assert report["stages"][1]["measured"]["peak_memory_gib"] < float(tight)
+
+
+def _check_calibration(report, profile, plan, lengths_file, tmp_path):
+    """The calibrated profile holds the measured layers and round-trips through `omnibal plan
+    --profile`: the same plan as the preflight's re-plan."""
+    from megatron_omnibal.cli import main
+    from megatron_omnibal.planner.plan import load_plan
+
+    cal = report["calibration"]
+    doc = json.loads(profile.read_text())
+    assert doc["measured"] == {"tiles": 16, "tokens": 160}  # the largest micro-batch
+    names = [layer["name"] for layer in doc["layers"]]
+    assert names == [*(f"vit.{i}" for i in range(4)), "projector", *(f"llm.{i}" for i in range(4))]
+    by_name = {layer["name"]: layer for layer in doc["layers"]}
+    for st, sp in zip(report["stages"], plan.stages, strict=True):
+        # a stage's work outside its layers goes to its projector, else its first ViT layer,
+        # else its last LLM layer; every other layer is as measured
+        folded = ("projector" if sp.projector else f"vit.{sp.vit_layers[0]}"
+                  if sp.vit_layers[1] > sp.vit_layers[0] else f"llm.{sp.llm_layers[1] - 1}")
+        for tower in ("vit", "llm"):
+            first = getattr(sp, f"{tower}_layers")[0]
+            for i, (_, _, ms) in enumerate(st["measured"]["layers"].get(tower, [])):
+                layer = by_name[f"{tower}.{first + i}"]
+                assert (layer["forward_ms"] > ms if layer["name"] == folded
+                        else layer["forward_ms"] == pytest.approx(ms))  # fmt: skip
+    replanned = load_plan(cal["plan"])
+    assert replanned.predicted.cost_model == "measured profile"
+    assert cal["predicted_step_ms"] == {"before": plan.predicted.step_ms,
+                                        "after": replanned.predicted.step_ms}  # fmt: skip
+    assert cal["changes"][-1].startswith("predicted step ms: ")
+    out = tmp_path / "cli_plan.json"
+    assert main(["plan", "--profile", str(profile), "--model", "tiny", "--hardware", "A100-80G",
+                 "--gpus", "2", "--tp", "1", "--pp", "2", "--micro-batches", "2",
+                 "--global-batch", "2", "--lengths", str(lengths_file), "--seed",
+                 str(plan.data.seed), "--out", str(out)]) == 0  # fmt: skip
+    cli = load_plan(out)
+    assert cli.stages == replanned.stages and cli.data == replanned.data
+    assert cli.predicted.step_ms == replanned.predicted.step_ms

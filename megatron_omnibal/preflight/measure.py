@@ -252,8 +252,18 @@ class StepMeter:
         self.tracker.reset_peak()
         if self.gpu:
             torch.cuda.reset_peak_memory_stats()
-        with self.tracker.hooks():
-            out = timed(self._set_step_ms, train_step)(*args, **kwargs)
+        try:
+            with self.tracker.hooks():
+                out = timed(self._set_step_ms, train_step)(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            from megatron.core import parallel_state
+
+            from megatron_omnibal.megatron.stderr import write_line
+
+            write_line(f"preflight: FAIL: pipeline stage "
+                       f"{parallel_state.get_pipeline_model_parallel_rank()} ran out of device "
+                       f"memory in its {label} step (step {len(self.steps) - 1})")  # fmt: skip
+            raise
         # the optimizer's state exists after its first step: count it from then on
         self.current.static_bytes = sum(static_storages(model, optimizer).values())
         self.current.activation_peak_bytes = self.tracker.peak

@@ -117,6 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SystemExit, ValueError) as exc:
         print(f"preflight: {exc}", file=sys.stderr)
         return 2
+    if opts.calibrate is not None and not any(a.split("=")[0] == "--omnibal-plan" for a in rest):
+        print("preflight: --calibrate re-plans an --omnibal-plan: give the plan", file=sys.stderr)
+        return 2
     from megatron_omnibal.megatron.compat import ensure_typing_override
     from megatron_omnibal.megatron.cpu import enable_cpu_megatron
 
@@ -205,9 +208,40 @@ def gather_report(meter: StepMeter, opts: PreflightOptions, settings: Any, spec:
     )  # fmt: skip
     report["memory_source"] = "allocator peak" if gpu else "tracked tensor bytes (CPU)"
     if dist.get_rank() == 0:
+        if opts.calibrate is not None:
+            report["calibration"] = calibrate(report, opts, settings, spec, packs, limit=(
+                report["limits"]["memory_limit_gib"]))  # fmt: skip
         opts.out.parent.mkdir(parents=True, exist_ok=True)
         opts.out.write_text(json.dumps(report, indent=1) + "\n")
         print("\n".join(table(report)), flush=True)
+        for line in report.get("calibration", {}).get("changes", []):
+            print(f"preflight: calibrated plan: {line}", flush=True)
     return report
+
+
+def calibrate(report: dict[str, Any], opts: PreflightOptions, settings: Any, spec: Any,
+              packs: dict[str, WorstPack], limit: float | None) -> dict[str, Any]:  # fmt: skip
+    """Write the calibrated profile and the plan made from it; what changed, for the report."""
+    from megatron_omnibal.preflight.calibrate import calibrated_profile, plan_changes, replan
+
+    labels = {st["measured"]["peak_step"] for st in report["stages"]}
+    if len(labels) != 1 or next(iter(labels)) not in packs:
+        raise ValueError(f"--calibrate: the stages peaked on different steps {sorted(labels)}; "
+                         "calibrate with one packing level")  # fmt: skip
+    pack = packs[next(iter(labels))]
+    profile = calibrated_profile(
+        report=report, spec=spec, layouts=[st.to_dict() for st in settings.layouts],
+        tiles=pack.tiles, tokens=pack.tokens, micro_batches=settings.micro_batches,
+        memory_budget_gib=limit)  # fmt: skip
+    opts.calibrate.parent.mkdir(parents=True, exist_ok=True)
+    opts.calibrate.write_text(json.dumps(profile, indent=1) + "\n")
+    out = opts.calibrate.with_name(f"{opts.calibrate.stem}.plan.json")
+    new = replan(settings.plan, profile, opts.calibrate, out)
+    before, after = settings.plan.to_dict(), new.to_dict()
+    return {"profile": str(opts.calibrate), "plan": str(out),
+            "predicted_step_ms": {"before": before["predicted"]["step_ms"],
+                                  "after": after["predicted"]["step_ms"]},
+            "measured_step_ms": report["step_ms"]["measured"],
+            "changes": plan_changes(before, after)}  # fmt: skip
 
 
