@@ -26,8 +26,8 @@ enable_cpu_megatron()
 
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
+from schedule import run_schedule  # noqa: E402
 
 from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
 from megatron_omnibal.megatron.batch import collate, synthetic_sample, validate_batch  # noqa: E402
@@ -128,14 +128,7 @@ def main() -> None:
 
     forwards = []
     model.register_forward_hook(lambda *_: forwards.append(1))
-    losses = get_forward_backward_func()(
-        forward_step_func=step,
-        data_iterator=iter(batches),
-        model=[model],
-        num_microbatches=len(batches),
-        seq_length=max(b.tokens.shape[1] for b in batches),
-        micro_batch_size=1,
-    )
+    losses = run_schedule(step, model, batches)
     stage_calls = list(counter.calls)
     b = batches[0]
     with counter:
