@@ -95,7 +95,8 @@ def build_stream(meter: StepMeter, opts: PreflightOptions, settings: Any, spec: 
         batch.level = p.level
         worst[f"{WORST} level {p.level}"] = (batch, p.micro_batches)
     meter.labels = step_labels(packs, opts)
-    args.train_iters = len(meter.labels)  # Megatron's loop reads it every iteration
+    # Megatron's loop reads it every iteration; a run resumed with --load counts on from there
+    args.train_iters = args.iteration + len(meter.labels)
     return PreflightStream(meter.labels, worst, typical), None, None
 
 
