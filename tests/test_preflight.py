@@ -77,6 +77,17 @@ def test_report_fails_exactly_the_stage_over_the_limit_and_names_the_fix() -> No
     assert report["bubble"]["measured"] == pytest.approx(0.4)  # 10 ms step, 6 ms busy
 
 
+def test_bad_preflight_flags_stop_before_any_training(tmp_path, capsys) -> None:
+    from megatron_omnibal.preflight.run import main, training_flags
+
+    assert main(["--omnibal"]) == 2  # no --out
+    assert "required: --out" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path / "r.json"), "--calibrate", "p.json", "--omnibal"]) == 2
+    assert "--calibrate re-plans an --omnibal-plan" in capsys.readouterr().err
+    assert training_flags(["--save", "d", "--train-iters=9", "--lr", "1"]) == [
+        "--lr", "1", "--train-iters", "1000"]  # fmt: skip
+
+
 FLAGS = ["--omnibal", "--omnibal-model", "tiny", "--omnibal-text-scale", "8",
          "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3",
          "--transformer-impl", "local", "--seed", "7", "--log-interval", "1",

@@ -115,7 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         opts, rest = parse(argv)
-    except (SystemExit, ValueError) as exc:
+    except SystemExit as exc:  # argparse printed the usage and the error
+        return int(exc.code or 0)
+    except ValueError as exc:
         print(f"preflight: {exc}", file=sys.stderr)
         return 2
     if opts.calibrate is not None and not any(a.split("=")[0] == "--omnibal-plan" for a in rest):
