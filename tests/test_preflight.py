@@ -54,7 +54,8 @@ def test_worst_pack_fills_both_budgets_of_each_level() -> None:
 
 def _rank(pp, peaks, label="worst level 0"):
     step = {"label": label, "step_ms": 10.0, "forward_ms": [1.0, 1.0], "backward_ms": [2.0, 2.0],
-            "static_bytes": 0, "activation_peak_bytes": peaks, "allocator_peak_bytes": None}
+            "static_bytes": 0, "activation_peak_bytes": peaks, "allocator_peak_bytes": None,
+            "schedule_ms": 7.0}
     return {"pp": pp, "tp": 0, "dp": 0, "steps": [step, {**step, "label": "typical"}]}
 
 
@@ -75,6 +76,7 @@ def test_report_fails_exactly_the_stage_over_the_limit_and_names_the_fix() -> No
     assert failure.startswith("stage 1 would run out of memory: peak 3.000 GiB > 2.000 GiB")
     assert "on <worst level 0>" in failure and "<flags 1 (0, 2)>" in failure
     assert report["bubble"]["measured"] == pytest.approx(0.4)  # 10 ms step, 6 ms busy
+    assert first["measured"]["outside_schedule_ms"] == pytest.approx(3.0)  # 10 ms step, 7 in it
 
 
 def test_bad_preflight_flags_stop_before_any_training(tmp_path, capsys) -> None:
@@ -221,3 +223,35 @@ def _check_calibration(report, profile, plan, lengths_file, tmp_path):
     cli = load_plan(out)
     assert cli.stages == replanned.stages and cli.data == replanned.data
     assert cli.predicted.step_ms == replanned.predicted.step_ms
+
+
+def test_a_profiles_step_overhead_adds_to_every_predicted_step() -> None:
+    """A calibrated profile's per-step overhead (optimizer, per-step work) is paid once per
+    step, by the plan and by the baseline it is compared with."""
+    from megatron_omnibal.data.lengths import from_arrays
+    from megatron_omnibal.models.presets import get_preset
+    from megatron_omnibal.planner.hardware import get_hardware
+    from megatron_omnibal.planner.make import make_plan
+    from megatron_omnibal.planner.request import PlanRequest
+
+    def layer(name, ms, group):
+        return {"name": name, "forward_ms": ms, "backward_ms": 2 * ms, "activation_mib": 1.0,
+                "weight_mib": 1.0, "checkpoint_mib": 0.1, "output_mib": 0.1, "group": group}
+
+    layers = [*(layer(f"vit.{i}", 1.0, "vit") for i in range(4)), layer("projector", 0.2, "none"),
+              *(layer(f"llm.{i}", 2.0, "llm") for i in range(4))]  # fmt: skip
+    doc = {"micro_batches": 4, "layers": layers, "measured": {"tiles": 8, "tokens": 128}}
+    vit = [1, 2, 3, 1] * 16
+    stats = from_arrays(vit, [v * 4 + 30 for v in vit])
+
+    def plan(profile):
+        return make_plan(PlanRequest(model=get_preset("tiny"), hardware=get_hardware("H100-80G"),
+                                     lengths=stats, gpus=2, pp=2, global_batch=32,
+                                     profile=profile))  # fmt: skip
+
+    a, b = plan(doc), plan({**doc, "step_overhead_ms": 7.5})
+    assert b.stages == a.stages
+    assert b.predicted.step_ms == pytest.approx(a.predicted.step_ms + 7.5, abs=1e-3)
+    assert b.predicted.sync_ms == pytest.approx(a.predicted.sync_ms + 7.5, abs=1e-3)
+    assert b.predicted.baseline.step_ms == pytest.approx(a.predicted.baseline.step_ms + 7.5,
+                                                         abs=1e-3)  # fmt: skip

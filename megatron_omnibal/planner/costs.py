@@ -87,6 +87,9 @@ class CostModel:
     last: np.ndarray
     first_static_mib: float
     last_static_mib: float
+    # per-step work outside the pipeline (optimizer step, the framework's per-step work), as a
+    # calibrated profile measured it; the analytic model has none
+    step_overhead_ms: float = 0.0
 
     def at(self, features: np.ndarray) -> LayerCosts:
         """Costs at one micro-batch (features (4,)) or many ((M, 4) -> arrays (U, M))."""
@@ -216,7 +219,7 @@ def profile_cost_model(doc: dict, where: str = "profile", dp: int = 1) -> CostMo
     layer's `params` when present. Pinned work (patch embedding, head) is already folded
     into the first and last layers.
     """
-    costs, _ = profile_from_dict(doc, where)
+    costs, options = profile_from_dict(doc, where)
     measured = doc.get("measured")
     if not isinstance(measured, dict) or not all(
         isinstance(measured.get(k), int) and measured[k] > 0 for k in ("tiles", "tokens")
@@ -254,6 +257,7 @@ def profile_cost_model(doc: dict, where: str = "profile", dp: int = 1) -> CostMo
         zero,
         0.0,
         0.0,
+        options.get("step_overhead_ms", 0.0),
     )
 
 
@@ -319,7 +323,7 @@ def profile_from_dict(doc: dict, where: str = "profile") -> tuple[LayerCosts, di
             )
         groups.append(PROFILE_GROUPS[group])
     options = {"micro_batches": m}
-    for key in ("memory_budget_gib", "p2p_ms"):
+    for key in ("memory_budget_gib", "p2p_ms", "step_overhead_ms"):
         if key in doc:
             value = doc[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

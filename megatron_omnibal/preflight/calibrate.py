@@ -87,9 +87,12 @@ def calibrated_profile(
         if tower == "vit":
             p = spec.projector_params + spec.llm.vocab_size * spec.llm.hidden_size
             layers.append(_layer("projector", projector, p, "none"))
-    doc: dict[str, Any] = {"micro_batches": micro_batches, "layers": layers,
-                           "measured": {"tiles": tiles, "tokens": tokens},
-                           "source": "omnibal preflight --calibrate"}  # fmt: skip
+    doc: dict[str, Any] = {
+        "micro_batches": micro_batches, "layers": layers,
+        "measured": {"tiles": tiles, "tokens": tokens},
+        # the first stage's schedule spans the pipeline; the rest of its step is per-step work
+        "step_overhead_ms": report["stages"][0]["measured"]["outside_schedule_ms"],
+        "source": "omnibal preflight --calibrate"}  # fmt: skip
     if memory_budget_gib is not None:
         doc["memory_budget_gib"] = memory_budget_gib
     return doc

@@ -119,6 +119,7 @@ class StepRecord:
     static_bytes: int = 0
     activation_peak_bytes: int = 0
     allocator_peak_bytes: int | None = None  # GPU only
+    schedule_ms: float = 0.0  # from this stage's first forward to its last backward
     # per tower ("vit", "llm"), per layer of this stage: [activation bytes it stored (largest
     # micro-batch), bytes of its input (what recomputing it still stores), forward ms (mean)]
     layers: dict[str, list[list[float]]] = field(default_factory=dict)
@@ -160,6 +161,7 @@ class StepMeter:
         self.tracker = SavedTensorTracker()
         self._hooked = False
         self._in_backward = False
+        self._schedule: list[float | None] = [None, None]  # this step's first and last pass
 
     @property
     def current(self) -> StepRecord:
@@ -172,6 +174,8 @@ class StepMeter:
         def before(*_: Any) -> None:
             _sync()
             started.append(time.perf_counter())
+            if self._schedule[0] is None:
+                self._schedule[0] = started[-1]
 
         def after(*_: Any) -> None:
             _sync()
@@ -230,6 +234,7 @@ class StepMeter:
                 return backward(*args, **kwargs)
             finally:
                 self._in_backward = False
+                self._schedule[1] = time.perf_counter()
 
         schedules.backward_step = measured_backward
         train_step = training.train_step
@@ -247,6 +252,7 @@ class StepMeter:
             self._time_forwards(model)
         label = self.labels[len(self.steps)] if len(self.steps) < len(self.labels) else "extra"
         self.steps.append(StepRecord(label))
+        self._schedule = [None, None]
         static = static_storages(model, optimizer)
         self.tracker.exclude = set(static)
         self.tracker.reset_peak()
@@ -267,6 +273,9 @@ class StepMeter:
         # the optimizer's state exists after its first step: count it from then on
         self.current.static_bytes = sum(static_storages(model, optimizer).values())
         self.current.activation_peak_bytes = self.tracker.peak
+        start, end = self._schedule
+        if start is not None and end is not None:
+            self.current.schedule_ms = 1e3 * (end - start)
         for rows in self.current.layers.values():  # total ms and count -> ms per forward
             for row in rows:
                 row[2:] = [row[2] / max(row[3], 1)]

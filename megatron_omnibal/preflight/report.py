@@ -82,6 +82,11 @@ def measure_stage(steps: list[list[dict]]) -> dict[str, Any]:
         "worst_forward_ms": per_micro(worst, "forward_ms"),
         "worst_backward_ms": per_micro(worst, "backward_ms"),
         "step_ms": median(step_ms),
+        # the step's time outside this stage's pipeline schedule (data, optimizer, per-step
+        # work): on the first stage, whose schedule spans the whole pipeline, the step's
+        # overhead beyond the pipeline
+        "outside_schedule_ms": median(max(r["step_ms"] - r["schedule_ms"], 0.0)
+                                      for s in typical for r in s),
         "idle_ms": mean(idle),
         "bubble": mean(i / t for i, t in zip(idle, step_ms, strict=True) if t > 0),
     }
