@@ -34,6 +34,7 @@ from megatron_omnibal.models.presets import PRESETS
 pytestmark = pytest.mark.megatron
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "megatron_workers"))
+from flops_by_hand import training_flops_by_hand  # noqa: E402
 from launch import torchrun  # noqa: E402
 from run_records import head_micro as _head_micro  # noqa: E402
 from run_records import params as _params  # noqa: E402
@@ -242,7 +243,7 @@ def dp_run(lengths_file, tmp_path_factory):
     flags = _flags(lengths_file, "tiny", "--omnibal-vit-pp-layers", "4",
                    "--omnibal-llm-pp-layers", "4", "--global-batch-size", str(2 * MICRO),
                    "--tensorboard-dir", str(out / "tb"),
-                   "--tensorboard-log-interval", "1")  # fmt: skip
+                   "--tensorboard-log-interval", "1", "--omnibal-peak-tflops", "0.001")  # fmt: skip
     flags[flags.index("--train-iters") + 1] = "3"
     run = _ok(_run(2, out / "run", flags))
     return SimpleNamespace(run=run, tb=out / "tb", records=_records(run.out))
@@ -301,6 +302,29 @@ def test_training_log_and_tensorboard_report_what_each_rank_trained(dp_run, leng
         assert (float(samples), float(tiles), float(tokens)) == tuple(s.sum(axis=0))
         assert (float(top), float(mean)) == (s[:, 2].max(), s[:, 2].mean())
         assert float(ratio) == pytest.approx(s[:, 2].max() / s[:, 2].mean(), abs=1e-4)
+    # model TFLOP/s per GPU and MFU (peak 0.001 TFLOP/s given): FLOPs counted by hand from the
+    # samples each rank read, over the step time the tokens/s figure implies
+    rates = re.findall(r"\| tokens/s ([\d.]+) .*\| model TFLOP/s/GPU ([\d.]+) \| MFU ([\d.]+)%",
+                       log)  # fmt: skip
+    assert len(rates) == 3
+    for (tok_s, tflops, share), flops, s in zip(rates, _hand_flops(dp_run.records, lengths_file),
+                                                steps, strict=True):  # fmt: skip
+        seconds = s[:, 2].sum() / float(tok_s)
+        assert float(tflops) == pytest.approx(flops / seconds / 2 / 1e12, rel=0.02, abs=1e-3)
+        assert float(share) == pytest.approx(100 * flops / seconds / 2 / 1e9, rel=0.02, abs=0.1)
+    np.testing.assert_allclose(scalar("mfu"), scalar("model-tflops-per-gpu") / 0.001, rtol=1e-6)
+    assert "omnibal: first step measured" in log and "peak: --omnibal-peak-tflops" in log
+
+
+def _hand_flops(records, lengths_file):
+    """Training FLOPs of each step over every DP rank, counted by hand from the samples read."""
+    data = model_lengths(load_lengths(lengths_file), 256, PRESETS["tiny"].tokens_per_tile, 8)
+    by_dp = {r["dp_rank"]: r["micro"] for r in records.values()}
+    return [sum(training_flops_by_hand(PRESETS["tiny"], [(int(data.vit[i]), int(data.tokens[i]))
+                                                          for m in micro[MICRO * k:MICRO * (k + 1)]
+                                                          for i in m["indices"]])
+                for micro in by_dp.values())
+            for k in range(len(by_dp[0]) // MICRO)]  # fmt: skip
 
 
 def test_startup_summary_states_layout_budgets_and_the_epoch_plan(dp_run, lengths_file):

@@ -19,7 +19,7 @@ from megatron_omnibal.balance.config import (
     Level,
     PackCost,
 )
-from megatron_omnibal.cli_args import non_negative_int, pack_cost, positive_int
+from megatron_omnibal.cli_args import non_negative_int, pack_cost, positive_float, positive_int
 from megatron_omnibal.data.lengths import LengthsError, LengthStats, load_lengths
 from megatron_omnibal.megatron.finetune import add_finetune_args
 from megatron_omnibal.megatron.layout import (
@@ -251,6 +251,14 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=1,
         help="synthetic data only: divide each sample's text tokens by this (a CPU dry run of "
         "long real lengths on a small model)",
+    )
+    g.add_argument(
+        "--omnibal-peak-tflops",
+        type=positive_float,
+        default=None,
+        metavar="TFLOPS",
+        help="peak dense TFLOP/s of one GPU at the run's precision, for the MFU in the log "
+        "(default: known A100/H100/H200 at BF16/FP16; otherwise MFU is n/a)",
     )
     return parser
 

@@ -338,7 +338,7 @@ def train(
     setattr(args, RUN_INFO, run_info(args, settings, resume.identity, resume.origin))
     cfg = pretrain_cfg_container_from_args(args)
     if build_iterators is None:
-        _install_iteration_log(args, settings, resume)
+        _install_iteration_log(args, settings, resume, spec)
         data_provider = partial(build_data_iterators, settings, spec, origin=resume.origin)
     else:
         data_provider = partial(build_iterators, settings, spec)
@@ -359,12 +359,13 @@ def train(
 
 
 def _install_iteration_log(
-    args: argparse.Namespace, settings: OmnibalSettings, resume: ResumePlan
+    args: argparse.Namespace, settings: OmnibalSettings, resume: ResumePlan, spec: Any
 ) -> None:
     """The start-up summary and notes (rank 0) and the per-iteration log (installed into
     Megatron's training_log on every rank: every rank counts consumed samples)."""
     from megatron_omnibal.megatron import training_log
     from megatron_omnibal.megatron.stream_steps import StreamSteps
+    from megatron_omnibal.megatron.throughput import device_name, throughput_from_args
 
     steps = StreamSteps(balanced_sampler(settings, 0).plan, settings.lengths, resume.origin)
     if args.rank == 0:
@@ -394,6 +395,8 @@ def _install_iteration_log(
         log_interval=args.log_interval,
         tensorboard_interval=args.tensorboard_log_interval,
         is_logger=args.rank == args.world_size - 1,
+        throughput=throughput_from_args(args, spec, device_name()),
+        predicted_step_ms=settings.plan.predicted.step_ms if settings.plan else None,
     )
     training_log.install(log)
 

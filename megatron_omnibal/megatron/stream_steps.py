@@ -24,11 +24,13 @@ from megatron_omnibal.megatron.data_identity import StreamOrigin
 
 @dataclass(frozen=True)
 class StepFigures:
-    """One training step: per DP rank, the samples, tiles and tokens of its micro-batches."""
+    """One training step: per DP rank, the samples, tiles and tokens of its micro-batches and
+    the sum of its samples' squared token lengths (what packed causal attention costs)."""
 
     samples: np.ndarray  # [dp]
     tiles: np.ndarray  # [dp]
     tokens: np.ndarray  # [dp]
+    sumsq: np.ndarray  # [dp]
 
     @property
     def num_samples(self) -> int:
@@ -56,13 +58,16 @@ class EpochSteps:
     samples: np.ndarray
     tiles: np.ndarray
     tokens: np.ndarray
+    sumsq: np.ndarray
 
     @property
     def num_steps(self) -> int:
         return len(self.samples)
 
     def step(self, index: int) -> StepFigures:
-        return StepFigures(self.samples[index], self.tiles[index], self.tokens[index])
+        return StepFigures(
+            self.samples[index], self.tiles[index], self.tokens[index], self.sumsq[index]
+        )
 
 
 def epoch_steps(plan: BalancePlan, lengths: LengthStats) -> EpochSteps:
@@ -72,10 +77,13 @@ def epoch_steps(plan: BalancePlan, lengths: LengthStats) -> EpochSteps:
     sizes = np.diff(plan.pack_ptr)
     slot = plan.pack_step * dp + plan.pack_rank
     samples = np.bincount(slot, sizes, plan.num_steps * dp).reshape(plan.num_steps, dp)
+    squares = lengths.tokens[plan.samples].astype(np.float64) ** 2  # pack after pack
+    sumsq = np.bincount(np.repeat(slot, sizes), squares, plan.num_steps * dp)
     return EpochSteps(
         samples.astype(np.int64),
         np.rint(loads.tiles).astype(np.int64),
         np.rint(loads.tokens).astype(np.int64),
+        np.rint(sumsq).astype(np.int64).reshape(plan.num_steps, dp),
     )
 
 

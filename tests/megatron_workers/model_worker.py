@@ -27,8 +27,8 @@ enable_cpu_megatron()
 
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
+from schedule import run_schedule  # noqa: E402
 
 from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
 from megatron_omnibal.megatron.batch import collate, synthetic_sample  # noqa: E402
@@ -119,14 +119,7 @@ def run_case(spec: ModelSpec, case: dict, weights: dict, batches: list, seed: in
     # Fresh RNG per case, the same on every rank: dropout masks depend only on the seed.
     model_parallel_cuda_manual_seed(seed + 7)
     torch.manual_seed(seed + 7)
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=[model],
-        num_microbatches=len(batches),
-        seq_length=max(b.tokens.shape[1] for b in batches),
-        micro_batch_size=1,
-    )
+    losses = run_schedule(forward_step, model, batches)
     grads = {}
     for n, p in named.items():
         g = p.grad if p.grad is not None else torch.zeros_like(p)
