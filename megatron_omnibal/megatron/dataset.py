@@ -148,7 +148,9 @@ class RealSampleSource:
         d, raw = self.entries[index]
         try:
             record = parse_record(raw)
-            images, turns = read_sample(record, self.config.extra_keys)
+            images, videos, turns = read_sample(record, self.config.extra_keys)
+            if videos:
+                raise conv.SampleError("video samples are not trained yet")
         except conv.SampleError as exc:
             raise DatasetError(f"{self.describe(index)}: {exc}") from exc
         paths = [os.path.join(self.specs[d].image_root, rel) for rel in images]
