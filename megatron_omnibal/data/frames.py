@@ -52,6 +52,11 @@ class FrameSettings:
         return value if value else None
 
 
+def clip_start(clip: tuple[float, float] | None, fps: float) -> int:
+    """The first frame of a clip [start_s, end_s] (InternVL: int(start x rate))."""
+    return 0 if clip is None else int(clip[0] * fps)
+
+
 def frame_counts(settings: FrameSettings, frames: np.ndarray, fps: np.ndarray, seed: int,
                  epoch: int) -> np.ndarray:
     """Frames trained of each video (int64 [videos]) in `epoch`, from the videos' available

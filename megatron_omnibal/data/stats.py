@@ -43,7 +43,7 @@ from megatron_omnibal.data.annotations import (
     read_inputs,
     read_records,
 )
-from megatron_omnibal.data.frames import FrameSettings, frame_counts, frame_indices
+from megatron_omnibal.data.frames import FrameSettings, clip_start, frame_counts, frame_indices
 from megatron_omnibal.data.image_header import ImageHeaderError, image_size
 from megatron_omnibal.data.image_tiles import ImageDecodeError, decode_image
 from megatron_omnibal.data.lengths import (
@@ -406,7 +406,7 @@ def clip_frames(frames: int, fps: float, clip: tuple[float, float] | None,
     """(first frame, frames) of a video's clip [start_s, end_s], as InternVL counts them."""
     if clip is None:
         return 0, frames
-    first = int(clip[0] * fps)
+    first = clip_start(clip, fps)
     count = min(int((clip[1] - clip[0]) * fps), frames - first)
     if count <= 0:
         raise VideoError(f"video {path}: clip {list(clip)} holds no frame of its {frames} "

@@ -20,6 +20,7 @@ from megatron_omnibal.data.lengths import (
     LengthsError,
     LengthStats,
     VideoTable,
+    load_lengths,
     load_videos,
     read_stats_config,
 )
@@ -64,25 +65,47 @@ def with_frame_counts(lengths: LengthStats, table: VideoTable, plan: VideoPlan,
                        lengths.image_flags + tiles, lengths.dataset, lengths.names)
 
 
-@dataclass(frozen=True)
 class EpochLengths:
-    """`lengths_of_epoch(epoch)`: a run's length records of each epoch (balance seed `seed`)."""
+    """`lengths_of_epoch(epoch)`: a run's length records of each epoch (balance seed `seed`).
 
-    lengths: LengthStats
-    table: VideoTable
-    plan: VideoPlan | None
-    seed: int
+    The last epoch asked for is kept: the loader asks once per sample.
+    """
+
+    def __init__(self, lengths: LengthStats, table: VideoTable, plan: VideoPlan | None,
+                 seed: int) -> None:
+        self.lengths, self.table, self.plan, self.seed = lengths, table, plan, seed
+        self._last: tuple[int, LengthStats, np.ndarray] | None = None
+
+    def _epoch(self, epoch: int) -> tuple[LengthStats, np.ndarray]:
+        if self.plan is None:
+            return self.lengths, self.table.tiles
+        if self._last is None or self._last[0] != epoch:
+            counts = frame_counts(self.plan.frames, self.table.frames, self.table.fps,
+                                  self.seed, epoch)
+            self._last = (epoch, with_frame_counts(self.lengths, self.table, self.plan, counts),
+                          counts)
+        return self._last[1], self._last[2]
 
     def __call__(self, epoch: int) -> LengthStats:
-        if self.plan is None:
-            return self.lengths
-        return epoch_lengths(self.lengths, self.table, self.plan, self.seed, epoch)
+        return self._epoch(epoch)[0]
 
     def frame_counts(self, epoch: int) -> np.ndarray:
         """Frames of each video of the table in `epoch` (int64 [videos])."""
-        if self.plan is None:
-            return self.table.tiles
-        return frame_counts(self.plan.frames, self.table.frames, self.table.fps, self.seed, epoch)
+        return self._epoch(epoch)[1]
+
+
+def run_lengths(path: str | os.PathLike, lengths: LengthStats, seed: int) -> EpochLengths:
+    """The lengths of each epoch of a run balancing `lengths` (read from the length file at
+    `path`) with balance seed `seed`: a file with videos redraws their frames every epoch."""
+    table, plan = load_video_plan(path)
+    if plan is not None:
+        counted = load_lengths(path)
+        if not (np.array_equal(counted.tokens, lengths.tokens)
+                and np.array_equal(counted.vit, lengths.vit)):
+            raise LengthsError(f"{path} holds videos, whose frames are drawn per epoch from the "
+                               "lengths as counted: train it at the tokens per tile it was "
+                               "counted with and without a text scale")
+    return EpochLengths(lengths, table, plan, seed)
 
 
 def load_video_plan(path: str | os.PathLike) -> tuple[VideoTable, VideoPlan | None]:
