@@ -10,7 +10,10 @@ model (16-pixel tiles, 4 tokens per tile).
 """
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -165,6 +168,14 @@ def _video_oracle(rec, root, tok, counts, picked):
     return ids, labels, _processor_pixels(chosen), chosen
 
 
+def _picked(rec, table, plan, counts, seed, epoch, index):
+    """The frames each video of a record trains on (clip offset added)."""
+    clip = rec.get("clip")
+    return [(int(clip[0] * table.fps[r]) if clip else 0) + frame_indices(
+        plan.frames, int(counts[r]), int(table.frames[r]), float(table.fps[r]), seed, epoch,
+        index) for r in table.of_sample(index)]
+
+
 def test_video_samples_equal_the_processor_tokens_and_pixels_every_epoch(data):
     table, plan = load_video_plan(data.lengths_path)
     by_epoch = EpochLengths(data.lengths, table, plan, seed=11)
@@ -183,13 +194,9 @@ def test_video_samples_equal_the_processor_tokens_and_pixels_every_epoch(data):
                 ids_ok = s.tokens.tolist() == ids.tolist()
                 assert ids_ok and s.labels.tolist() == labels.tolist(), (epoch, i)
                 continue
-            rows = table.of_sample(i)
-            mine = counts[rows]
+            mine = counts[table.of_sample(i)]
             assert all(plan.frames.min_frames <= n <= plan.frames.max_frames for n in mine)
-            clip = rec.get("clip")
-            picked = [(int(clip[0] * table.fps[r]) if clip else 0) + frame_indices(
-                plan.frames, int(n), int(table.frames[r]), float(table.fps[r]), 11, epoch, i)
-                for r, n in zip(rows, mine, strict=True)]
+            picked = _picked(rec, table, plan, counts, 11, epoch, i)
             seen_repeat |= any(len(set(p.tolist())) < len(p) for p in picked)
             ids, labels, pixels, chosen = _video_oracle(rec, data.root, tok, mine, picked)
             assert s.tokens.tolist() == ids.tolist(), (epoch, i)
@@ -277,3 +284,63 @@ def test_bad_videos_are_logged_counted_and_never_replaced(data, tmp_path):
     with pytest.raises(SampleLoadError, match="video .*--omnibal-bad-sample skip"):
         for _ in range(3):
             next(failing)
+
+
+@pytest.mark.megatron
+def test_pretrain_vlm_pp2_trains_two_epochs_of_images_and_videos(data, tmp_path):
+    """PP=2 through torchrun, 2 DataLoader workers on the first stage, two epochs: both stages
+    read the same micro-batches, every sample once per epoch, and the last stage counts exactly
+    the oracle's answer tokens of each micro-batch with the frames that epoch planned."""
+    by_epoch = run_lengths(data.lengths_path, data.lengths, seed=5)
+    most_vit = max(int(by_epoch(e).vit.max()) for e in range(2))
+    most_tokens = max(int(by_epoch(e).tokens.max()) for e in range(2))
+    config = BalanceConfig(dp_size=1, micro_batches=2, vit_budget=2 * most_vit,
+                           token_budget=2 * most_tokens, seed=5)
+    sampler = BalancedBatchSampler(data.lengths, config, dp_rank=0, lengths_of_epoch=by_epoch)
+    epoch_steps = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        epoch_steps.append(sampler.steps_per_epoch)
+    flags = ["--omnibal", "--omnibal-model", "tiny", "--omnibal-lengths",
+             str(data.lengths_path), "--omnibal-data", str(data.root / "meta.json"),
+             "--omnibal-vit-budget", str(config.vit_budget),
+             "--omnibal-token-budget", str(config.token_budget),
+             "--pipeline-model-parallel-size", "2", "--omnibal-vit-pp-layers", "4,0",
+             "--omnibal-llm-pp-layers", "1,3", "--micro-batch-size", "1",
+             "--global-batch-size", "2", "--train-iters", str(sum(epoch_steps)), "--lr", "1e-3",
+             "--transformer-impl", "local", "--seed", "5", "--log-interval", "1",
+             "--num-workers", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(WORKERS / "train_record.py"), str(tmp_path / "run"), *flags],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = {}
+    for p in (tmp_path / "run").glob("rank*.json"):
+        doc = json.loads(p.read_text())
+        ranks[doc["pp_rank"]] = doc["micro"]
+    first, second = ranks[0], ranks[1]
+    assert [m["indices"] for m in first] == [m["indices"] for m in second]
+    assert len(second) == 2 * sum(epoch_steps)
+    tok = _fresh_tokenizer(data.root / "tok.json", "internvl")
+    table, plan = by_epoch.table, by_epoch.plan
+    start = 0
+    for epoch, steps in enumerate(epoch_steps):
+        micro = second[start:start + 2 * steps]
+        start += 2 * steps
+        assert sorted(i for m in micro for i in m["indices"]) == list(range(len(data.records)))
+        counts = by_epoch.frame_counts(epoch)
+        for m in micro:
+            expected = 0
+            for i in m["indices"]:
+                rec = data.records[i]
+                if "video" in rec or "videos" in rec:
+                    picked = _picked(rec, table, plan, counts, 5, epoch, i)
+                    labels = _video_oracle(rec, data.root, tok, counts[table.of_sample(i)],
+                                           picked)[1]
+                else:
+                    labels = _oracle_sample(rec, data.root / "media", tok, "internvl", 6)[1]
+                expected += int((labels != -100).sum())
+            assert m["tokens"] == expected
+            assert np.isfinite(m["loss"]) and m["loss"] > 0
