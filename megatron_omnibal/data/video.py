@@ -113,8 +113,10 @@ def decode_frames(path: str | os.PathLike, indices: list[int] | np.ndarray) -> D
     """The frames `indices` (repeats allowed, any order) of the video at `path`.
 
     Frames are decoded in order from the keyframe before each wanted frame: the decoder seeks
-    when the next wanted frame is more than a second ahead, else decodes on. A video that ends
-    before a wanted frame the header promised, or whose data is corrupt, is a VideoError.
+    when the next wanted frame lies further ahead than the longest keyframe interval seen so
+    far (at first: one second), else decodes on, since a seek would land on a keyframe it has
+    already passed. A video that ends before a wanted frame the header promised, or whose data
+    is corrupt, is a VideoError.
     """
     import av
 
@@ -144,13 +146,14 @@ def _decode(container, header: VideoHeader, wanted: list[int],
     tb = float(stream.time_base)
     got: dict[int, np.ndarray] = {}
     decoded, position, frames = 0, -1, None
-    step = max(1, int(round(header.fps)))  # decode on rather than seek within a second
+    gap = max(1, int(round(header.fps)))  # the longest keyframe interval seen (at first 1 s)
+    last_key = None
     for target in wanted:
-        if frames is None or target > position + step:
+        if frames is None or target > position + gap:
             # the keyframe at or before the target, at the target's time less half a frame
             seconds = max(0.0, (target - 0.5) / header.fps)
             container.seek(base + int(seconds / tb), stream=stream, backward=True)
-            frames, position = container.decode(stream), -1
+            frames, position, last_key = container.decode(stream), -1, None
         while position < target:
             frame = next(frames, None)
             if frame is None:
@@ -162,6 +165,9 @@ def _decode(container, header: VideoHeader, wanted: list[int],
                 position = max(position, int(round((frame.pts - base) * tb * header.fps)))
             else:
                 position += 1
+            if frame.key_frame:
+                gap = max(gap, position - last_key) if last_key is not None else gap
+                last_key = position
             if position in got or position not in wanted:
                 continue
             got[position] = frame.to_ndarray(format="rgb24")

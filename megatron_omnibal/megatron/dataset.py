@@ -92,6 +92,7 @@ class RealSampleSource:
         self.image_tiles = image_tiles
         self.pixels = pixels
         self.by_epoch = by_epoch or EpochLengths(lengths, VideoTable.empty(), None, 0)
+        self.frames_decoded = self.frames_trained = 0  # video frames, by this process
         self.counter = TokenCounter(config.tokenizer, config.image_style,
                                     config.trust_remote_code)
         if self.counter.backend is None:
@@ -297,6 +298,8 @@ class RealSampleSource:
                 self.by_epoch.plan.frames, int(count), frames, fps, self.by_epoch.seed, epoch,
                 index)
             decoded = decode_frames(path, picked)
+            self.frames_decoded += decoded.decoded
+            self.frames_trained += len(picked)
             out.extend(np.asarray(Image.fromarray(f).resize((size, size),
                                                             Image.Resampling.BICUBIC))
                        for f in decoded.pixels)
