@@ -20,7 +20,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_megatron_dataset import _fresh_tokenizer, _oracle_sample, _stats, _tokenizer
+from test_megatron_dataset import (
+    _fresh_tokenizer,
+    _internvl_ids,
+    _oracle_sample,
+    _stats,
+    _tokenizer,
+)
 from video_files import frame_of, write_video
 
 from megatron_omnibal.balance.config import BalanceConfig
@@ -151,15 +157,7 @@ def _video_oracle(rec, root, tok, counts, picked):
         turns[0] = (turns[0][0], "<video>\n" + turns[0][1])
     for n in counts:
         turns[0] = (turns[0][0], turns[0][1].replace("<video>", _processor_text(int(n)), 1))
-    enc = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
-    ids = enc("<|im_start|>system\nyou help<|im_end|>\n")
-    target = [False] * len(ids)
-    for role, value in turns:
-        name = "user" if role == "human" else "assistant"
-        piece = enc(f"<|im_start|>{name}\n{value}<|im_end|>\n")
-        head = len(enc(f"<|im_start|>{name}\n")) if role == "gpt" else len(piece)
-        ids += piece
-        target += [False] * head + [True] * (len(piece) - head)
+    ids, target = _internvl_ids(turns, tok)
     ids = np.array([127 if t == tok.token_to_id("<IMG_CONTEXT>") else t for t in ids])
     labels = np.full(len(ids), -100)
     labels[:-1] = np.where(np.array(target)[1:], ids[1:], -100)
