@@ -7,9 +7,10 @@ InternLM2 wqkv) and LLaVA-1.5 (CLIP, feature layer -2). Each is loaded through t
 mapping and sharding at PP=1, 2 and 4 (the ViT split over two stages, one stage holding the ViT
 tail and the LLM's first layers), TP=2 with and without sequence parallelism, and TP=2 x PP=2.
 Oracle: transformers' forward of the same checkpoint, sample by sample (models.hf_reference
-runs it on the probe inputs of megatron.probe: two images over three tiles, a text-only
-sample). Logits (real vocabulary), the ViT features entering the projector and the LLM's final
-hidden states must agree within 1e-4 relative (max abs difference / max abs value) in fp32.
+runs it on the probe inputs of megatron.probe: two images over three tiles, a video of three
+one-tile frames with text between them, a text-only sample). Logits (real vocabulary), the ViT
+features entering the projector and the LLM's final hidden states must agree within 1e-4
+relative (max abs difference / max abs value) in fp32.
 """
 
 from __future__ import annotations
