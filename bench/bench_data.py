@@ -221,11 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         ratios[layout] = {
             "two_workers_vs_none": rows["first stage", 2]["micro_per_s"] / base,
             "one_worker_vs_none": rows["first stage", 1]["micro_per_s"] / base,
+            "two_workers_vs_one": rows["first stage", 2]["micro_per_s"]
+            / rows["first stage", 1]["micro_per_s"],
             "later_stage_vs_first_stage": rows["later stage", 0]["micro_per_s"] / base,
         }
         r = ratios[layout]
         print(f"{layout}: 2 workers / none = {r['two_workers_vs_none']:.2f}x (target >= 1.6), "
-              f"1 worker / none = {r['one_worker_vs_none']:.2f}x, later stage / first stage "
+              f"1 worker / none = {r['one_worker_vs_none']:.2f}x, 2 workers / 1 = "
+              f"{r['two_workers_vs_one']:.2f}x, later stage / first stage "
               f"(no workers) = {r['later_stage_vs_first_stage']:.1f}x (target >= 10)")
     print(f"load average before the timings: {load:.1f} ({os.cpu_count()} cores)")
     if args.json:
