@@ -90,3 +90,43 @@ def test_frame_indices_follow_internvl_rules():
         FrameSettings(sampling="every2")
     with pytest.raises(ValueError, match="min_frames <= max_frames"):
         FrameSettings(min_frames=9, max_frames=8)
+
+
+def test_epoch_lengths_by_hand_and_files_without_videos(tmp_path):
+    from megatron_omnibal.data.lengths import VideoTable, from_arrays, load_videos, save_lengths
+    from megatron_omnibal.data.stats_config import StatsConfig, config_from_dict, config_to_dict
+    from megatron_omnibal.data.video_lengths import (
+        EpochLengths,
+        VideoPlan,
+        run_lengths,
+        with_frame_counts,
+    )
+
+    # sample 0 text-only, 1 one video of 3 frames, 2 two videos of 2 and 4 frames
+    lengths = from_arrays([1, 3, 6], [50, 500, 900], [0, 3, 6])
+    table = VideoTable(np.array([1, 2, 2]), np.array([90, 40, 7]), np.array([30.0, 10, 7]),
+                       np.array([3, 2, 4]))
+    plan = VideoPlan(frames=FrameSettings(min_frames=2, max_frames=5),
+                     frame_tokens=(100, 110, 111, 112, 113))
+    got = with_frame_counts(lengths, table, plan, np.array([5, 2, 2]))
+    assert got.vit.tolist() == [1, 5, 4] and got.image_flags.tolist() == [0, 5, 4]
+    # frame k adds frame_tokens[k-1]: 3 -> 5 frames adds frames 4 and 5; 4 -> 2 drops 3 and 4
+    assert got.tokens.tolist() == [50, 500 + 112 + 113, 900 - 111 - 112]
+    by_epoch = EpochLengths(lengths, table, plan, seed=3)
+    counts = by_epoch.frame_counts(1)
+    assert np.array_equal(by_epoch(1).vit[1:], [counts[0], counts[1:].sum()])
+    # a file written without videos (as before they existed) loads with an empty table, and
+    # training's lengths are the file's in every epoch
+    save_lengths(lengths, tmp_path / "old.npz")
+    save_lengths(lengths, tmp_path / "old.json")
+    for name in ("old.npz", "old.json"):
+        assert len(load_videos(tmp_path / name)) == 0
+        same = run_lengths(tmp_path / name, lengths, seed=1)
+        assert same(4) is lengths
+    save_lengths(lengths, tmp_path / "new.jsonl", videos=table)
+    assert np.array_equal(load_videos(tmp_path / "new.jsonl").tiles, table.tiles)
+    # a stored configuration from before videos has no frame settings: the defaults
+    doc = config_to_dict(StatsConfig(tokenizer="t"), {})
+    del doc["frames"], doc["frame_seed"]
+    config, _ = config_from_dict(doc, "old")
+    assert config.frames == FrameSettings() and config.frame_seed == 0
