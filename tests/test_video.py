@@ -26,6 +26,16 @@ def test_header_and_exact_frames_by_seeking(tmp_path, suffix):
     assert got.decoded <= 45
 
 
+def test_frames_nothing_refers_to_are_not_decoded_unless_wanted(tmp_path):
+    """x264 (MP4) writes B-frames: decoding on through a keyframe interval skips the ones
+    not wanted, and the wanted ones (B-frames among them) are still exact."""
+    path = write_video(tmp_path / "b.mp4", 90, fps=15, gop=30)
+    wanted = [5, 17, 29, 41, 53, 65, 77, 89]
+    got = decode_frames(path, wanted)
+    assert [frame_of(p) for p in got.pixels] == [k % 64 for k in wanted]
+    assert got.decoded < 75  # all 90 frames lie on the way
+
+
 def test_bad_videos_name_the_file_and_the_reason(tmp_path):
     with pytest.raises(VideoError, match="no such file"):
         read_header(tmp_path / "missing.mp4")

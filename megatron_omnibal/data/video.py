@@ -115,8 +115,9 @@ def decode_frames(path: str | os.PathLike, indices: list[int] | np.ndarray) -> D
     Frames are decoded in order from the keyframe before each wanted frame: the decoder seeks
     when the next wanted frame lies further ahead than the longest keyframe interval seen so
     far (at first: one second), else decodes on, since a seek would land on a keyframe it has
-    already passed. A video that ends before a wanted frame the header promised, or whose data
-    is corrupt, is a VideoError.
+    already passed. Frames no other frame refers to (B-frames) are skipped unless wanted.
+    A video that ends before a wanted frame the header promised, or whose data is corrupt, is
+    a VideoError.
     """
     import av
 
@@ -144,6 +145,11 @@ def _decode(container, header: VideoHeader, wanted: list[int],
     stream.thread_type = "AUTO"
     base = stream.start_time or 0
     tb = float(stream.time_base)
+    want = set(wanted)
+
+    def index(pts: int) -> int:
+        return int(round((pts - base) * tb * header.fps))
+
     got: dict[int, np.ndarray] = {}
     decoded, position, frames = 0, -1, None
     gap = max(1, int(round(header.fps)))  # the longest keyframe interval seen (at first 1 s)
@@ -153,7 +159,7 @@ def _decode(container, header: VideoHeader, wanted: list[int],
             # the keyframe at or before the target, at the target's time less half a frame
             seconds = max(0.0, (target - 0.5) / header.fps)
             container.seek(base + int(seconds / tb), stream=stream, backward=True)
-            frames, position, last_key = container.decode(stream), -1, None
+            frames, position, last_key = _frames(container, stream, index, want), -1, None
         while position < target:
             frame = next(frames, None)
             if frame is None:
@@ -162,16 +168,26 @@ def _decode(container, header: VideoHeader, wanted: list[int],
                                  "wanted): truncated or corrupt")
             decoded += 1
             if frame.pts is not None:
-                position = max(position, int(round((frame.pts - base) * tb * header.fps)))
+                position = max(position, index(frame.pts))
             else:
                 position += 1
             if frame.key_frame:
                 gap = max(gap, position - last_key) if last_key is not None else gap
                 last_key = position
-            if position in got or position not in wanted:
+            if position in got or position not in want:
                 continue
             got[position] = frame.to_ndarray(format="rgb24")
         if target not in got:  # no frame has that time: take the one shown then
             got[target] = got[position] if position in got else frame.to_ndarray(
                 format="rgb24")
     return got, decoded
+
+
+def _frames(container, stream, index, want: set[int]):
+    """The stream's frames from the container's position; a packet nothing refers to (a
+    B-frame) is dropped undecoded unless its frame is wanted."""
+    context = stream.codec_context
+    for packet in container.demux(stream):
+        keep = packet.pts is None or packet.is_keyframe or index(packet.pts) in want
+        context.skip_frame = "DEFAULT" if keep else "NONREF"
+        yield from packet.decode()
