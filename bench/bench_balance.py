@@ -11,6 +11,11 @@ hierarchical balance packing (HBP) on the modeled 6+20B, speed on the 1.2M repli
   image, 15% multi-image, 10% video-like of 8-16 one-tile frames, log-normal texts), 32 ranks:
   --auto-budget, and 18/6016 with --oversize solo|skip; random mode (default tail tolerance)
   and grouped mode (every step from packs alike in tiles, tokens and time).
+- Videos redrawn per epoch: the long-tail mix (10% video samples) with each video's frame count
+  drawn in [8, 32] every epoch as training draws it (data/video_lengths.py; 262 tokens per
+  frame: 256 image tokens, the image marks and its label), 64 ranks, random mode, budgets fixed
+  for the run (auto budget of the mix with every video at 32 frames): per-step max/mean of
+  tiles and tokens of epochs 0-2 (goal: within 1.02; every budget is hard, checked by balance()).
 - HBP: the 6+20B preset on 128 A100-80G (TP 1, PP 4, DP 32, the partition searched for the
   single level's mean pack on this data), a long-tail mix with 2% long samples: the planner's
   pipeline simulation over every step of the single-level plan and of the levels' plan (same
@@ -55,7 +60,13 @@ from megatron_omnibal.balance.checks import pack_totals  # noqa: E402
 from megatron_omnibal.balance.config import BalanceConfig, Level  # noqa: E402
 from megatron_omnibal.balance.core import pack_isf  # noqa: E402
 from megatron_omnibal.balance.mixes import long_tail_mix  # noqa: E402
-from megatron_omnibal.data.lengths import load_lengths  # noqa: E402
+from megatron_omnibal.data.frames import FrameSettings  # noqa: E402
+from megatron_omnibal.data.lengths import VideoTable, load_lengths  # noqa: E402
+from megatron_omnibal.data.video_lengths import (  # noqa: E402
+    EpochLengths,
+    VideoPlan,
+    with_frame_counts,
+)
 from megatron_omnibal.models.presets import get_preset  # noqa: E402
 from megatron_omnibal.planner import levels as hbp  # noqa: E402
 from megatron_omnibal.planner.costs import MIB, analytic_costs, workload_features  # noqa: E402
@@ -130,6 +141,28 @@ def long_tail(samples: int) -> list[dict]:
             rows.append({"case": f"{name}, {mode}", "mode": mode,
                          "budgets": [config.vit_budget, config.token_budget],
                          "samples": samples, "cpu_s": cpu, **_figures(plan, mix)})
+    return rows
+
+
+def video_epochs(samples: int, epochs: int = 3) -> list[dict]:
+    """The long-tail mix with its video samples' frames redrawn each epoch, 64 ranks."""
+    mix = long_tail_mix(samples, seed=0, long_share=0.0, max_frames=32)
+    videos = np.flatnonzero(mix.dataset == mix.names.index("video"))
+    table = VideoTable(videos, np.full(len(videos), 600), np.full(len(videos), 30.0),
+                       mix.image_flags[videos].copy())
+    plan = VideoPlan(frames=FrameSettings(min_frames=8, max_frames=32), frame_tokens=(262,) * 32)
+    most = with_frame_counts(mix, table, plan, np.full(len(videos), 32))
+    vb, tb = auto_budget(most)
+    by_epoch = EpochLengths(mix, table, plan, seed=0)
+    rows = []
+    for epoch in range(epochs):
+        lengths = by_epoch(epoch)
+        config = BalanceConfig(dp_size=64, cost=COST, vit_budget=vb, token_budget=tb,
+                               seed=epoch)
+        plan_e, cpu, _ = _timed(lambda c=config, x=lengths: balance(x, c))
+        rows.append({"epoch": epoch, "samples": samples, "videos": len(videos),
+                     "budgets": [vb, tb], "video_tiles": int(lengths.vit[videos].sum()),
+                     "cpu_s": cpu, **_figures(plan_e, lengths)})
     return rows
 
 
@@ -279,6 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"      {HEAD}")
     for r in lt:
         print(f"      {_row(r['case'], r)}")
+    v = video_epochs(mix_n)
+    print(f"\nvideos redrawn per epoch: long-tail mix ({mix_n} samples, {v[0]['videos']} "
+          f"videos of 8-32 frames drawn per epoch), 64 ranks, random mode, budgets "
+          f"{v[0]['budgets']} (goal: tiles and tokens max/mean within 1.02)")
+    print(f"      {HEAD}")
+    for r in v:
+        print(f"      {_row('epoch ' + str(r['epoch']), r)}")
     h = hierarchy(mix_n)
     print(f"\nHBP, {h['model']} on {h['tp'] * h['pp'] * h['dp']} x {h['hardware']} (TP {h['tp']} "
           f"PP {h['pp']} DP {h['dp']}), long-tail mix with 2% long samples; modeled epoch")
@@ -304,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['method']:<40}{str(tuple(r['budgets'])):>12}{r['cpu_s']:>8.2f}"
               f"{r['wall_s']:>8.2f}{extra}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"quality": q, "long_tail": lt, "hbp": h,
-                                               "speed": s}, indent=2))
+        Path(args.json).write_text(json.dumps({"quality": q, "long_tail": lt, "video_epochs": v,
+                                               "hbp": h, "speed": s}, indent=2))
     return 0
 
 

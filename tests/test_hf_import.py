@@ -11,10 +11,11 @@ PP=1, 2 and 4 (the ViT split over two stages, one stage holding the ViT tail and
 layers), TP=2 with and without sequence parallelism, and TP=2 x PP=2; the newer ones at PP=1,
 TP=2 and TP=2 x PP=2; all at PP=3 with the ViT over the first two stages (a launch of its own).
 Oracle: transformers' forward of the same checkpoint, sample by sample (models.hf_reference
-runs it on the probe inputs of megatron.probe: two images over three tiles, a text-only
-sample). Logits (real vocabulary), the ViT features entering the projector and the LLM's final
-hidden states must agree within 1e-4 relative (max abs difference / max abs value) in fp32, the
-RoPE frequencies the stages built within 1e-6.
+runs it on the probe inputs of megatron.probe: two images over three tiles, a video of three
+one-tile frames with text between them, a text-only sample). Logits (real vocabulary), the ViT
+features entering the projector and the LLM's final hidden states must agree within 1e-4
+relative (max abs difference / max abs value) in fp32, the RoPE frequencies the stages built
+within 1e-6.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 Every rank computes the epoch's plan itself (the balancer is deterministic for its config), so
 no communication is needed; epoch e uses seed + e, so each epoch is reshuffled and repacked.
+Samples whose lengths change from epoch to epoch (videos trained on a drawn number of frames)
+are balanced with their lengths of that epoch: `lengths_of_epoch(e)`, a pure function of the
+epoch that every rank computes alike; `last_epoch` is the epoch of the micro-batch yielded last.
 The position (epoch, step, micro) is plain ints, so a checkpoint can store it as JSON.
 
 With packing levels (hierarchical balance packing) each step comes from one level, whose
@@ -13,7 +16,7 @@ level's budgets and recompute counts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -26,15 +29,18 @@ from megatron_omnibal.data.lengths import LengthStats
 class BalancedBatchSampler:
     """Yields lists of sample indices: step 0 micro 0..M-1, step 1, ..., then the next epoch."""
 
-    def __init__(self, lengths: LengthStats, config: BalanceConfig, *, dp_rank: int) -> None:
+    def __init__(self, lengths: LengthStats, config: BalanceConfig, *, dp_rank: int,
+                 lengths_of_epoch: Callable[[int], LengthStats] | None = None) -> None:
         if not 0 <= dp_rank < config.dp_size:
             raise ValueError(f"BalancedBatchSampler: dp_rank {dp_rank} not in "
                              f"[0, {config.dp_size})")
         self.lengths = lengths
+        self._lengths_of_epoch = lengths_of_epoch
         self.config = config
         self.dp_rank = dp_rank
         self.epoch, self.step, self.micro = 0, 0, 0
         self.last_level = 0
+        self.last_epoch = 0
         self._plan_epoch: int | None = None
         self._mine: list[np.ndarray] = []
         self._first: np.ndarray = np.zeros(1, np.int64)  # index in _mine of each step's first
@@ -54,9 +60,13 @@ class BalancedBatchSampler:
         """Budgets, micro-batches and per-stage recompute of each level (one without levels)."""
         return self.config.all_levels
 
+    def lengths_of(self, epoch: int) -> LengthStats:
+        """The samples' lengths in `epoch` (the same in every epoch without videos)."""
+        return self.lengths if self._lengths_of_epoch is None else self._lengths_of_epoch(epoch)
+
     def plan(self, epoch: int) -> BalancePlan:
         """The whole plan (all ranks) of one epoch."""
-        return balance(self.lengths, self.config.with_seed(self.config.seed + epoch))
+        return balance(self.lengths_of(epoch), self.config.with_seed(self.config.seed + epoch))
 
     def _load(self, epoch: int) -> None:
         if self._plan_epoch == epoch:
@@ -103,6 +113,7 @@ class BalancedBatchSampler:
                                  f"{self.step} (epoch {self.epoch}) does not exist")
             batch = self._mine[int(self._first[self.step]) + self.micro].tolist()
             self.last_level = int(self._step_level[self.step])
+            self.last_epoch = self.epoch
             # Advance before yielding: state_dict() names the next micro-batch to train (the
             # next epoch's first once this one is done).
             self.micro += 1

@@ -232,6 +232,20 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
     )
 
 
+@dataclass(frozen=True)
+class SyntheticSamples:
+    """`make_sample(i, epoch)`: synthetic samples shaped like the length records of each
+    epoch (`lengths_of(epoch)`: video samples change with the epoch)."""
+
+    lengths_of: Callable[[int], LengthStats]
+    spec: ModelSpec
+    seed: int = 0
+    pixels: bool = True
+
+    def __call__(self, index: int, epoch: int) -> Sample:
+        return synthetic_sample(index, self.lengths_of(epoch), self.spec, self.seed, self.pixels)
+
+
 def synthetic_sample(
     index: int, lengths: LengthStats, spec: ModelSpec, seed: int = 0, pixels: bool = True
 ) -> Sample:

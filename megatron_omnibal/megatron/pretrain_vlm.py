@@ -367,7 +367,8 @@ def _install_iteration_log(
     from megatron_omnibal.megatron.stream_steps import StreamSteps
     from megatron_omnibal.megatron.throughput import device_name, throughput_from_args
 
-    steps = StreamSteps(balanced_sampler(settings, 0).plan, settings.lengths, resume.origin)
+    sampler = balanced_sampler(settings, 0)
+    steps = StreamSteps(sampler.plan, sampler.lengths_of, resume.origin)
     if args.rank == 0:
         for note in resume.notes:
             print(f"pretrain_vlm: note: {note}", flush=True)
@@ -451,11 +452,27 @@ def _model_provider(
     )
 
 
-def balanced_sampler(settings: OmnibalSettings, dp_rank: int) -> Any:
-    """The balanced sampler of one DP rank (its `plan(epoch)` is every rank's plan)."""
+def balanced_sampler(settings: OmnibalSettings, dp_rank: int, by_epoch: Any = None) -> Any:
+    """The balanced sampler of one DP rank (its `plan(epoch)` is every rank's plan), with each
+    epoch's lengths (`by_epoch`, default lengths_by_epoch(settings))."""
     from megatron_omnibal.balance.sampler import BalancedBatchSampler
 
-    return BalancedBatchSampler(settings.lengths, settings.balance, dp_rank=dp_rank)
+    return BalancedBatchSampler(
+        settings.lengths,
+        settings.balance,
+        dp_rank=dp_rank,
+        lengths_of_epoch=by_epoch or lengths_by_epoch(settings),
+    )
+
+
+def lengths_by_epoch(settings: OmnibalSettings) -> Any:
+    """The lengths of each epoch: a length file with videos draws their frames per epoch from
+    the balance seed (data/video_lengths.py), the same on every rank and at every resume."""
+    from megatron.training import get_args
+
+    from megatron_omnibal.data.video_lengths import run_lengths
+
+    return run_lengths(get_args().omnibal_lengths, settings.lengths, settings.balance.seed)
 
 
 def build_data_iterators(
@@ -480,23 +497,24 @@ def build_data_iterators(
     from megatron.core import parallel_state
     from megatron.training import get_args
 
-    from megatron_omnibal.megatron.batch import synthetic_sample
+    from megatron_omnibal.megatron.batch import SyntheticSamples
     from megatron_omnibal.megatron.data import BalancedDataIterator
     from megatron_omnibal.megatron.loader import MicroBatchDataset
 
     args = get_args()
     dp_rank = parallel_state.get_data_parallel_rank()
-    sampler = balanced_sampler(settings, dp_rank)
+    by_epoch = lengths_by_epoch(settings)
+    sampler = balanced_sampler(settings, dp_rank, by_epoch)
     pixels = settings.layouts[parallel_state.get_pipeline_model_parallel_rank()].patch_embed
     if settings.data == "synthetic":
-        make_sample = partial(
-            synthetic_sample, lengths=settings.lengths, spec=spec, seed=args.seed, pixels=pixels
-        )
+        make_sample = SyntheticSamples(by_epoch, spec, seed=args.seed, pixels=pixels)
         describe = str
     else:
         from megatron_omnibal.megatron.dataset import open_source
 
-        make_sample = open_source(args, settings.lengths, spec, pixels=pixels, check=0)
+        make_sample = open_source(
+            args, settings.lengths, spec, pixels=pixels, check=0, by_epoch=by_epoch
+        )
         describe = make_sample.describe
     workers = args.num_workers if pixels else 0
     if workers:
