@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_omnibal.balance import hierarchy, layout
+from megatron_omnibal.balance import hierarchy, histograms, layout
 from megatron_omnibal.balance.checks import check_plan
 from megatron_omnibal.balance.config import (
     DEFAULT_COST,
@@ -156,8 +156,7 @@ def balance(lengths: LengthStats, config: BalanceConfig, *, use_reference: bool 
         pack_tok = np.bincount(pack_id, lengths.tokens[samples], num)
         pack_time = np.bincount(
             pack_id, cost.sample_ms(lengths.vit[samples], lengths.tokens[samples]), num)
-        counts = np.bincount(pack_id * names + lengths.dataset[samples], minlength=num * names)
-        dominant = counts.reshape(num, names).argmax(axis=1)
+        dominant = histograms.most_frequent(pack_id, lengths.dataset[samples], num, names)
         step, rank, micro = layout.layout(pack_vit, pack_tok, pack_time, config.dp_size,
                                           levels[lv].micro_batches, config.mode,
                                           config.seed + lv, dominant,
