@@ -70,7 +70,7 @@ class BalancePlan:
         """Raise ValueError unless every sample 0..num_samples-1 appears exactly once in
         `samples` or `skipped`, packs are in (step, rank, micro) order and each step is a full
         grid of dp ranks x its level's micro-batches, all of one level."""
-        everything = np.concatenate([self.samples, self.skipped]).astype(np.int64)
+        everything = np.concatenate([self.samples, self.skipped]).astype(np.int64, copy=False)
         if len(everything) and (everything.min() < 0 or everything.max() >= num_samples):
             bad = int(everything[(everything < 0) | (everything >= num_samples)][0])
             raise ValueError(f"plan: sample index {bad} out of range ({num_samples} samples)")
