@@ -29,7 +29,7 @@ def test_total_variation_is_the_dense_sum(seed):
     hist = _dense(group, value, groups, values).astype(float)
     p = hist.sum(axis=0) / hist.sum()
     rows = hist.sum(axis=1)
-    want = [0.5 * np.abs(h / r - p).sum() if r else 0.0 for h, r in zip(hist, rows)]
+    want = [0.5 * np.abs(h / r - p).sum() if r else 0.0 for h, r in zip(hist, rows, strict=True)]
     got = histograms.total_variation(group, value, groups, values)
     assert got == pytest.approx(want, abs=1e-12)
 

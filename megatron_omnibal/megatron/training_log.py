@@ -151,15 +151,19 @@ class IterationLog:
             self._pending.clear()
 
     def _line(self, iteration: int) -> str:
-        """The figures averaged over the steps since the last line; rates over their time."""
+        """The figures averaged over the steps since the last line, rates over their time, and
+        where the stream stands: the balancer's epoch and the step within it (epochs differ in
+        steps; with packing levels also in micro-batches per step)."""
         figs = [f for f, _ in self._pending]
         seconds = sum(s for _, s in self._pending)
 
         def mean(values: list[float]) -> float:
             return float(np.mean(values))
 
+        epoch, step = self.steps.locate(iteration - 1)
         text = (
             f" {PREFIX}: iteration {iteration:8d}"
+            f" | epoch {epoch} step {step + 1}/{self.steps.epoch(epoch).num_steps}"
             f" | samples/step {mean([f.num_samples for f in figs]):.1f}"
             f" | tiles/step {mean([f.num_tiles for f in figs]):.1f}"
             f" | tokens/step {mean([f.num_tokens for f in figs]):.1f}"
