@@ -160,10 +160,8 @@ class IterationLog:
         def mean(values: list[float]) -> float:
             return float(np.mean(values))
 
-        epoch, step = self.steps.locate(iteration - 1)
         text = (
             f" {PREFIX}: iteration {iteration:8d}"
-            f" | epoch {epoch} step {step + 1}/{self.steps.epoch(epoch).num_steps}"
             f" | samples/step {mean([f.num_samples for f in figs]):.1f}"
             f" | tiles/step {mean([f.num_tiles for f in figs]):.1f}"
             f" | tokens/step {mean([f.num_tokens for f in figs]):.1f}"
@@ -180,7 +178,8 @@ class IterationLog:
                 f" | tokens/s {sum(f.num_tokens for f in figs) / seconds:.1f}"
                 f" | samples/s {sum(f.num_samples for f in figs) / seconds:.1f}"
             )
-        return text + " |"
+        epoch, step = self.steps.locate(iteration - 1)
+        return text + f" | epoch {epoch} step {step + 1}/{self.steps.epoch(epoch).num_steps} |"
 
 
 def install(log: IterationLog) -> None:
