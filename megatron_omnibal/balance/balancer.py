@@ -33,7 +33,7 @@ from megatron_omnibal.balance.config import (
 )
 from megatron_omnibal.balance.core import permutation
 from megatron_omnibal.balance.packing import big, pack_level, packs_needed
-from megatron_omnibal.balance.plan_io import PLAN_VERSION, BalancePlan
+from megatron_omnibal.balance.plan_io import PLAN_VERSION, BalancePlan, ranges
 from megatron_omnibal.data.lengths import LengthStats
 
 # The packers' output version: raised whenever balance() gives other packs or another layout
@@ -63,16 +63,6 @@ def time_weight(lengths: LengthStats, cost: PackCost | None) -> np.ndarray:
     total = float(ms.sum())
     scale = float(lengths.tokens.sum()) / total if total > 0 else 0.0
     return np.rint(ms * scale).astype(np.int64)
-
-
-def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Concatenation of range(starts[k], starts[k] + sizes[k]) over k."""
-    total = int(sizes.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    out = np.arange(total, dtype=np.int64)
-    out += np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
-    return out
 
 
 def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarray,
@@ -186,7 +176,7 @@ def balance(lengths: LengthStats, config: BalanceConfig, *, use_reference: bool 
     ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     samples = np.empty(int(ptr[-1]), np.int64)
     for (level_samples, level_ptr), place in zip(per_level, places, strict=True):
-        samples[_ranges(ptr[place], np.diff(level_ptr))] = level_samples
+        samples[ranges(ptr[place], np.diff(level_ptr))] = level_samples
     del per_level, places
     meta = dict(config.to_dict(), num_samples=len(lengths), version=PLAN_VERSION,
                 packer_version=PACKER_VERSION,

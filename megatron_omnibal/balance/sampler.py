@@ -36,8 +36,9 @@ class BalancedBatchSampler:
         self.epoch, self.step, self.micro = 0, 0, 0
         self.last_level = 0
         self._plan_epoch: int | None = None
-        self._mine: list[np.ndarray] = []
-        self._first: np.ndarray = np.zeros(1, np.int64)  # index in _mine of each step's first
+        self._samples = np.zeros(0, np.int64)  # this rank's packs: samples, pack pointer
+        self._ptr = np.zeros(1, np.int64)
+        self._first: np.ndarray = np.zeros(1, np.int64)  # this rank's pack of each step's first
         self._step_level: np.ndarray = np.zeros(0, np.int64)
         self._load(0)  # validates now, not at the first batch
 
@@ -62,8 +63,10 @@ class BalancedBatchSampler:
         if self._plan_epoch == epoch:
             return
         plan = self.plan(epoch)
+        # This rank's packs in (step, micro) order as two arrays, not an object per pack: the
+        # whole plan is dropped once its share is taken.
         mine = np.flatnonzero(plan.pack_rank == self.dp_rank)  # plan is in (step, rank, micro)
-        self._mine = [plan.pack(int(p)) for p in mine]
+        self._samples, self._ptr = plan.packs_of(mine)
         self._step_level = plan.step_levels()
         micro = np.asarray(plan.level_micro_batches())[self._step_level]
         self._first = np.concatenate([[0], np.cumsum(micro)]).astype(np.int64)
@@ -101,7 +104,8 @@ class BalancedBatchSampler:
             if self.micro >= self.micro_batches_of_step(self.step):
                 raise ValueError(f"BalancedBatchSampler: micro-batch {self.micro} of step "
                                  f"{self.step} (epoch {self.epoch}) does not exist")
-            batch = self._mine[int(self._first[self.step]) + self.micro].tolist()
+            k = int(self._first[self.step]) + self.micro
+            batch = self._samples[self._ptr[k]:self._ptr[k + 1]].tolist()
             self.last_level = int(self._step_level[self.step])
             # Advance before yielding: state_dict() names the next micro-batch to train (the
             # next epoch's first once this one is done).
