@@ -9,6 +9,10 @@ micro-batch count and per-stage recompute the training loop must use for that st
 `level_of_step(step)` / `micro_batches_of_step(step)` tell it ahead of the step (the current
 epoch), `last_level` is the level of the micro-batch yielded last, and `levels` holds each
 level's budgets and recompute counts.
+
+The last epoch plan computed is kept per process (`shared_plan`): the samplers of one process
+(the training log's, the data iterator's) ask for the same epoch at start-up, and balance it
+once between them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,22 @@ from megatron_omnibal.balance.balancer import balance
 from megatron_omnibal.balance.config import BalanceConfig, Level
 from megatron_omnibal.balance.plan_io import BalancePlan
 from megatron_omnibal.data.lengths import LengthStats
+
+_recent: list[tuple[LengthStats, BalanceConfig, BalancePlan]] = []  # the last plan computed
+
+
+def shared_plan(lengths: LengthStats, config: BalanceConfig) -> BalancePlan:
+    """balance(lengths, config), computed once per process for the same lengths object and
+    config while it is the last one asked for; its arrays are read-only (it is shared)."""
+    for held, held_config, plan in _recent:
+        if held is lengths and held_config == config:
+            return plan
+    plan = balance(lengths, config)
+    for name in ("samples", "pack_ptr", "pack_step", "pack_rank", "pack_micro", "skipped",
+                 "pack_level"):
+        getattr(plan, name).setflags(write=False)
+    _recent[:] = [(lengths, config, plan)]
+    return plan
 
 
 class BalancedBatchSampler:
@@ -57,7 +77,7 @@ class BalancedBatchSampler:
 
     def plan(self, epoch: int) -> BalancePlan:
         """The whole plan (all ranks) of one epoch."""
-        return balance(self.lengths, self.config.with_seed(self.config.seed + epoch))
+        return shared_plan(self.lengths, self.config.with_seed(self.config.seed + epoch))
 
     def _load(self, epoch: int) -> None:
         if self._plan_epoch == epoch:
