@@ -4,11 +4,13 @@ exactly once per epoch, and bad input stops every rank with a clear error before
 group exists."""
 
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megatron_omnibal.data.lengths import load_lengths
@@ -310,3 +312,53 @@ def test_levels_resume_across_a_level_change_continues_exactly(level_runs):
         assert [m["level"] for m in s + r] == [m["level"] for m in w]
     w, r = whole[1]["micro"], resumed[1]["micro"]
     assert [m["loss"] for m in r] == pytest.approx([m["loss"] for m in w[k:]], rel=1e-6)
+
+
+def test_levels_log_counts_samples_rates_and_epochs(lengths_file, tmp_path):
+    """DP=2 with packing levels (4 and 2 micro-batches per step and rank) over an epoch
+    boundary. Oracle: the micro-batches both ranks drew. Megatron's "consumed samples" is the
+    samples trained so far (not 2 x 2 packs a step), the OmniBal line's samples per step are the
+    step's, its samples/s is them over the step's time (no slower than over Megatron's elapsed
+    time), and its epoch and step are where the drawn samples place it (an epoch ends when every
+    sample was trained once)."""
+    total = 10
+    flags = _flags(lengths_file, "--global-batch-size", "4", "--train-iters", str(total),
+                   "--omnibal-vit-pp-layers", "4", "--omnibal-llm-pp-layers", "4",
+                   "--omnibal-levels", LEVELS)  # fmt: skip
+    proc = _torchrun(2, tmp_path / "run", flags)
+    _ok(proc)
+    records = _records(tmp_path / "run")
+    per_rank = [_steps_of(records[rank]["micro"]) for rank in (0, 1)]
+    assert [len(s) for s in per_rank] == [total, total]
+    samples, epochs, seen, epoch = [], [], set(), 0
+    for a, b in zip(*per_rank, strict=True):
+        assert a[0]["level"] == b[0]["level"]  # a step is of one level on every rank
+        indices = [i for m in a + b for i in m["indices"]]
+        assert not seen & set(indices)
+        seen |= set(indices)
+        samples.append(len(indices))
+        epochs.append(epoch)
+        if len(seen) == 40:
+            seen, epoch = set(), epoch + 1
+    assert epochs[-1] >= 1 and {s[0]["level"] for s in per_rank[0]} == {0, 1}
+    first_epoch_steps = epochs.count(0)
+    consumed = dict(zip(range(1, total + 1), np.cumsum(samples).tolist(), strict=True))
+    logged = re.findall(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+)", proc.stdout)
+    assert {int(i): int(c) for i, c in logged} == consumed
+    megatron_ms = dict(re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration "
+                                  r"\(ms\):\s+([\d.]+)", proc.stdout))  # fmt: skip
+    ours = re.findall(r"omnibal: iteration\s+(\d+) \| samples/step ([\d.]+) .*\| tokens/step "
+                      r"([\d.]+) .*\| tokens/s ([\d.]+) \| samples/s ([\d.]+) \| epoch (\d+) "
+                      r"step (\d+)/(\d+) \|", proc.stdout)  # fmt: skip
+    assert [int(row[0]) for row in ours] == list(range(1, total + 1))
+    for it, per_step, tokens, token_rate, rate, epoch, step, steps in ours:
+        k = int(it) - 1
+        assert int(epoch) == epochs[k] and int(step) == k + 1 - first_epoch_steps * epochs[k]
+        if epochs[k] == 0:
+            assert int(steps) == first_epoch_steps
+        assert float(per_step) == samples[k]
+        # the step's samples over the step's time (the tokens' rate over the same time), which
+        # is within Megatron's: its timer also runs through a part of its logging, ours not
+        ratio = samples[k] / float(tokens)
+        assert abs(float(rate) - float(token_rate) * ratio) <= 0.05 * (1 + ratio) + 1e-9
+        assert float(rate) >= samples[k] / (float(megatron_ms[it]) / 1e3) - 0.05

@@ -405,8 +405,8 @@ def _install_iteration_log(
 def _run_steps_of_their_levels() -> None:
     """megatron.training runs each step for its run-wide get_num_microbatches(); a step of a
     packing level runs that level's count instead (step.per_step_micro_batches; the count of
-    a one-level run is the run's own). Megatron's sample counters and learning-rate schedule
-    keep counting --global-batch-size per step."""
+    a one-level run is the run's own). Megatron's learning-rate schedule keeps counting
+    --global-batch-size per step; its consumed samples are set from the plan (training_log)."""
     import megatron.training.training as loop
 
     from megatron_omnibal.megatron.step import per_step_micro_batches

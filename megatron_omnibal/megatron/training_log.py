@@ -182,7 +182,9 @@ class IterationLog:
             self._pending.clear()
 
     def _line(self, iteration: int) -> str:
-        """The figures averaged over the steps since the last line; rates over their time."""
+        """The figures averaged over the steps since the last line, rates over their time, and
+        where the stream stands: the balancer's epoch and the step within it (epochs differ in
+        steps; with packing levels also in micro-batches per step)."""
         figs = [f for f, _ in self._pending]
         seconds = sum(s for _, s in self._pending)
 
@@ -209,7 +211,8 @@ class IterationLog:
             )
             if self.throughput is not None:
                 text += self.throughput.text(figs, seconds)
-        return text + " |"
+        epoch, step = self.steps.locate(iteration - 1)
+        return text + f" | epoch {epoch} step {step + 1}/{self.steps.epoch(epoch).num_steps} |"
 
 
 def install(log: IterationLog) -> None:
