@@ -29,8 +29,8 @@ SPLIT = frozenset({
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size",
     "ffn_hidden_size", "num_attention_heads", "kv_channels", "group_query_attention",
     "num_query_groups", "normalization", "layernorm_epsilon", "swiglu", "position_embedding_type",
-    "rotary_base", "vocab_size", "add_bias_linear", "add_qkv_bias",
-    "untie_embeddings_and_output_weights",
+    "rotary_base", "vocab_size", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+    "use_rope_scaling", "rope_scaling_factor", "untie_embeddings_and_output_weights",
 })  # fmt: skip
 PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}
 
