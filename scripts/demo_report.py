@@ -10,34 +10,10 @@ figures in a JSON file under the demo's output folder; the summary reads whichev
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
-MEGATRON_LINE = re.compile(
-    r"\biteration +(\d+)/ *\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+).*?"
-    r"lm loss: ([0-9.E+-]+)"
-)
-OMNIBAL_LINE = re.compile(
-    r"omnibal: iteration +(\d+) \| samples/step ([0-9.]+) \| tiles/step ([0-9.]+) \| "
-    r"tokens/step ([0-9.]+) \| per-rank tokens .*?\(max/mean ([0-9.]+)\) \| "
-    r"per-rank tiles .*?\(max/mean ([0-9.]+)\)"
-)
-
-
-def parse_train_log(text: str) -> dict:
-    """The start-up summary and, per logged iteration, Megatron's loss and step time with the
-    OmniBal figures of the same iteration."""
-    steps: dict[int, dict] = {}
-    for m in MEGATRON_LINE.finditer(text):
-        steps.setdefault(int(m[1]), {}).update(ms=float(m[2]), loss=float(m[3]))
-    for m in OMNIBAL_LINE.finditer(text):
-        steps.setdefault(int(m[1]), {}).update(
-            samples=float(m[2]), tiles=float(m[3]), tokens=float(m[4]),
-            tokens_max_over_mean=float(m[5]), tiles_max_over_mean=float(m[6]))  # fmt: skip
-    startup = [line for line in text.splitlines() if line.startswith("omnibal: ")]
-    rows = [{"iteration": k, **v} for k, v in sorted(steps.items())]
-    return {"startup": startup, "rows": rows}
+from megatron_omnibal.workflow.train_log import parse_train_log
 
 
 def train(log_path: str, out_json: str) -> int:
