@@ -14,10 +14,10 @@
 # Usage: scripts/demo.sh [data|balance|train|compare ...]   (default: all four, in this order)
 # Environment: DEMO_OUT (default out/demo), DEMO_SAMPLES (generated samples, 1200), DEMO_STEPS
 # (training steps, 60), DEMO_COMPARE_STEPS (steps per compared run, 8; the first is not timed),
-# PYTHON (interpreter, default .venv/bin/python).
+# PYTHON (interpreter, default $VENV/bin/python), VENV (virtual environment, default .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+PY=${PYTHON:-${VENV:-.venv}/bin/python}
 OUT=${DEMO_OUT:-out/demo}
 SAMPLES=${DEMO_SAMPLES:-1200}
 STEPS=${DEMO_STEPS:-60}

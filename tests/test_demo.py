@@ -11,6 +11,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -88,10 +89,36 @@ def test_qa_dataset_answers_follow_from_question_and_picture(tmp_path):
 
 
 def _demo(out, *sections, timeout, **env):
+    """The demo run by this test's own interpreter (wherever its environment lives)."""
     return subprocess.run(
         ["bash", str(ROOT / "scripts" / "demo.sh"), *sections],
-        env={**os.environ, "DEMO_OUT": str(out), **env}, capture_output=True, text=True,
-        timeout=timeout, cwd=ROOT)  # fmt: skip
+        env={**os.environ, "DEMO_OUT": str(out), "PYTHON": sys.executable, **env},
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT)  # fmt: skip
+
+
+def test_demo_runs_the_interpreter_it_is_given(tmp_path):
+    """PYTHON wins; without it VENV names the environment (as `make demo VENV=x` passes it),
+    so a test run by an interpreter outside .venv demos that interpreter's installation."""
+    calls = tmp_path / "calls.txt"
+    wrapper = tmp_path / "venv" / "bin" / "python"
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    proc = _demo(tmp_path / "a", "data", timeout=300, DEMO_SAMPLES="40", PYTHON=str(wrapper))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "-m megatron_omnibal.cli stats" in calls.read_text()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env.update(DEMO_OUT=str(tmp_path / "b"), VENV=str(tmp_path / "venv"), DEMO_SAMPLES="40")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh"), "data"], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert calls.read_text().count("-m megatron_omnibal.cli stats") == 2
+
+
+def test_make_demo_passes_its_environment_to_the_demo():
+    proc = subprocess.run(["make", "-n", "demo", "VENV=/elsewhere/env"], capture_output=True,
+                          text=True, cwd=ROOT, check=True)  # fmt: skip
+    assert "PYTHON=/elsewhere/env/bin/python bash scripts/demo.sh" in proc.stdout
 
 
 def test_demo_data_and_balance_sections(tmp_path):
