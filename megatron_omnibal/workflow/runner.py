@@ -4,6 +4,7 @@ OUTPUT/logs/STEP.log; a failure names the step and its log."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import time
@@ -14,6 +15,8 @@ from megatron_omnibal.workflow.config import FinetuneConfig
 from megatron_omnibal.workflow.freshness import same_command, staleness, write_state
 from megatron_omnibal.workflow.paths import OutputPaths
 from megatron_omnibal.workflow.steps import STEPS, Step, build_step
+
+_ERROR = re.compile(r"^\w*(Error|Exception)\b.*: |\berror: ")
 
 
 class StepFailed(RuntimeError):
@@ -122,7 +125,10 @@ def _run(step: Step, paths: OutputPaths) -> None:
         )
     unfinished = step.incomplete() if step.incomplete else None
     if unfinished:
-        raise StepFailed(f"step {step.name}: {unfinished}; its log: {log}")
+        raise StepFailed(
+            f"step {step.name}: {unfinished}; its log: {log} (run again to go on from its "
+            "last checkpoint)"
+        )
     write_state(paths, step, finished=True)
 
 
@@ -140,5 +146,9 @@ def _move_aside(step: Step, log) -> None:
 
 
 def _tail(log, lines: int = 15) -> str:
-    text = log.read_text(errors="replace").splitlines()[-lines:]
-    return "\n".join(f"  | {line}" for line in text)
+    """The log's error lines (a traceback's last line, `error:` messages; each once), else
+    its last lines: torchrun ends a failed run with a summary that names no cause."""
+    text = log.read_text(errors="replace").splitlines()
+    errors = [line for line in text if _ERROR.search(line) and "elastic" not in line]
+    shown = list(dict.fromkeys(errors))[-5:] or text[-lines:]
+    return "\n".join(f"  | {line}" for line in shown)

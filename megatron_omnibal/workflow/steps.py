@@ -143,10 +143,7 @@ def _train(config: FinetuneConfig, paths: OutputPaths, node_rank: int | None) ->
     def incomplete() -> str | None:
         done = checkpoint_iteration(paths.train_checkpoint)
         if done is None or done < int(iters):
-            return (
-                f"training stopped at iteration {done or 0} of {iters} (its last "
-                f"checkpoint); run again to resume from it"
-            )
+            return f"training stopped at iteration {done or 0} of {iters}"
         return None
 
     return Step(

@@ -1,0 +1,202 @@
+"""`omnibal finetune` on CPU, as a user runs it: a tiny transformers InternVL with its own
+tokenizer, a generated InternVL dataset of real JPEG/PNG files, PP=2 on 2 gloo processes.
+
+One module-wide run does all six steps; later tests build on its output directory (a second
+run skips everything; a changed learning rate reruns training and what follows, killed and
+resumed). The export is checked by transformers itself (compare-hf's oracle, and loading it
+here), the iteration counts by Megatron's own checkpoint tracker and log.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from megatron_omnibal.data.generate import SYSTEM_PROMPT, qa_dataset
+from megatron_omnibal.models.tiny_hf import write_tiny_internvl
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ("stats", "plan", "convert", "train", "export", "compare-hf")
+ITERS = 8
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+
+def _config(folder: Path, name: str, **changes) -> Path:
+    doc = {
+        "model": "hf", "data": "data/meta.json", "output": "out",
+        "system_prompt": SYSTEM_PROMPT, "hardware": "A100-80G", "gpus_per_node": 2,
+        "device": "cpu", "pp": 2, "iters": ITERS, "lr": 1e-3, "min_lr": 1e-4, "warmup": 1,
+        "global_batch": 8, "save_interval": 2, "log_interval": 1, "seed": 1,
+        "megatron_args": ["--num-workers", "1"],
+    }  # fmt: skip
+    path = folder / name
+    path.write_text(yaml.safe_dump({**doc, **changes}))
+    return path
+
+
+def _finetune(config: Path, *flags: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_omnibal.cli", "finetune", str(config), *flags],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
+    )  # fmt: skip
+
+
+def _status(stdout: str) -> dict[str, str]:
+    """Per step: 'ran' or 'skipped', from the run's own lines."""
+    found = re.findall(r"^\[([a-z-]+)\] (running|up to date)", stdout, re.M)
+    return {name: "ran" if what == "running" else "skipped" for name, what in found}
+
+
+def _tracker(folder: Path) -> str:
+    return (folder / "out/checkpoints/train/latest_checkpointed_iteration.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("finetune")
+    made = qa_dataset(folder / "data", samples=160, images=41, seed=2)
+    write_tiny_internvl(folder / "hf", made.tokenizer)
+    config = _config(folder, "run.yaml")
+    proc = _finetune(config)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return folder, config, proc
+
+
+def test_dry_run_lists_every_command_and_runs_nothing(tmp_path):
+    made = qa_dataset(tmp_path / "data", samples=40, images=11)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    config = _config(tmp_path, "run.yaml", tp=1)
+    proc = _finetune(config, "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert _status(proc.stdout) == {}
+    lines = dict(re.findall(r"^\[([a-z-]+)\] would run; log .*\n  (.*)$", proc.stdout, re.M))
+    assert list(lines) == list(STEPS)
+    assert f"stats {made.meta} --model {tmp_path / 'hf'}" in lines["stats"]
+    assert "plan " in lines["plan"] and "--tp 1 --pp 2" in lines["plan"]
+    assert "convert hf-to-megatron" in lines["convert"]
+    assert "launch_single_node.sh --cpu --nproc-per-node 2 -- --omnibal" in lines["train"]
+    assert "--lr 0.001" in lines["train"] and lines["train"].endswith("--num-workers 1")
+    assert "convert megatron-to-hf" in lines["export"] and "compare-hf" in lines["compare-hf"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failing_step_names_itself_and_its_log(tmp_path):
+    """A model directory whose config.json is no VLM's: `omnibal stats` refuses it."""
+    qa_dataset(tmp_path / "data", samples=40, images=11)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    proc = _finetune(_config(tmp_path, "run.yaml"))
+    log = tmp_path / "out" / "logs" / "stats.log"
+    assert proc.returncode == 1
+    assert re.search(rf"step stats failed \(exit status \d\); its log: {log}", proc.stderr)
+    assert "omnibal stats: error" in log.read_text()
+    assert _status(proc.stdout) == {"stats": "ran"}  # nothing after it
+
+
+def test_all_six_steps_run_and_report(first_run):
+    from transformers import InternVLForConditionalGeneration
+
+    folder, _, proc = first_run
+    out = folder / "out"
+    assert _status(proc.stdout) == dict.fromkeys(STEPS, "ran")
+    for step in STEPS:
+        assert (out / "logs" / f"{step}.log").stat().st_size > 0
+    assert _tracker(folder) == str(ITERS)
+    report = json.loads((out / "report.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    assert report["plan"]["predicted_step_ms"] == plan["predicted"]["step_ms"]
+    assert (report["plan"]["pp"], report["plan"]["dp"]) == (2, 1)
+    logged = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)",
+                                           (out / "logs" / "train.log").read_text())]  # fmt: skip
+    assert len(logged) == ITERS and min(logged) <= report["train"]["measured_step_ms"]
+    assert report["train"]["iteration"] == ITERS
+    assert report["compare_hf"]["ok"] and report["compare_hf"]["max_rel"] < 1e-4
+    for png in ("loss.png", "balance.png", "stats.png"):
+        assert Image.open(out / png).format == "PNG"
+    assert report["export"] == str(out / "hf")
+    # the export is the trained model: transformers loads it, and training changed it
+    trained = InternVLForConditionalGeneration.from_pretrained(out / "hf")
+    start = InternVLForConditionalGeneration.from_pretrained(folder / "hf")
+    name = "model.language_model.layers.0.mlp.up_proj.weight"
+    assert not trained.state_dict()[name].equal(start.state_dict()[name])
+    text = (out / "report.md").read_text()
+    assert "compare-hf: passed" in text and str(out / "hf") in text and text in proc.stdout
+
+
+def test_a_second_run_skips_every_step(first_run):
+    folder, config, _ = first_run
+    before = {p: p.stat().st_mtime_ns for p in (folder / "out").rglob("*") if p.is_file()
+              and "logs" not in p.parts and p.suffix != ".md" and p.name != "report.json"}
+    proc = _finetune(config)
+    assert proc.returncode == 0, proc.stderr
+    assert _status(proc.stdout) == dict.fromkeys(STEPS, "skipped")
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+    dry = _finetune(config, "--dry-run")
+    assert dry.stdout.count("up to date, would skip") == len(STEPS)
+
+
+@pytest.fixture(scope="module")
+def killed(first_run):
+    """A new learning rate, stopped by a kill of the whole process group once a checkpoint
+    of the new run is written and before the last one."""
+    folder, _, _ = first_run
+    config = _config(folder, "lr.yaml", lr=5e-4)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_omnibal.cli", "finetune", str(config), "--until",
+         "train"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env=env, start_new_session=True,
+    )  # fmt: skip
+    tracker = folder / "out/checkpoints/train/latest_checkpointed_iteration.txt"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if tracker.is_file() and tracker.read_text().strip() not in ("", str(ITERS)):
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    stdout, _ = proc.communicate(timeout=60)
+    return folder, config, stdout, int(tracker.read_text())
+
+
+def test_a_new_learning_rate_reruns_training_but_not_the_statistics(killed):
+    folder, _, stdout, stopped = killed
+    assert _status(stdout) == {"stats": "skipped", "plan": "skipped", "convert": "skipped",
+                               "train": "ran"}  # fmt: skip
+    assert 2 <= stopped < ITERS
+    # the earlier run's checkpoints were set aside, not resumed from
+    previous = folder / "out/checkpoints/train.previous/latest_checkpointed_iteration.txt"
+    assert previous.read_text() == str(ITERS)
+    log = (folder / "out/logs/train.log").read_text()
+    assert f"loaded checkpoint from {folder / 'out/checkpoints/start'}" in log
+    assert f"loaded checkpoint from {folder / 'out/checkpoints/train'}" not in log
+    assert (folder / "out/logs/train.log.previous").is_file()
+
+
+def test_a_killed_run_resumes_from_its_last_checkpoint(killed):
+    folder, config, _, stopped = killed
+    proc = _finetune(config)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    status = _status(proc.stdout)
+    assert status == {"stats": "skipped", "plan": "skipped", "convert": "skipped",
+                      "train": "ran", "export": "ran", "compare-hf": "ran"}  # fmt: skip
+    assert f"training stopped at iteration {stopped} of {ITERS}" in proc.stdout
+    log = (folder / "out/logs/train.log").read_text()
+    resumed = log.split("=== omnibal finetune: train started")[-1]
+    assert re.search(rf"loaded checkpoint from {folder / 'out/checkpoints/train'}.* at "
+                     rf"iteration {stopped}\b", resumed)  # fmt: skip
+    iterations = [int(i) for i in re.findall(r"\biteration +(\d+)/ *\d+ \|", resumed)]
+    assert iterations == list(range(stopped + 1, ITERS + 1))
+    assert _tracker(folder) == str(ITERS)
+    report = json.loads((folder / "out" / "report.json").read_text())
+    assert report["train"]["iteration"] == ITERS and report["compare_hf"]["ok"]
