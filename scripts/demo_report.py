@@ -115,10 +115,19 @@ def summary(out_dir: str) -> int:
     if (out / "train.json").exists():
         t = json.loads((out / "train.json").read_text())
         lines.append(
-            f"train    lm loss {t['first_loss']:.2f} -> {t['last_loss']:.2f} in "
-            f"{t['iterations']} steps on the generated samples (DP=2); per-rank max/mean at "
-            f"worst: tokens {t['worst_tokens_max_over_mean']:.3f}, tiles "
-            f"{t['worst_tiles_max_over_mean']:.3f}: {out / 'train.log'}")
+            f"train    `omnibal finetune` (stats, plan, convert, train, export, compare-hf): lm "
+            f"loss {t['first_loss']:.2f} -> {t['last_loss']:.2f} in {t['iterations']} steps "
+            f"on the generated samples (DP=2); per-rank max/mean at worst: tokens "
+            f"{t['worst_tokens_max_over_mean']:.3f}, tiles {t['worst_tiles_max_over_mean']:.3f}"
+            f": {out / 'finetune' / 'logs' / 'train.log'}")
+    report = out / "finetune" / "report.json"
+    if report.exists():
+        r = json.loads(report.read_text())
+        verdict = r["compare_hf"]
+        check = (f"compare-hf {'passed' if verdict['ok'] else 'FAILED'} (largest relative "
+                 f"difference {verdict['max_rel']:.1e})" if verdict else "compare-hf not run")
+        lines.append(f"         exported Hugging Face checkpoint {r['export']}, {check}; "
+                     f"report: {report.with_suffix('.md')}")
     if (out / "step_time.json").exists():
         rows = {r["step"]: r for r in
                 json.loads((out / "step_time.json").read_text())["shapes"][0]["rows"]}

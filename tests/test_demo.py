@@ -162,23 +162,29 @@ def test_demo_refuses_an_unknown_section_and_training_without_data(tmp_path):
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_demo_trains_on_the_generated_data_and_compares_step_times(tmp_path):
-    """The training section on the generated samples (30 steps: the loss must fall well below
-    its start, since the answers are learnable) and the step-time section at its fewest steps.
-    The condensed log must hold every logged iteration of Megatron's own log; the step-time
-    report both runs, with the baseline's fixed-size batches and the plan's stages."""
+    """The training section (`omnibal finetune`) on the generated samples (30 steps: the loss
+    must fall well below its start, since the answers are learnable) and the step-time section
+    at its fewest steps. The condensed log must hold every logged iteration of Megatron's own
+    log; the export must pass compare-hf; the step-time report both runs, with the baseline's
+    fixed-size batches and the plan's stages."""
     out = tmp_path / "demo"
     proc = _demo(out, "data", timeout=120, DEMO_SAMPLES="400")
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = _demo(out, "train", "compare", timeout=900, DEMO_STEPS="30", DEMO_COMPARE_STEPS="4")
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
-    log = (out / "train.log").read_text()
+    log = (out / "finetune" / "logs" / "train.log").read_text()
     losses = [float(x) for x in re.findall(r"iteration +\d+/ +30 \|.*?lm loss: ([0-9.E+-]+)", log)]
     train = json.loads((out / "train.json").read_text())
     assert len(losses) == 7 and train["iterations"] == 30  # iteration 1, then every 5th
     assert (train["first_loss"], train["last_loss"]) == (losses[0], losses[-1])
     assert losses[-1] < 0.6 * losses[0]
     assert any(line.startswith("omnibal: pipeline: TP=1, PP=1, DP=2") for line in train["startup"])
-    assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
+    checkpoint = out / "finetune" / "checkpoints" / "train"
+    assert (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
+    finetune = json.loads((out / "finetune" / "report.json").read_text())
+    assert finetune["compare_hf"]["ok"] and finetune["export"] == str(out / "finetune" / "hf")
+    assert f"exported Hugging Face checkpoint {out / 'finetune' / 'hf'}, compare-hf passed" in (
+        proc.stdout.split("== summary")[1])
     report = json.loads((out / "step_time.json").read_text())
     rows = {r["step"]: r for r in report["shapes"][0]["rows"]}
     assert set(rows) == {"baseline", "+recompute"}

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -136,8 +137,9 @@ def test_all_six_steps_run_and_report(first_run):
 
 def test_a_second_run_skips_every_step(first_run):
     folder, config, _ = first_run
+    report = ("report.md", "report.json", "loss.png")  # rewritten by every run
     before = {p: p.stat().st_mtime_ns for p in (folder / "out").rglob("*") if p.is_file()
-              and "logs" not in p.parts and p.suffix != ".md" and p.name != "report.json"}
+              and "logs" not in p.parts and p.name not in report}
     proc = _finetune(config)
     assert proc.returncode == 0, proc.stderr
     assert _status(proc.stdout) == dict.fromkeys(STEPS, "skipped")
@@ -146,23 +148,33 @@ def test_a_second_run_skips_every_step(first_run):
     assert dry.stdout.count("up to date, would skip") == len(STEPS)
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants at once, as a crashed machine stops them
+    (torchrun's workers run in sessions of their own: a process group kill misses them)."""
+    import psutil
+
+    parent = psutil.Process(pid)
+    for p in [parent, *parent.children(recursive=True)]:
+        p.send_signal(signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 def killed(first_run):
-    """A new learning rate, stopped by a kill of the whole process group once a checkpoint
-    of the new run is written and before the last one."""
+    """A new learning rate, stopped by killing every process of the run once a checkpoint of
+    the new run is written and before the last one."""
     folder, _, _ = first_run
     config = _config(folder, "lr.yaml", lr=5e-4)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "megatron_omnibal.cli", "finetune", str(config), "--until",
          "train"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env=env, start_new_session=True,
+        env=env,
     )  # fmt: skip
     tracker = folder / "out/checkpoints/train/latest_checkpointed_iteration.txt"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if tracker.is_file() and tracker.read_text().strip() not in ("", str(ITERS)):
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_tree(proc.pid)
             break
         time.sleep(0.05)
     stdout, _ = proc.communicate(timeout=60)
@@ -200,3 +212,29 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(killed):
     assert _tracker(folder) == str(ITERS)
     report = json.loads((folder / "out" / "report.json").read_text())
     assert report["train"]["iteration"] == ITERS and report["compare_hf"]["ok"]
+
+
+def test_several_nodes_get_one_launch_script_each_that_trains(killed):
+    """Two nodes of one process each (PP=2 across them, a static rendezvous on this machine):
+    the scripts run scripts/launch_multi_node.sh; run together they train to the end, and the
+    next `omnibal finetune` takes the checkpoint as done."""
+    folder, _, _, _ = killed
+    config = _config(folder, "nodes.yaml", gpus_per_node=1, nodes=2, master_addr="127.0.0.1")
+    proc = _finetune(config, "--until", "train")
+    assert proc.returncode == 0, proc.stderr
+    assert _status(proc.stdout) == dict.fromkeys(("stats", "plan", "convert"), "skipped")
+    scripts = [folder / "out" / "launch" / f"node_{r}.sh" for r in (0, 1)]
+    for rank, script in enumerate(scripts):
+        text = script.read_text()
+        assert f"launch_multi_node.sh --nnodes 2 --node-rank {rank} --cpu" in text
+        assert "--pipeline-model-parallel-size 2" in text and os.access(script, os.X_OK)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "MASTER_PORT": port}
+    nodes = [subprocess.Popen(["bash", str(s)], env=env) for s in scripts]
+    assert [p.wait(timeout=400) for p in nodes] == [0, 0]
+    assert _tracker(folder) == str(ITERS)
+    assert "iteration        8/       8" in (folder / "out/logs/train.node1.log").read_text()
+    proc = _finetune(config, "--until", "train")
+    assert proc.returncode == 0 and _status(proc.stdout)["train"] == "skipped", proc.stdout
