@@ -125,10 +125,8 @@ def _run(step: Step, paths: OutputPaths) -> None:
         )
     unfinished = step.incomplete() if step.incomplete else None
     if unfinished:
-        raise StepFailed(
-            f"step {step.name}: {unfinished}; its log: {log} (run again to go on from its "
-            "last checkpoint)"
-        )
+        again = " (run again to go on from its last checkpoint)" if step.resumable else ""
+        raise StepFailed(f"step {step.name}: {unfinished}; its log: {log}{again}")
     write_state(paths, step, finished=True)
 
 

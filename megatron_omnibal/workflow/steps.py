@@ -7,6 +7,7 @@ wrote). Its inputs and outputs decide, with its command, whether it is up to dat
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -202,6 +203,14 @@ def _export(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> St
 
 def _compare(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Step:
     cmd = [*OMNIBAL, "compare-hf", str(paths.export), str(paths.train_checkpoint)]
+
+    def incomplete() -> str | None:
+        try:
+            json.loads(paths.compare.read_text())["ok"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"compare-hf wrote no verdict into {paths.compare}"
+        return None
+
     return Step(
         name="compare-hf",
         command=cmd,
@@ -209,8 +218,9 @@ def _compare(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> S
         inputs=(paths.state("export"), paths.train_checkpoint / TRACKER),
         outputs=(paths.compare,),
         stdout=paths.compare,
-        ok_codes=(0, 1),
-    )  # 1: above the tolerance, a verdict the report shows
+        ok_codes=(0, 1),  # 1 with a verdict: above the tolerance, which the report shows
+        incomplete=incomplete,
+    )
 
 
 def _data_files(config: FinetuneConfig) -> tuple[Path, ...]:
