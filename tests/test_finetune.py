@@ -18,44 +18,15 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from PIL import Image
 
-from megatron_omnibal.data.generate import SYSTEM_PROMPT, qa_dataset
+from megatron_omnibal.data.generate import qa_dataset
 from megatron_omnibal.models.tiny_hf import write_tiny_internvl
 
-ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("stats", "plan", "convert", "train", "export", "compare-hf")
-ITERS = 8
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from finetune_runs import ITERS, ROOT, STEPS, finetune, step_status, write_config  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
-
-
-def _config(folder: Path, name: str, **changes) -> Path:
-    doc = {
-        "model": "hf", "data": "data/meta.json", "output": "out",
-        "system_prompt": SYSTEM_PROMPT, "hardware": "A100-80G", "gpus_per_node": 2,
-        "device": "cpu", "pp": 2, "iters": ITERS, "lr": 1e-3, "min_lr": 1e-4, "warmup": 1,
-        "global_batch": 8, "save_interval": 2, "log_interval": 1, "seed": 1,
-        "megatron_args": ["--num-workers", "1"],
-    }  # fmt: skip
-    path = folder / name
-    path.write_text(yaml.safe_dump({**doc, **changes}))
-    return path
-
-
-def _finetune(config: Path, *flags: str, timeout: int = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_omnibal.cli", "finetune", str(config), *flags],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
-    )  # fmt: skip
-
-
-def _status(stdout: str) -> dict[str, str]:
-    """Per step: 'ran' or 'skipped', from the run's own lines."""
-    found = re.findall(r"^\[([a-z-]+)\] (running|up to date)", stdout, re.M)
-    return {name: "ran" if what == "running" else "skipped" for name, what in found}
 
 
 def _tracker(folder: Path) -> str:
@@ -67,42 +38,10 @@ def first_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("finetune")
     made = qa_dataset(folder / "data", samples=160, images=41, seed=2)
     write_tiny_internvl(folder / "hf", made.tokenizer)
-    config = _config(folder, "run.yaml")
-    proc = _finetune(config)
+    config = write_config(folder, "run.yaml")
+    proc = finetune(config)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return folder, config, proc
-
-
-def test_dry_run_lists_every_command_and_runs_nothing(tmp_path):
-    made = qa_dataset(tmp_path / "data", samples=40, images=11)
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
-    config = _config(tmp_path, "run.yaml", tp=1)
-    proc = _finetune(config, "--dry-run")
-    assert proc.returncode == 0, proc.stderr
-    assert _status(proc.stdout) == {}
-    lines = dict(re.findall(r"^\[([a-z-]+)\] would run; log .*\n  (.*)$", proc.stdout, re.M))
-    assert list(lines) == list(STEPS)
-    assert f"stats {made.meta} --model {tmp_path / 'hf'}" in lines["stats"]
-    assert "plan " in lines["plan"] and "--tp 1 --pp 2" in lines["plan"]
-    assert "convert hf-to-megatron" in lines["convert"]
-    assert "launch_single_node.sh --cpu --nproc-per-node 2 -- --omnibal" in lines["train"]
-    assert "--lr 0.001" in lines["train"] and lines["train"].endswith("--num-workers 1")
-    assert "convert megatron-to-hf" in lines["export"] and "compare-hf" in lines["compare-hf"]
-    assert not (tmp_path / "out").exists()
-
-
-def test_a_failing_step_names_itself_and_its_log(tmp_path):
-    """A model directory whose config.json is no VLM's: `omnibal stats` refuses it."""
-    qa_dataset(tmp_path / "data", samples=40, images=11)
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
-    proc = _finetune(_config(tmp_path, "run.yaml"))
-    log = tmp_path / "out" / "logs" / "stats.log"
-    assert proc.returncode == 1
-    assert re.search(rf"step stats failed \(exit status \d\); its log: {log}", proc.stderr)
-    assert "omnibal stats: error" in log.read_text()
-    assert _status(proc.stdout) == {"stats": "ran"}  # nothing after it
 
 
 def test_all_six_steps_run_and_report(first_run):
@@ -110,7 +49,7 @@ def test_all_six_steps_run_and_report(first_run):
 
     folder, _, proc = first_run
     out = folder / "out"
-    assert _status(proc.stdout) == dict.fromkeys(STEPS, "ran")
+    assert step_status(proc.stdout) == dict.fromkeys(STEPS, "ran")
     for step in STEPS:
         assert (out / "logs" / f"{step}.log").stat().st_size > 0
     assert _tracker(folder) == str(ITERS)
@@ -140,11 +79,11 @@ def test_a_second_run_skips_every_step(first_run):
     report = ("report.md", "report.json", "loss.png")  # rewritten by every run
     before = {p: p.stat().st_mtime_ns for p in (folder / "out").rglob("*") if p.is_file()
               and "logs" not in p.parts and p.name not in report}
-    proc = _finetune(config)
+    proc = finetune(config)
     assert proc.returncode == 0, proc.stderr
-    assert _status(proc.stdout) == dict.fromkeys(STEPS, "skipped")
+    assert step_status(proc.stdout) == dict.fromkeys(STEPS, "skipped")
     assert {p: p.stat().st_mtime_ns for p in before} == before
-    dry = _finetune(config, "--dry-run")
+    dry = finetune(config, "--dry-run")
     assert dry.stdout.count("up to date, would skip") == len(STEPS)
 
 
@@ -163,7 +102,7 @@ def killed(first_run):
     """A new learning rate, stopped by killing every process of the run once a checkpoint of
     the new run is written and before the last one."""
     folder, _, _ = first_run
-    config = _config(folder, "lr.yaml", lr=5e-4)
+    config = write_config(folder, "lr.yaml", lr=5e-4)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "megatron_omnibal.cli", "finetune", str(config), "--until",
@@ -183,7 +122,7 @@ def killed(first_run):
 
 def test_a_new_learning_rate_reruns_training_but_not_the_statistics(killed):
     folder, _, stdout, stopped = killed
-    assert _status(stdout) == {"stats": "skipped", "plan": "skipped", "convert": "skipped",
+    assert step_status(stdout) == {"stats": "skipped", "plan": "skipped", "convert": "skipped",
                                "train": "ran"}  # fmt: skip
     assert 2 <= stopped < ITERS
     # the earlier run's checkpoints were set aside, not resumed from
@@ -197,9 +136,9 @@ def test_a_new_learning_rate_reruns_training_but_not_the_statistics(killed):
 
 def test_a_killed_run_resumes_from_its_last_checkpoint(killed):
     folder, config, _, stopped = killed
-    proc = _finetune(config)
+    proc = finetune(config)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    status = _status(proc.stdout)
+    status = step_status(proc.stdout)
     assert status == {"stats": "skipped", "plan": "skipped", "convert": "skipped",
                       "train": "ran", "export": "ran", "compare-hf": "ran"}  # fmt: skip
     assert f"training stopped at iteration {stopped} of {ITERS}" in proc.stdout
@@ -219,10 +158,10 @@ def test_several_nodes_get_one_launch_script_each_that_trains(killed):
     the scripts run scripts/launch_multi_node.sh; run together they train to the end, and the
     next `omnibal finetune` takes the checkpoint as done."""
     folder, _, _, _ = killed
-    config = _config(folder, "nodes.yaml", gpus_per_node=1, nodes=2, master_addr="127.0.0.1")
-    proc = _finetune(config, "--until", "train")
+    config = write_config(folder, "nodes.yaml", gpus_per_node=1, nodes=2, master_addr="127.0.0.1")
+    proc = finetune(config, "--until", "train")
     assert proc.returncode == 0, proc.stderr
-    assert _status(proc.stdout) == dict.fromkeys(("stats", "plan", "convert"), "skipped")
+    assert step_status(proc.stdout) == dict.fromkeys(("stats", "plan", "convert"), "skipped")
     scripts = [folder / "out" / "launch" / f"node_{r}.sh" for r in (0, 1)]
     for rank, script in enumerate(scripts):
         text = script.read_text()
@@ -236,5 +175,5 @@ def test_several_nodes_get_one_launch_script_each_that_trains(killed):
     assert [p.wait(timeout=400) for p in nodes] == [0, 0]
     assert _tracker(folder) == str(ITERS)
     assert "iteration        8/       8" in (folder / "out/logs/train.node1.log").read_text()
-    proc = _finetune(config, "--until", "train")
-    assert proc.returncode == 0 and _status(proc.stdout)["train"] == "skipped", proc.stdout
+    proc = finetune(config, "--until", "train")
+    assert proc.returncode == 0 and step_status(proc.stdout)["train"] == "skipped", proc.stdout
