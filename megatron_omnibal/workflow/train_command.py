@@ -78,6 +78,9 @@ def launch_command(
 ) -> list[str]:
     """torchrun through the project's launcher: this node alone (single node), or node
     `node_rank` of `config.nodes` (the rendezvous from MASTER_ADDR / MASTER_PORT)."""
+    if not SCRIPTS.is_dir():
+        raise ValueError(f"no launch scripts at {SCRIPTS}: training runs the launchers of a "
+                         "source checkout (pip install -e)")  # fmt: skip
     if config.nodes == 1:
         cmd = ["bash", str(SCRIPTS / "launch_single_node.sh")]
     else:
