@@ -7,10 +7,10 @@ import sys
 
 HELP = "run stats, plan, convert, train, export and compare-hf from one YAML config"
 
-STEP_NAMES = ("stats", "plan", "convert", "train", "export", "compare-hf")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from megatron_omnibal.workflow.steps import STEPS
+
     parser.add_argument("config", help="the run's YAML file (keys: docs/finetune.md)")
     parser.add_argument(
         "--dry-run",
@@ -20,10 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--from",
         dest="first",
-        choices=STEP_NAMES,
+        choices=STEPS,
         help="start at this step (run even if up to date); the steps before are left as they are",
     )
-    parser.add_argument("--until", dest="last", choices=STEP_NAMES, help="stop after this step")
+    parser.add_argument("--until", dest="last", choices=STEPS, help="stop after this step")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,12 +31,13 @@ def run(args: argparse.Namespace) -> int:
     from megatron_omnibal.workflow.paths import OutputPaths
     from megatron_omnibal.workflow.report import render, write_report
     from megatron_omnibal.workflow.runner import Selection, StepFailed, dry_run, run_steps
+    from megatron_omnibal.workflow.steps import STEPS
 
     config = load_config(args.config)
     paths = OutputPaths(config.out)
     selection = Selection(
-        first=args.first or STEP_NAMES[0],
-        last=args.last or STEP_NAMES[-1],
+        first=args.first or STEPS[0],
+        last=args.last or STEPS[-1],
         force_first=args.first is not None,
     )
     selection.names()  # --from after --until: a usage error before any work
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     except StepFailed as exc:
         print(f"omnibal finetune: {exc}", file=sys.stderr)
         return 1
-    if done is None or STEP_NAMES.index(done) < STEP_NAMES.index("train"):
+    if done is None or STEPS.index(done) < STEPS.index("train"):
         return 0
     report = write_report(config, paths)
     print("\n" + render(report), end="")
