@@ -75,25 +75,10 @@ def _balance_png(config: FinetuneConfig, paths: OutputPaths, plan: Any) -> str |
     sources = [paths.plan, paths.lengths]
     if png.is_file() and all(png.stat().st_mtime_ns >= p.stat().st_mtime_ns for p in sources):
         return str(png)
-    cmd = [
-        *OMNIBAL,
-        "balance",
-        str(paths.lengths),
-        "--plan",
-        str(paths.plan),
-        "--dp",
-        str(plan.parallel.dp),
-        "--micro-batches",
-        str(plan.parallel.micro_batches),
-        "--vit-budget",
-        str(plan.data.vit_budget),
-        "--token-budget",
-        str(plan.data.token_budget),
-        "--seed",
-        str(config.seed),
-        "--png",
-        str(png),
-    ]
+    cmd = [*OMNIBAL, "balance", str(paths.lengths), "--plan", str(paths.plan), "--dp",
+           str(plan.parallel.dp), "--micro-batches", str(plan.parallel.micro_batches),
+           "--vit-budget", str(plan.data.vit_budget), "--token-budget",
+           str(plan.data.token_budget), "--seed", str(config.seed), "--png", str(png)]  # fmt: skip
     with open(paths.log("report"), "a") as log:
         ok = subprocess.run(cmd, stdout=log, stderr=log).returncode == 0
     return str(png) if ok else None

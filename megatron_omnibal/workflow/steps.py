@@ -46,18 +46,8 @@ def build_step(
 
 
 def _stats(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Step:
-    cmd = [
-        *OMNIBAL,
-        "stats",
-        config.data,
-        "--model",
-        config.model,
-        "--out",
-        str(paths.lengths),
-        "--png",
-        str(paths.stats_png),
-        "--no-progress",
-    ]
+    cmd = [*OMNIBAL, "stats", config.data, "--model", config.model, "--out", str(paths.lengths),
+           "--png", str(paths.stats_png), "--no-progress"]  # fmt: skip
     for flag, value in (
         ("--image-root", config.image_root),
         ("--tokenizer", config.tokenizer),
@@ -80,24 +70,10 @@ def _stats(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Ste
 
 
 def _plan(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Step:
-    cmd = [
-        *OMNIBAL,
-        "plan",
-        "--model",
-        config.model,
-        "--hardware",
-        config.hardware,
-        "--gpus",
-        str(config.gpus),
-        "--lengths",
-        str(paths.lengths),
-        "--global-batch",
-        str(config.global_batch),
-        "--seed",
-        str(config.seed),
-        "--out",
-        str(paths.plan),
-    ]
+    cmd = [*OMNIBAL, "plan", "--model", config.model, "--hardware", config.hardware, "--gpus",
+           str(config.gpus), "--lengths", str(paths.lengths), "--global-batch",
+           str(config.global_batch), "--seed", str(config.seed), "--out",
+           str(paths.plan)]  # fmt: skip
     for flag, value in (("--tp", config.tp), ("--pp", config.pp)):
         if value is not None:
             cmd += [flag, str(value)]
@@ -110,18 +86,8 @@ def _plan(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Step
 
 
 def _convert(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Step:
-    cmd = [
-        *OMNIBAL,
-        "convert",
-        "hf-to-megatron",
-        config.model,
-        "--plan",
-        str(paths.plan),
-        "--out",
-        str(paths.start_checkpoint),
-        "--force",
-        "--no-progress",
-    ]
+    cmd = [*OMNIBAL, "convert", "hf-to-megatron", config.model, "--plan", str(paths.plan), "--out",
+           str(paths.start_checkpoint), "--force", "--no-progress"]  # fmt: skip
     return Step(
         name="convert",
         command=cmd,
@@ -180,18 +146,8 @@ def planned_iterations(config: FinetuneConfig, paths: OutputPaths) -> int | str:
 
 
 def _export(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Step:
-    cmd = [
-        *OMNIBAL,
-        "convert",
-        "megatron-to-hf",
-        str(paths.train_checkpoint),
-        "--like",
-        config.model,
-        "--out",
-        str(paths.export),
-        "--force",
-        "--no-progress",
-    ]
+    cmd = [*OMNIBAL, "convert", "megatron-to-hf", str(paths.train_checkpoint), "--like",
+           config.model, "--out", str(paths.export), "--force", "--no-progress"]  # fmt: skip
     return Step(
         name="export",
         command=cmd,

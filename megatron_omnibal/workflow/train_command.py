@@ -24,38 +24,26 @@ def training_flags(
     """Flags of pretrain_vlm for `iters` steps; `--load` and `--save` share one directory, so
     a second start resumes from the last checkpoint."""
     if config.device == "cpu":
-        # megatron-core 0.19 without Transformer Engine or Apex cannot resume a torch_dist
-        # checkpoint of the distributed optimizer (DistributedOptimizer.state_dict asserts on
-        # the fresh optimizer's steps), and a CPU trial run gains nothing from sharding it
+        # megatron-core 0.19 without Transformer Engine or Apex does not resume a torch_dist
+        # checkpoint of the distributed optimizer on CPU (load_checkpoint stops at
+        # DistributedOptimizer.state_dict's `assert len(steps) == 1`), and a CPU trial run
+        # gains nothing from sharding it
         plan_flags = [f for f in plan_flags if f != "--use-distributed-optimizer"]
     flags = [
-        "--omnibal",
-        *plan_flags,
-        "--omnibal-data",
-        config.data,
-        "--omnibal-lengths",
-        str(paths.lengths),
-        "--pretrained-checkpoint",
-        str(paths.start_checkpoint),
-        "--load",
-        str(paths.train_checkpoint),
-        "--save",
-        str(paths.train_checkpoint),
-        "--save-interval",
-        str(config.save_interval),
-        "--train-iters",
-        str(iters),
-        "--lr",
-        str(config.lr),
-        "--min-lr",
-        str(config.min_lr),
-        "--lr-decay-style",
-        "cosine",
-        "--seed",
-        str(config.seed),
-        "--log-interval",
-        str(config.log_interval),
-    ]
+        "--omnibal", *plan_flags,
+        "--omnibal-data", config.data,
+        "--omnibal-lengths", str(paths.lengths),
+        "--pretrained-checkpoint", str(paths.start_checkpoint),
+        "--load", str(paths.train_checkpoint),
+        "--save", str(paths.train_checkpoint),
+        "--save-interval", str(config.save_interval),
+        "--train-iters", str(iters),
+        "--lr", str(config.lr),
+        "--min-lr", str(config.min_lr),
+        "--lr-decay-style", "cosine",
+        "--seed", str(config.seed),
+        "--log-interval", str(config.log_interval),
+    ]  # fmt: skip
     if config.warmup >= 1:
         flags += ["--lr-warmup-iters", str(int(config.warmup))]
     else:
