@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_omnibal.workflow.config import FinetuneConfig
+from megatron_omnibal.workflow.freshness import staleness
 from megatron_omnibal.workflow.paths import OutputPaths, checkpoint_iteration
-from megatron_omnibal.workflow.steps import OMNIBAL
+from megatron_omnibal.workflow.steps import OMNIBAL, build_step
 from megatron_omnibal.workflow.train_log import measured_step_ms, parse_train_log
 
 
@@ -43,9 +44,15 @@ def build_report(config: FinetuneConfig, paths: OutputPaths) -> dict[str, Any]:
         "last_loss": losses[-1]["loss"] if losses else None,
         "loss_png": str(_plot_loss(losses, paths.loss_png)) if losses else None,
     }
-    report["export"] = str(paths.export) if (paths.export / "config.json").is_file() else None
-    report["compare_hf"] = _verdict(paths.compare)
+    # an export or a verdict of an earlier training is not this run's: left out until redone
+    report["export"] = str(paths.export) if _up_to_date("export", config, paths) else None
+    report["compare_hf"] = _verdict(paths.compare) if _up_to_date("compare-hf", config,
+                                                                  paths) else None  # fmt: skip
     return report
+
+
+def _up_to_date(step: str, config: FinetuneConfig, paths: OutputPaths) -> bool:
+    return staleness(build_step(step, config, paths), paths) is None
 
 
 def _train_rows(paths: OutputPaths) -> list[dict]:
@@ -127,7 +134,7 @@ def render(report: dict[str, Any]) -> str:
     ]
     if pictures:
         lines.append(f"- pictures: {', '.join(pictures)}")
-    lines.append(f"- exported Hugging Face checkpoint: {report['export'] or 'not yet'}")
+    lines.append(f"- exported Hugging Face checkpoint: {report['export'] or 'none of this training yet'}")
     verdict = report["compare_hf"]
     if verdict:
         word = "passed" if verdict["ok"] else "FAILED"
@@ -136,7 +143,7 @@ def render(report: dict[str, Any]) -> str:
             f"(tolerance {verdict['tolerance']:.0e}; {verdict['file']})"
         )
     else:
-        lines.append("- compare-hf: not run yet")
+        lines.append("- compare-hf: not run on this training yet")
     return "\n".join(lines) + "\n"
 
 
