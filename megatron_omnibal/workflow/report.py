@@ -134,7 +134,8 @@ def render(report: dict[str, Any]) -> str:
     ]
     if pictures:
         lines.append(f"- pictures: {', '.join(pictures)}")
-    lines.append(f"- exported Hugging Face checkpoint: {report['export'] or 'none of this training yet'}")
+    export = report["export"] or "none of this training yet"
+    lines.append(f"- exported Hugging Face checkpoint: {export}")
     verdict = report["compare_hf"]
     if verdict:
         word = "passed" if verdict["ok"] else "FAILED"
