@@ -11,6 +11,11 @@ hierarchical balance packing (HBP) on the modeled 6+20B, speed on the 1.2M repli
   image, 15% multi-image, 10% video-like of 8-16 one-tile frames, log-normal texts), 32 ranks:
   --auto-budget, and 18/6016 with --oversize solo|skip; random mode (default tail tolerance)
   and grouped mode (every step from packs alike in tiles, tokens and time).
+- Videos redrawn per epoch: the long-tail mix (10% video samples) with each video's frame count
+  drawn in [8, 32] every epoch as training draws it (data/video_lengths.py; 262 tokens per
+  frame: 256 image tokens, the image marks and its label), 64 ranks, random mode, budgets fixed
+  for the run (auto budget of the mix with every video at 32 frames): per-step max/mean of
+  tiles and tokens of epochs 0-2 (goal: within 1.02; every budget is hard, checked by balance()).
 - HBP: the 6+20B preset on 128 A100-80G (TP 1, PP 4, DP 32, the partition searched for the
   single level's mean pack on this data), a long-tail mix with 2% long samples: the planner's
   pipeline simulation over every step of the single-level plan and of the levels' plan (same
@@ -23,9 +28,19 @@ hierarchical balance packing (HBP) on the modeled 6+20B, speed on the 1.2M repli
   reference runs side by side in the same process on the same replicate; without it its times
   as measured on this machine (7.7 s at (18, 6016), 146.5 s at (9, 4096)) are quoted.
 
+- Scaling: one balance() call (64 ranks, budgets 18 / 6016, default random mode) on the real
+  data replicated to 1.2M, 6M and 12M samples (--scaling-sizes), each copy its own datasets as a
+  meta file's entries would be (70,706 x k samples over 4 x k datasets), each size in a fresh
+  subprocess: CPU and wall s, peak memory (the subprocess's ru_maxrss, lengths included) and
+  how time and memory grow per 10x samples. With --scaling-baseline DIR (a checkout of another
+  version of this project with its core built) the same sizes (--baseline-sizes) run there too,
+  side by side.
+
 Every plan is checked (budgets, every sample once) by balance() itself before it is returned.
 
     .venv/bin/python bench/bench_balance.py [--json out.json] [--quick] [--reference-isf DIR]
+        [--scaling-only] [--scaling-sizes 1.2M,6M,12M] [--scaling-baseline DIR
+        [--baseline-sizes 1.2M,2.4M,6M]]
 """
 
 from __future__ import annotations
@@ -35,7 +50,9 @@ import contextlib
 import importlib
 import io
 import json
+import math
 import os
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -55,7 +72,13 @@ from megatron_omnibal.balance.checks import pack_totals  # noqa: E402
 from megatron_omnibal.balance.config import BalanceConfig, Level  # noqa: E402
 from megatron_omnibal.balance.core import pack_isf  # noqa: E402
 from megatron_omnibal.balance.mixes import long_tail_mix  # noqa: E402
-from megatron_omnibal.data.lengths import load_lengths  # noqa: E402
+from megatron_omnibal.data.frames import FrameSettings  # noqa: E402
+from megatron_omnibal.data.lengths import VideoTable, load_lengths  # noqa: E402
+from megatron_omnibal.data.video_lengths import (  # noqa: E402
+    EpochLengths,
+    VideoPlan,
+    with_frame_counts,
+)
 from megatron_omnibal.models.presets import get_preset  # noqa: E402
 from megatron_omnibal.planner import levels as hbp  # noqa: E402
 from megatron_omnibal.planner.costs import MIB, analytic_costs, workload_features  # noqa: E402
@@ -130,6 +153,28 @@ def long_tail(samples: int) -> list[dict]:
             rows.append({"case": f"{name}, {mode}", "mode": mode,
                          "budgets": [config.vit_budget, config.token_budget],
                          "samples": samples, "cpu_s": cpu, **_figures(plan, mix)})
+    return rows
+
+
+def video_epochs(samples: int, epochs: int = 3) -> list[dict]:
+    """The long-tail mix with its video samples' frames redrawn each epoch, 64 ranks."""
+    mix = long_tail_mix(samples, seed=0, long_share=0.0, max_frames=32)
+    videos = np.flatnonzero(mix.dataset == mix.names.index("video"))
+    table = VideoTable(videos, np.full(len(videos), 600), np.full(len(videos), 30.0),
+                       mix.image_flags[videos].copy())
+    plan = VideoPlan(frames=FrameSettings(min_frames=8, max_frames=32), frame_tokens=(262,) * 32)
+    most = with_frame_counts(mix, table, plan, np.full(len(videos), 32))
+    vb, tb = auto_budget(most)
+    by_epoch = EpochLengths(mix, table, plan, seed=0)
+    rows = []
+    for epoch in range(epochs):
+        lengths = by_epoch(epoch)
+        config = BalanceConfig(dp_size=64, cost=COST, vit_budget=vb, token_budget=tb,
+                               seed=epoch)
+        plan_e, cpu, _ = _timed(lambda c=config, x=lengths: balance(x, c))
+        rows.append({"epoch": epoch, "samples": samples, "videos": len(videos),
+                     "budgets": [vb, tb], "video_tiles": int(lengths.vit[videos].sum()),
+                     "cpu_s": cpu, **_figures(plan_e, lengths)})
     return rows
 
 
@@ -245,6 +290,69 @@ def speed(lengths, repeats: int, reference=None) -> list[dict]:
     return rows
 
 
+# One balance() call in a fresh process (argv: project root, length file, copies), so that the
+# peak memory of one size is not another's: prints its figures as JSON.
+SCALING_CHILD = """
+import json, resource, sys, time
+sys.path.insert(0, sys.argv[1])
+from megatron_omnibal.balance.balancer import balance
+from megatron_omnibal.balance.config import BalanceConfig
+from megatron_omnibal.data.lengths import concat, load_lengths
+lengths = concat([load_lengths(sys.argv[2])] * int(sys.argv[3]))
+loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+cpu, wall = time.process_time(), time.perf_counter()
+plan = balance(lengths, BalanceConfig(dp_size=64, vit_budget=18, token_budget=6016))
+cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+print(json.dumps({"samples": len(lengths), "datasets": len(lengths.names), "cpu_s": cpu,
+                  "wall_s": wall, "steps": plan.num_steps,
+                  "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+                  "lengths_gb": loaded / 1e6}))
+"""
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'1.2M,6M,12M' -> sample counts."""
+    scale = {"K": 10**3, "M": 10**6}
+    out = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        unit = scale.get(part[-1:], 1)
+        out.append(round(float(part.rstrip("KM")) * unit))
+    return out
+
+
+def scaling(sizes: list[int], root: Path = ROOT) -> list[dict]:
+    """balance() at each size (the real data replicated to the nearest whole number of copies),
+    each in a fresh subprocess of the project at `root`; growth per 10x between sizes."""
+    base = len(load_lengths(EXAMPLE))
+    rows = []
+    for size in sizes:
+        copies = max(1, round(size / base))
+        proc = subprocess.run([sys.executable, "-c", SCALING_CHILD, str(root), str(EXAMPLE),
+                               str(copies)], capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if proc.returncode:
+            raise SystemExit(f"scaling at {size} samples ({root}) failed:\n{proc.stderr[-2000:]}")
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        if rows:
+            prev, decades = rows[-1], math.log10(row["samples"] / rows[-1]["samples"])
+            row["cpu_per_10x"] = (row["cpu_s"] / prev["cpu_s"]) ** (1 / decades)
+            row["peak_per_10x"] = (row["peak_gb"] / prev["peak_gb"]) ** (1 / decades)
+        rows.append(row)
+    return rows
+
+
+def _print_scaling(label: str, rows: list[dict]) -> None:
+    print(f"\nscaling, {label}: balance() at 64 ranks, budgets 18/6016, one fresh process each")
+    print(f"{'samples':>12}{'datasets':>10}{'CPU s':>9}{'wall s':>9}{'peak GB':>9}"
+          f"{'lengths GB':>12}{'CPU x/10x':>11}{'peak x/10x':>12}")
+    for r in rows:
+        growth = (f"{r['cpu_per_10x']:>11.1f}{r['peak_per_10x']:>12.1f}" if "cpu_per_10x" in r
+                  else "")
+        print(f"{r['samples']:>12,}{r['datasets']:>10}{r['cpu_s']:>9.2f}{r['wall_s']:>9.2f}"
+              f"{r['peak_gb']:>9.2f}{r['lengths_gb']:>12.2f}{growth}")
+
+
 def _row(label: str, r: dict) -> str:
     return (f"{label:<42}{r['tiles_max_mean']:>8.4f}{r['tokens_max_mean']:>8.4f}"
             f"{r['time_max_mean']:>8.4f}{r['mix_skew_ratio']:>7.2f}{r['steps']:>7.0f}"
@@ -263,7 +371,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="64 ranks x 1 micro-batch only, smaller mixes, replicate x4 for "
                              "speed (no comparison with the reference times)")
+    parser.add_argument("--scaling-sizes", default="1.2M,6M,12M",
+                        help="samples of the scaling section (default 1.2M,6M,12M)")
+    parser.add_argument("--scaling-only", action="store_true",
+                        help="run the scaling section alone")
+    parser.add_argument("--scaling-baseline", metavar="DIR",
+                        help="a checkout of another version (its core built): scaling there too")
+    parser.add_argument("--baseline-sizes", default="1.2M,2.4M,6M",
+                        help="samples of the baseline's scaling runs (default 1.2M,2.4M,6M)")
     args = parser.parse_args(argv)
+    figures = {"scaling": scaling(parse_sizes(args.scaling_sizes))}
+    _print_scaling("this version", figures["scaling"])
+    if args.scaling_baseline:
+        figures["scaling_baseline"] = scaling(parse_sizes(args.baseline_sizes),
+                                              Path(args.scaling_baseline).resolve())
+        _print_scaling(f"baseline {args.scaling_baseline}", figures["scaling_baseline"])
+    if args.scaling_only:
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=2))
+        return 0
     lengths = load_lengths(EXAMPLE)
     dps, micros, repeats = ((64,), (1,), 4) if args.quick else ((8, 16, 32, 64), (1, 4, 8), 17)
     mix_n = 20_000 if args.quick else 100_000
@@ -279,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"      {HEAD}")
     for r in lt:
         print(f"      {_row(r['case'], r)}")
+    v = video_epochs(mix_n)
+    print(f"\nvideos redrawn per epoch: long-tail mix ({mix_n} samples, {v[0]['videos']} "
+          f"videos of 8-32 frames drawn per epoch), 64 ranks, random mode, budgets "
+          f"{v[0]['budgets']} (goal: tiles and tokens max/mean within 1.02)")
+    print(f"      {HEAD}")
+    for r in v:
+        print(f"      {_row('epoch ' + str(r['epoch']), r)}")
     h = hierarchy(mix_n)
     print(f"\nHBP, {h['model']} on {h['tp'] * h['pp'] * h['dp']} x {h['hardware']} (TP {h['tp']} "
           f"PP {h['pp']} DP {h['dp']}), long-tail mix with 2% long samples; modeled epoch")
@@ -304,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['method']:<40}{str(tuple(r['budgets'])):>12}{r['cpu_s']:>8.2f}"
               f"{r['wall_s']:>8.2f}{extra}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"quality": q, "long_tail": lt, "hbp": h,
-                                               "speed": s}, indent=2))
+        Path(args.json).write_text(json.dumps({"quality": q, "long_tail": lt, "video_epochs": v,
+                                               "hbp": h, "speed": s, **figures}, indent=2))
     return 0
 
 

@@ -296,8 +296,8 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
                   megatron_part, False),
         "+partition": ("balanced", [*base, *budgets, *layout_flags(searched, nv)], searched,
                        False),
-        "+recompute": ("balanced", [*base, "--omnibal-plan", str(tmp / "plan.json")], planned,
-                       False),
+        "+recompute": ("balanced", [*base, "--omnibal-plan", str(tmp / "plan.json"),
+                                    "--omnibal-precision", "fp32"], planned, False),
     }  # fmt: skip
     results = {}
     for label in args.runs:  # the balanced runs first: the baseline takes their samples
@@ -444,6 +444,7 @@ class FixedBatches:
         self.n, self.batch, self.dp, self.rank, self.micro = n, batch, dp_size, dp_rank, micro
         self.seed, self.epoch, self.step = seed, 0, 0
         self.last_level = 0  # one level
+        self.last_epoch = 0  # synthetic samples: the same in every epoch
         self.levels = (Level(vit_budget=1, token_budget=1, micro_batches=micro),)
         self.steps_per_epoch = n // (batch * micro * dp_size)
 

@@ -433,7 +433,8 @@ def main() -> int:
     report = {
         "note": "modeled (FLOPs cost model + pipeline simulator), not measured",
         "headline": headline(
-            ("internvl-6b-20b", "internvl-6b-34b", "llava-1.5-7b", "internvl2-8b"),
+            ("internvl-6b-20b", "internvl-6b-34b", "llava-1.5-7b", "internvl2-8b",
+             "internvl3-8b", "internvl3.5-8b", "internvl3.5-38b", "llava-llama3.1-8b"),
             args.hardware, args.gpus, stats, args.global_batch,
         ),  # fmt: skip
         "ablation": [],

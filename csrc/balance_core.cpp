@@ -323,6 +323,11 @@ void add_slot(std::vector<std::pair<i64, i64>>& slots, i64 c) {
 }
 
 i128 floor_div(i128 a, i128 b) {  // rounding toward -infinity, as Python's //
+  constexpr i128 lo = INT64_MIN, hi = INT64_MAX;
+  if (a >= lo && a <= hi && b > 0 && b <= hi) {  // 64-bit division: several times faster
+    const i64 x = static_cast<i64>(a), y = static_cast<i64>(b), q = x / y;
+    return x % y != 0 && x < 0 ? q - 1 : q;
+  }
   const i128 q = a / b;
   return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
@@ -337,53 +342,59 @@ i128 floor_div(i128 a, i128 b) {  // rounding toward -infinity, as Python's //
 // pack, so small counts are not used up early closing odd remainders (which leaves large counts
 // with no holes at the end); and large counts are used up while packs large enough for them
 // remain (the end packs that give up tiles cannot take them).
-Vec compose_pack(const Vec& count, const Vec& total, const Vec& room, const Vec& done,
-                 i64 rest) {
-  std::vector<i128> cost(rest + 1, 0), next;
-  std::vector<char> ok(rest + 1, 0), next_ok;
-  ok[0] = 1;
+struct ComposeBuffers {  // compose_pack's tables, kept across the packs of tile_slots
+  std::vector<i128> cost, next, step_cost;
+  std::vector<char> ok, next_ok;
   std::vector<Vec> took;  // per tile count present: the k that reached each sum
-  Vec kinds;
-  std::vector<i128> step_cost;
+  Vec kinds, out;
+};
+
+const Vec& compose_pack(const Vec& count, const Vec& total, const Vec& room, const Vec& done,
+                        i64 rest, ComposeBuffers& b) {
+  b.cost.assign(rest + 1, 0);
+  b.ok.assign(rest + 1, 0);
+  b.ok[0] = 1;
+  b.kinds.clear();
   for (i64 c = 1; c <= rest; ++c) {
     if (count[c] == 0 || room[c] == 0) continue;
     const i128 ahead = static_cast<i128>(total[c] - count[c]) * room[c] -
                        static_cast<i128>(done[c] + rest) * total[c];
-    next = cost;
-    next_ok = ok;
-    Vec k_at(rest + 1, 0);
+    b.next = b.cost;
+    b.next_ok = b.ok;
+    if (b.took.size() <= b.kinds.size()) b.took.emplace_back();
+    Vec& k_at = b.took[b.kinds.size()];
+    k_at.assign(rest + 1, 0);
     const i64 most = std::min(count[c], rest / c);
-    step_cost.resize(most + 1);
+    b.step_cost.resize(most + 1);
     for (i64 k = 1; k <= most; ++k)
-      step_cost[k] = floor_div(
+      b.step_cost[k] = floor_div(
           static_cast<i128>(k) * (2 * ahead + static_cast<i128>(k) * room[c]) * 65536,
           static_cast<i128>(total[c]) * room[c]);
     for (i64 s = 0; s < rest; ++s) {
-      if (!ok[s]) continue;
+      if (!b.ok[s]) continue;
       for (i64 k = 1; k <= most && s + k * c <= rest; ++k) {
-        const i128 v = cost[s] + step_cost[k];
+        const i128 v = b.cost[s] + b.step_cost[k];
         const i64 t = s + k * c;
-        if (!next_ok[t] || v < next[t]) {
-          next[t] = v;
-          next_ok[t] = 1;
+        if (!b.next_ok[t] || v < b.next[t]) {
+          b.next[t] = v;
+          b.next_ok[t] = 1;
           k_at[t] = k;
         }
       }
     }
-    cost.swap(next);
-    ok.swap(next_ok);
-    took.push_back(std::move(k_at));
-    kinds.push_back(c);
+    b.cost.swap(b.next);
+    b.ok.swap(b.next_ok);
+    b.kinds.push_back(c);
   }
   i64 s = rest;
-  while (s > 0 && !ok[s]) --s;
-  Vec out(count.size(), 0);
-  for (i64 j = static_cast<i64>(kinds.size()) - 1; j >= 0; --j) {
-    const i64 k = took[j][s];
-    out[kinds[j]] = k;
-    s -= k * kinds[j];
+  while (s > 0 && !b.ok[s]) --s;
+  b.out.assign(count.size(), 0);
+  for (i64 j = static_cast<i64>(b.kinds.size()) - 1; j >= 0; --j) {
+    const i64 k = b.took[j][s];
+    b.out[b.kinds[j]] = k;
+    s -= k * b.kinds[j];
   }
-  return out;
+  return b.out;
 }
 
 // reach[r]: r tiles can be made from the tile counts still present (presence only).
@@ -475,11 +486,12 @@ Slots tile_slots(Vec& count, const Vec& limit, i64 vit_budget, i64 w_tiled, i64 
     for (i64 c = 1; c <= open; ++c) host[c] += open;
   }
   i64 placed = 0;
+  ComposeBuffers buffers;
   for (i64 p = 0; p < packs && placed < slot_tiles; ++p) {
     const i64 open = std::min<i64>(std::max<i64>(0, limit[p] - tiles[p]), vit_budget);
     const i64 rest = std::min(open, slot_tiles - placed);
     if (rest == 0) continue;
-    const Vec take = compose_pack(count, total, host, done, rest);
+    const Vec& take = compose_pack(count, total, host, done, rest, buffers);
     for (i64 c = 1; c <= open; ++c) done[c] += rest;
     for (i64 c = 1; c <= rest; ++c) {
       if (take[c] == 0) continue;
@@ -757,18 +769,24 @@ struct ByWeight {
   i64 vit, w, id;
 };
 
-// Samples in packs by (tiles, weight, id), and where each tile count starts.
+// Samples in packs by (tiles, weight, id), and where each tile count starts: a count per tile
+// count places them (ids ascending within one), then each tile count's run is sorted by weight.
 std::vector<ByWeight> sorted_by(const i64* vit, const i64* w, const Vec& pack_of, i64 vit_budget,
                                 Vec& cls_start) {
-  std::vector<ByWeight> by;
-  for (i64 i = 0; i < static_cast<i64>(pack_of.size()); ++i)
-    if (pack_of[i] >= 0) by.push_back({vit[i], w[i], i});
-  std::sort(by.begin(), by.end(), [](const ByWeight& a, const ByWeight& b) {
-    return std::tie(a.vit, a.w, a.id) < std::tie(b.vit, b.w, b.id);
-  });
   cls_start.assign(vit_budget + 2, 0);
-  for (const ByWeight& e : by) cls_start[e.vit + 1] += 1;
+  const i64 n = static_cast<i64>(pack_of.size());
+  for (i64 i = 0; i < n; ++i)
+    if (pack_of[i] >= 0) cls_start[vit[i] + 1] += 1;
   for (i64 c = 0; c <= vit_budget; ++c) cls_start[c + 1] += cls_start[c];
+  std::vector<ByWeight> by(cls_start[vit_budget + 1]);
+  Vec at(cls_start.begin(), cls_start.end() - 1);
+  for (i64 i = 0; i < n; ++i)
+    if (pack_of[i] >= 0) by[at[vit[i]]++] = {vit[i], w[i], i};
+  for (i64 c = 0; c <= vit_budget; ++c)
+    std::sort(by.begin() + cls_start[c], by.begin() + cls_start[c + 1],
+              [](const ByWeight& a, const ByWeight& b) {
+                return a.w != b.w ? a.w < b.w : a.id < b.id;
+              });
   return by;
 }
 
@@ -803,16 +821,24 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
   auto off = [](i128 dv, i128 tl, int sign) {  // over (sign > 0) / under its tolerance
     return sign > 0 ? dv > tl : dv < -UNDER_FACTOR * tl;
   };
-  auto beyond = [](i128 dv, i128 tl, int sign) {  // off the same way by more than tl
-    return sign > 0 ? dv > tl : dv < -tl;
+  // Per pack: over / under by more than its tolerance in either weight (a scan skips such
+  // packs on the side of the pack it repairs), kept up to date at every swap.
+  std::vector<char> over_by(packs), under_by(packs);
+  auto mark = [&](i64 q) {
+    over_by[q] = dev[q] > tol[q] || (d.sum_w2 > 0 && dev2[q] > tol2[q]);
+    under_by[q] = dev[q] < -tol[q] || (d.sum_w2 > 0 && dev2[q] < -tol2[q]);
   };
+  for (i64 q = 0; q < packs; ++q) mark(q);
   auto bad = [&](i64 q) {
     return off(dev[q], tol[q], 1) || off(dev[q], tol[q], -1) ||
            (d.sum_w2 > 0 && (off(dev2[q], tol2[q], 1) || off(dev2[q], tol2[q], -1)));
   };
+  // Each pack's score and the sign of the weight that sets it, as of the start of a pass: what
+  // the pass's orderings compare (most off first).
+  std::vector<i128> pass_score(packs);
+  std::vector<signed char> pass_sign(packs);
   auto worse = [&](i64 a, i64 b) {
-    const i128 sa = score(dev[a], dev2[a]), sb = score(dev[b], dev2[b]);
-    return sa != sb ? sa > sb : a < b;
+    return pass_score[a] != pass_score[b] ? pass_score[a] > pass_score[b] : a < b;
   };
   Vec work, next;
   std::vector<char> queued(packs, 0), fails(packs, 0);
@@ -822,7 +848,7 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
   auto extremes = [&](Vec& out, int sign, size_t want) {
     out.clear();
     for (i64 q = 0; q < packs; ++q)
-      if (score.sign(dev[q], dev2[q]) == sign) out.push_back(q);
+      if (pass_sign[q] == sign) out.push_back(q);
     if (out.size() > want) {
       std::nth_element(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(want), out.end(),
                        worse);
@@ -831,6 +857,10 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
     std::sort(out.begin(), out.end(), worse);
   };
   for (i64 pass = 0; pass < p.repair_passes && !work.empty(); ++pass) {
+    for (i64 q = 0; q < packs; ++q) {
+      pass_score[q] = score(dev[q], dev2[q]);
+      pass_sign[q] = static_cast<signed char>(score.sign(dev[q], dev2[q]));
+    }
     std::sort(work.begin(), work.end(), worse);
     for (i64 q : work) queued[q] = 0;
     next.clear();
@@ -850,8 +880,9 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
           return;
         const i128 d1 = static_cast<i128>(w[x] - w[y]) * unit;
         const i128 d2 = static_cast<i128>(w2[x] - w2[y]) * unit;
-        const i128 cost = std::max(score(dev[q0] - d1, dev2[q0] - d2),
-                                   score(dev[q] + d1, dev2[q] + d2));
+        const i128 partner = score(dev[q] + d1, dev2[q] + d2);  // the more often worse side
+        if (partner >= best) return;
+        const i128 cost = std::max(score(dev[q0] - d1, dev2[q0] - d2), partner);
         if (cost < best) {
           best = cost;
           bx = x;
@@ -871,8 +902,7 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
           for (i64 j = step > 0 ? k : k - 1, seen = 0;
                j >= lo && j < hi && taken < p.window && seen < 4 * p.window; j += step, ++seen) {
             const i64 q = pack_of[by_w_[j].id];
-            if (beyond(dev[q], tol[q], sign) || (d.sum_w2 > 0 && beyond(dev2[q], tol2[q], sign)))
-              continue;
+            if (sign > 0 ? over_by[q] : under_by[q]) continue;
             consider(x, by_w_[j].id);
             taken += 1;
           }
@@ -907,6 +937,8 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
       *std::find(pk.members[q].begin(), pk.members[q].end(), by) = bx;
       pack_of[bx] = q;
       pack_of[by] = q0;
+      mark(q0);
+      mark(q);
       for (i64 s : {q0, q})
         if (bad(s) && !queued[s]) {
           queued[s] = 1;

@@ -11,6 +11,9 @@ Families (each shaped like the real one, a few layers wide):
   mapping, so transformers' forward of that model is the oracle.
 - llava: LLaVA-1.5-like (CLIP with pre-LayerNorm and quick_gelu, feature layer -2, MLP
   projector, Llama).
+Newer LLMs in the same towers (`text=`): qwen3 (InternVL3.5: per-head QK-norm, a head size of
+16 on a width of 32 with 4 heads, no biases) and llama3 (Llama-3.x RoPE: rope_type llama3,
+factor 32, theta 500000, so the 8-wide heads have a frequency in each of its three bands).
 """
 
 from __future__ import annotations
@@ -43,21 +46,31 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
             p.add_(0.05 * torch.randn(p.shape, generator=g))
 
 
-def _text_config(kind: str, vocab: int, tie: bool) -> dict:
-    from transformers import LlamaConfig, Qwen2Config
+def _text_config(kind: str, vocab: int, tie: bool, layers: int = 4) -> dict:
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[kind]
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig,
+           "llama3": LlamaConfig}[kind]  # fmt: skip
+    extra: dict = {"rope_theta": 5000.0, "max_position_embeddings": 256}
+    if kind == "qwen3":
+        extra["head_dim"] = 16
+    if kind == "llama3":
+        extra = {
+            "max_position_embeddings": 131072,
+            "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "rope_theta": 500000.0,
+        }  # fmt: skip
     return cls(
         hidden_size=32,
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=48,
         vocab_size=vocab,
         rms_norm_eps=1e-5,
-        rope_theta=5000.0,
-        max_position_embeddings=256,
         tie_word_embeddings=tie,
+        **extra,
     ).to_dict()
 
 
@@ -74,9 +87,10 @@ def internvl(
     tie: bool | None = None,
     final_norm: bool | None = None,
     seed: int = 0,
+    llm_layers: int = 4,
 ) -> Built:
     """transformers' InternVL: 6B-like tower (default: Qwen2, tied, final LayerNorm) or
-    300M-like (default: Llama, own head, no final LayerNorm)."""
+    300M-like (default: Llama, own head, no final LayerNorm); `llm_layers` LLM layers."""
     from transformers import InternVLConfig, InternVLForConditionalGeneration
     from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
 
@@ -99,7 +113,7 @@ def internvl(
     )
     cfg = InternVLConfig(
         vision_config=vision.to_dict(),
-        text_config=_text_config(text, 160, tie=tie),
+        text_config=_text_config(text, 160, tie=tie, layers=llm_layers),
         image_token_id=IMG_CONTEXT,
         image_seq_length=4,
         downsample_ratio=0.5,
@@ -113,14 +127,19 @@ def internvl(
     return Built(path, model, "internvl", IMG_CONTEXT, 4, 16)
 
 
-def internvl_chat(path: Path, seed: int = 0) -> Built:
-    """OpenGVLab's layout of a transformers InternVL model (RMSNorm + QK-norm tower without a
-    final norm, Llama-shaped LLM stored as InternLM2 with its own head)."""
+def internvl_chat(
+    path: Path, seed: int = 0, text: str = "internlm2", six_b: bool = True, llm_layers: int = 4
+) -> Built:
+    """OpenGVLab's layout of a transformers InternVL model without a final norm and with its
+    own head: a 6B-like tower (RMSNorm, QK-norm) or a 300M-like one (LayerNorm, qkv bias);
+    a Llama-shaped LLM stored as InternLM2 (`wqkv`), or a Qwen2/Qwen3 LLM stored as
+    transformers does (`llm_config.architectures` names it)."""
     from safetensors.torch import save_file
 
     native = internvl(
-        path.with_name(path.name + "_native"), six_b=True, text="llama", tie=False,
-        final_norm=False, seed=seed,
+        path.with_name(path.name + "_native"), six_b=six_b,
+        text="llama" if text == "internlm2" else text, tie=False, final_norm=False, seed=seed,
+        llm_layers=llm_layers,
     )  # fmt: skip
     model = native.model
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -136,63 +155,32 @@ def internvl_chat(path: Path, seed: int = 0) -> Built:
         out[f"vision_model.embeddings.patch_embedding.{p}"] = sd[
             V + f"embeddings.patch_embeddings.projection.{p}"
         ]
+    norm_params = qkv_params = ("weight",) if six_b else ("weight", "bias")
     for i in range(vc.num_hidden_layers):
         src, dst = f"{V}encoder.layer.{i}.", f"vision_model.encoder.layers.{i}."
         a = src + "attention."
-        out[dst + "attn.qkv.weight"] = torch.cat(
-            [sd[a + f"{x}_proj.weight"] for x in "qkv"]
-        )  # [Q_all; K_all; V_all]
-        for x in ("q_norm", "k_norm"):
-            out[dst + f"attn.{x}.weight"] = sd[a + f"{x}.weight"]
+        for p in qkv_params:
+            out[dst + f"attn.qkv.{p}"] = torch.cat(
+                [sd[a + f"{x}_proj.{p}"] for x in "qkv"]
+            )  # [Q_all; K_all; V_all]
+        if six_b:
+            for x in ("q_norm", "k_norm"):
+                out[dst + f"attn.{x}.weight"] = sd[a + f"{x}.weight"]
         for p in ("weight", "bias"):
             out[dst + f"attn.proj.{p}"] = sd[a + f"projection_layer.{p}"]
             out[dst + f"mlp.fc1.{p}"] = sd[src + f"mlp.fc1.{p}"]
             out[dst + f"mlp.fc2.{p}"] = sd[src + f"mlp.fc2.{p}"]
-        out[dst + "norm1.weight"] = sd[src + "layernorm_before.weight"]
-        out[dst + "norm2.weight"] = sd[src + "layernorm_after.weight"]
+        for p in norm_params:
+            out[dst + f"norm1.{p}"] = sd[src + f"layernorm_before.{p}"]
+            out[dst + f"norm2.{p}"] = sd[src + f"layernorm_after.{p}"]
         out[dst + "ls1"] = sd[src + "lambda_1"]
         out[dst + "ls2"] = sd[src + "lambda_2"]
     for dst, src in (("mlp1.0", "layer_norm"), ("mlp1.1", "linear_1"), ("mlp1.3", "linear_2")):
         for p in ("weight", "bias"):
             out[f"{dst}.{p}"] = sd[f"model.multi_modal_projector.{src}.{p}"]
-    out["language_model.model.tok_embeddings.weight"] = sd[T + "embed_tokens.weight"]
-    out["language_model.model.norm.weight"] = sd[T + "norm.weight"]
-    out["language_model.output.weight"] = sd["lm_head.weight"]
-    for i in range(tc.num_hidden_layers):
-        src, dst = f"{T}layers.{i}.", f"language_model.model.layers.{i}."
-        q = sd[src + "self_attn.q_proj.weight"].reshape(groups, heads // groups, dim, -1)
-        k, v = (sd[src + f"self_attn.{x}_proj.weight"].reshape(groups, 1, dim, -1) for x in "kv")
-        out[dst + "attention.wqkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, q.shape[-1])
-        out[dst + "attention.wo.weight"] = sd[src + "self_attn.o_proj.weight"]
-        out[dst + "attention_norm.weight"] = sd[src + "input_layernorm.weight"]
-        out[dst + "ffn_norm.weight"] = sd[src + "post_attention_layernorm.weight"]
-        out[dst + "feed_forward.w1.weight"] = sd[src + "mlp.gate_proj.weight"]
-        out[dst + "feed_forward.w3.weight"] = sd[src + "mlp.up_proj.weight"]
-        out[dst + "feed_forward.w2.weight"] = sd[src + "mlp.down_proj.weight"]
-    path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in out.items()}, str(path / "model.safetensors"))
-    config = {
-        "model_type": "internvl_chat",
-        "architectures": ["InternVLChatModel"],
-        "select_layer": -1,
-        "downsample_ratio": 0.5,
-        "ps_version": "v2",
-        "template": "internlm2-chat",
-        "force_image_size": 16,
-        "vision_config": {
-            "hidden_size": vc.hidden_size,
-            "num_hidden_layers": vc.num_hidden_layers,
-            "num_attention_heads": vc.num_attention_heads,
-            "intermediate_size": vc.intermediate_size,
-            "image_size": 16,
-            "patch_size": 4,
-            "qkv_bias": False,
-            "qk_normalization": True,
-            "norm_type": "rms_norm",
-            "layer_norm_eps": 1e-6,
-            "hidden_act": "gelu",
-        },
-        "llm_config": {
+    if text == "internlm2":
+        out.update(_internlm2_llm(sd, tc.num_hidden_layers, heads, groups, dim))
+        llm_config = {
             "architectures": ["InternLM2ForCausalLM"],
             "hidden_size": tc.hidden_size,
             "num_hidden_layers": tc.num_hidden_layers,
@@ -205,14 +193,68 @@ def internvl_chat(path: Path, seed: int = 0) -> Built:
             "max_position_embeddings": 256,
             "bias": False,
             "tie_word_embeddings": False,
+        }
+    else:  # transformers' own LLM names under `language_model.`
+        out.update({"language_model.model." + k[len(T):]: t for k, t in sd.items()
+                    if k.startswith(T)})  # fmt: skip
+        out["language_model.lm_head.weight"] = sd["lm_head.weight"]
+        arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[text]
+        llm_config = {**tc.to_dict(), "architectures": [arch]}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in out.items()}, str(path / "model.safetensors"))
+    config = {
+        "model_type": "internvl_chat",
+        "architectures": ["InternVLChatModel"],
+        "select_layer": -1,
+        "downsample_ratio": 0.5,
+        "ps_version": "v2",
+        "template": "internlm2-chat" if text == "internlm2" else "internvl2_5",
+        "force_image_size": 16,
+        "vision_config": {
+            "hidden_size": vc.hidden_size,
+            "num_hidden_layers": vc.num_hidden_layers,
+            "num_attention_heads": vc.num_attention_heads,
+            "intermediate_size": vc.intermediate_size,
+            "image_size": 16,
+            "patch_size": 4,
+            "qkv_bias": not six_b,
+            "qk_normalization": six_b,
+            "norm_type": "rms_norm" if six_b else "layer_norm",
+            "layer_norm_eps": 1e-6,
+            "hidden_act": "gelu",
         },
+        "llm_config": llm_config,
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     _tokenizer_files(path, {"<IMG_CONTEXT>": IMG_CONTEXT, "<img>": IMG_START, "</img>": IMG_END})
     return Built(path, model, "internvl_chat", IMG_CONTEXT, 4, 16)
 
 
-def llava(path: Path, seed: int = 0) -> Built:
+def _internlm2_llm(
+    sd: dict[str, torch.Tensor], layers: int, heads: int, groups: int, dim: int
+) -> dict[str, torch.Tensor]:
+    """A transformers Llama's tensors under InternLM2's names (fused per-group `wqkv`)."""
+    T = "model.language_model."
+    out = {
+        "language_model.model.tok_embeddings.weight": sd[T + "embed_tokens.weight"],
+        "language_model.model.norm.weight": sd[T + "norm.weight"],
+        "language_model.output.weight": sd["lm_head.weight"],
+    }
+    for i in range(layers):
+        src, dst = f"{T}layers.{i}.", f"language_model.model.layers.{i}."
+        q = sd[src + "self_attn.q_proj.weight"].reshape(groups, heads // groups, dim, -1)
+        k, v = (sd[src + f"self_attn.{x}_proj.weight"].reshape(groups, 1, dim, -1) for x in "kv")
+        out[dst + "attention.wqkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, q.shape[-1])
+        out[dst + "attention.wo.weight"] = sd[src + "self_attn.o_proj.weight"]
+        out[dst + "attention_norm.weight"] = sd[src + "input_layernorm.weight"]
+        out[dst + "ffn_norm.weight"] = sd[src + "post_attention_layernorm.weight"]
+        out[dst + "feed_forward.w1.weight"] = sd[src + "mlp.gate_proj.weight"]
+        out[dst + "feed_forward.w3.weight"] = sd[src + "mlp.up_proj.weight"]
+        out[dst + "feed_forward.w2.weight"] = sd[src + "mlp.down_proj.weight"]
+    return out
+
+
+def llava(path: Path, seed: int = 0, text: str = "llama", llm_layers: int = 4) -> Built:
     from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
 
     vision = CLIPVisionConfig(
@@ -227,7 +269,7 @@ def llava(path: Path, seed: int = 0) -> Built:
     )
     cfg = LlavaConfig(
         vision_config=vision.to_dict(),
-        text_config=_text_config("llama", 128, tie=False),
+        text_config=_text_config(text, 128, tie=False, layers=llm_layers),
         image_token_id=LLAVA_IMAGE,
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",

@@ -2,7 +2,9 @@
 
 - Round trip: HF -> Megatron (torch format at TP=2 x PP=2, and torch_dist) -> HF gives the
   original tensors bit for bit, under the original names, and transformers loads the result
-  with no missing or unexpected keys.
+  with no missing or unexpected keys; for every family, InternVL3/3.5 (Qwen2.5, Qwen3) in both
+  layouts and LLaVA on Llama-3.x included.
+- One SGD step of InternVL3.5 (Qwen3) at TP=2 and at PP=3 equals TP=1's.
 - Fine-tuning: pretrain_vlm starts from the converted checkpoint (--pretrained-checkpoint),
   trains, saves; the export's transformers forward equals the Megatron stages' forward of the
   trained checkpoint (compare-hf), frozen parts are bit for bit the original and hold no
@@ -55,10 +57,19 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, hf_models.Buil
         "internvl_300m": hf_models.internvl(root / "internvl_300m", six_b=False),
         "internvl_chat": hf_models.internvl_chat(root / "internvl_chat"),
         "llava": hf_models.llava(root / "llava"),
+        "internvl3_5": hf_models.internvl(root / "internvl3_5", six_b=False, text="qwen3",
+                                          tie=True),  # fmt: skip
+        "internvl3_5_chat": hf_models.internvl_chat(root / "internvl3_5_chat", text="qwen3",
+                                                    six_b=False),  # fmt: skip
+        "internvl3_chat": hf_models.internvl_chat(root / "internvl3_chat", text="qwen2",
+                                                  six_b=False),  # fmt: skip
+        "llava_llama3": hf_models.llava(root / "llava_llama3", text="llama3"),
     }
 
 
-@pytest.mark.parametrize("family", ["internvl_6b", "internvl_300m", "internvl_chat", "llava"])
+@pytest.mark.parametrize("family", ["internvl_6b", "internvl_300m", "internvl_chat", "llava",
+                                    "internvl3_5", "internvl3_5_chat", "internvl3_chat",
+                                    "llava_llama3"])  # fmt: skip
 def test_round_trip_is_bit_identical(models, family: str, tmp_path: Path) -> None:
     built = models[family]
     ckpt, back = tmp_path / "megatron", tmp_path / "hf"
@@ -117,8 +128,11 @@ def _lengths(path: Path) -> Path:
     return path
 
 
-def _train(out: Path, model: Path, ckpt: Path, lengths: Path, *flags: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+def _train(
+    out: Path, model: Path, ckpt: Path, lengths: Path, *flags: str, nproc: int = 2
+) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}",
            "-m", "megatron_omnibal.pretrain_vlm", "--omnibal", "--omnibal-model", str(model),
            "--omnibal-lengths", str(lengths), "--omnibal-vit-budget", "8",
            "--omnibal-token-budget", "120", "--micro-batch-size", "1", "--global-batch-size",
@@ -149,6 +163,78 @@ def test_fine_tune_export_equals_megatron_forward(models, tmp_path: Path) -> Non
     report = json.loads(omnibal("compare-hf", str(back), str(trained)).stdout)
     assert report["ok"], report
     assert max(report[k]["max_rel"] for k in ("logits", "vit", "llm")) <= 1e-4
+
+
+def test_uneven_layouts_convert_train_export_and_compare(tmp_path: Path) -> None:
+    """5 LLM layers (tied Qwen2 head): converted to torch_dist on 2 stages (LLM 1 + 4), trained
+    on 2 others (ViT 2 + 2, LLM 0 + 5) from that checkpoint, exported, and compared on 3
+    stages (LLM 0 + 2 + 3): transformers' forward of the export equals the trained stages'."""
+    built = hf_models.internvl(tmp_path / "internvl5", six_b=True, llm_layers=5)
+    ckpt, trained, back = tmp_path / "converted", tmp_path / "trained", tmp_path / "hf"
+    omnibal("convert", "hf-to-megatron", str(built.path), "--omnibal-vit-pp-layers", "4,0",
+            "--omnibal-llm-pp-layers", "1,4", "--ckpt-format", "torch_dist", "--out", str(ckpt),
+            "--no-progress")  # fmt: skip
+    _train(trained, built.path, ckpt, _lengths(tmp_path / "lengths.npz"),
+           "--pipeline-model-parallel-size", "2", "--omnibal-vit-pp-layers", "2,2",
+           "--omnibal-llm-pp-layers", "0,5")  # fmt: skip
+    omnibal("convert", "megatron-to-hf", str(trained), "--like", str(built.path), "--out",
+            str(back), "--no-progress")  # fmt: skip
+    original, exported = tensors(built.path), tensors(back)
+    assert sorted(exported) == sorted(original)
+    assert sum(n.startswith("language_model.model.layers.4.") for n in exported) > 0
+    changed = [n for n, t in original.items() if not torch.equal(exported[n], t)]
+    assert len(changed) > len(original) // 2, "training changed too few tensors"
+    report = json.loads(omnibal("compare-hf", str(back), str(trained), "--omnibal-vit-pp-layers",
+                                "4,0,0", "--omnibal-llm-pp-layers", "0,2,3").stdout)  # fmt: skip
+    assert report["ok"] and report["pp"] == 3, report
+    assert max(report[k]["max_rel"] for k in ("logits", "vit", "llm")) <= 1e-4
+
+
+def test_qwen3_step_at_tp2_and_pp3_equals_tp1_and_exports(tmp_path: Path) -> None:
+    """InternVL3.5 (Qwen3, tied head), without dropout: one SGD step at TP=2 with sequence
+    parallelism (the per-head QK-norm's gradient summed over the TP ranks' heads) and at PP=3
+    (the ViT over two stages, the tied head on another stage than the embedding) moves every
+    tensor as at TP=1 from the same weights and data; each export loads in transformers and its
+    forward equals the trained stages' (compare-hf)."""
+    built = hf_models.internvl(tmp_path / "internvl3_5", six_b=False, text="qwen3", tie=True,
+                               llm_layers=3)  # fmt: skip
+    lengths = _lengths(tmp_path / "lengths.npz")
+    one_stage = ["--omnibal-vit-pp-layers", "4", "--omnibal-llm-pp-layers", "3"]
+    layouts = {
+        "tp1": (1, "1", one_stage),
+        "tp2": (2, "2", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                         *one_stage]),
+        "pp3": (3, "1", ["--pipeline-model-parallel-size", "3", "--omnibal-vit-pp-layers",
+                         "2,2,0", "--omnibal-llm-pp-layers", "0,1,2"]),
+    }  # fmt: skip
+    exported = {}
+    for name, (nproc, tp, flags) in layouts.items():
+        ckpt, trained, back = (tmp_path / f"{name}_{x}" for x in ("converted", "trained", "hf"))
+        omnibal("convert", "hf-to-megatron", str(built.path), "--tp", tp, *flags[-4:],
+                "--out", str(ckpt), "--no-progress")  # fmt: skip
+        _train(trained, built.path, ckpt, lengths, *flags, "--optimizer", "sgd",
+               "--sgd-momentum", "0", "--weight-decay", "0", "--train-iters", "1",
+               "--save-interval", "1", "--ckpt-format", "torch", "--hidden-dropout", "0",
+               "--attention-dropout", "0", nproc=nproc)  # fmt: skip
+        omnibal("convert", "megatron-to-hf", str(trained), "--like", str(built.path), "--out",
+                str(back), "--no-progress")  # fmt: skip
+        exported[name] = tensors(back)
+        report = json.loads(omnibal("compare-hf", str(back), str(trained)).stdout)
+        assert report["ok"] and report["logits"]["max_rel"] <= 1e-4, report
+    original = tensors(built.path)
+    q_norm = "language_model.model.layers.0.self_attn.q_norm.weight"
+    assert not torch.equal(exported["tp1"][q_norm], original[q_norm]), "no step"
+    off = []
+    for n, t in original.items():
+        step = exported["tp1"][n] - t
+        # Summation order differs between layouts: 1e-4 of the step, or an fp32 rounding of
+        # the stored weight (steps of 1e-6 on weights of 0.1 are a few ulps).
+        tol = 1e-4 * float(step.abs().max()) + 2 * torch.finfo(t.dtype).eps * float(t.abs().max())
+        for name in ("tp2", "pp3"):
+            diff = float((exported[name][n] - t - step).abs().max())
+            if diff > tol:
+                off.append(f"{name} {n}: {diff:.2e} of {float(step.abs().max()):.2e}")
+    assert not off, f"{len(off)} tensor steps differ from TP=1's: " + "; ".join(off[:6])
 
 
 def test_frozen_parts_and_vit_learning_rate(models, tmp_path: Path) -> None:

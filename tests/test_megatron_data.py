@@ -47,7 +47,7 @@ def _sampler(lengths, dp, rank, micro=2, **kw):
 
 def _dataset(lengths, pixels=False):
     return MicroBatchDataset(
-        lambda i: synthetic_sample(i, lengths, SPEC, seed=3, pixels=pixels),
+        lambda i, _epoch: synthetic_sample(i, lengths, SPEC, seed=3, pixels=pixels),
         lambda: filler_sample(SPEC),
     )
 
@@ -154,7 +154,7 @@ class _Packs:
     def __init__(self, packs, micro):
         self.packs, self.micro, self.pos = packs, micro, 0
         self.steps_per_epoch = len(packs) // micro
-        self.last_level = 0
+        self.last_level = self.last_epoch = 0
         self.levels = (Level(vit_budget=24, token_budget=256, micro_batches=micro),)
 
     def set_epoch(self, epoch):
@@ -225,7 +225,7 @@ class _Failing(MicroBatchDataset):
     """Synthetic samples; `bad` samples fail to load (on the ranks that load pixels)."""
 
     def __init__(self, lengths, bad, pixels):
-        def make(i):
+        def make(i, _epoch):
             if pixels and i in bad:
                 raise SampleLoadError(f"sample {i}: cannot decode image x{i}.jpg")
             return synthetic_sample(i, lengths, SPEC, seed=3, pixels=pixels)

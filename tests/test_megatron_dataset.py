@@ -175,6 +175,22 @@ def _oracle_turns(rec):
     return turns, images
 
 
+def _internvl_ids(turns, tok):
+    """(ids, answer flags) of turns rendered with internvl2_5 ('you help' unless a system
+    turn), tokenized turn by turn as InternVL's loader does."""
+    enc = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
+    system = turns.pop(0)[1] if turns[0][0] == "system" else "you help"
+    ids = enc(f"<|im_start|>system\n{system}<|im_end|>\n")
+    target = [False] * len(ids)
+    for role, value in turns:
+        name = "user" if role == "human" else "assistant"
+        piece = enc(f"<|im_start|>{name}\n{value}<|im_end|>\n")
+        head = len(enc(f"<|im_start|>{name}\n")) if role == "gpt" else len(piece)
+        ids += piece
+        target += [False] * head + [True] * (len(piece) - head)
+    return ids, target
+
+
 def _oracle_sample(rec, root, tok, model, max_tiles, tpt=4):
     """(ids, labels, pixels) spelled out: every image token written in the text."""
     turns, images = _oracle_turns(rec)
@@ -190,18 +206,9 @@ def _oracle_sample(rec, root, tok, model, max_tiles, tpt=4):
         turns[i] = (role, value)
     it = iter(img_text)
     turns = [(r, "".join(next(it) if ch == "\0" else ch for ch in v)) for r, v in turns]
-    ids, target = [], []
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
     if model == "internvl":
-        system = turns.pop(0)[1] if turns[0][0] == "system" else "you help"
-        ids += enc(f"<|im_start|>system\n{system}<|im_end|>\n")
-        target += [False] * len(ids)
-        for role, value in turns:
-            name = "user" if role == "human" else "assistant"
-            piece = enc(f"<|im_start|>{name}\n{value}<|im_end|>\n")
-            head = len(enc(f"<|im_start|>{name}\n")) if role == "gpt" else len(piece)
-            ids += piece
-            target += [False] * head + [True] * (len(piece) - head)
+        ids, target = _internvl_ids(turns, tok)
     else:
         system = "A chat between a curious human and an artificial intelligence assistant. " \
                  "The assistant gives helpful, detailed, and polite answers to the human's " \

@@ -75,7 +75,27 @@ CASES = [
         "llm_recompute": [0, 3],
     },
     {"name": "pp2_split", "tp": 1, "pp": 2, "vit": [3, 1], "llm": [0, 4], "split_samples": True},
+    # LLM depths that divide by no pipeline size: the ViT across two stages and a stage without
+    # LLM layers, one LLM layer on a stage, many on another.
+    {"name": "llm5_pp1", "tp": 1, "pp": 1, "vit": [4], "llm": [5], "llm_layers": 5},
+    {"name": "llm5_pp2", "tp": 1, "pp": 2, "vit": [2, 2], "llm": [0, 5], "llm_layers": 5},
+    {"name": "llm5_pp4", "tp": 1, "pp": 4, "vit": [4, 0, 0, 0], "llm": [0, 1, 3, 1],
+     "llm_layers": 5},
+    {"name": "llm7_pp1", "tp": 1, "pp": 1, "vit": [4], "llm": [7], "llm_layers": 7},
+    {"name": "llm7_pp2", "tp": 1, "pp": 2, "vit": [4, 0], "llm": [1, 6], "llm_layers": 7},
+    {"name": "llm7_pp4", "tp": 1, "pp": 4, "vit": [2, 2, 0, 0], "llm": [0, 2, 4, 1],
+     "llm_layers": 7},
+    {"name": "llm7_pp4_dropout", "tp": 1, "pp": 4, "vit": [2, 2, 0, 0], "llm": [0, 2, 4, 1],
+     "llm_layers": 7, "dropout": 0.2},
+    {"name": "llm7_pp4_dropout_recompute", "tp": 1, "pp": 4, "vit": [2, 2, 0, 0],
+     "llm": [0, 2, 4, 1], "llm_layers": 7, "dropout": 0.2, "vit_recompute": [1, 2, 0, 0],
+     "llm_recompute": [0, 1, 4, 1]},
 ]
+
+
+def reference(case: dict) -> str:
+    """The PP=1 case of the same model."""
+    return f"llm{case['llm_layers']}_pp1" if "llm_layers" in case else "pp1"
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +144,23 @@ def test_pipeline_split_matches_pp1(results: Path, name: str) -> None:
     assert_same(results, name)
 
 
+@pytest.mark.parametrize("name", ["llm5_pp2", "llm5_pp4", "llm7_pp2", "llm7_pp4"])
+def test_uneven_llm_depths_match_pp1(results: Path, name: str) -> None:
+    """5 and 7 LLM layers over 2 and 4 stages (0, 1 or many per stage) train as PP=1 does."""
+    assert_same(results, name, ref=name.split("_")[0] + "_pp1")
+
+
 def test_recompute_matches_no_recompute(results: Path) -> None:
     assert_same(results, "pp2_recompute")
+
+
+def test_uneven_recompute_with_dropout_replays_the_same_masks(results: Path) -> None:
+    """7 LLM layers split 0 + 2 + 4 + 1: each stage's per-layer RNG streams replay in the
+    recompute (first k layers of each stage, all of stage 2's)."""
+    assert_same(results, "llm7_pp4_dropout_recompute", ref="llm7_pp4_dropout")
+    drop, _ = load(results, "llm7_pp4_dropout")
+    plain, _ = load(results, "llm7_pp4")
+    assert any(abs(a[0] - b[0]) > 1e-3 * abs(b[0]) for a, b in zip(drop, plain, strict=True))
 
 
 def test_recompute_with_dropout_replays_the_same_masks(results: Path) -> None:
@@ -167,10 +202,11 @@ def test_checkpoint_keys_and_layer_numbers_are_global(results: Path) -> None:
     """Every split's stages together hold exactly the PP=1 checkpoint shards (key, global
     offset, global shape), each once, and their layers carry the global (1-based) numbers of
     their layout range: a checkpoint of one plan loads into another plan's split."""
-    ref = torch.load(results / "pp1.stage0.pt")["checkpoint_keys"]
-    qkv = [k for k in ref if k[0] == "vit.layers.self_attention.linear_qkv.weight"]
+    qkv = [k for k in torch.load(results / "pp1.stage0.pt")["checkpoint_keys"]
+           if k[0] == "vit.layers.self_attention.linear_qkv.weight"]  # fmt: skip
     assert [k[1][0] for k in qkv] == [0, 1, 2, 3] and qkv[0][2][0] == 4  # layer axis
     for case in CASES:
+        ref = torch.load(results / f"{reference(case)}.stage0.pt")["checkpoint_keys"]
         keys: list[str] = []
         for f in sorted(results.glob(f"{case['name']}.stage*.pt")):
             r = torch.load(f)

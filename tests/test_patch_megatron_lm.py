@@ -67,24 +67,33 @@ def test_patch_touches_only_pretrain_vlm_and_only_adds(patched_checkout: Path) -
 
 @pytest.fixture(scope="module")
 def lengths_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """40 real records of the shipped example data."""
+    """40 real records of the shipped example data (and, beside them, the model: tiny with 5
+    LLM layers, which divide by no pipeline size)."""
+    import json
+
     from megatron_omnibal.data.lengths import load_lengths, read_stats_config, save_lengths
+    from megatron_omnibal.models.presets import PRESETS
 
     real = load_lengths(EXAMPLE)
     pick = np.sort(np.random.default_rng(1).choice(len(real), 40, replace=False))
     path = tmp_path_factory.mktemp("lengths") / "lengths.npz"
     save_lengths(real.subset(pick), path, config=read_stats_config(EXAMPLE))  # 256 per tile
+    spec = PRESETS["tiny"].to_dict()
+    spec["llm"]["num_layers"] = 5
+    (path.parent / "tiny5.json").write_text(json.dumps(spec))
     return path
 
 
 def train_flags(lengths: Path, *extra: str) -> list[str]:
-    """A tiny VLM at PP=2 (ViT on stage 0, LLM split 1+3), TRAIN_ITERS steps."""
+    """A tiny VLM with 5 LLM layers at PP=2 (ViT on stage 0, LLM split 1+4), TRAIN_ITERS
+    steps."""
     return [
-        "--omnibal", "--omnibal-model", "tiny", "--omnibal-lengths", str(lengths),
+        "--omnibal", "--omnibal-model", str(lengths.parent / "tiny5.json"),
+        "--omnibal-lengths", str(lengths),
         "--omnibal-vit-budget", "16", "--omnibal-token-budget", "160",
         "--omnibal-text-scale", "8", "--micro-batch-size", "1", "--global-batch-size", "2",
         "--pipeline-model-parallel-size", "2", "--omnibal-vit-pp-layers", "4,0",
-        "--omnibal-llm-pp-layers", "1,3", "--lr", "1e-3", "--clip-grad", "0",
+        "--omnibal-llm-pp-layers", "1,4", "--lr", "1e-3", "--clip-grad", "0",
         "--transformer-impl", "local", "--seed", "7", "--log-interval", "1",
         "--train-iters", str(TRAIN_ITERS), *extra,
     ]  # fmt: skip

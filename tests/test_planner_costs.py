@@ -27,6 +27,10 @@ def llm_params(name):
         ("llava-1.5-7b", 6.74e9),  # Llama-2-7B: 6.74B
         ("llava-1.5-13b", 13.02e9),  # Llama-2-13B: 13.0B
         ("internvl2-8b", 7.74e9),  # InternLM2.5-7B: 7.74B
+        ("internvl3-8b", 7.61e9),  # Qwen2.5-7B model card: 7.61B
+        ("internvl3.5-8b", 8.19e9),  # Qwen3-8B model card: 8.2B
+        ("internvl3.5-38b", 32.8e9),  # Qwen3-32B model card: 32.8B
+        ("llava-llama3.1-8b", 8.03e9),  # Llama-3.1-8B: 8.03B
     ],
 )
 def test_llm_parameter_counts_match_published(name, published):
@@ -75,6 +79,24 @@ def test_llm_time_follows_flops_and_gqa():
     four_short = cm.at(workload_features(0, 4096, 4 * 1024**2)).forward_ms[unit]
     assert one_long - four_short == pytest.approx(2 * h * (4096**2 - 4 * 1024**2) / rate)
     assert cm.backward[unit] == pytest.approx(2 * cm.forward[unit])
+
+
+def test_llm_time_follows_the_head_size_not_the_width():
+    """Qwen3-32B: 64 heads of 128 project 5120 to 8192; q, output projection and attention
+    scores are priced at that width."""
+    model, hw = get_preset("internvl3.5-38b"), get_hardware("A100-80G")
+    cm = analytic_costs(model, hw)
+    llm = model.llm
+    h, q, kv = llm.hidden_size, llm.q_size, llm.kv_size
+    assert (h, q) == (5120, 8192)
+    flops_per_token = 2 * (2 * h * q + 2 * h * kv + 3 * h * llm.ffn_hidden_size)
+    rate = hw.peak_tflops * 1e12 * hw.efficiency / 1e3
+    unit = model.vit.num_layers + 1
+    base = cm.at(workload_features(0, 0, 0)).forward_ms[unit]
+    got = cm.at(workload_features(0, 1000, 0)).forward_ms[unit] - base
+    assert got == pytest.approx(1000 * flops_per_token / rate)
+    scores = cm.at(workload_features(0, 0, 1000**2)).forward_ms[unit] - base
+    assert scores == pytest.approx(2 * q * 1000**2 / rate)
 
 
 def test_static_memory_distributed_optimizer():

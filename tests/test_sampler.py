@@ -76,3 +76,26 @@ def test_bad_state_and_arguments(lengths):
         s.load_state_dict({"epoch": 0, "step": 0, "micro": 7})
     with pytest.raises(ValueError, match="dp_rank"):
         BalancedBatchSampler(lengths, CONFIG, dp_rank=3)
+
+
+def test_samplers_of_one_process_balance_an_epoch_once(monkeypatch):
+    """The training log's sampler and a rank's iterator sampler ask for the same epoch at
+    start-up: one balance() between them, the same (read-only) plan; another epoch, config or
+    lengths object is balanced anew."""
+    from megatron_omnibal.balance import sampler as sampler_module
+
+    calls = []
+    real = sampler_module.balance
+    monkeypatch.setattr(sampler_module, "balance",
+                        lambda lengths, config: calls.append(config.seed) or real(lengths, config))
+    monkeypatch.setattr(sampler_module, "_recent", [])
+    lengths = from_arrays(np.ones(64, np.int64), np.arange(64) + 10)
+    config = BalanceConfig(dp_size=2, vit_budget=4, token_budget=400, seed=3)
+    log_side = BalancedBatchSampler(lengths, config, dp_rank=0)
+    rank_side = BalancedBatchSampler(lengths, config, dp_rank=1)
+    assert log_side.plan(0) is rank_side.plan(0) and calls == [3]
+    with pytest.raises(ValueError, match="read-only"):
+        log_side.plan(0).samples[0] = 1
+    log_side.plan(1)
+    BalancedBatchSampler(from_arrays(lengths.vit, lengths.tokens), config, dp_rank=0)
+    assert calls == [3, 4, 3]

@@ -275,7 +275,8 @@ def _bad_dataset(data, tmp_path):
         11: ("{not json", "invalid JSON"),
         13: ({"id": "long", "conversations": [{"from": "human", "value": "cat, dog? " * 4000},
                                               {"from": "gpt", "value": "ok"}]}, "over-long"),
-        15: ({"id": "v", "video": "clip.mp4", "conversations": conv}, "video samples"),
+        15: ({"id": "v", "video": "clip.mp4", "conversations": conv},
+             "cannot open video .*clip.mp4: no such file"),
     }
     lines, good_recs = [], iter(good)
     for i in range(19):

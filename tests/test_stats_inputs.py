@@ -110,7 +110,13 @@ def test_sharegpt_and_messages_records_give_the_llava_records_lengths(root, tmp_
 
 @pytest.mark.parametrize("record, message", [
     ({"conversations": [{"from": "human", "value": "a"}], "imgs": ["0.jpg"]}, "unknown key 'imgs'"),
-    ({"conversations": [{"from": "human", "value": "a"}], "videos": ["v.mp4"]}, "video samples"),
+    ({"conversations": [{"from": "human", "value": "a"}], "audios": ["a.wav"]}, "audio samples"),
+    ({"conversations": [{"from": "human", "value": "a"}], "videos": ["v.mp4"],
+      "images": ["0.jpg"]}, "images and videos in one sample"),
+    ({"conversations": [{"from": "human", "value": "<video> a"}], "videos": ["v.mp4", "w.mp4"]},
+     r"2 video\(s\) but 1 '<video>'"),
+    ({"conversations": [{"from": "human", "value": "a"}], "video": "v.mp4", "clip": [3, 2]},
+     "'clip' must be"),
     ({"messages": [{"role": "user", "content": "a"}], "conversations": []}, "both"),
     ({"messages": [{"role": "bot", "content": "a"}]}, "unknown role 'bot'"),
     ({"image": "0.jpg", "images": ["0.jpg"], "conversations": []}, "both 'image' and 'images'"),
@@ -123,14 +129,14 @@ def test_records_the_reader_does_not_understand_are_errors(record, message):
 
 
 def test_known_metadata_and_extra_keys_are_accepted():
-    images, turns = read_sample({"id": 1, "width": 3, "height": 4, "image": "x.jpg",
-                                 "conversations": [{"from": "human", "value": "q"},
-                                                   {"from": "gpt", "value": "a"}]})
+    images, _, turns = read_sample({"id": 1, "width": 3, "height": 4, "image": "x.jpg",
+                                    "conversations": [{"from": "human", "value": "q"},
+                                                      {"from": "gpt", "value": "a"}]})
     assert images == ["x.jpg"] and turns[0] == ("human", "<image>\nq")
     with pytest.raises(SampleError, match="unknown key 'score'"):
         read_sample({"score": 1, "messages": [{"role": "user", "content": "q"}]})
     assert read_sample({"score": 1, "messages": [{"role": "user", "content": "q"}]},
-                       extra_keys=("score",))[1] == [("human", "q")]
+                       extra_keys=("score",))[2] == [("human", "q")]
 
 
 def _bomb_png(path, side=40_000):

@@ -78,6 +78,7 @@ def test_step_scalars_and_the_text_line_average_over_the_log_interval():
     log.record(2, 1.5, printer=lambda text, **_: lines.append(text))
     a, b = steps.step(0), steps.step(1)
     assert len(lines) == 1 and lines[0].startswith(" omnibal: iteration        2 |")
+    assert f"| epoch 0 step 2/{sampler(0).steps_per_epoch} |" in lines[0]
     assert f"samples/step {(a.num_samples + b.num_samples) / 2:.1f}" in lines[0]
     assert f"tokens/s {(a.num_tokens + b.num_tokens) / 2.0:.1f}" in lines[0]
     top = (a.tokens.max() + b.tokens.max()) / 2

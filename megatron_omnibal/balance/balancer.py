@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_omnibal.balance import hierarchy, layout
-from megatron_omnibal.balance.checks import check_plan
+from megatron_omnibal.balance import hierarchy, histograms, layout
+from megatron_omnibal.balance.checks import check_plan, pack_sums
 from megatron_omnibal.balance.config import (
     DEFAULT_COST,
     ISF_THRESHOLD_MARGIN,
@@ -33,7 +33,7 @@ from megatron_omnibal.balance.config import (
 )
 from megatron_omnibal.balance.core import permutation
 from megatron_omnibal.balance.packing import big, pack_level, packs_needed
-from megatron_omnibal.balance.plan_io import PLAN_VERSION, BalancePlan
+from megatron_omnibal.balance.plan_io import PLAN_VERSION, BalancePlan, ranges
 from megatron_omnibal.data.lengths import LengthStats
 
 # The packers' output version: raised whenever balance() gives other packs or another layout
@@ -65,15 +65,6 @@ def time_weight(lengths: LengthStats, cost: PackCost | None) -> np.ndarray:
     return np.rint(ms * scale).astype(np.int64)
 
 
-def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Concatenation of range(starts[k], starts[k] + sizes[k]) over k."""
-    total = int(sizes.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    offsets = np.repeat(np.cumsum(sizes) - sizes, sizes)
-    return np.repeat(starts, sizes) + np.arange(total) - offsets
-
-
 def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarray,
                  solo: np.ndarray, use_reference: bool) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per level (ascending): (samples, pack_ptr) of its packs, as global sample indices; solo
@@ -81,7 +72,7 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarra
     levels = config.all_levels
     vit, tok = lengths.vit, lengths.tokens
     time = time_weight(lengths, config.cost)
-    level_of = np.full(len(lengths), -1, np.int64)
+    level_of = np.full(len(lengths), -1, np.int16)
     level_of[regular] = hierarchy.assign_levels(vit[regular], tok[regular], levels)
     # Pools of samples not yet packed, per level, in a seeded random order (GreedyFill's order).
     order = permutation(len(lengths), config.seed ^ _TOP_UP_SALT) if len(levels) > 1 else None
@@ -106,26 +97,46 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarra
             budgets = (level.vit_budget, level.token_budget)
             big_room = packs - int(big(vit[own], tok[own], *budgets).sum())
             fill = hierarchy.top_up(pools, vit, tok, free_v, free_t, big_room, budgets)
-        members = np.concatenate([own, fill]).astype(np.int64)
+        members = np.concatenate([own, fill]).astype(np.int64, copy=False)
+        whole = len(own) == len(lengths)  # every sample, in order: no copies
         optional = np.concatenate([np.zeros(len(own), bool), np.ones(len(fill), bool)])
         threshold = (config.threshold if lv == len(levels) - 1
                      else level.token_budget - ISF_THRESHOLD_MARGIN)
-        got = pack_level(vit[members], tok[members], time[members], optional,
+        got = pack_level(*((vit, tok, time) if whole else
+                           (vit[members], tok[members], time[members])), optional,
                          vit_budget=level.vit_budget, token_budget=level.token_budget,
                          per_step=per_step, algorithm=config.algorithm,
                          repair=config.mode == "random", seed=config.seed + 7919 * lv,
                          isf_rounds=config.isf_rounds, isf_threshold=threshold,
                          min_packs=packs, offset=len(extra), use_reference=use_reference)
-        samples = members[got.samples]
-        pending[samples] = False
+        samples = got.samples if whole else members[got.samples]
         ptr = got.ptr
+        del members, optional, got
+        pending[samples] = False
         if len(extra):
-            samples = np.concatenate([samples, extra]).astype(np.int64)
+            samples = np.concatenate([samples, extra]).astype(np.int64, copy=False)
             ptr = np.concatenate([ptr, ptr[-1] + np.arange(1, len(extra) + 1)]).astype(np.int64)
         out[lv] = (samples, ptr)
     if pending.any():  # pack_level places every non-optional sample; this cannot happen
         raise RuntimeError(f"balance: {int(pending.sum())} samples were not packed")
     return out
+
+
+def _lay_out(lengths: LengthStats, config: BalanceConfig, lv: int, samples: np.ndarray,
+             ptr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(step within the level, rank, micro) of each of one level's packs (layout.layout)."""
+    num = len(ptr) - 1
+    cost = config.cost or DEFAULT_COST
+    pack_id = np.repeat(np.arange(num), np.diff(ptr))
+    pack_time = np.bincount(
+        pack_id, cost.sample_ms(lengths.vit[samples], lengths.tokens[samples]), num)
+    dominant = histograms.most_frequent(pack_id, lengths.dataset[samples], num,
+                                        max(len(lengths.names), 1))
+    del pack_id
+    return layout.layout(pack_sums(lengths.vit, samples, ptr),
+                         pack_sums(lengths.tokens, samples, ptr), pack_time, config.dp_size,
+                         config.all_levels[lv].micro_batches, config.mode, config.seed + lv,
+                         dominant, None if config.algorithm == "isf" else config.tail_tolerance)
 
 
 def balance(lengths: LengthStats, config: BalanceConfig, *, use_reference: bool = False
@@ -143,51 +154,34 @@ def balance(lengths: LengthStats, config: BalanceConfig, *, use_reference: bool 
     solo = np.flatnonzero(over) if config.oversize == "solo" else np.zeros(0, np.int64)
     skipped = np.flatnonzero(over) if config.oversize == "skip" else np.zeros(0, np.int64)
     per_level = _level_packs(lengths, config, regular, solo, use_reference)
-    cost = config.cost or DEFAULT_COST
-    names = max(len(lengths.names), 1)
+    del over, regular, solo
     levels = config.all_levels
-    parts = []  # per level: samples, sizes, local step, rank, micro
-    steps = []
-    for lv, (samples, ptr) in enumerate(per_level):
-        num = len(ptr) - 1
-        sizes = np.diff(ptr)
-        pack_id = np.repeat(np.arange(num), sizes)
-        pack_vit = np.bincount(pack_id, lengths.vit[samples], num)
-        pack_tok = np.bincount(pack_id, lengths.tokens[samples], num)
-        pack_time = np.bincount(
-            pack_id, cost.sample_ms(lengths.vit[samples], lengths.tokens[samples]), num)
-        counts = np.bincount(pack_id * names + lengths.dataset[samples], minlength=num * names)
-        dominant = counts.reshape(num, names).argmax(axis=1)
-        step, rank, micro = layout.layout(pack_vit, pack_tok, pack_time, config.dp_size,
-                                          levels[lv].micro_batches, config.mode,
-                                          config.seed + lv, dominant,
-                                          None if config.algorithm == "isf"
-                                          else config.tail_tolerance)
-        parts.append((samples, ptr, step, rank, micro))
-        steps.append(int(step.max()) + 1 if num else 0)
+    laid = [_lay_out(lengths, config, lv, samples, ptr)
+            for lv, (samples, ptr) in enumerate(per_level)]
+    steps = [int(step.max()) + 1 if len(step) else 0 for step, _, _ in laid]
     step_level = hierarchy.interleave(steps, config.curriculum_steps, config.seed)
-    position = [np.flatnonzero(step_level == lv) for lv in range(len(levels))]
-    all_samples, all_sizes, all_step, all_rank, all_micro, all_level = [], [], [], [], [], []
-    for lv, (samples, ptr, step, rank, micro) in enumerate(parts):
-        all_samples.append(samples)
-        all_sizes.append(np.diff(ptr))
-        all_step.append(position[lv][step])
-        all_rank.append(rank)
-        all_micro.append(micro)
-        all_level.append(np.full(len(step), lv, np.int64))
-    samples = np.concatenate(all_samples).astype(np.int64)
-    sizes = np.concatenate(all_sizes).astype(np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    g_step, g_rank, g_micro, g_level = (np.concatenate(a).astype(np.int64) for a in
-                                        (all_step, all_rank, all_micro, all_level))
-    order = np.lexsort((g_micro, g_rank, g_step))
-    samples = samples[_ranges(starts[order], sizes[order])]
-    ptr = np.concatenate([[0], np.cumsum(sizes[order])]).astype(np.int64)
+    # Packs in (step, rank, micro) order: each pack's place counted from where its step starts.
+    step_micro = np.array([level.micro_batches for level in levels], np.int64)[step_level]
+    step_start = np.concatenate([[0], np.cumsum(config.dp_size * step_micro)]).astype(np.int64)
+    num_packs = int(step_start[-1])
+    g_step, g_rank, g_micro, g_level, sizes = (np.zeros(num_packs, np.int64) for _ in range(5))
+    places = []
+    for lv, ((step, rank, micro), (_, ptr)) in enumerate(zip(laid, per_level, strict=True)):
+        g = np.flatnonzero(step_level == lv)[step]
+        place = step_start[g] + rank * levels[lv].micro_batches + micro
+        g_step[place], g_rank[place], g_micro[place], g_level[place] = g, rank, micro, lv
+        sizes[place] = np.diff(ptr)
+        places.append(place)
+    del laid
+    ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    samples = np.empty(int(ptr[-1]), np.int64)
+    for (level_samples, level_ptr), place in zip(per_level, places, strict=True):
+        samples[ranges(ptr[place], np.diff(level_ptr))] = level_samples
+    del per_level, places
     meta = dict(config.to_dict(), num_samples=len(lengths), version=PLAN_VERSION,
                 packer_version=PACKER_VERSION,
                 dp=config.dp_size, level_steps=steps)
-    plan = BalancePlan(samples, ptr, g_step[order], g_rank[order], g_micro[order],
-                       skipped.astype(np.int64), meta, g_level[order])
+    plan = BalancePlan(samples, ptr, g_step, g_rank, g_micro, skipped.astype(np.int64), meta,
+                       g_level)
     check_plan(plan, lengths)
     return plan
-

@@ -14,6 +14,17 @@ class PlanError(ValueError):
     """A balance plan breaks an invariant; the message names the pack or sample."""
 
 
+def pack_sums(values: np.ndarray, samples: np.ndarray, ptr: np.ndarray) -> np.ndarray:
+    """Per pack (pack p = samples[ptr[p]:ptr[p+1]]): the sum of `values` over its samples, in
+    the values' own type (integers stay exact), 0 for an empty pack."""
+    picked = np.asarray(values)[samples]
+    out = np.zeros(len(ptr) - 1, picked.dtype)
+    filled = np.flatnonzero(np.diff(ptr) > 0)
+    if len(filled):
+        out[filled] = np.add.reduceat(picked, ptr[filled])
+    return out
+
+
 def pack_totals(plan: BalancePlan, values: np.ndarray) -> np.ndarray:
     """Per pack: the sum of `values` over its samples."""
     pid = np.repeat(np.arange(plan.num_packs), np.diff(plan.pack_ptr))
@@ -32,7 +43,8 @@ def check_plan(plan: BalancePlan, lengths: LengthStats) -> None:
                                           "token_budget": plan.meta["token_budget"]}]
     vb = np.array([int(lv["vit_budget"]) for lv in levels])[plan.pack_level]
     tb = np.array([int(lv["token_budget"]) for lv in levels])[plan.pack_level]
-    tiles, tokens = pack_totals(plan, lengths.vit), pack_totals(plan, lengths.tokens)
+    tiles = pack_sums(lengths.vit, plan.samples, plan.pack_ptr)
+    tokens = pack_sums(lengths.tokens, plan.samples, plan.pack_ptr)
     over = (tiles > vb) | (tokens > tb)
     if not over.any():
         return

@@ -65,17 +65,39 @@ def pack_lpt(vit: np.ndarray, tokens: np.ndarray, params, *, use_reference: bool
 def ratio_band(vit: np.ndarray, weight: np.ndarray) -> tuple[int, int]:
     """A low and a high weight per tile of the data (x1024, integers). The low one is how
     lightly a pack's other tiles can be filled, which decides how many tiles a heavy sample's pack
-    gives up; the high one how much weight a pack short of tiles can still carry."""
+    gives up; the high one how much weight a pack short of tiles can still carry.
+
+    Percentiles over tiles, not samples: the ratio at which the tiles of the samples up to it
+    (ratios ascending) first reach the share; found on the integer keys x1024 (floor for the
+    low one, ceil for the high: both keep the order) by counting, without sorting."""
     has = vit > 0
     if not has.any():
         return 0, 0
-    ratio = weight[has] / vit[has]
-    mean = weight[has].sum() / vit[has].sum()
-    order = np.argsort(ratio, kind="stable")  # percentiles over tiles, not samples
-    at = np.cumsum(vit[has][order]) / vit[has].sum() * 100.0
-    low = min(ratio[order][np.searchsorted(at, LOW_RATIO_PERCENTILE)], mean)
-    high = max(ratio[order][min(np.searchsorted(at, HIGH_RATIO_PERCENTILE), len(at) - 1)], mean)
-    return int(math.floor(low * 1024)), int(math.ceil(high * 1024))
+    tiles, ratio = vit[has], weight[has] / vit[has]
+    total = tiles.sum()
+    mean = weight[has].sum() / total
+    ratio *= 1024.0
+    low = _percentile_key(np.floor(ratio).astype(np.int64), tiles, total, LOW_RATIO_PERCENTILE)
+    high = _percentile_key(np.ceil(ratio).astype(np.int64), tiles, total, HIGH_RATIO_PERCENTILE)
+    return min(low, math.floor(mean * 1024)), max(high, math.ceil(mean * 1024))
+
+
+KEY_BITS = 16  # bits of a key counted per pass of _percentile_key
+
+
+def _percentile_key(keys: np.ndarray, tiles: np.ndarray, total: int, percent: float) -> int:
+    """The least key k (>= 0) with cumsum(tiles over keys <= k) / total * 100 >= percent: a
+    count over the keys' high bits finds its bucket, a count over the low bits of that bucket's
+    keys the key (the shares are evaluated as a cumulative sum over sorted keys would give them,
+    so the answer is the same)."""
+    shift = max(int(keys.max()).bit_length() - KEY_BITS, 0)
+    high = np.bincount(keys >> shift, tiles)
+    below = np.concatenate([[0.0], np.cumsum(high)])
+    bucket = min(int(np.searchsorted(below[1:] / total * 100.0, percent)), len(high) - 1)
+    inside = (keys >> shift) == bucket
+    low = np.bincount(keys[inside] & ((1 << shift) - 1), tiles[inside])
+    at = (below[bucket] + np.cumsum(low)) / total * 100.0
+    return (bucket << shift) + min(int(np.searchsorted(at, percent)), len(low) - 1)
 
 
 def slot_params(*, vit_budget: int, token_budget: int, packs: int, grow: int, seed: int,

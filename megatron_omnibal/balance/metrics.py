@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_omnibal.balance import histograms
 from megatron_omnibal.balance.config import DEFAULT_COST, PackCost
 from megatron_omnibal.balance.core import permutation
 from megatron_omnibal.balance.plan_io import BalancePlan
@@ -98,8 +99,8 @@ def pad_ratio(plan: BalancePlan, lengths: LengthStats, packed: bool = True) -> f
 def step_mix_skew(plan: BalancePlan, lengths: LengthStats) -> np.ndarray:
     """Per step: total-variation distance of its dataset histogram from the epoch's."""
     _, step = _sample_index(plan)
-    return _tv_per_group(step, lengths.dataset[plan.samples], plan.num_steps,
-                         len(lengths.names))
+    return histograms.total_variation(step, lengths.dataset[plan.samples], plan.num_steps,
+                                      len(lengths.names))
 
 
 def shuffle_mix_skew(plan: BalancePlan, lengths: LengthStats, seed: int = 0) -> np.ndarray:
@@ -110,21 +111,7 @@ def shuffle_mix_skew(plan: BalancePlan, lengths: LengthStats, seed: int = 0) -> 
     order = permutation(len(plan.samples), seed ^ _SHUFFLE_SALT)
     shuffled_step = np.repeat(np.arange(plan.num_steps), sizes)
     ds = lengths.dataset[plan.samples][order]
-    return _tv_per_group(shuffled_step, ds, plan.num_steps, len(lengths.names))
-
-
-def _tv_per_group(group: np.ndarray, dataset: np.ndarray, groups: int, names: int
-                  ) -> np.ndarray:
-    hist = np.bincount(group * names + dataset, minlength=groups * names)
-    hist = hist.reshape(groups, names).astype(np.float64)
-    overall = hist.sum(axis=0)
-    if overall.sum() == 0:
-        return np.zeros(groups)
-    p = overall / overall.sum()
-    rows = hist.sum(axis=1, keepdims=True)
-    q = np.divide(hist, rows, out=np.zeros_like(hist), where=rows > 0)
-    tv = 0.5 * np.abs(q - p).sum(axis=1)
-    return np.where(rows[:, 0] > 0, tv, 0.0)
+    return histograms.total_variation(shuffled_step, ds, plan.num_steps, len(lengths.names))
 
 
 def summarize(plan: BalancePlan, lengths: LengthStats, cost: PackCost = DEFAULT_COST,

@@ -91,15 +91,15 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight2: np.ndarray, optiona
     by_tokens = int(tokens.sum()) * vit_budget > int(vit.sum()) * token_budget
     band = (0, 0) if by_tokens else core.ratio_band(vit, tokens)
     k = max(1, round(n / CHUNK))
-    parts = [np.arange(i, n, k) for i in range(k)]  # strided: each chunk a cross-section
-    out_samples, out_sizes = [], []
+    out_samples, out_sizes, filled = np.empty(n, np.int64), [], 0
     placed, scale = offset, 1.0  # scale: packs the last chunk needed over its budgets' bound
-    for i, part in enumerate(parts):
+    for i in range(k):
+        part = np.arange(i, n, k)  # strided: each chunk a cross-section
         pv, pt = vit[part], tokens[part]
         bound = max(packs_needed(pv[~optional[part]], pt[~optional[part]], vit_budget,
                                  token_budget), 1)
         need = math.ceil(bound * scale)
-        last = i == len(parts) - 1
+        last = i == k - 1
         if last:
             need = max(need, min_packs + offset - placed)
             packs = -(-(placed + need) // per_step) * per_step - placed
@@ -130,10 +130,10 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight2: np.ndarray, optiona
         else:
             raise RuntimeError(f"balance: could not place all samples after {MAX_RETRIES} "
                                "attempts")
-        out_samples.append(part[samples])
+        out_samples[filled:filled + len(samples)] = part[samples]
+        filled += len(samples)
         out_sizes.append(np.diff(ptr))
         placed += len(ptr) - 1
         scale = (len(ptr) - 1) / bound
     sizes = np.concatenate(out_sizes)
-    return Packs(np.concatenate(out_samples).astype(np.int64),
-                 np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+    return Packs(out_samples[:filled], np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))

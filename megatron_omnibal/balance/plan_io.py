@@ -18,6 +18,16 @@ PLAN_VERSION = 2  # 2: pack_level and the levels in meta (version 1 files load a
 _ARRAYS = ("samples", "pack_ptr", "pack_step", "pack_rank", "pack_micro", "skipped")
 
 
+def ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Concatenation of range(starts[k], starts[k] + sizes[k]) over k."""
+    total = int(sizes.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    out = np.arange(total, dtype=np.int64)
+    out += np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
+    return out
+
+
 @dataclass
 class BalancePlan:
     """Packs of sample indices laid out over (step, dp rank, micro-batch).
@@ -53,6 +63,12 @@ class BalancePlan:
         """Sample indices of pack p."""
         return self.samples[self.pack_ptr[p]:self.pack_ptr[p + 1]]
 
+    def packs_of(self, packs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(samples, pack_ptr) of the packs `packs` alone, in that order (one rank's share)."""
+        sizes = np.diff(self.pack_ptr)[packs]
+        ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        return self.samples[ranges(self.pack_ptr[packs], sizes)], ptr
+
     def level_micro_batches(self) -> list[int]:
         """Micro-batches per rank of a step, per level."""
         levels = self.meta.get("levels") or []
@@ -70,7 +86,7 @@ class BalancePlan:
         """Raise ValueError unless every sample 0..num_samples-1 appears exactly once in
         `samples` or `skipped`, packs are in (step, rank, micro) order and each step is a full
         grid of dp ranks x its level's micro-batches, all of one level."""
-        everything = np.concatenate([self.samples, self.skipped]).astype(np.int64)
+        everything = np.concatenate([self.samples, self.skipped]).astype(np.int64, copy=False)
         if len(everything) and (everything.min() < 0 or everything.max() >= num_samples):
             bad = int(everything[(everything < 0) | (everything >= num_samples)][0])
             raise ValueError(f"plan: sample index {bad} out of range ({num_samples} samples)")

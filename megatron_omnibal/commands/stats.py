@@ -56,7 +56,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="samples with more tokens are errors (or skipped)")
     parser.add_argument("--verify-images", action="store_true",
                         help="decode every image fully (in the worker processes), not only its "
-                             "header: truncated or corrupt files become bad samples")
+                             "header, and the frames each video can give: truncated or corrupt "
+                             "files become bad samples")
+    parser.add_argument("--min-frames", type=positive_int, default=8,
+                        help="fewest frames a video trains on (InternVL min_num_frame; "
+                             "default 8)")
+    parser.add_argument("--max-frames", type=positive_int, default=32,
+                        help="most frames a video trains on (InternVL max_num_frame; "
+                             "default 32)")
+    parser.add_argument("--frame-sampling", default="rand", metavar="rand|middle|fpsX",
+                        help="frames of a video: 'rand' one random frame per equal segment "
+                             "(InternVL's, default), 'middle' each segment's middle frame, "
+                             "'fpsX' X frames per second (count from the duration, at most "
+                             "--max-frames); with rand and middle each epoch draws the count "
+                             "in [--min-frames, --max-frames] per video")
+    parser.add_argument("--frame-seed", type=int, default=0,
+                        help="the length records count the frames of epoch 0 drawn with this "
+                             "seed (give the training run's balance seed to make them its "
+                             "first epoch's; training redraws every epoch from its own seed)")
     parser.add_argument("--extra-keys", default="",
                         help="comma-separated record keys that carry no content, accepted "
                              "besides the known ones (unknown keys are errors)")
@@ -92,6 +109,7 @@ def build_config(args: argparse.Namespace):
     from dataclasses import replace
     from pathlib import Path
 
+    from megatron_omnibal.data.frames import FrameSettings
     from megatron_omnibal.data.model_data import model_data_side
     from megatron_omnibal.data.stats_config import ModelLayout, StatsConfig
     from megatron_omnibal.models.resolve import resolve_model
@@ -126,7 +144,10 @@ def build_config(args: argparse.Namespace):
                        trust_remote_code=args.trust_remote_code,
                        verify_images=args.verify_images,
                        extra_keys=tuple(k for k in args.extra_keys.split(",") if k),
-                       model=ModelLayout.from_spec(spec))
+                       frames=FrameSettings(min_frames=args.min_frames,
+                                            max_frames=args.max_frames,
+                                            sampling=args.frame_sampling),
+                       frame_seed=args.frame_seed, model=ModelLayout.from_spec(spec))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,6 +178,12 @@ def run(args: argparse.Namespace) -> int:
     if len(stats):
         print(f"tiles: total {int(stats.vit.sum())}, max {int(stats.vit.max())}; tokens: mean "
               f"{stats.tokens.mean():.0f}, max {int(stats.tokens.max())}", file=sys.stderr)
+    videos = sum(len(v) for v in result.videos)
+    if videos:
+        frames = config.frames
+        print(f"videos: {videos}; frames {frames.min_frames}-"
+              f"{frames.max_frames}, sampling {frames.sampling}, counted for epoch 0 of frame "
+              f"seed {config.frame_seed}", file=sys.stderr)
     for path in written:
         print(f"wrote {path}", file=sys.stderr)
     return 0

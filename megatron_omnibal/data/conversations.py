@@ -1,8 +1,11 @@
 """One dataset record -> its images and the text pieces the LLM tokenizer will see.
 
 Turns come from data/records.py as (role, text) with role human/gpt/system and every image's
-`<image>` placeholder in place; the k-th placeholder in the human turns stands for the k-th
-image. Each placeholder becomes the model's image tokens.
+`<image>` (video's `<video>`) placeholder in place; the k-th placeholder in the human turns
+stands for the k-th image (video). Each image placeholder becomes the model's image tokens; a
+video placeholder becomes its frames, one image each, labelled as transformers' InternVL
+processor writes them: `Frame1: <img>...</img>\nFrame2: <img>...</img>` (the newline after
+`<video>` in the text stays).
 
 Image tokens are counted, not spelled out: a placeholder is rendered with ONE image-context
 token and `extra` carries the other n - 1. That is exact because the context token is an added
@@ -16,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
 ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 INTERNVL_SYSTEM = ("你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位"
                    "联合开发的多模态大语言模型。")
@@ -46,12 +50,23 @@ INTERNVL_IMAGE = ImageStyle("<img>", "<IMG_CONTEXT>", "</img>")
 LLAVA_IMAGE = ImageStyle("", "<image>", "")
 
 
-def expand_images(turns: list[tuple[str, str]], image_text: Sequence[str]) -> list[tuple[str, str]]:
+def frame_label(k: int) -> str:
+    """The text before frame k (1-based) of a video, after the previous frame's image."""
+    return f"Frame{k}: " if k == 1 else f"\nFrame{k}: "
+
+
+def video_text(frames: int, style: ImageStyle) -> str:
+    """A video of `frames` frames, each an image in its compact form."""
+    return "".join(frame_label(k) + style.compact() for k in range(1, frames + 1))
+
+
+def expand_images(turns: list[tuple[str, str]], image_text: Sequence[str],
+                  placeholder: str = IMAGE_PLACEHOLDER) -> list[tuple[str, str]]:
     """Replace the k-th placeholder (in human turns) by image_text[k]."""
     out, k = [], 0
     for role, text in turns:
-        if role == "human" and IMAGE_PLACEHOLDER in text:
-            parts = text.split(IMAGE_PLACEHOLDER)
+        if role == "human" and placeholder in text:
+            parts = text.split(placeholder)
             pieces = [parts[0]]
             for part in parts[1:]:
                 pieces.append(image_text[k])

@@ -7,8 +7,11 @@ OmniBal JSON list, as a meta JSON naming one such file per dataset, as JSONL, or
 silently wrong length becomes a silently unbalanced (or crashing) training job days later.
 
 `omnibal stats` also stores how it counted (data/stats_config.py) in a `.npz` (`stats_config`)
-or in each entry of a meta JSON, and the tiles of each image of a multi-image sample
-(`image_tiles`), which the training loader needs on ranks that never open the images.
+or in each entry of a meta JSON, the tiles of each image of a multi-image sample
+(`image_tiles`), which the training loader needs on ranks that never open the images, and the
+video table (`video_*` arrays of a `.npz`, `video_frames`/`video_fps`/`video_tiles` lists of a
+JSON record), from which each epoch's frame counts follow (data/video_lengths.py). Files
+without them (older ones, image-only data) load as before.
 """
 
 from __future__ import annotations
@@ -127,10 +130,62 @@ def load_lengths(path: str | os.PathLike, cache: bool = True) -> LengthStats:
 
 
 ImageTiles = dict[int, tuple[int, ...]]  # sample index -> tiles of each image (2+ images)
+VIDEO_FIELDS = ("frames", "fps", "tiles")
+
+
+@dataclass(frozen=True)
+class VideoTable:
+    """Every video of a length file, in sample order (a sample may hold several)."""
+
+    sample: np.ndarray  # int64 [V]: the length record the video belongs to (ascending)
+    frames: np.ndarray  # int64 [V]: frames available (header; estimated when not stored)
+    fps: np.ndarray  # float64 [V]: frame rate
+    tiles: np.ndarray  # int64 [V]: frames (= tiles) the length record counts
+
+    def __len__(self) -> int:
+        return len(self.sample)
+
+    @classmethod
+    def empty(cls) -> VideoTable:
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64),
+                   np.zeros(0, np.int64))
+
+    def of_sample(self, index: int) -> np.ndarray:
+        """Positions in the table of the videos of length record `index`."""
+        lo, hi = np.searchsorted(self.sample, [index, index + 1])
+        return np.arange(lo, hi)
+
+    def check(self, lengths: LengthStats, where: str) -> None:
+        """The table fits the length records: samples in range and in order, counts that add
+        up to no more than the record's real tiles."""
+        if not len(self):
+            return
+        if (np.any(np.diff(self.sample) < 0) or self.sample[0] < 0
+                or self.sample[-1] >= len(lengths)):
+            raise LengthsError(f"{where}: video table samples out of order or out of range")
+        if np.any(self.frames <= 0) or np.any(self.fps <= 0) or np.any(self.tiles <= 0):
+            raise LengthsError(f"{where}: video table with a frame count or rate <= 0")
+        per_sample = np.bincount(self.sample, self.tiles, len(lengths)).astype(np.int64)
+        over = np.flatnonzero(per_sample > lengths.image_flags)
+        if over.size:
+            i = int(over[0])
+            raise LengthsError(f"{where}: record {i}: its videos count {per_sample[i]} frames, "
+                               f"more than its image_flags {int(lengths.image_flags[i])}")
+
+    def shifted(self, offset: int) -> VideoTable:
+        return VideoTable(self.sample + offset, self.frames, self.fps, self.tiles)
+
+
+def concat_videos(parts: Iterable[VideoTable]) -> VideoTable:
+    """Tables of consecutive length files (each already shifted to its first sample)."""
+    parts = [p for p in parts if len(p)] or [VideoTable.empty()]
+    return VideoTable(*(np.concatenate([getattr(p, f) for p in parts])
+                        for f in ("sample", *VIDEO_FIELDS)))
 
 
 def save_lengths(stats: LengthStats, path: str | os.PathLike, config: dict | None = None,
-                 image_tiles: ImageTiles | None = None) -> None:
+                 image_tiles: ImageTiles | None = None, videos: VideoTable | None = None
+                 ) -> None:
     """Write statistics as `.npz` (compact), `.jsonl` or a `.json` list, chosen by suffix.
 
     `config` (the stats configuration) is stored in a `.npz` only; a JSON list keeps the
@@ -143,6 +198,8 @@ def save_lengths(stats: LengthStats, path: str | os.PathLike, config: dict | Non
     if bad:
         raise LengthsError(f"{path}: image_tiles of sample {bad[0]} do not add up to its "
                            "image_flags")
+    videos = videos if videos is not None else VideoTable.empty()
+    videos.check(stats, str(path))
     if path.suffix == ".npz":
         order = sorted(tiles)
         ptr = np.cumsum([0, *(len(tiles[i]) for i in order)])
@@ -158,6 +215,8 @@ def save_lengths(stats: LengthStats, path: str | os.PathLike, config: dict | Non
             multi_index=np.asarray(order, np.int64),
             multi_ptr=ptr.astype(np.int64),
             multi_tiles=np.asarray([t for i in order for t in tiles[i]], np.int64),
+            video_sample=videos.sample, video_frames=videos.frames, video_fps=videos.fps,
+            video_tiles=videos.tiles,
             **extra,
         )
         return
@@ -165,6 +224,9 @@ def save_lengths(stats: LengthStats, path: str | os.PathLike, config: dict | Non
                for v, t, f in zip(stats.vit, stats.tokens, stats.image_flags, strict=True)]
     for i, t in tiles.items():
         records[i]["image_tiles"] = [int(x) for x in t]
+    for field in VIDEO_FIELDS:
+        for i, value in zip(videos.sample, getattr(videos, field), strict=True):
+            records[int(i)].setdefault(f"video_{field}", []).append(value.item())
     with open(path, "w") as fh:
         if path.suffix == ".jsonl":
             fh.writelines(json.dumps(r) + "\n" for r in records)
@@ -204,6 +266,47 @@ def load_image_tiles(path: str | os.PathLike) -> ImageTiles:
     return out
 
 
+def load_videos(path: str | os.PathLike) -> VideoTable:
+    """The video table of a length file (meta order; empty for image-only or older files)."""
+    path = Path(path)
+    meta = _meta_doc(path)
+    if meta is None:
+        return _videos(path)
+    parts, offset = [], 0
+    for entry in meta.values():
+        child = (path.parent / str(entry["token_lengths"])).resolve()
+        parts.append(_videos(child).shifted(offset))
+        offset += len(load_lengths(child))
+    return concat_videos(parts)
+
+
+def _videos(path: Path) -> VideoTable:
+    if path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as z:
+            if "video_sample" not in z.files:
+                return VideoTable.empty()
+            return VideoTable(z["video_sample"].astype(np.int64),
+                              z["video_frames"].astype(np.int64),
+                              z["video_fps"].astype(np.float64),
+                              z["video_tiles"].astype(np.int64))
+    found: dict[str, list] = {"sample": [], **{f: [] for f in VIDEO_FIELDS}}
+    for i, r in enumerate(_text_records(path)):
+        if isinstance(r, dict) and "video_frames" in r:
+            found["sample"].extend([i] * len(r["video_frames"]))
+            for field in VIDEO_FIELDS:
+                found[field].extend(r[f"video_{field}"])
+    return VideoTable(np.asarray(found["sample"], np.int64),
+                      np.asarray(found["frames"], np.int64),
+                      np.asarray(found["fps"], np.float64), np.asarray(found["tiles"], np.int64))
+
+
+def _text_records(path: Path) -> list:
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return json.loads(text)
+
+
 def _image_tiles(path: Path) -> ImageTiles:
     if path.suffix == ".npz":
         with np.load(path, allow_pickle=False) as z:
@@ -212,10 +315,7 @@ def _image_tiles(path: Path) -> ImageTiles:
             index, ptr, tiles = z["multi_index"], z["multi_ptr"], z["multi_tiles"]
         return {int(i): tuple(int(t) for t in tiles[ptr[k]:ptr[k + 1]])
                 for k, i in enumerate(index)}
-    text = path.read_text()
-    records = (json.loads(line) for line in text.splitlines() if line.strip()) \
-        if path.suffix == ".jsonl" else json.loads(text)
-    return {i: tuple(r["image_tiles"]) for i, r in enumerate(records)
+    return {i: tuple(r["image_tiles"]) for i, r in enumerate(_text_records(path))
             if isinstance(r, dict) and "image_tiles" in r}
 
 

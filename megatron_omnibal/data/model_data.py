@@ -12,7 +12,8 @@ Hugging Face checkpoint directory, from its own files:
   max_patches, size. InternVLProcessor crops to patches whatever the image processor's own
   `crop_to_patches` says (its call default), so tiles are always dynamic here;
 - transformers `llava` / `llava_next`: preprocessor_config.json crop_size; llava_next's
-  config.json image_grid_pinpoints (AnyRes);
+  config.json image_grid_pinpoints (AnyRes); the checkpoint's own chat template ("hf") when it
+  ships one (a LLaVA on Llama-3.x is not trained with Vicuna's), else vicuna_v1;
 - the tokenizer in the directory (unless another is given).
 """
 
@@ -29,6 +30,7 @@ from megatron_omnibal.data.tiling import DEFAULT_PINPOINTS, TilingConfig
 FAMILIES = {"internvl_chat": "internvl", "internvl": "internvl", "llava": "llava",
             "llava_next": "llava"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +83,8 @@ def model_data_side(spec: Any, hf_dir: str | Path | None = None) -> ModelDataSid
                                   pinpoints=tuple((int(h), int(w)) for h, w in points))
         else:
             tiling = TilingConfig(mode="fixed", tile=tile, tokens_per_tile=tpt, max_tiles=1)
+        if hf["chat_template"]:
+            template = "hf"
     elif family == "internvl":
         tiling = TilingConfig(mode="dynamic", tile=size, tokens_per_tile=tpt)
     else:
@@ -97,8 +101,11 @@ def model_data_side(spec: Any, hf_dir: str | Path | None = None) -> ModelDataSid
 
 def _read_hf(path: Path) -> dict[str, Any]:
     config = _json(path / "config.json", required=True)
+    tokenizer_config = _json(path / "tokenizer_config.json")
     return {"config": config, "preprocessor": _json(path / "preprocessor_config.json"),
-            "has_tokenizer": any((path / f).is_file() for f in TOKENIZER_FILES)}
+            "has_tokenizer": any((path / f).is_file() for f in TOKENIZER_FILES),
+            "chat_template": bool(tokenizer_config.get("chat_template"))
+            or any((path / f).is_file() for f in CHAT_TEMPLATE_FILES)}
 
 
 def _json(path: Path, required: bool = False) -> dict[str, Any]:

@@ -10,6 +10,13 @@ A sample that cannot be measured (missing or corrupt image, bad conversation, mo
 `max_tokens`) stops the run (`on_error="error"`) or is left out of the length file and listed in
 the skipped report (`on_error="skip"`): never dropped silently. The length file then holds the
 remaining samples in dataset order, so the training loader must drop the listed samples too.
+
+Videos are measured from their container headers (frames available, frame rate; with
+`verify_images` the frames they can give are decoded too). Each frame is one tile and one
+image's tokens; the records hold the frame counts of epoch 0 of `frame_seed` (drawn over the
+whole video table, data/frames.py), and the video table and per-frame token costs let training
+recompute every other epoch (data/video_lengths.py). A video sample is over-long when its
+largest frame count would pass `max_tokens`.
 """
 
 from __future__ import annotations
@@ -36,19 +43,24 @@ from megatron_omnibal.data.annotations import (
     read_inputs,
     read_records,
 )
+from megatron_omnibal.data.frames import FrameSettings, clip_start, frame_counts, frame_indices
 from megatron_omnibal.data.image_header import ImageHeaderError, image_size
 from megatron_omnibal.data.image_tiles import ImageDecodeError, decode_image
 from megatron_omnibal.data.lengths import (
     ImageTiles,
     LengthStats,
+    VideoTable,
     concat,
+    concat_videos,
     from_arrays,
     save_lengths,
 )
-from megatron_omnibal.data.records import read_sample
+from megatron_omnibal.data.records import Video, read_sample
 from megatron_omnibal.data.stats_config import StatsConfig, config_to_dict
 from megatron_omnibal.data.tiling import TilingConfig, image_tiles
 from megatron_omnibal.data.tokenization import TokenCounter
+from megatron_omnibal.data.video import VideoError, decode_frames, read_header
+from megatron_omnibal.data.video_lengths import VideoPlan, with_frame_counts
 
 ON_ERROR = ("error", "skip")
 
@@ -81,6 +93,7 @@ class StatsResult:
     added_tokens: list[str]
     image_tiles: list[ImageTiles]  # per dataset: tiles of each image of multi-image samples
     config: dict  # the stored configuration (stats_config.config_to_dict)
+    videos: list[VideoTable]  # per dataset (its own sample indices)
 
     @property
     def stats(self) -> LengthStats:
@@ -96,6 +109,7 @@ class _ChunkOut:
     ok: np.ndarray
     errors: list[Skipped]
     multi: dict[int, tuple[int, ...]]  # chunk position -> tiles per image (2+ images)
+    videos: dict[int, list[tuple[int, float]]]  # chunk position -> (frames, fps) per video
 
 
 _STATE: dict = {}
@@ -131,7 +145,8 @@ def _compute(specs: list[DatasetSpec], is_meta: bool, config: StatsConfig, on_er
              workers: int, chunk_size: int, progress: bool, start: float,
              image_root: str | os.PathLike | None) -> StatsResult:
     counter = TokenCounter(config.tokenizer, config.image_style, config.trust_remote_code)
-    _STATE.update(config=config, counter=counter)
+    plan = video_plan(config, counter)
+    _STATE.update(config=config, counter=counter, plan=plan)
     if config.template == "hf":
         counter.render_chat([("human", "check"), ("gpt", "check")], config.system)
     records = [read_records(spec) for spec in specs]
@@ -157,7 +172,7 @@ def _compute(specs: list[DatasetSpec], is_meta: bool, config: StatsConfig, on_er
         if pool is not None:
             pool.terminate()
             pool.join()
-    datasets, multi = [], []
+    datasets, multi, videos = [], [], []
     for d, spec in enumerate(specs):
         mine = [o for o in outs if o.dataset == d]
         keep = np.concatenate([o.ok for o in mine]) if mine else np.zeros(0, bool)
@@ -172,9 +187,56 @@ def _compute(specs: list[DatasetSpec], is_meta: bool, config: StatsConfig, on_er
         datasets.append(from_arrays(vit, tokens, flags, names=(spec.name,),
                                     source=str(spec.annotation)))
         multi.append(_kept_image_tiles(mine, keep, repeat))
+        videos.append(_kept_videos(mine, keep, repeat))
+    datasets, videos = _first_epoch_frames(datasets, videos, plan, config.frame_seed)
+    stored = _stored_config(config, counter, specs, is_meta, image_root)
+    stored["frame_tokens"] = list(plan.frame_tokens)
     return StatsResult(specs, datasets, skipped, [len(r) for r in records],
-                       time.perf_counter() - start, is_meta, counter.added, multi,
-                       _stored_config(config, counter, specs, is_meta, image_root))
+                       time.perf_counter() - start, is_meta, counter.added, multi, stored,
+                       videos)
+
+
+def video_plan(config: StatsConfig, counter: TokenCounter) -> VideoPlan:
+    """The frame settings and what frame k of a video adds in tokens: its label (between two
+    images' end and start tokens it is tokenized on its own), the image marks, the image."""
+    style = config.image_style
+    per_image = config.tiling.tokens_per_tile + bool(style.start) + bool(style.end)
+    labels = counter.count([conv.frame_label(k) for k in range(1, config.frames.max_frames + 1)])
+    return VideoPlan(frames=config.frames, frame_tokens=tuple(n + per_image for n in labels),
+                     seed=config.frame_seed)
+
+
+def _kept_videos(outs: list[_ChunkOut], keep: np.ndarray, repeat: int) -> VideoTable:
+    """The videos of the kept records (one frame counted each), by length-file position."""
+    position = np.cumsum(keep) - 1
+    rows, start = [], 0
+    for out in outs:
+        rows.extend((int(position[start + k]), f, r) for k, found in sorted(out.videos.items())
+                    for f, r in found)
+        start += len(out.ok)
+    sample = np.asarray([r[0] for r in rows], np.int64)
+    frames = np.asarray([r[1] for r in rows], np.int64)
+    fps = np.asarray([r[2] for r in rows], np.float64)
+    kept = int(keep.sum())
+    return VideoTable(np.concatenate([sample + r * kept for r in range(repeat)]),
+                      np.tile(frames, repeat), np.tile(fps, repeat),
+                      np.ones(len(rows) * repeat, np.int64))
+
+
+def _first_epoch_frames(datasets: list[LengthStats], videos: list[VideoTable], plan: VideoPlan,
+                        seed: int) -> tuple[list[LengthStats], list[VideoTable]]:
+    """The records with each video's frames of epoch 0 of `seed` (drawn over all datasets'
+    videos in order, as training draws them) in place of the one frame measured."""
+    offsets = np.cumsum([0, *(len(d) for d in datasets)])
+    whole = concat_videos(v.shifted(int(o)) for v, o in zip(videos, offsets, strict=False))
+    counts = frame_counts(plan.frames, whole.frames, whole.fps, seed, 0)
+    out_sets, out_videos, first = [], [], 0
+    for stats, table in zip(datasets, videos, strict=True):
+        mine = counts[first:first + len(table)]
+        first += len(table)
+        out_sets.append(with_frame_counts(stats, table, plan, mine))
+        out_videos.append(VideoTable(table.sample, table.frames, table.fps, mine))
+    return out_sets, out_videos
 
 
 def _kept_image_tiles(outs: list[_ChunkOut], keep: np.ndarray, repeat: int) -> ImageTiles:
@@ -236,35 +298,52 @@ def _run_chunk(task: tuple) -> _ChunkOut:
     texts: list[str] = []
     owner: list[int] = []
     multi: dict[int, tuple[int, ...]] = {}
+    videos: dict[int, list[tuple[int, float]]] = {}
+    most = np.zeros(n, np.int64)  # tokens the videos add at their largest frame counts
+    plan: VideoPlan = _STATE["plan"]
     ids: list[str | None] = [None] * n
     for k, raw in enumerate(chunk):
         try:
             record = parse_record(raw)
             ids[k] = _sample_id(record)
-            pieces, extra, per_image = _measure(record, root, tiling, config, counter)
-        except (conv.SampleError, ImageHeaderError, ImageDecodeError) as exc:
+            pieces, extra, per_image, found = _measure(record, root, tiling, config, counter)
+        except (conv.SampleError, ImageHeaderError, ImageDecodeError, VideoError) as exc:
             ok[k] = False
             errors.append(Skipped(name, raw.index, raw.line, ids[k], str(exc)))
             continue
         tokens[k] = extra
-        flags[k] = sum(per_image)
-        vit[k] = flags[k] if per_image else int(config.dummy_tile)
+        flags[k] = sum(per_image) + len(found)  # one frame per video, see _first_epoch_frames
+        vit[k] = flags[k] if per_image or found else int(config.dummy_tile)
         if len(per_image) > 1:
             multi[k] = tuple(per_image)
+        if found:
+            videos[k] = found
+            largest = [_largest_count(config.frames, f, r) for f, r in found]
+            most[k] = int((plan.video_tokens(np.asarray(largest)) - plan.video_tokens(
+                np.ones(len(found), np.int64))).sum())
         texts.extend(pieces)
         owner.extend([k] * len(pieces))
     if texts:
         np.add.at(tokens, np.asarray(owner), np.asarray(counter.count(texts), np.int64))
     if config.max_tokens is not None:
-        for k in np.flatnonzero(ok & (tokens > config.max_tokens)):
+        for k in np.flatnonzero(ok & (tokens + most > config.max_tokens)):
             ok[k] = False
             raw = chunk[k]
+            frames = " with its videos' most frames" if most[k] else ""
             errors.append(Skipped(name, raw.index, raw.line, ids[k],
-                                  f"over-long: {int(tokens[k])} tokens > --max-tokens "
-                                  f"{config.max_tokens}"))
+                                  f"over-long: {int(tokens[k] + most[k])} tokens{frames} > "
+                                  f"--max-tokens {config.max_tokens}"))
     errors.sort(key=lambda e: e.index)
     return _ChunkOut(dataset, vit, tokens, flags, ok, errors,
-                     {k: t for k, t in multi.items() if ok[k]})
+                     {k: t for k, t in multi.items() if ok[k]},
+                     {k: v for k, v in videos.items() if ok[k]})
+
+
+def _largest_count(frames: FrameSettings, available: int, fps: float) -> int:
+    """The most frames a video of `available` frames at `fps` can train on, in any epoch."""
+    if frames.fps is None:
+        return frames.max_frames
+    return int(frame_counts(frames, np.array([available]), np.array([fps]), 0, 0)[0])
 
 
 def _sample_id(record: dict) -> str | None:
@@ -273,10 +352,18 @@ def _sample_id(record: dict) -> str | None:
 
 
 def _measure(record: dict, root: str, tiling: TilingConfig, config: StatsConfig,
-             counter: TokenCounter) -> tuple[list[str], int, list[int]]:
-    """(text pieces, image tokens beyond one per image, tiles of each image) of a sample."""
-    images, turns = read_sample(record, config.extra_keys)
+             counter: TokenCounter) -> tuple[list[str], int, list[int], list[tuple[int, float]]]:
+    """(text pieces, image tokens beyond one per image, tiles of each image, (frames, fps) of
+    each video) of a sample; each video is rendered with one frame."""
+    images, videos, turns = read_sample(record, config.extra_keys)
     style = config.image_style
+    found = [video_frames(os.path.join(root, v.path), v, config) for v in videos]
+    if videos:
+        if not (style.start and style.end):
+            raise conv.SampleError("video samples need a model whose images have start and "
+                                   "end tokens (InternVL); this one's have none")
+        turns = conv.expand_images(turns, [conv.video_text(1, style)] * len(videos),
+                                   conv.VIDEO_PLACEHOLDER)
     per_image = []
     extra = 0
     for rel in images:
@@ -292,12 +379,39 @@ def _measure(record: dict, root: str, tiling: TilingConfig, config: StatsConfig,
         extra += n_tokens - 1
     if images:
         turns = conv.expand_images(turns, [style.compact()] * len(images))
+    extra += len(videos) * (config.tiling.tokens_per_tile - 1)
     if config.template == "hf":
         pieces = [counter.render_chat(turns, config.system)]
     else:
         pieces = conv.render(turns, config.template, config.system)
         extra += counter.specials
-    return pieces, extra, per_image
+    return pieces, extra, per_image, found
+
+
+def video_frames(path: str, video: Video, config: StatsConfig) -> tuple[int, float]:
+    """(frames available, frame rate) of a video (of its clip, if it has one), from its header;
+    with `verify_images` the frames it can give are decoded too."""
+    header = read_header(path)
+    first, frames = clip_frames(header.frames, header.fps, video.clip, path)
+    if config.verify_images:
+        spread = frame_indices(FrameSettings(min_frames=1, max_frames=config.frames.max_frames,
+                                             sampling="middle"),
+                               min(frames, config.frames.max_frames), frames, header.fps, 0, 0, 0)
+        decode_frames(path, sorted({*(first + spread).tolist(), first + frames - 1}))
+    return frames, header.fps
+
+
+def clip_frames(frames: int, fps: float, clip: tuple[float, float] | None,
+                path: str) -> tuple[int, int]:
+    """(first frame, frames) of a video's clip [start_s, end_s], as InternVL counts them."""
+    if clip is None:
+        return 0, frames
+    first = clip_start(clip, fps)
+    count = min(int((clip[1] - clip[0]) * fps), frames - first)
+    if count <= 0:
+        raise VideoError(f"video {path}: clip {list(clip)} holds no frame of its {frames} "
+                         f"frames at {fps:g} frames/s")
+    return first, count
 
 
 def _error_message(errors: list[Skipped], specs: list[DatasetSpec]) -> str:
@@ -333,22 +447,25 @@ def write_outputs(result: StatsResult, out: str | os.PathLike, fmt: str = "json"
     _check_result(result)
     written = [out]
     if out.suffix == ".npz":
-        tiles, offset = {}, 0
-        for stats, multi in zip(result.datasets, result.image_tiles, strict=True):
+        tiles, videos, offset = {}, [], 0
+        for stats, multi, table in zip(result.datasets, result.image_tiles, result.videos,
+                                       strict=True):
             tiles.update({offset + i: t for i, t in multi.items()})
+            videos.append(table.shifted(offset))
             offset += len(stats)
-        save_lengths(result.stats, out, config=result.config, image_tiles=tiles)
+        save_lengths(result.stats, out, config=result.config, image_tiles=tiles,
+                     videos=concat_videos(videos))
     else:
         meta = {}
         used: set[str] = set()
-        for spec, stats, multi in zip(result.specs, result.datasets, result.image_tiles,
-                                      strict=True):
+        for spec, stats, multi, table in zip(result.specs, result.datasets, result.image_tiles,
+                                             result.videos, strict=True):
             stem = re.sub(r"[^A-Za-z0-9._-]", "_", spec.name) or "dataset"
             while stem in used:
                 stem += "_"
             used.add(stem)
             child = out.parent / f"{stem}_token_lengths.{fmt}"
-            save_lengths(stats, child, config=result.config, image_tiles=multi)
+            save_lengths(stats, child, config=result.config, image_tiles=multi, videos=table)
             written.append(child)
             meta[spec.name] = {"token_lengths": child.name, "stats_config": result.config}
         out.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_omnibal.data import conversations as conv
+from megatron_omnibal.data.frames import FrameSettings
 from megatron_omnibal.data.tiling import TilingConfig
 
 CONFIG_VERSION = 1
@@ -57,6 +58,8 @@ class StatsConfig:
     trust_remote_code: bool = False  # run a tokenizer directory's own Python code
     verify_images: bool = False  # decode every image fully (not only its header)
     extra_keys: tuple[str, ...] = ()  # record keys that carry no content, beyond the known ones
+    frames: FrameSettings = field(default_factory=FrameSettings)  # frames per video
+    frame_seed: int = 0  # the length records count the frames of epoch 0 of this seed
     model: ModelLayout | None = None
 
     def __post_init__(self) -> None:
@@ -101,6 +104,8 @@ def config_from_dict(doc: Any, where: str) -> tuple[StatsConfig, dict[str, Any]]
         kwargs["extra_keys"] = tuple(kwargs.get("extra_keys", ()))
         if kwargs.get("model") is not None:
             kwargs["model"] = ModelLayout(**kwargs["model"])
+        if kwargs.get("frames") is not None:  # absent in files written before videos
+            kwargs["frames"] = FrameSettings(**kwargs["frames"])
         config = StatsConfig(**kwargs)
     except (KeyError, TypeError, ValueError) as exc:
         raise StatsConfigError(f"{where}: stored stats configuration is incomplete or invalid "

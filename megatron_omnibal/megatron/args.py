@@ -19,7 +19,7 @@ from megatron_omnibal.balance.config import (
     Level,
     PackCost,
 )
-from megatron_omnibal.cli_args import non_negative_int, pack_cost, positive_int
+from megatron_omnibal.cli_args import non_negative_int, pack_cost, positive_float, positive_int
 from megatron_omnibal.data.lengths import LengthsError, LengthStats, load_lengths
 from megatron_omnibal.megatron.finetune import add_finetune_args
 from megatron_omnibal.megatron.layout import (
@@ -36,6 +36,16 @@ from megatron_omnibal.planner.plan import load_plan as read_plan
 from megatron_omnibal.planner.provenance import lengths_sha256
 
 BAD_SAMPLE = ("error", "skip")
+# Megatron's own ways of splitting the layers; --omnibal sets the layout itself.
+MEGATRON_LAYOUT_FLAGS = (
+    ("--pipeline-model-parallel-layout", "pipeline_model_parallel_layout"),
+    ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers"),
+    ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers"),
+    ("--account-for-embedding-in-pipeline-split", "account_for_embedding_in_pipeline_split"),
+    ("--account-for-loss-in-pipeline-split", "account_for_loss_in_pipeline_split"),
+    ("--num-layers-per-virtual-pipeline-stage", "num_layers_per_virtual_pipeline_stage"),
+    ("--num-virtual-stages-per-pipeline-rank", "num_virtual_stages_per_pipeline_rank"),
+)
 
 
 class OmnibalArgsError(ValueError):
@@ -91,13 +101,15 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--omnibal-plan",
         metavar="PLAN.json",
         default=None,
-        help="plan from `omnibal plan`: stage layout, recompute and data budgets",
+        help="plan from `omnibal plan`: stage layout, recompute and data budgets; its parallel "
+        "sizes, batch, precision, model shape and length file are filled in where not given",
     )
     g.add_argument(
         "--omnibal-lengths",
         metavar="FILE",
         default=None,
-        help="per-sample length statistics of the training data (vit_num, token_num)",
+        help="per-sample length statistics of the training data (vit_num, token_num; "
+        "default: the file the plan was made from)",
     )
     g.add_argument(
         "--omnibal-vit-pp-layers",
@@ -190,6 +202,13 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "model_spec JSON/YAML file (default: the plan's model_spec)",
     )
     g.add_argument(
+        "--omnibal-precision",
+        choices=("bf16", "fp16", "fp32"),
+        default=None,
+        help="training precision (default: Megatron's --bf16 / --fp16 where given, else the "
+        "plan's, bf16; fp32 without a plan)",
+    )
+    g.add_argument(
         "--omnibal-data",
         default="synthetic",
         metavar="synthetic|PATH",
@@ -233,6 +252,14 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="synthetic data only: divide each sample's text tokens by this (a CPU dry run of "
         "long real lengths on a small model)",
     )
+    g.add_argument(
+        "--omnibal-peak-tflops",
+        type=positive_float,
+        default=None,
+        metavar="TFLOPS",
+        help="peak dense TFLOP/s of one GPU at the run's precision, for the MFU in the log "
+        "(default: known A100/H100/H200 at BF16/FP16; otherwise MFU is n/a)",
+    )
     return parser
 
 
@@ -248,11 +275,12 @@ def validate_omnibal_args(
     """
     if not getattr(args, "omnibal", False):
         raise OmnibalArgsError("--omnibal is not set")
-    if getattr(args, "virtual_pipeline_model_parallel_size", None):
-        raise OmnibalArgsError(
-            "--omnibal does not support virtual pipeline stages "
-            "(--num-layers-per-virtual-pipeline-stage)"
-        )
+    for flag, dest in MEGATRON_LAYOUT_FLAGS:
+        if getattr(args, dest, None):
+            raise OmnibalArgsError(
+                f"{flag}: with --omnibal the pipeline layout comes from --omnibal-plan or "
+                "--omnibal-vit-pp-layers / --omnibal-llm-pp-layers (any layer counts per stage)"
+            )
     plan = load_plan(args.omnibal_plan) if args.omnibal_plan else None
     try:
         layouts = _layouts(args, plan, vit_layers)

@@ -85,6 +85,45 @@ class MicroBatch:
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
+def validate_batch(
+    spec: ModelSpec,
+    tokens: torch.Tensor,
+    labels: torch.Tensor | None,
+    images: torch.Tensor,
+    image_flags: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> None:
+    """Raise ValueError unless the micro-batch fits the model (shapes, placeholders, bounds).
+
+    Run on the CPU tensors the loader built (step.stage_inputs), never on the device: every
+    check reads values back, which on a GPU would stall the pipeline once per micro-batch."""
+    if tokens.dim() != 2 or tokens.shape[0] != 1:
+        raise ValueError(f"micro-batch tokens have shape {tuple(tokens.shape)}, expected [1, S]")
+    seq = tokens.shape[1]
+    if labels is not None and labels.shape != tokens.shape:
+        raise ValueError(f"micro-batch labels {tuple(labels.shape)} != tokens {(1, seq)}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != seq or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
+        raise ValueError(f"micro-batch cu_seqlens {cu} do not span 0..{seq}")
+    size = spec.vit.image_size
+    if images.dim() != 4 or tuple(images.shape[1:]) != (3, size, size):
+        raise ValueError(
+            f"micro-batch images have shape {tuple(images.shape)}, expected [n, 3, {size}, {size}]"
+        )
+    if image_flags.shape != (images.shape[0],):
+        raise ValueError(
+            f"micro-batch has {images.shape[0]} tiles but {image_flags.numel()} image_flags"
+        )
+    slots = int((tokens == spec.image_token_id).sum())
+    real = int(image_flags.sum())
+    if slots != real * spec.tokens_per_tile:
+        raise ValueError(
+            f"micro-batch has {slots} image placeholder tokens (id {spec.image_token_id}) but "
+            f"{real} real tiles x {spec.tokens_per_tile} tokens per tile = "
+            f"{real * spec.tokens_per_tile}"
+        )
+
+
 def shape_only_images(tiles: int, size: int) -> torch.Tensor:
     """A float32 [tiles, 3, size, size] tensor that holds no pixels (one zero, broadcast).
 
@@ -191,6 +230,20 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
         images=images if images.dtype == torch.float32 else images.float(),
         image_flags=flags,
     )
+
+
+@dataclass(frozen=True)
+class SyntheticSamples:
+    """`make_sample(i, epoch)`: synthetic samples shaped like the length records of each
+    epoch (`lengths_of(epoch)`: video samples change with the epoch)."""
+
+    lengths_of: Callable[[int], LengthStats]
+    spec: ModelSpec
+    seed: int = 0
+    pixels: bool = True
+
+    def __call__(self, index: int, epoch: int) -> Sample:
+        return synthetic_sample(index, self.lengths_of(epoch), self.spec, self.seed, self.pixels)
 
 
 def synthetic_sample(

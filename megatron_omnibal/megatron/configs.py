@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_omnibal.megatron.layout import StageLayout, validate_layout
+from megatron_omnibal.megatron.layout import StageLayout, megatron_layout, validate_layout
 from megatron_omnibal.models.spec import ModelSpec
 
 
@@ -81,15 +81,6 @@ def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
         )
 
 
-def _tower_layout(layouts: list[StageLayout], tower: str) -> list[list[str]]:
-    rows = []
-    for r, st in enumerate(layouts):
-        n = getattr(st, f"num_{tower}_layers")
-        row = (["embedding"] if r == 0 else []) + ["decoder"] * n
-        rows.append(row + (["loss"] if r == len(layouts) - 1 else []))
-    return rows
-
-
 def _recompute(k: int) -> dict[str, Any]:
     if k == 0:
         return {
@@ -140,7 +131,7 @@ def stage_configs(
     base.update(overrides or {})
     sequence_parallel = bool(base.pop("sequence_parallel", False)) and tp_size > 1
     layout = (
-        (lambda t: {"pipeline_model_parallel_layout": _tower_layout(layouts, t)})
+        (lambda t: {"pipeline_model_parallel_layout": megatron_layout(layouts, t)})
         if pp > 1
         else (lambda t: {})
     )
@@ -196,6 +187,7 @@ def stage_configs(
             "layernorm_epsilon": llm.norm_eps,
             "add_bias_linear": False,
             "add_qkv_bias": llm.qkv_bias,
+            "qk_layernorm": llm.qk_norm,
             "gated_linear_unit": llm.gated_mlp,
             "activation_func": ACTIVATIONS[llm.activation],
             **_recompute(st.llm_recompute),

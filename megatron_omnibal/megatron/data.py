@@ -47,6 +47,7 @@ class MicroBatchSampler(Protocol):
 
     steps_per_epoch: int
     last_level: int
+    last_epoch: int
     levels: tuple[Level, ...]
 
     def set_epoch(self, epoch: int) -> None: ...
@@ -192,7 +193,7 @@ class _Batches:
         for indices in self._sampler:
             level = self._sampler.last_level
             count = self._sampler.levels[level].micro_batches
-            yield Draw(list(indices), level, micro, count)
+            yield Draw(list(indices), level, micro, count, self._sampler.last_epoch)
             micro = (micro + 1) % count
 
 

@@ -12,6 +12,12 @@ the sample and both counts.
 Only ranks that embed patches (`pixels=True`) open image files: they decode and tile them and
 check the tile count against the length file. The other ranks take each image's tile count from
 the length file (`image_tiles` for multi-image samples) and carry shape-only tiles.
+
+A video sample trains on the frames its epoch planned (data/video_lengths.py: the count per
+video follows from the balance seed and the epoch, the same on every rank); the prompt lists
+them as transformers' InternVL processor does, one image per frame. Ranks that embed patches
+decode exactly those frames (data/frames.py picks them, seeded by seed, epoch and sample),
+seeking to them; each frame is resized to one tile (bicubic, no tiling, no thumbnail).
 `open_source` checks the configuration, the sample count and a spread of records before
 training starts.
 """
@@ -29,15 +35,17 @@ import numpy as np
 
 from megatron_omnibal.data import conversations as conv
 from megatron_omnibal.data.annotations import RawRecord, parse_record, read_inputs, read_records
-from megatron_omnibal.data.image_tiles import ImageDecodeError, load_tiles
+from megatron_omnibal.data.frames import clip_start, frame_indices
+from megatron_omnibal.data.image_tiles import ImageDecodeError, load_tiles, normalize
 from megatron_omnibal.data.lengths import (
     ImageTiles,
     LengthsError,
     LengthStats,
+    VideoTable,
     load_image_tiles,
     read_stats_config,
 )
-from megatron_omnibal.data.records import read_sample
+from megatron_omnibal.data.records import Video, read_sample
 from megatron_omnibal.data.stats_config import (
     StatsConfig,
     StatsConfigError,
@@ -45,6 +53,8 @@ from megatron_omnibal.data.stats_config import (
     config_from_dict,
 )
 from megatron_omnibal.data.tokenization import TokenCounter
+from megatron_omnibal.data.video import VideoError, decode_frames
+from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan
 
 if TYPE_CHECKING:
     from megatron_omnibal.megatron.batch import Sample
@@ -68,7 +78,8 @@ class RealSampleSource:
 
     def __init__(self, data: str | os.PathLike, config: StatsConfig, lengths: LengthStats,
                  spec: Any, image_tiles: ImageTiles, image_root: str | os.PathLike | None = None,
-                 skipped: str | os.PathLike | None = None, pixels: bool = True) -> None:
+                 skipped: str | os.PathLike | None = None, pixels: bool = True,
+                 by_epoch: EpochLengths | None = None) -> None:
         tiling = config.tiling
         if config.template not in TURN_MARKS:
             raise DatasetError(f"template {config.template!r}: training samples are built for "
@@ -80,6 +91,8 @@ class RealSampleSource:
         self.image_token_id = spec.image_token_id
         self.image_tiles = image_tiles
         self.pixels = pixels
+        self.by_epoch = by_epoch or EpochLengths(lengths, VideoTable.empty(), None, 0)
+        self.frames_decoded = self.frames_trained = 0  # video frames, by this process
         self.counter = TokenCounter(config.tokenizer, config.image_style,
                                     config.trust_remote_code)
         if self.counter.backend is None:
@@ -126,10 +139,12 @@ class RealSampleSource:
         return (f"{self.specs[d].annotation}:{raw.line}: sample {raw.index}{ident}, length "
                 f"record {index}")
 
-    def check(self, index: int, vit: int, tokens: int, flags: int) -> None:
-        """Stop with both counts when a sample is not what its length record says."""
-        want = (int(self.lengths.vit[index]), int(self.lengths.tokens[index]),
-                int(self.lengths.image_flags[index]))
+    def check(self, index: int, vit: int, tokens: int, flags: int, epoch: int = 0) -> None:
+        """Stop with both counts when a sample is not what its length record (of `epoch`)
+        says."""
+        lengths = self.by_epoch(epoch)
+        want = (int(lengths.vit[index]), int(lengths.tokens[index]),
+                int(lengths.image_flags[index]))
         if (vit, tokens, flags) != want:
             raise DatasetError(
                 f"{self.describe(index)}: the length file says vit_num={want[0]}, "
@@ -137,27 +152,43 @@ class RealSampleSource:
                 f"token_num={tokens}, image_flags={flags} (the length file was made from other "
                 "data, tokenizer or `omnibal stats` flags)")
 
-    def render(self, index: int) -> tuple[np.ndarray, np.ndarray, list[str], list[int]]:
-        """(token ids, loss flags per token, image paths, tiles per image) of a sample.
+    def render(self, index: int, epoch: int = 0
+               ) -> tuple[np.ndarray, np.ndarray, list[str], list[int], list[Video]]:
+        """(token ids, loss flags per token, image paths, tiles per image (per frame of a
+        video), videos) of a sample as `epoch` trains it.
 
         Image placeholders are already expanded to the model's image token id. Tiles per image
-        come from the length file: nothing here opens an image.
+        and frames per video come from the length file: nothing here opens a file.
         """
         if not 0 <= index < len(self.entries):
             raise IndexError(f"sample index {index} outside 0..{len(self.entries) - 1}")
         d, raw = self.entries[index]
         try:
             record = parse_record(raw)
-            images, turns = read_sample(record, self.config.extra_keys)
+            images, videos, turns = read_sample(record, self.config.extra_keys)
         except conv.SampleError as exc:
             raise DatasetError(f"{self.describe(index)}: {exc}") from exc
         paths = [os.path.join(self.specs[d].image_root, rel) for rel in images]
         tiles = self._tiles(index, len(images))
         if images:
             turns = conv.expand_images(turns, [self.config.image_style.compact()] * len(images))
+        if videos:
+            counts = self.frame_counts(index, epoch, len(videos))
+            tiles = [1] * int(counts.sum())
+            turns = conv.expand_images(
+                turns, [conv.video_text(int(n), self.config.image_style) for n in counts],
+                conv.VIDEO_PLACEHOLDER)
         pieces = conv.render(turns, self.config.template, self.config.system)
         ids, target = self._tokenize(index, pieces, turns)
-        return (*self._expand(index, ids, target, tiles), paths, tiles)
+        return (*self._expand(index, ids, target, tiles), paths, tiles, videos)
+
+    def frame_counts(self, index: int, epoch: int, n_videos: int) -> np.ndarray:
+        """Frames each video of sample `index` trains on in `epoch` (from the epoch plan)."""
+        where = self.by_epoch.table.of_sample(index)
+        if len(where) != n_videos:
+            raise DatasetError(f"{self.describe(index)}: {n_videos} video(s), the length file "
+                               f"lists {len(where)} for it; rerun `omnibal stats`")
+        return self.by_epoch.frame_counts(epoch)[where]
 
     def _tiles(self, index: int, n_images: int) -> list[int]:
         """Each image's tiles as the length file counted them."""
@@ -210,25 +241,30 @@ class RealSampleSource:
         ids = np.where(ids == self.context_id, self.image_token_id, ids)
         return np.repeat(ids, counts), np.repeat(target, counts)
 
-    def measure(self, index: int) -> tuple[int, int, int]:
+    def measure(self, index: int, epoch: int = 0) -> tuple[int, int, int]:
         """(vit_num, token_num, image_flags) of a sample as built from its text."""
-        ids, _, paths, tiles = self.render(index)
+        ids, _, paths, tiles, videos = self.render(index, epoch)
         real = sum(tiles)
-        return (real if paths else int(self.config.dummy_tile)), len(ids), real
+        return (real if paths or videos else int(self.config.dummy_tile)), len(ids), real
 
-    def __call__(self, index: int) -> Sample:
+    def __call__(self, index: int, epoch: int = 0) -> Sample:
         import torch
 
         from megatron_omnibal.megatron.batch import Sample, shape_only_images
         from megatron_omnibal.megatron.loader import SampleLoadError
 
-        ids, target, paths, tiles = self.render(index)
+        ids, target, paths, tiles, videos = self.render(index, epoch)
         real = sum(tiles)
-        vit = real if paths else int(self.config.dummy_tile)
-        self.check(index, vit, len(ids), real)
+        vit = real if paths or videos else int(self.config.dummy_tile)
+        self.check(index, vit, len(ids), real, epoch)
         size = self.config.tiling.tile
         if not self.pixels:
             images = shape_only_images(vit, size)
+        elif videos:
+            try:
+                images = torch.from_numpy(self.video_tiles(index, epoch, videos))
+            except VideoError as exc:
+                raise SampleLoadError(f"{self.describe(index)}: {exc}") from exc
         elif paths:
             tiling = self.tilings[self.entries[index][0]]
             try:
@@ -245,6 +281,29 @@ class RealSampleSource:
         flags[:real] = 1
         return Sample(tokens=torch.from_numpy(ids), labels=torch.from_numpy(labels),
                       images=images, image_flags=torch.from_numpy(flags))
+
+    def video_tiles(self, index: int, epoch: int, videos: list[Video]) -> np.ndarray:
+        """float32 [frames, 3, tile, tile]: the planned frames of each video of a sample,
+        decoded by seeking and resized to one tile each."""
+        from PIL import Image
+
+        d = self.entries[index][0]
+        table, size = self.by_epoch.table, self.config.tiling.tile
+        counts = self.frame_counts(index, epoch, len(videos))
+        out = []
+        for video, row, count in zip(videos, table.of_sample(index), counts, strict=True):
+            path = os.path.join(self.specs[d].image_root, video.path)
+            frames, fps = int(table.frames[row]), float(table.fps[row])
+            picked = clip_start(video.clip, fps) + frame_indices(
+                self.by_epoch.plan.frames, int(count), frames, fps, self.by_epoch.seed, epoch,
+                index)
+            decoded = decode_frames(path, picked)
+            self.frames_decoded += decoded.decoded
+            self.frames_trained += len(picked)
+            out.extend(np.asarray(Image.fromarray(f).resize((size, size),
+                                                            Image.Resampling.BICUBIC))
+                       for f in decoded.pixels)
+        return normalize(np.stack(out), self.config.tiling)
 
     def check_spread(self, count: int) -> None:
         """Build `count` records spread over the dataset (the first and last included) from
@@ -318,10 +377,12 @@ def stored_config(lengths_path: str | os.PathLike) -> tuple[StatsConfig, dict]:
 
 
 def open_source(args: argparse.Namespace, lengths: LengthStats, spec: Any, pixels: bool = True,
-                check: int = 32) -> RealSampleSource:
+                check: int = 32, by_epoch: EpochLengths | None = None) -> RealSampleSource:
     """The source of --omnibal-data PATH, checked against --omnibal-lengths and the model (no
     process group). `check` records spread over the dataset are built now, every sample
-    again when drawn. `pixels`: this rank decodes images (its stage embeds patches)."""
+    again when drawn. `pixels`: this rank decodes images (its stage embeds patches).
+    `by_epoch`: the run's lengths per epoch (default: the epochs of the frame seed the length
+    file was counted with, whose epoch 0 is the file's own records)."""
     where = f"--omnibal-lengths {args.omnibal_lengths}"
     if args.omnibal_text_scale != 1:
         raise DatasetError(f"--omnibal-text-scale {args.omnibal_text_scale}: with a real "
@@ -338,9 +399,13 @@ def open_source(args: argparse.Namespace, lengths: LengthStats, spec: Any, pixel
     report = Path(args.omnibal_lengths)
     try:
         tiles = load_image_tiles(args.omnibal_lengths)
+        if by_epoch is None:
+            table, plan = load_video_plan(args.omnibal_lengths)
+            by_epoch = EpochLengths(lengths, table, plan, plan.seed if plan else 0)
         source = RealSampleSource(
             args.omnibal_data, config, lengths, spec, tiles, run.get("image_root"),
-            skipped=report.with_name(f"{report.stem}.skipped.json"), pixels=pixels)
+            skipped=report.with_name(f"{report.stem}.skipped.json"), pixels=pixels,
+            by_epoch=by_epoch)
     except (OSError, LengthsError) as exc:  # a missing dataset, annotation or tokenizer
         raise DatasetError(f"--omnibal-data {args.omnibal_data}: {exc}") from exc
     except ValueError as exc:  # a tokenizer that cannot be loaded (the message says why)

@@ -7,7 +7,9 @@ head, a different function), and has projection/MLP biases but no qkv bias, whic
 `add_bias_linear` cannot express. Each is a small submodule swapped into the spec, so the layer
 keeps megatron-core's attention, recompute, tensor parallelism and checkpoint sharding. Without
 Transformer Engine or Apex, megatron-core's torch norm refuses sequence parallelism (it does
-not mark its parameters for the TP gradient all-reduce); TorchNorm does.
+not mark its parameters for the TP gradient all-reduce); TorchNorm does. Qwen3's per-head
+QK-norm (megatron-core's qk_layernorm) has no local module in megatron-core: HeadRMSNorm is one,
+for both backends.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.enums import AttnMaskType
@@ -128,6 +130,30 @@ class CrossHeadRMSNorm(MegatronModule):
         return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 0}, sharded_offsets)
 
 
+class HeadRMSNorm(torch.nn.Module):
+    """RMSNorm of each q (or k) head with one weight shared by all heads (Qwen3's q_norm and
+    k_norm), called by megatron-core's SelfAttention with [s, b, local heads, head dim].
+
+    Under tensor parallelism each rank holds some of the heads, so its weight gradient covers
+    only those: the weight enters through copy_to_tensor_model_parallel_region, whose backward
+    sums the gradient over the TP group. (megatron-core's finalize_model_grads sums q/k_layernorm
+    gradients by parameter name instead, when the model-wide config says qk_layernorm: that sum
+    would also hit the ViT's TP-split cross-head norm, so the stage's own config leaves it off.)
+    """
+
+    def __init__(self, hidden_size: int, config: TransformerConfig, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.tp = config.tensor_model_parallel_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if self.tp > 1:
+            weight = tensor_parallel.copy_to_tensor_model_parallel_region(weight)
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * weight
+
+
 def without_bias(cls: type) -> type:
     """`cls` (a megatron-core linear layer) that ignores the `bias=` it is built with: the qkv
     projection of InternViT-6B has no bias while its other linear layers do."""
@@ -173,10 +199,11 @@ def layer_spec(
     qk_norm: bool = False,
     real_heads: int = 0,
     qk_norm_eps: float = 1e-6,
+    head_qk_norm: bool = False,
 ) -> ModuleSpec:
     """A transformer layer spec: megatron-core's GPT layer (TE when `use_te`, else local torch
     modules) with this tower's attention mask, and optionally InternViT's layer scale,
-    cross-head QK-norm and a qkv projection without bias."""
+    cross-head QK-norm and a qkv projection without bias, or Qwen3's per-head QK-norm."""
     spec = copy.deepcopy(_base_spec(config, use_te))
     sub = spec.submodules
     if not use_te:
@@ -189,6 +216,8 @@ def layer_spec(
         norm = partial(CrossHeadRMSNorm, real_heads=real_heads, norm_eps=qk_norm_eps)
         attn.submodules.q_layernorm = norm
         attn.submodules.k_layernorm = norm
+    if head_qk_norm:
+        attn.submodules.q_layernorm = attn.submodules.k_layernorm = HeadRMSNorm
     if layer_scale:
         sub.self_attn_bda = ModuleSpec(
             module=LayerScaleBiasDropoutAdd, params={"hidden_size": config.hidden_size}

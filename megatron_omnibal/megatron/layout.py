@@ -275,6 +275,27 @@ def embedding_ranks(layouts: Sequence[StageLayout]) -> Callable[..., list[int]]:
     return ranks
 
 
+def megatron_layout(layouts: Sequence[StageLayout], tower: str) -> list[list[str]]:
+    """One tower's layers per stage as megatron-core's `pipeline_model_parallel_layout` spells
+    them (embedding first, loss last, "decoder" per layer): how Megatron learns the real,
+    possibly uneven split, so that it numbers, counts and checkpoints the layers as built."""
+    rows = []
+    for r, st in enumerate(layouts):
+        row = (["embedding"] if r == 0 else []) + ["decoder"] * getattr(st, f"num_{tower}_layers")
+        rows.append(row + (["loss"] if r == len(layouts) - 1 else []))
+    return rows
+
+
+def megatron_layout_flag(layouts: Sequence[StageLayout]) -> str:
+    """The LLM's split as megatron.training's `--pipeline-model-parallel-layout` string
+    ("Et|ttttL" for LLM layers 1,4): it replaces Megatron's even split (and the check that the
+    layers divide by the pipeline size) with the run's layout."""
+    letters = {"embedding": "E", "decoder": "t", "loss": "L"}
+    return "|".join(
+        "".join(letters[kind] for kind in row) for row in megatron_layout(layouts, "llm")
+    )
+
+
 def layout_from_dicts(
     stages: Sequence[dict[str, Any]], vit_layers: int, llm_layers: int, where: str
 ) -> list[StageLayout]:

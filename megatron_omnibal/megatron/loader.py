@@ -46,6 +46,7 @@ class Draw:
     level: int = 0
     micro: int = 0
     micro_batches: int = 1
+    epoch: int = 0  # the balancer epoch: a video sample trains on that epoch's frames
 
 
 @dataclass
@@ -73,11 +74,13 @@ class Loaded:
 class MicroBatchDataset:
     """The DataLoader's dataset: a `Draw` in, a `Loaded` micro-batch out.
 
-    `make_sample(i)` builds sample i (raising SampleLoadError when its data cannot be loaded,
-    any other ValueError for a configuration problem); `filler()` stands in for an empty pack.
+    `make_sample(i, epoch)` builds sample i as epoch `epoch` trains it (raising SampleLoadError
+    when its data cannot be loaded, any other ValueError for a configuration problem);
+    `filler()` stands in for an empty pack.
     """
 
-    def __init__(self, make_sample: Callable[[int], Sample], filler: Callable[[], Sample]) -> None:
+    def __init__(self, make_sample: Callable[[int, int], Sample],
+                 filler: Callable[[], Sample]) -> None:
         self.make_sample = make_sample
         self.filler = filler
 
@@ -92,7 +95,7 @@ class MicroBatchDataset:
         try:
             for pos, index in enumerate(draw.indices):
                 try:
-                    samples.append(self.make_sample(index))
+                    samples.append(self.make_sample(index, draw.epoch))
                     kept.append(pos)
                 except SampleLoadError as exc:
                     failures.append((pos, str(exc)))

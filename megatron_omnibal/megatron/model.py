@@ -5,7 +5,7 @@ embeddings into the text sequence), LLM embedding, LLM layers, final norm + outp
 Pipeline rank r builds only what its StageLayout names, with megatron-core TransformerBlocks whose
 layers carry GLOBAL layer numbers (checkpoints and the RNG depend on them) and the stage's own
 recompute counts. The architecture is the spec's (models.spec): InternViT or CLIP, pixel-shuffle
-or MLP projector, a Llama/Qwen2/InternLM2-style LLM, tied or separate output head.
+or MLP projector, a Llama(-3)/Qwen2/Qwen3/InternLM2-style LLM, tied or separate output head.
 
 Exactly one tensor flows between stages: the ViT hidden states [patches, tiles, Cv] before the
 projector's stage, the LLM hidden states [S, 1, H] (S / TP under sequence parallelism) after
@@ -19,6 +19,7 @@ own, stripped again at the head.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,51 +47,19 @@ from megatron_omnibal.models.spec import ModelSpec
 
 
 def packed_causal_mask(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[1, 1, S, S] bool, True = masked: causal within each packed sample, nothing across."""
+    """[1, 1, S, S] bool, True = masked: causal within each packed sample, nothing across.
+
+    Built where `cu_seqlens` lives without reading it back to the host: the segment ids get
+    their size from `seq_len` (the batch check on the CPU made sure cu_seqlens span it)."""
     dev = cu_seqlens.device
     seg = torch.repeat_interleave(
-        torch.arange(len(cu_seqlens) - 1, device=dev), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        torch.arange(len(cu_seqlens) - 1, device=dev),
+        (cu_seqlens[1:] - cu_seqlens[:-1]).long(),
+        output_size=seq_len,
     )
-    if len(seg) != seq_len:
-        raise ValueError(f"cu_seqlens cover {len(seg)} tokens, the sequence has {seq_len}")
     pos = torch.arange(seq_len, device=dev)
     allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
     return ~allowed[None, None]
-
-
-def validate_batch(
-    spec: ModelSpec,
-    tokens: torch.Tensor,
-    labels: torch.Tensor | None,
-    images: torch.Tensor,
-    image_flags: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-) -> None:
-    """Raise ValueError unless the micro-batch fits the model (shapes, placeholders, bounds)."""
-    if tokens.dim() != 2 or tokens.shape[0] != 1:
-        raise ValueError(f"micro-batch tokens have shape {tuple(tokens.shape)}, expected [1, S]")
-    seq = tokens.shape[1]
-    if labels is not None and labels.shape != tokens.shape:
-        raise ValueError(f"micro-batch labels {tuple(labels.shape)} != tokens {(1, seq)}")
-    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != seq:
-        raise ValueError(f"micro-batch cu_seqlens {cu_seqlens.tolist()} do not span 0..{seq}")
-    size = spec.vit.image_size
-    if images.dim() != 4 or tuple(images.shape[1:]) != (3, size, size):
-        raise ValueError(
-            f"micro-batch images have shape {tuple(images.shape)}, expected [n, 3, {size}, {size}]"
-        )
-    if image_flags.shape != (images.shape[0],):
-        raise ValueError(
-            f"micro-batch has {images.shape[0]} tiles but {image_flags.numel()} image_flags"
-        )
-    slots = int((tokens == spec.image_token_id).sum())
-    real = int(image_flags.sum())
-    if slots != real * spec.tokens_per_tile:
-        raise ValueError(
-            f"micro-batch has {slots} image placeholder tokens (id {spec.image_token_id}) but "
-            f"{real} real tiles x {spec.tokens_per_tile} tokens per tile = "
-            f"{real * spec.tokens_per_tile}"
-        )
 
 
 class VLMStage(MegatronModule):
@@ -116,7 +85,9 @@ class VLMStage(MegatronModule):
         pg_collection: ProcessGroupCollection | None = None,
         level_recompute: Sequence[tuple[int, int]] = (),
     ) -> None:
-        super().__init__(config=configs.llm)
+        # The model-wide config (Megatron's schedules and finalize_model_grads read it) is the
+        # LLM's, without qk_layernorm: HeadRMSNorm sums its own TP gradient (see layer_specs).
+        super().__init__(config=dataclasses.replace(configs.llm, qk_layernorm=False))
         # Megatron's schedules read model_type; the VLM pipeline is one decoder-style chain.
         self.model_type = ModelType.encoder_or_decoder
         # megatron.training's train() reads the model's process groups (GPTModel keeps them
@@ -197,6 +168,7 @@ class VLMStage(MegatronModule):
                     lay.num_llm_layers,
                     self.use_te,
                     AttnMaskType.causal if self.use_te else AttnMaskType.arbitrary,
+                    head_qk_norm=spec.llm.qk_norm,
                 ),
                 post_layer_norm=True,
                 pre_process=True,
@@ -207,6 +179,9 @@ class VLMStage(MegatronModule):
                 configs.llm.kv_channels,
                 rotary_percent=1.0,
                 rotary_base=spec.llm.rotary_base,
+                # Both passed here: megatron-core 0.19's own VLM scripts drop them.
+                rope_scaling=spec.llm.rope_scaling_factor > 0,
+                rope_scaling_factor=spec.llm.rope_scaling_factor or 8.0,
                 use_cpu_initialization=not torch.cuda.is_available(),
             )
         self.output_layer = None
@@ -294,18 +269,20 @@ class VLMStage(MegatronModule):
         position_ids: torch.Tensor,
         labels: torch.Tensor | None,
         images: torch.Tensor,
-        image_flags: torch.Tensor,
+        real_tiles: torch.Tensor,
         cu_seqlens: torch.Tensor,
+        max_seqlen: int,
         level: int = 0,
         **_: Any,
     ) -> torch.Tensor:
-        # Every stage checks the (shared) micro-batch before any communication, so a bad one
-        # stops all pipeline ranks with the same error instead of hanging the others.
-        validate_batch(self.spec, tokens, labels, images, image_flags, cu_seqlens)
+        # Only computes: the micro-batch was checked on the CPU and its host-side facts
+        # (real_tiles, max_seqlen) measured there (step.stage_inputs), so nothing here reads a
+        # device value back.
         if self.level_recompute:
             self._recompute(*self.level_recompute[level])
         seq = tokens.shape[1]
         position_ids, cu_seqlens = self._pad_for_sequence_parallel(position_ids, cu_seqlens)
+        seq_pad = position_ids.shape[1] - seq  # the pad segment's length
         x = None if self.stage == 0 else self.input_tensor
         if self.vision_stage:
             if self.patch_embed is not None:
@@ -323,9 +300,9 @@ class VLMStage(MegatronModule):
                 x = self.vit_final_norm(x)
             if self.capture is not None:
                 self.capture["vit"] = x.detach().transpose(0, 1)
-            x = self._merge(tokens, position_ids[:, :seq], self.projector(x, image_flags))
+            x = self._merge(tokens, position_ids[:, :seq], self.projector(x, real_tiles))
         if self.llm is not None:
-            x = self._llm(x, position_ids, cu_seqlens)
+            x = self._llm(x, position_ids, cu_seqlens, max(max_seqlen, seq_pad))
         if self.output_layer is None:
             return x
         if self.capture is not None:
@@ -388,10 +365,9 @@ class VLMStage(MegatronModule):
         return x
 
     def _llm(
-        self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+        self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
     ) -> torch.Tensor:
         seq = position_ids.shape[1]
-        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         if self.use_te:
             # With THD packing megatron-core applies RoPE per sample from cu_seqlens.
             rope = self.rotary(max_len)

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -22,6 +23,7 @@ from megatron_omnibal.megatron.args import (
     OmnibalArgsError,
     OmnibalSettings,
     add_omnibal_args,
+    load_plan,
     validate_omnibal_args,
 )
 from megatron_omnibal.megatron.checkpoint_check import (
@@ -37,9 +39,12 @@ from megatron_omnibal.megatron.finetune import (
     finetune_settings,
     install_vit_lr_override,
 )
-from megatron_omnibal.megatron.layout import embedding_ranks
+from megatron_omnibal.megatron.layout import embedding_ranks, megatron_layout_flag
+from megatron_omnibal.megatron.notes import note_fallbacks, quiet_fallback_warnings
+from megatron_omnibal.megatron.run_args import complete_argv
 from megatron_omnibal.megatron.stderr import write_line
 
+RANK0_GRACE_S = 5.0  # how long other ranks let rank 0 print an error they all found
 ForwardStep = Callable[[Any, Any], Any]
 IteratorsBuilder = Callable[..., tuple[Any, Any, Any]]
 
@@ -56,14 +61,12 @@ def main(
     batching), with the signature of build_data_iterators.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_fallback_warnings()
     cpu = enable_cpu_megatron()
     _skip_runtime_helper_build()
     if "-h" in argv or "--help" in argv:
         return _help()
-    try:
-        spec = resolve_spec(_preparse(argv))
-    except (OmnibalArgsError, ValueError) as exc:
-        return _fail(exc)
+    ensure_typing_override()  # megatron.training on Python 3.11, on GPUs too
     if cpu and not any(a.split("=")[0] == "--distributed-backend" for a in argv):
         argv += ["--distributed-backend", "gloo"]
     if "--data-parallel-random-init" not in argv:
@@ -72,27 +75,17 @@ def main(
         # otherwise every rank resumes with DP rank 0's. Parameters start equal either way
         # (it broadcasts them from DP rank 0).
         argv.append("--data-parallel-random-init")
-    ensure_typing_override()  # megatron.training on Python 3.11, on GPUs too
+    try:
+        argv, settings, spec, finetune, resume = prepare(argv)
+    except (OmnibalArgsError, ValueError) as exc:
+        return _fail(exc)
+    note_fallbacks()
     from megatron.training.arguments import parse_and_validate_args
 
     sys.argv = [sys.argv[0], *argv]  # Megatron's parser reads sys.argv
     args = parse_and_validate_args(
         extra_args_provider=add_omnibal_args, args_defaults=megatron_defaults(spec)
     )
-    try:
-        check_model_args(args, spec)
-        settings = validate_omnibal_args(
-            args, vit_layers=spec.vit.num_layers, tokens_per_tile=spec.tokens_per_tile
-        )
-        if settings.data != "synthetic":
-            from megatron_omnibal.megatron.dataset import open_source
-
-            # configuration, count and a spread of samples (from their text: no image opened)
-            open_source(args, settings.lengths, spec, pixels=False)
-        finetune = finetune_settings(args)
-        resume = check_resume(args, settings, spec.vit.num_attention_heads)
-    except (OmnibalArgsError, ValueError) as exc:
-        return _fail(exc)
     # Saved with Megatron's args in every checkpoint: the export reads the model and layout.
     args.omnibal_model_spec = json.dumps(spec.to_dict())
     args.omnibal_stages = json.dumps([st.to_dict() for st in settings.layouts])
@@ -101,8 +94,78 @@ def main(
     try:
         train(args, settings, spec, resume, forward_step_func, build_iterators, finetune)
     except SampleLoadError as exc:  # a sample that cannot be loaded (--omnibal-bad-sample)
-        return _fail(exc)
+        return _fail(exc, every_rank=True)
     return 0
+
+
+def prepare(
+    argv: list[str],
+) -> tuple[list[str], OmnibalSettings, Any, FinetuneSettings, ResumePlan]:
+    """Every check of the run, on Megatron's parse of the completed command line, before
+    Megatron validates (and prints) its arguments or creates a process group: the command line
+    completed from the plan and model, with the pipeline layout Megatron is to build, and the
+    run's settings. Raises OmnibalArgsError (or ValueError) naming what is wrong."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    pre = _preparse(argv)
+    plan = load_plan(pre.omnibal_plan) if pre.omnibal_plan else None
+    spec = resolve_spec(pre, plan)
+    parser = _raising(
+        add_omnibal_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    )
+    source = (
+        f"--omnibal-plan {pre.omnibal_plan}" if plan is not None
+        else f"--omnibal-model {pre.omnibal_model}"
+    )  # fmt: skip
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    argv = complete_argv(argv, parser, spec, plan, source, world)
+    args = _parsed(parser, argv, spec, world)
+    if plan is not None and not args.use_distributed_optimizer and args.rank == 0:
+        write_line(
+            "pretrain_vlm: note: the plan's memory figures assume --use-distributed-optimizer "
+            "(Adam state sharded over DP), an optimizer setting this run does not give"
+        )
+    check_model_args(args, spec)
+    settings = validate_omnibal_args(
+        args, vit_layers=spec.vit.num_layers, tokens_per_tile=spec.tokens_per_tile
+    )
+    if settings.data != "synthetic":
+        from megatron_omnibal.megatron.dataset import open_source
+
+        # configuration, count and a spread of samples (from their text: no image opened)
+        open_source(args, settings.lengths, spec, pixels=False)
+    finetune = finetune_settings(args)
+    resume = check_resume(args, settings, spec.vit.num_attention_heads)
+    if settings.pp_size > 1:  # Megatron builds, numbers and counts the layers as laid out
+        argv += ["--pipeline-model-parallel-layout", megatron_layout_flag(settings.layouts)]
+    return argv, settings, spec, finetune, resume
+
+
+def _parsed(
+    parser: argparse.ArgumentParser, argv: list[str], spec: Any, world: int
+) -> argparse.Namespace:
+    """Megatron's parse of `argv` with the few values its validation would derive (rank, data
+    parallel size, default global batch, the model's defaults), checked like it checks them."""
+    args = parser.parse_args(argv)
+    for key, value in megatron_defaults(spec).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.rank, args.world_size = int(os.environ.get("RANK", "0")), world
+    model = (
+        args.tensor_model_parallel_size
+        * args.pipeline_model_parallel_size
+        * args.context_parallel_size
+    )
+    if world % model:
+        raise OmnibalArgsError(
+            f"{world} processes do not divide into model replicas of TP "
+            f"{args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} x CP "
+            f"{args.context_parallel_size}"
+        )
+    args.data_parallel_size = world // model
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    return args
 
 
 def _help() -> int:
@@ -119,30 +182,45 @@ def _help() -> int:
     return 0
 
 
-def _fail(exc: Exception) -> int:
-    write_line(f"pretrain_vlm: error: {exc}")
+def _fail(exc: Exception, every_rank: bool = False) -> int:
+    """Print the error and return 2. An error every rank finds alike (a flag, a file) is
+    printed once, by rank 0; the other ranks wait a moment before they exit, since torchrun
+    stops the remaining ranks as soon as one exits, and rank 0 must get to print."""
+    if every_rank or int(os.environ.get("RANK", "0")) == 0:
+        write_line(f"pretrain_vlm: error: {exc}")
+    else:
+        time.sleep(RANK0_GRACE_S)
     return 2
+
+
+def _raising(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The parser with its errors (an unknown flag, a bad value) raised as OmnibalArgsError,
+    so that they are printed once like the others, not as a usage text per rank."""
+
+    def error(message: str) -> None:
+        raise OmnibalArgsError(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
 
 
 def _preparse(argv: list[str]) -> argparse.Namespace:
     """The --omnibal* flags alone, to learn the model before Megatron's parser needs its size."""
-    parser = add_omnibal_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    parser = _raising(
+        add_omnibal_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    )
     pre, _ = parser.parse_known_args(argv)
     if not pre.omnibal:
         raise OmnibalArgsError("this entry point trains with --omnibal; pass --omnibal")
     return pre
 
 
-def resolve_spec(pre: argparse.Namespace) -> Any:
+def resolve_spec(pre: argparse.Namespace, plan: Any = None) -> Any:
     """The ModelSpec: --omnibal-model (a preset, a model_spec file or an HF checkpoint
     directory), else the plan's model_spec; both given must agree."""
     from megatron_omnibal.models.resolve import resolve_model
 
-    from_plan = None
-    if pre.omnibal_plan:
-        from megatron_omnibal.megatron.args import load_plan
-
-        from_plan = load_plan(pre.omnibal_plan).model_spec
+    from_plan = None if plan is None else plan.model_spec
     if pre.omnibal_model is None:
         if from_plan is None:
             raise OmnibalArgsError(
@@ -163,35 +241,20 @@ def resolve_spec(pre: argparse.Namespace) -> Any:
 
 
 def megatron_defaults(spec: Any) -> dict[str, Any]:
-    """Megatron arguments the model spec already determines (explicit flags must agree)."""
-    llm = spec.llm
+    """Megatron arguments an --omnibal run takes unless given (the model's shape flags are
+    completed on the command line: run_args)."""
     return {
-        "num_layers": llm.num_layers,
-        "hidden_size": llm.hidden_size,
-        "ffn_hidden_size": llm.ffn_hidden_size,
-        "num_attention_heads": llm.num_attention_heads,
-        "max_position_embeddings": llm.max_position_embeddings,
-        "seq_length": llm.max_position_embeddings,
+        "max_position_embeddings": spec.llm.max_position_embeddings,
+        "seq_length": spec.llm.max_position_embeddings,
         "tokenizer_type": "NullTokenizer",
-        "vocab_size": llm.vocab_size,
         "dataloader_type": "external",
         "eval_interval": 1000,
     }
 
 
 def check_model_args(args: argparse.Namespace, spec: Any) -> None:
-    """Megatron's model flags must describe the spec's LLM; its own recompute flags are unused."""
-    for flag, name in (
-        ("--num-layers", "num_layers"),
-        ("--hidden-size", "hidden_size"),
-        ("--ffn-hidden-size", "ffn_hidden_size"),
-        ("--num-attention-heads", "num_attention_heads"),
-    ):
-        if getattr(args, name) != getattr(spec.llm, name):
-            raise OmnibalArgsError(
-                f"{flag} {getattr(args, name)} but the model's LLM has "
-                f"{name}={getattr(spec.llm, name)} (drop the flag or fix the model)"
-            )
+    """Megatron flags an --omnibal run replaces (data loader, recompute, layout, sample
+    counts) must be absent or say what it does."""
     if args.dataloader_type != "external":
         raise OmnibalArgsError(
             f"--dataloader-type {args.dataloader_type}: --omnibal brings its own iterator "
@@ -275,7 +338,7 @@ def train(
     setattr(args, RUN_INFO, run_info(args, settings, resume.identity, resume.origin))
     cfg = pretrain_cfg_container_from_args(args)
     if build_iterators is None:
-        _install_iteration_log(args, settings, resume)
+        _install_iteration_log(args, settings, resume, spec)
         data_provider = partial(build_data_iterators, settings, spec, origin=resume.origin)
     else:
         data_provider = partial(build_iterators, settings, spec)
@@ -296,14 +359,16 @@ def train(
 
 
 def _install_iteration_log(
-    args: argparse.Namespace, settings: OmnibalSettings, resume: ResumePlan
+    args: argparse.Namespace, settings: OmnibalSettings, resume: ResumePlan, spec: Any
 ) -> None:
     """The start-up summary and notes (rank 0) and the per-iteration log (installed into
     Megatron's training_log on every rank: every rank counts consumed samples)."""
     from megatron_omnibal.megatron import training_log
     from megatron_omnibal.megatron.stream_steps import StreamSteps
+    from megatron_omnibal.megatron.throughput import device_name, throughput_from_args
 
-    steps = StreamSteps(balanced_sampler(settings, 0).plan, settings.lengths, resume.origin)
+    sampler = balanced_sampler(settings, 0)
+    steps = StreamSteps(sampler.plan, sampler.lengths_of, resume.origin)
     if args.rank == 0:
         for note in resume.notes:
             print(f"pretrain_vlm: note: {note}", flush=True)
@@ -331,6 +396,8 @@ def _install_iteration_log(
         log_interval=args.log_interval,
         tensorboard_interval=args.tensorboard_log_interval,
         is_logger=args.rank == args.world_size - 1,
+        throughput=throughput_from_args(args, spec, device_name()),
+        predicted_step_ms=settings.plan.predicted.step_ms if settings.plan else None,
     )
     training_log.install(log)
 
@@ -338,8 +405,8 @@ def _install_iteration_log(
 def _run_steps_of_their_levels() -> None:
     """megatron.training runs each step for its run-wide get_num_microbatches(); a step of a
     packing level runs that level's count instead (step.per_step_micro_batches; the count of
-    a one-level run is the run's own). Megatron's sample counters and learning-rate schedule
-    keep counting --global-batch-size per step."""
+    a one-level run is the run's own). Megatron's learning-rate schedule keeps counting
+    --global-batch-size per step; its consumed samples are set from the plan (training_log)."""
     import megatron.training.training as loop
 
     from megatron_omnibal.megatron.step import per_step_micro_batches
@@ -385,11 +452,27 @@ def _model_provider(
     )
 
 
-def balanced_sampler(settings: OmnibalSettings, dp_rank: int) -> Any:
-    """The balanced sampler of one DP rank (its `plan(epoch)` is every rank's plan)."""
+def balanced_sampler(settings: OmnibalSettings, dp_rank: int, by_epoch: Any = None) -> Any:
+    """The balanced sampler of one DP rank (its `plan(epoch)` is every rank's plan), with each
+    epoch's lengths (`by_epoch`, default lengths_by_epoch(settings))."""
     from megatron_omnibal.balance.sampler import BalancedBatchSampler
 
-    return BalancedBatchSampler(settings.lengths, settings.balance, dp_rank=dp_rank)
+    return BalancedBatchSampler(
+        settings.lengths,
+        settings.balance,
+        dp_rank=dp_rank,
+        lengths_of_epoch=by_epoch or lengths_by_epoch(settings),
+    )
+
+
+def lengths_by_epoch(settings: OmnibalSettings) -> Any:
+    """The lengths of each epoch: a length file with videos draws their frames per epoch from
+    the balance seed (data/video_lengths.py), the same on every rank and at every resume."""
+    from megatron.training import get_args
+
+    from megatron_omnibal.data.video_lengths import run_lengths
+
+    return run_lengths(get_args().omnibal_lengths, settings.lengths, settings.balance.seed)
 
 
 def build_data_iterators(
@@ -414,23 +497,24 @@ def build_data_iterators(
     from megatron.core import parallel_state
     from megatron.training import get_args
 
-    from megatron_omnibal.megatron.batch import synthetic_sample
+    from megatron_omnibal.megatron.batch import SyntheticSamples
     from megatron_omnibal.megatron.data import BalancedDataIterator
     from megatron_omnibal.megatron.loader import MicroBatchDataset
 
     args = get_args()
     dp_rank = parallel_state.get_data_parallel_rank()
-    sampler = balanced_sampler(settings, dp_rank)
+    by_epoch = lengths_by_epoch(settings)
+    sampler = balanced_sampler(settings, dp_rank, by_epoch)
     pixels = settings.layouts[parallel_state.get_pipeline_model_parallel_rank()].patch_embed
     if settings.data == "synthetic":
-        make_sample = partial(
-            synthetic_sample, lengths=settings.lengths, spec=spec, seed=args.seed, pixels=pixels
-        )
+        make_sample = SyntheticSamples(by_epoch, spec, seed=args.seed, pixels=pixels)
         describe = str
     else:
         from megatron_omnibal.megatron.dataset import open_source
 
-        make_sample = open_source(args, settings.lengths, spec, pixels=pixels, check=0)
+        make_sample = open_source(
+            args, settings.lengths, spec, pixels=pixels, check=0, by_epoch=by_epoch
+        )
         describe = make_sample.describe
     workers = args.num_workers if pixels else 0
     if workers:

@@ -1,6 +1,7 @@
 """Probe inputs for checking a converted model: a few samples laid out as the model's processor
 lays them out (InternVL: `<img>` + context tokens + `</img>` per image; LLaVA: one token per
-patch), with random pixels, an image over several tiles and a text-only sample.
+patch), with random pixels, an image over several tiles, a video (frames of one tile each with
+their labels between them, as InternVL's processor lists them) and a text-only sample.
 
 Why random: a numeric comparison of two implementations of the same function needs inputs that
 exercise every path (several tiles, InternVL's dummy tile, packing), not meaningful ones.
@@ -15,8 +16,9 @@ from megatron_omnibal.models.spec import ModelSpec
 
 
 def probe_samples(spec: ModelSpec, seed: int = 0, dummy_tile: bool = True) -> list[Sample]:
-    """Three samples: an image of 2 tiles, an image of 1 tile, text only (with a dummy tile
-    when `dummy_tile`, as InternVL trains text-only samples). Token 0 opens each sample."""
+    """Four samples: an image of 2 tiles, an image of 1 tile, a video of 3 one-tile frames
+    (random text stands for the `FrameK: ` labels), text only (with a dummy tile when
+    `dummy_tile`, as InternVL trains text-only samples). Token 0 opens each sample."""
     g = torch.Generator().manual_seed(seed)
     special = {spec.image_token_id, spec.image_start_id, spec.image_end_id, 0}
     allowed = torch.tensor([i for i in range(min(spec.llm.vocab_size, 1000)) if i not in special])
@@ -37,6 +39,12 @@ def probe_samples(spec: ModelSpec, seed: int = 0, dummy_tile: bool = True) -> li
     for tiles, words in ((2, 5), (1, 9)):
         ids = [0, *text(3), *image(tiles), *text(words)]
         out.append(_sample(ids, torch.randn(tiles, 3, size, size, generator=g), tiles))
+    frames = 3
+    ids = [0, *text(2)]
+    for _ in range(frames):
+        ids += [*text(3), *image(1)]
+    ids += text(4)
+    out.append(_sample(ids, torch.randn(frames, 3, size, size, generator=g), frames))
     ids = [0, *text(10)]  # an odd total length: sequence parallelism must pad
     dummy = int(dummy_tile)
     out.append(_sample(ids, torch.randn(dummy, 3, size, size, generator=g), 0))

@@ -59,7 +59,9 @@ class Projector(MegatronModule):
             input_size=spec.projector_in,
         )
 
-    def forward(self, vit_hidden: torch.Tensor, image_flags: torch.Tensor) -> torch.Tensor:
+    def forward(self, vit_hidden: torch.Tensor, real_tiles: torch.Tensor) -> torch.Tensor:
+        """Embeddings of the tiles at indices `real_tiles` (int64, found on the CPU: a boolean
+        mask here would read the device back)."""
         x = vit_hidden[self.skip_tokens :].permute(1, 0, 2)  # [n, tokens, C]
         if self.kind == "pixel_shuffle_mlp":
             x = self.norm(pixel_shuffle(x, self.grid, self.factor, self.version))
@@ -67,5 +69,4 @@ class Projector(MegatronModule):
         if bias is not None:
             out = out + bias
         out = out.permute(1, 0, 2)  # [n, t, H]
-        real = image_flags.to(torch.bool)
-        return out[real].reshape(-1, out.shape[-1])
+        return out.index_select(0, real_tiles).reshape(-1, out.shape[-1])

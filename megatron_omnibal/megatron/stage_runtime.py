@@ -73,18 +73,13 @@ def forward_outputs(
     "llm" [S, H] (head stage)}."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_omnibal.megatron.step import stage_inputs
+
     kept: dict[str, torch.Tensor] = {}
 
     def forward_step(data_iterator, stage):
-        b = next(data_iterator)
-        output = stage(
-            tokens=b.tokens,
-            position_ids=b.position_ids,
-            labels=None,
-            images=b.images,
-            image_flags=b.image_flags,
-            cu_seqlens=b.cu_seqlens,
-        )
+        _, inputs = stage_inputs(next(data_iterator), stage.spec, with_labels=False)
+        output = stage(**inputs)
 
         def keep(output_tensor: torch.Tensor):
             kept["logits"] = output_tensor.detach()[0, :, :vocab_size]

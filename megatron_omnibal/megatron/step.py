@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_omnibal.megatron.batch import MicroBatch
+from megatron_omnibal.megatron.batch import MicroBatch, validate_batch
+
+if TYPE_CHECKING:
+    from megatron_omnibal.models.spec import ModelSpec
 
 
 def loss_func(
@@ -37,24 +40,45 @@ def _as_batch(item: MicroBatch | dict[str, torch.Tensor]) -> MicroBatch:
     return item if isinstance(item, MicroBatch) else MicroBatch.from_dict(item)
 
 
+def stage_inputs(
+    batch: MicroBatch, spec: ModelSpec, with_labels: bool = True
+) -> tuple[MicroBatch, dict[str, Any]]:
+    """(the batch on this rank's device, the stage module's keyword arguments).
+
+    The batch is checked and its host-side facts (which tiles are real, the longest packed
+    sample) are read on the CPU where the loader built it, before the copy to the GPU: the
+    stage's forward then never waits on the device. Every pipeline rank checks the same
+    micro-batch before any communication, so a bad one stops them all with the same error.
+    """
+    validate_batch(spec, batch.tokens, batch.labels, batch.images, batch.image_flags,
+                   batch.cu_seqlens)  # fmt: skip
+    real_tiles = torch.nonzero(batch.image_flags).flatten()
+    max_seqlen = int((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).max())
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        batch, real_tiles = batch.to(device), real_tiles.to(device, non_blocking=True)
+    return batch, {
+        "tokens": batch.tokens,
+        "position_ids": batch.position_ids,
+        "labels": batch.labels if with_labels else None,
+        "images": batch.images,
+        "real_tiles": real_tiles,
+        "cu_seqlens": batch.cu_seqlens,
+        "max_seqlen": max_seqlen,
+        "level": batch.level,
+    }
+
+
 def forward_step(
     data_iterator: Iterator[MicroBatch | dict[str, torch.Tensor]], model: torch.nn.Module
 ) -> tuple[torch.Tensor, Any]:
     """Run one micro-batch through this rank's stage; Megatron calls the returned loss function
     on the last stage. Every PP rank draws the same micro-batch from its iterator."""
-    batch = _as_batch(next(data_iterator))
-    if torch.cuda.is_available():
-        batch = batch.to(torch.cuda.current_device())
-    output = model(
-        tokens=batch.tokens,
-        position_ids=batch.position_ids,
-        labels=batch.labels,
-        images=batch.images,
-        image_flags=batch.image_flags,
-        cu_seqlens=batch.cu_seqlens,
-        level=batch.level,
-    )
-    return output, partial(loss_func, batch.loss_mask)
+    from megatron.core.utils import get_attr_wrapped_model
+
+    spec = get_attr_wrapped_model(model, "spec")
+    batch, inputs = stage_inputs(_as_batch(next(data_iterator)), spec)
+    return model(**inputs), partial(loss_func, batch.loss_mask)
 
 
 def per_step_micro_batches(forward_backward_func: Callable[..., Any]) -> Callable[..., Any]:

@@ -24,11 +24,13 @@ from megatron_omnibal.megatron.data_identity import StreamOrigin
 
 @dataclass(frozen=True)
 class StepFigures:
-    """One training step: per DP rank, the samples, tiles and tokens of its micro-batches."""
+    """One training step: per DP rank, the samples, tiles and tokens of its micro-batches and
+    the sum of its samples' squared token lengths (what packed causal attention costs)."""
 
     samples: np.ndarray  # [dp]
     tiles: np.ndarray  # [dp]
     tokens: np.ndarray  # [dp]
+    sumsq: np.ndarray  # [dp]
 
     @property
     def num_samples(self) -> int:
@@ -56,13 +58,16 @@ class EpochSteps:
     samples: np.ndarray
     tiles: np.ndarray
     tokens: np.ndarray
+    sumsq: np.ndarray
 
     @property
     def num_steps(self) -> int:
         return len(self.samples)
 
     def step(self, index: int) -> StepFigures:
-        return StepFigures(self.samples[index], self.tiles[index], self.tokens[index])
+        return StepFigures(
+            self.samples[index], self.tiles[index], self.tokens[index], self.sumsq[index]
+        )
 
 
 def epoch_steps(plan: BalancePlan, lengths: LengthStats) -> EpochSteps:
@@ -72,10 +77,13 @@ def epoch_steps(plan: BalancePlan, lengths: LengthStats) -> EpochSteps:
     sizes = np.diff(plan.pack_ptr)
     slot = plan.pack_step * dp + plan.pack_rank
     samples = np.bincount(slot, sizes, plan.num_steps * dp).reshape(plan.num_steps, dp)
+    squares = lengths.tokens[plan.samples].astype(np.float64) ** 2  # pack after pack
+    sumsq = np.bincount(np.repeat(slot, sizes), squares, plan.num_steps * dp)
     return EpochSteps(
         samples.astype(np.int64),
         np.rint(loads.tiles).astype(np.int64),
         np.rint(loads.tokens).astype(np.int64),
+        np.rint(sumsq).astype(np.int64).reshape(plan.num_steps, dp),
     )
 
 
@@ -84,7 +92,9 @@ class StreamSteps:
 
     Megatron iteration `origin.iteration + k` trains the stream's step k, counted from the first
     step of epoch `origin.epoch`; epochs follow each other, each with its own number of steps.
-    `plan_of_epoch(e)` is the balancer's whole plan (all DP ranks) of epoch e.
+    `plan_of_epoch(e)` is the balancer's whole plan (all DP ranks) of epoch e; `lengths` are
+    the samples' lengths, or a function of the epoch giving them (videos train on a number of
+    frames drawn per epoch).
     """
 
     _CACHED_EPOCHS = 2
@@ -92,7 +102,7 @@ class StreamSteps:
     def __init__(
         self,
         plan_of_epoch: Callable[[int], BalancePlan],
-        lengths: LengthStats,
+        lengths: LengthStats | Callable[[int], LengthStats],
         origin: StreamOrigin | None = None,
     ) -> None:
         self._plan_of_epoch = plan_of_epoch
@@ -106,7 +116,8 @@ class StreamSteps:
         if epoch in self._epochs:
             self._epochs.move_to_end(epoch)
             return self._epochs[epoch]
-        steps = epoch_steps(self._plan_of_epoch(epoch), self._lengths)
+        lengths = self._lengths(epoch) if callable(self._lengths) else self._lengths
+        steps = epoch_steps(self._plan_of_epoch(epoch), lengths)
         if steps.num_steps <= 0:
             raise ValueError(
                 f"the balanced stream has no training step in epoch {epoch} "

@@ -10,7 +10,7 @@ modules megatron-core really builds. Layouts:
 - the word embedding and output head split along the (padded) vocabulary;
 - the ViT's heads are padded to a multiple of TP with zero dummy heads (qkv rows, attention
   output columns, QK-norm weights), which must still be zero when a checkpoint is exported.
-Everything else is replicated.
+Everything else is replicated, the LLM's per-head QK-norm weights (Qwen3) included.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def _kind(name: str) -> tuple[str, str]:
     if rest == "self_attention.linear_proj.weight":
         return tower, "proj"
     if rest in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
-        return tower, "qknorm"
+        # The ViT's norm spans all heads (split with them); the LLM's is per head (replicated).
+        return tower, "qknorm" if tower == "vit" else "replicated"
     if rest.startswith("mlp.linear_fc1.") or rest.startswith("projector.mlp.linear_fc1."):
         return tower, "column"
     if rest == "mlp.linear_fc2.weight" or name == "projector.mlp.linear_fc2.weight":

@@ -28,6 +28,7 @@ from megatron_omnibal.balance.metrics import dist_ratio
 from megatron_omnibal.balance.metrics import max_over_mean as per_step_max_over_mean
 from megatron_omnibal.megatron.layout import StageLayout
 from megatron_omnibal.megatron.stream_steps import StepFigures, StreamSteps, max_over_mean
+from megatron_omnibal.megatron.throughput import Throughput
 
 PREFIX = "omnibal"
 
@@ -95,7 +96,9 @@ def startup_summary(
     return [f"{PREFIX}: {line}" for line in lines]
 
 
-def step_scalars(figures: StepFigures, seconds: float) -> dict[str, float]:
+def step_scalars(
+    figures: StepFigures, seconds: float, throughput: Throughput | None = None
+) -> dict[str, float]:
     """The per-iteration figures under their TensorBoard / W&B names."""
     out = {
         "samples-per-step": float(figures.num_samples),
@@ -110,7 +113,28 @@ def step_scalars(figures: StepFigures, seconds: float) -> dict[str, float]:
     if seconds > 0:
         out["tokens-per-second"] = figures.num_tokens / seconds
         out["samples-per-second"] = figures.num_samples / seconds
+        if throughput is not None:
+            tflops, fraction = throughput.rates([figures], seconds)
+            out["model-tflops-per-gpu"] = tflops
+            if fraction is not None:
+                out["mfu"] = fraction
     return {f"{PREFIX}/{name}": value for name, value in out.items()}
+
+
+def first_step_line(
+    throughput: Throughput, figures: StepFigures, seconds: float, predicted_ms: float | None
+) -> str:
+    """The first measured step beside the plan's prediction (MFU of this step's work at the
+    predicted time): the start-up check of the plan's model against this cluster."""
+    def at(sec: float) -> str:
+        tflops, fraction = throughput.rates([figures], sec)
+        share = "n/a" if fraction is None else f"{100 * fraction:.1f}%"
+        return f"{1e3 * sec:.1f} ms, {tflops:.3f} model TFLOP/s/GPU, MFU {share}"
+
+    text = f"{PREFIX}: first step measured {at(seconds)} (includes warm-up)"
+    if predicted_ms is not None and predicted_ms > 0:
+        text += f"; plan predicted {at(predicted_ms / 1e3)}"
+    return text + f"; peak: {throughput.peak_source}"
 
 
 @dataclass
@@ -121,7 +145,10 @@ class IterationLog:
     log_interval: int
     tensorboard_interval: int
     is_logger: bool  # the rank that prints Megatron's line and holds its writers
+    throughput: Throughput | None = None  # model TFLOP/s per GPU and MFU on every line
+    predicted_step_ms: float | None = None  # the plan's, shown beside the first step
     _pending: list[tuple[StepFigures, float]] = field(default_factory=list)
+    _first_shown: bool = False
 
     def consumed_samples(self, iteration: int) -> int:
         return self.steps.consumed_samples(iteration)
@@ -139,8 +166,12 @@ class IterationLog:
             return
         figures = self.steps.step(iteration - 1)
         self._pending.append((figures, seconds))
+        if self.throughput is not None and not self._first_shown and seconds > 0:
+            self._first_shown = True
+            printer(first_step_line(self.throughput, figures, seconds, self.predicted_step_ms),
+                    flush=True)  # fmt: skip
         if (writer is not None or wandb is not None) and iteration % self.tensorboard_interval == 0:
-            scalars = step_scalars(figures, seconds)
+            scalars = step_scalars(figures, seconds, self.throughput)
             if writer is not None:
                 for name, value in scalars.items():
                     writer.add_scalar(name, value, iteration)
@@ -151,7 +182,9 @@ class IterationLog:
             self._pending.clear()
 
     def _line(self, iteration: int) -> str:
-        """The figures averaged over the steps since the last line; rates over their time."""
+        """The figures averaged over the steps since the last line, rates over their time, and
+        where the stream stands: the balancer's epoch and the step within it (epochs differ in
+        steps; with packing levels also in micro-batches per step)."""
         figs = [f for f, _ in self._pending]
         seconds = sum(s for _, s in self._pending)
 
@@ -176,7 +209,10 @@ class IterationLog:
                 f" | tokens/s {sum(f.num_tokens for f in figs) / seconds:.1f}"
                 f" | samples/s {sum(f.num_samples for f in figs) / seconds:.1f}"
             )
-        return text + " |"
+            if self.throughput is not None:
+                text += self.throughput.text(figs, seconds)
+        epoch, step = self.steps.locate(iteration - 1)
+        return text + f" | epoch {epoch} step {step + 1}/{self.steps.epoch(epoch).num_steps} |"
 
 
 def install(log: IterationLog) -> None:

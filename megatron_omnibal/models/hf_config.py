@@ -9,10 +9,13 @@ itself, never from a guess. Families:
   (LlavaForConditionalGeneration): parsed with transformers' own config classes (defaults,
   renamed fields and RoPE parameters as transformers applies them).
 - OpenGVLab's remote-code `internvl_chat` (what most InternVL checkpoints on disk are): its
-  JSON is read directly (no remote code runs); its LLM is InternLM2, Qwen2 or Llama.
+  JSON is read directly (no remote code runs); its LLM is InternLM2, Qwen2/2.5, Qwen3 or Llama.
 
-Anything the stage module cannot build exactly (RoPE scaling, several feature layers, an
-unknown LLM) is an error that names the field, never an approximation.
+LLMs: Llama 2/3.x (Llama-3 RoPE scaling with megatron-core's fixed frequency bands), Mistral,
+Qwen2/2.5 (qkv bias), Qwen3 (per-head QK-norm, its own head size, no biases), InternLM2.
+Anything the stage module cannot build exactly (another RoPE scaling, several feature layers,
+a mixture-of-experts or unknown LLM, a model type planned but not built yet) is an error that
+names the field, never an approximation.
 """
 
 from __future__ import annotations
@@ -29,9 +32,26 @@ LLM_ARCHS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "InternLM2ForCausalLM": "internlm2",
 }
-TEXT_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+TEXT_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# LLMs of released checkpoints (InternVL3.5's MoE variants) the stage module does not build.
+MOE_LLMS = {
+    "Qwen3MoeForCausalLM": "Qwen3-MoE",
+    "GptOssForCausalLM": "GPT-OSS",
+    "qwen3_moe": "Qwen3-MoE",
+    "gpt_oss": "GPT-OSS",
+}
+# Model types recognised but not built yet: read_hf refuses them with the reason.
+NOT_YET = {
+    "qwen2_5_vl": "Qwen2.5-VL's native-resolution vision tower (windowed attention, 2D RoPE, "
+    "patch merger) and M-RoPE have no stage module yet",
+    "qwen2_vl": "Qwen2-VL's native-resolution vision tower and M-RoPE have no stage module yet",
+}
+# megatron-core 0.19's Llama-3 RoPE scaling fixes everything but the factor.
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}  # fmt: skip
 
 
 class HFConfigError(ValueError):
@@ -45,7 +65,7 @@ class HFModel:
     path: Path
     spec: ModelSpec
     family: str  # one of FAMILIES
-    llm_arch: str  # llama | mistral | qwen2 | internlm2
+    llm_arch: str  # llama | mistral | qwen2 | qwen3 | internlm2
     vit_checkpoint_layers: int  # ViT layers stored (LLaVA's last one is never used)
 
 
@@ -100,19 +120,38 @@ def _feature_layers(layer: Any, total: int, path: Path, field: str) -> int:
     return used
 
 
-def _rope_theta(text: Any, path: Path) -> float:
-    rope = _get(text, "rope_parameters") or {}
+def _rope(text: Any, path: Path) -> tuple[float, float]:
+    """(RoPE base, Llama-3 scaling factor or 0) from `rope_parameters` (transformers 5) or
+    `rope_scaling` (`type` or `rope_type`, older configs and InternLM2's dict)."""
+    params = _get(text, "rope_parameters")
+    params = params if isinstance(params, dict) else {}
     scaling = _get(text, "rope_scaling")
-    kind = (rope or {}).get("rope_type", "default") if isinstance(rope, dict) else "default"
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
+    scaling = scaling if isinstance(scaling, dict) else params
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
     _need(
-        kind == "default",
+        kind in ("default", "llama3"),
         path,
-        f"RoPE scaling {kind!r} is not supported by the stage module (only plain RoPE)",
+        f"RoPE scaling {kind!r} is not supported by the stage module (plain RoPE and Llama-3's "
+        "'llama3' scaling are)",
     )
-    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-    return float(theta if theta is not None else _get(text, "rope_theta", 10000.0))
+    theta = params.get("rope_theta")
+    theta = float(theta if theta is not None else _get(text, "rope_theta", 10000.0))
+    if kind == "default":
+        return theta, 0.0
+    for key, fixed in LLAMA3_FIXED.items():
+        value = scaling.get(key)
+        _need(
+            value is not None and float(value) == fixed,
+            path,
+            f"llama3 RoPE scaling with {key}={value!r}: megatron-core builds only {fixed:g}",
+        )
+    factor = scaling.get("factor")
+    _need(
+        isinstance(factor, (int, float)) and factor >= 1,
+        path,
+        f"llama3 RoPE scaling factor {factor!r}: expected a number >= 1",
+    )
+    return theta, float(factor)
 
 
 def _language(text: Any, arch: str, path: Path) -> LanguageSpec:
@@ -128,7 +167,13 @@ def _language(text: Any, arch: str, path: Path) -> LanguageSpec:
             path,
             f"sliding_window={window}: windowed attention is not supported",
         )
-    if arch in ("llama", "mistral"):
+    if arch in ("qwen2", "qwen3"):
+        _need(
+            not _get(text, "use_sliding_window", False),
+            path,
+            "use_sliding_window=true: windowed attention is not supported",
+        )
+    if arch in ("llama", "mistral", "qwen3"):
         _need(not _get(text, "mlp_bias", False), path, "mlp_bias=true is not supported")
         qkv_bias = bool(_get(text, "attention_bias", False))
         _need(not qkv_bias, path, "attention_bias=true (biased o_proj) is not supported")
@@ -138,6 +183,7 @@ def _language(text: Any, arch: str, path: Path) -> LanguageSpec:
     else:  # qwen2: q, k and v always carry a bias, o_proj none
         qkv_bias = True
     head_dim = _get(text, "head_dim") or hidden // heads
+    theta, scaling = _rope(text, path)
     return LanguageSpec(
         num_layers=int(_get(text, "num_hidden_layers")),
         hidden_size=hidden,
@@ -151,7 +197,9 @@ def _language(text: Any, arch: str, path: Path) -> LanguageSpec:
         activation="silu",
         gated_mlp=True,
         qkv_bias=qkv_bias,
-        rotary_base=_rope_theta(text, path),
+        qk_norm=arch == "qwen3",
+        rotary_base=theta,
+        rope_scaling_factor=scaling,
         max_position_embeddings=int(_get(text, "max_position_embeddings", 32768)),
     )
 
@@ -169,8 +217,7 @@ def _transformers_config(path: Path) -> Any:
 def _internvl(path: Path, doc: dict) -> HFModel:
     cfg = _transformers_config(path)
     vc, tc = cfg.vision_config, cfg.text_config
-    arch = TEXT_MODEL_TYPES.get(tc.model_type)
-    _need(arch is not None, path, f"text_config.model_type {tc.model_type!r} is not supported")
+    arch = _text_arch(tc.model_type, path)
     total = int(vc.num_hidden_layers)
     layer = cfg.vision_feature_layer
     used = _feature_layers(layer, total, path, "vision_feature_layer")
@@ -223,8 +270,7 @@ def _llava(path: Path, doc: dict) -> HFModel:
         path,
         f"vision_config.model_type {vc.model_type!r}: only CLIP vision towers are supported",
     )
-    arch = TEXT_MODEL_TYPES.get(tc.model_type)
-    _need(arch is not None, path, f"text_config.model_type {tc.model_type!r} is not supported")
+    arch = _text_arch(tc.model_type, path)
     total = int(vc.num_hidden_layers)
     used = _feature_layers(cfg.vision_feature_layer, total, path, "vision_feature_layer")
     vit = VisionSpec(
@@ -262,13 +308,20 @@ def _internvl_chat(path: Path, doc: dict) -> HFModel:
     vc, lc = doc.get("vision_config"), doc.get("llm_config")
     _need(isinstance(vc, dict) and isinstance(lc, dict), path, "no vision_config / llm_config")
     archs = lc.get("architectures") or []
+    moe = [MOE_LLMS[a] for a in archs if a in MOE_LLMS]
+    _need(
+        not moe,
+        path,
+        f"llm_config.architectures {archs}: {', '.join(moe)} is a mixture-of-experts LLM, "
+        f"not supported (dense LLMs are: {', '.join(LLM_ARCHS)})",
+    )
     arch = next((LLM_ARCHS[a] for a in archs if a in LLM_ARCHS), None)
     _need(
         arch is not None,
         path,
         f"llm_config.architectures {archs}: supported are {', '.join(LLM_ARCHS)}",
     )
-    if arch in ("llama", "mistral", "qwen2"):
+    if arch != "internlm2":
         from transformers import AutoConfig
 
         text: Any = AutoConfig.for_model(arch, **{k: v for k, v in lc.items() if k != "model_type"})
@@ -324,6 +377,24 @@ def _internvl_chat(path: Path, doc: dict) -> HFModel:
     return HFModel(path, spec, "internvl_chat", arch, total)
 
 
+def _text_arch(model_type: str, path: Path) -> str:
+    """The LLM kind of a transformers text config; mixture-of-experts LLMs named as such."""
+    _need(
+        model_type not in MOE_LLMS,
+        path,
+        f"text_config.model_type {model_type!r}: {MOE_LLMS.get(model_type)} is a "
+        f"mixture-of-experts LLM, not supported (dense LLMs are: {', '.join(TEXT_MODEL_TYPES)})",
+    )
+    arch = TEXT_MODEL_TYPES.get(model_type)
+    _need(
+        arch is not None,
+        path,
+        f"text_config.model_type {model_type!r} is not supported "
+        f"(supported: {', '.join(TEXT_MODEL_TYPES)})",
+    )
+    return arch
+
+
 def _vision_act(name: str, path: Path) -> str:
     known = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh"}
     _need(name in known, path, f"activation {name!r} is not supported ({', '.join(known)})")
@@ -343,6 +414,11 @@ def read_hf(path: str | Path) -> HFModel:
     doc = _load_json(path / "config.json")
     kind = doc.get("model_type")
     readers = {"internvl": _internvl, "llava": _llava, "internvl_chat": _internvl_chat}
+    if kind in NOT_YET:
+        raise HFConfigError(
+            f"{path / 'config.json'}: model_type {kind!r} is not supported yet: {NOT_YET[kind]} "
+            f"(supported: {', '.join(readers)})"
+        )
     if kind not in readers:
         raise HFConfigError(
             f"{path / 'config.json'}: model_type {kind!r} is not supported "

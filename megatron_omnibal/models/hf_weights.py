@@ -277,6 +277,9 @@ def _language_rules(model: HFModel) -> list[Rule]:
             ),
             "mlp.linear_fc2.weight": (f"{layer}.mlp.down_proj.weight",),
         }  # fmt: skip
+        if llm.qk_norm:  # Qwen3: one per-head weight each, replicated over TP
+            names["self_attention.q_layernorm.weight"] = (f"{a}.q_norm.weight",)
+            names["self_attention.k_layernorm.weight"] = (f"{a}.k_norm.weight",)
         qkv = (llm.num_attention_heads, llm.num_query_groups, llm.kv_channels)
         attn = (_qkv_fuse(*qkv), _qkv_split(*qkv))
         embed, head = f"{base}.embed_tokens.weight", "language_model.lm_head.weight"
@@ -514,6 +517,9 @@ def canonical_shapes(model: HFModel) -> dict[str, tuple[int, ...]]:
         }
         if llm.qkv_bias:
             layer["self_attention.linear_qkv.bias"] = (qkv,)
+        if llm.qk_norm:
+            layer["self_attention.q_layernorm.weight"] = (llm.kv_channels,)
+            layer["self_attention.k_layernorm.weight"] = (llm.kv_channels,)
         out.update({pre + k: shape for k, shape in layer.items()})
     out["llm.final_layernorm.weight"] = (H,)
     if not llm.tie_embeddings:

@@ -46,6 +46,21 @@ CLIP_L_336 = VisionSpec(
     pre_norm=True,
 )
 _PIXEL_SHUFFLE = ProjectorSpec(type="pixel_shuffle_mlp", downsample=0.5)
+
+
+def _qwen3(**shape: int) -> LanguageSpec:
+    """A Qwen3 dense LLM (Qwen/Qwen3-*B config.json): heads of 128, 8 KV heads, per-head QK-norm,
+    no biases, RMSNorm eps 1e-6, vocab 151936, rope_theta 1e6, 40960 positions."""
+    return LanguageSpec(
+        **shape,
+        num_query_groups=8,
+        kv_channels=128,
+        vocab_size=151936,
+        qk_norm=True,
+        rotary_base=1e6,
+        max_position_embeddings=40960,
+    )
+
 _MLP2X_GELU = ProjectorSpec(type="mlp", downsample=1.0)
 
 PRESETS: dict[str, ModelSpec] = {
@@ -139,6 +154,65 @@ PRESETS: dict[str, ModelSpec] = {
         ),
         image_token_id=32000,
         source="llava-hf/llava-1.5-13b-hf",
+    ),
+    "internvl3-8b": ModelSpec(
+        name="internvl3-8b",
+        vit=INTERNVIT_300M,
+        projector=_PIXEL_SHUFFLE,
+        # OpenGVLab/InternVL3-8B llm_config (Qwen2.5-7B): 28 layers, 3584, 18944, 28 heads,
+        # 4 KV heads, qkv bias, vocab 151674, RMSNorm eps 1e-6, rope_theta 1e6.
+        llm=LanguageSpec(
+            num_layers=28,
+            hidden_size=3584,
+            ffn_hidden_size=18944,
+            num_attention_heads=28,
+            num_query_groups=4,
+            vocab_size=151674,
+            qkv_bias=True,
+            rotary_base=1e6,
+        ),
+        source="OpenGVLab/InternVL3-8B",
+    ),
+    "internvl3.5-8b": ModelSpec(
+        name="internvl3.5-8b",
+        vit=INTERNVIT_300M,
+        projector=_PIXEL_SHUFFLE,
+        # OpenGVLab/InternVL3_5-8B llm_config (Qwen3-8B): 36 layers, 4096, 12288, 32 heads of
+        # 128, 8 KV heads, per-head QK-norm, no biases, vocab 151936, rope_theta 1e6.
+        llm=_qwen3(num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32),
+        source="OpenGVLab/InternVL3_5-8B",
+    ),
+    "internvl3.5-38b": ModelSpec(
+        name="internvl3.5-38b",
+        # InternViT-6B-448px-V2_5: the 45-layer InternViT-6B.
+        vit=INTERNVIT_6B,
+        projector=_PIXEL_SHUFFLE,
+        # OpenGVLab/InternVL3_5-38B llm_config (Qwen3-32B): 64 layers, 5120, 25600, 64 heads of
+        # 128 (8192 wide, not 5120), 8 KV heads, per-head QK-norm, vocab 151936, rope_theta 1e6.
+        llm=_qwen3(num_layers=64, hidden_size=5120, ffn_hidden_size=25600, num_attention_heads=64),
+        source="OpenGVLab/InternVL3_5-38B",
+    ),
+    "llava-llama3.1-8b": ModelSpec(
+        name="llava-llama3.1-8b",
+        vit=CLIP_L_336,
+        projector=_MLP2X_GELU,
+        # LLaVA-1.5's recipe on meta-llama/Llama-3.1-8B-Instruct: 32 layers, 4096, 14336,
+        # 32 heads, 8 KV heads, vocab 128256 (+1 <image>), RMSNorm eps 1e-5, rope_theta 5e5
+        # with llama3 scaling factor 8 (low 1, high 4, original 8192), 131072 positions.
+        llm=LanguageSpec(
+            num_layers=32,
+            hidden_size=4096,
+            ffn_hidden_size=14336,
+            num_attention_heads=32,
+            num_query_groups=8,
+            vocab_size=128257,
+            norm_eps=1e-5,
+            rotary_base=5e5,
+            rope_scaling_factor=8.0,
+            max_position_embeddings=131072,
+        ),
+        image_token_id=128256,
+        source="meta-llama/Llama-3.1-8B-Instruct in LLaVA-1.5 (CLIP-L/336, MLP projector)",
     ),
     # Tests and the demo's training: a few layers, tiny widths, 16px tiles of 4px patches -> 4
     # tokens per tile.

@@ -184,8 +184,9 @@ class ProjectorSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class LanguageSpec:
-    """A decoder-only LLM (Llama, Qwen2, InternLM2, Mistral, Vicuna): RoPE, grouped-query
-    attention, gated (SwiGLU) or plain MLP."""
+    """A decoder-only LLM (Llama 2/3, Qwen2/2.5/3, InternLM2, Mistral, Vicuna): RoPE (optionally
+    with Llama-3 scaling), grouped-query attention, optional per-head QK-norm (Qwen3), gated
+    (SwiGLU) or plain MLP."""
 
     num_layers: int
     hidden_size: int
@@ -199,7 +200,11 @@ class LanguageSpec:
     activation: str = "silu"
     gated_mlp: bool = True
     qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3), one weight per dim
     rotary_base: float = 10000.0
+    # Llama-3 RoPE scaling factor (0: none); its low/high frequency factors 1 and 4 and original
+    # context 8192 are megatron-core's fixed values, checked when a checkpoint is read.
+    rope_scaling_factor: float = 0.0
     max_position_embeddings: int = 32768
     tie_embeddings: bool = False  # the output head reuses the input embedding
 
@@ -232,6 +237,11 @@ class LanguageSpec:
             f"{self.num_query_groups} does not divide the {self.num_attention_heads} heads",
         )
         _need(self.rotary_base > 0, f"{w}.rotary_base", f"must be > 0, got {self.rotary_base}")
+        _need(
+            self.rope_scaling_factor == 0 or self.rope_scaling_factor >= 1,
+            f"{w}.rope_scaling_factor",
+            f"must be 0 (no scaling) or >= 1, got {self.rope_scaling_factor}",
+        )
 
     @property
     def kv_size(self) -> int:
@@ -248,7 +258,8 @@ class LanguageSpec:
         mlp = (3 if self.gated_mlp else 2) * h * f
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         bias = self.q_size + 2 * self.kv_size if self.qkv_bias else 0
-        return attn + bias + mlp + 2 * h
+        qk_norm = 2 * self.kv_channels if self.qk_norm else 0
+        return attn + bias + qk_norm + mlp + 2 * h
 
 
 @dataclass(frozen=True, kw_only=True)

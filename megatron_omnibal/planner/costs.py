@@ -19,6 +19,7 @@ import numpy as np
 
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.config_files import read_json
+from megatron_omnibal.planner.flops import ModelFlops
 from megatron_omnibal.planner.hardware import Hardware
 
 MIB = 2.0**20
@@ -86,6 +87,9 @@ class CostModel:
     last: np.ndarray
     first_static_mib: float
     last_static_mib: float
+    # per-step work outside the pipeline (optimizer step, the framework's per-step work), as a
+    # calibrated profile measured it; the analytic model has none
+    step_overhead_ms: float = 0.0
 
     def at(self, features: np.ndarray) -> LayerCosts:
         """Costs at one micro-batch (features (4,)) or many ((M, 4) -> arrays (U, M))."""
@@ -125,10 +129,9 @@ def analytic_costs(
     def row(tiles: float = 0.0, tokens: float = 0.0, sumsq: float = 0.0, one: float = 0.0):
         return np.array([tiles, tokens, sumsq, one], np.float64)
 
+    flops = ModelFlops.of(model)
     s = v.seq_per_tile
-    vit_flops = 2 * s * (4 * v.hidden_size**2 + 2 * v.hidden_size * v.ffn_hidden_size)
-    vit_flops += 4 * s * s * v.hidden_size
-    vit_fwd = row(tiles=vit_flops / rate + s * 2 * v.hidden_size * tp_comm, one=over)
+    vit_fwd = row(tiles=flops.vit_layer_per_tile / rate + s * 2 * v.hidden_size * tp_comm, one=over)
     vit_act = row(tiles=s * 2 * (8 * v.hidden_size + 2 * v.ffn_hidden_size) / tp / MIB)
     vit_ckpt = row(tiles=s * 2 * v.hidden_size / tp / MIB)
     vit_out = row(tiles=s * 2 * v.hidden_size / tp / MIB)
@@ -139,13 +142,15 @@ def analytic_costs(
         model.projector_hidden,
         llm.hidden_size,
     )
-    proj_fwd = row(tiles=2 * n * (pin * pmid + pmid * h) / rate, one=over)
+    proj_fwd = row(tiles=flops.projector_per_tile / rate, one=over)
     proj_act = row(tiles=n * 2 * (2 * pin + 2 * pmid) / tp / MIB)
     llm_out = row(tokens=2 * h / tp / MIB)
 
-    mlp = (3 if llm.gated_mlp else 2) * h * llm.ffn_hidden_size
-    tok_flops = 2 * (2 * h * h + 2 * h * llm.kv_size + mlp)
-    llm_fwd = row(tokens=tok_flops / rate + 2 * h * tp_comm, sumsq=2 * h / rate, one=over)
+    llm_fwd = row(
+        tokens=flops.llm_layer_per_token / rate + 2 * h * tp_comm,
+        sumsq=flops.llm_layer_per_sumsq / rate,
+        one=over,
+    )
     stored = 6 * h + 2 * llm.kv_size + (3 if llm.gated_mlp else 2) * llm.ffn_hidden_size
     llm_act = row(tokens=2 * stored / tp / MIB)
     llm_ckpt = row(tokens=2 * h / tp / MIB)
@@ -179,15 +184,14 @@ def analytic_costs(
     fwd_a = np.array(fwd)
     bwd_a = 2 * fwd_a
     rec_a = np.where(np.array(group)[:, None] >= 0, fwd_a, 0.0)
-    patch_flops = 2 * (s - 1) * 3 * v.patch_size**2 * v.hidden_size
     first = np.array(
         [
-            row(tiles=patch_flops / rate, one=over),
-            row(tiles=2 * patch_flops / rate),
+            row(tiles=flops.patch_per_tile / rate, one=over),
+            row(tiles=2 * flops.patch_per_tile / rate),
             row(tiles=(s - 1) * 3 * v.patch_size**2 * 2 / MIB),
         ]
     )
-    head_fwd = row(tokens=2 * h * llm.vocab_size / rate, one=over)
+    head_fwd = row(tokens=flops.head_per_token / rate, one=over)
     last = np.array([head_fwd, 2 * head_fwd, row(tokens=(4 * h + 6 * llm.vocab_size) / tp / MIB)])
     return CostModel(
         tuple(names),
@@ -215,7 +219,7 @@ def profile_cost_model(doc: dict, where: str = "profile", dp: int = 1) -> CostMo
     layer's `params` when present. Pinned work (patch embedding, head) is already folded
     into the first and last layers.
     """
-    costs, _ = profile_from_dict(doc, where)
+    costs, options = profile_from_dict(doc, where)
     measured = doc.get("measured")
     if not isinstance(measured, dict) or not all(
         isinstance(measured.get(k), int) and measured[k] > 0 for k in ("tiles", "tokens")
@@ -253,6 +257,7 @@ def profile_cost_model(doc: dict, where: str = "profile", dp: int = 1) -> CostMo
         zero,
         0.0,
         0.0,
+        options.get("step_overhead_ms", 0.0),
     )
 
 
@@ -318,7 +323,7 @@ def profile_from_dict(doc: dict, where: str = "profile") -> tuple[LayerCosts, di
             )
         groups.append(PROFILE_GROUPS[group])
     options = {"micro_batches": m}
-    for key in ("memory_budget_gib", "p2p_ms"):
+    for key in ("memory_budget_gib", "p2p_ms", "step_overhead_ms"):
         if key in doc:
             value = doc[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

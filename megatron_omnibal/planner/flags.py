@@ -11,26 +11,45 @@ from megatron_omnibal.models.spec import ModelSpec
 
 
 def model_flags(model: ModelSpec) -> list[str]:
-    """The LLM's shape, as megatron.training spells it."""
+    """The LLM's shape, as megatron.training spells it (its FLOPs figure reads these; RoPE base
+    and Llama-3 scaling, head size and QK-norm included: megatron.training's defaults differ)."""
     llm = model.llm
     flags = [
         "--num-layers", str(llm.num_layers),
         "--hidden-size", str(llm.hidden_size),
         "--ffn-hidden-size", str(llm.ffn_hidden_size),
         "--num-attention-heads", str(llm.num_attention_heads),
+        "--vocab-size", str(llm.vocab_size),
     ]  # fmt: skip
+    if llm.kv_channels * llm.num_attention_heads != llm.hidden_size:
+        flags += ["--kv-channels", str(llm.kv_channels)]
     if llm.num_query_groups < llm.num_attention_heads:
         flags += ["--group-query-attention", "--num-query-groups", str(llm.num_query_groups)]
+    if llm.qk_norm:
+        flags += ["--qk-layernorm"]
+    if llm.rope_scaling_factor:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", f"{llm.rope_scaling_factor:g}"]
     flags += ["--normalization", "RMSNorm" if llm.norm == "rmsnorm" else "LayerNorm"]
+    flags += ["--norm-epsilon", str(llm.norm_eps)]
     if llm.gated_mlp:
         flags += ["--swiglu"]
+    flags += ["--position-embedding-type", "rope"]
+    if float(llm.rotary_base).is_integer():  # Megatron's flag takes an integer
+        flags += ["--rotary-base", str(int(llm.rotary_base))]
+    flags += ["--disable-bias-linear"]
+    if llm.qkv_bias:
+        flags += ["--add-qkv-bias"]
+    if not llm.tie_embeddings:
+        flags += ["--untie-embeddings-and-output-weights"]
     return flags
 
 
-def plan_flags(
-    model: ModelSpec, tp: int, pp: int, dp: int, m: int, token_budget: int, plan_path: str
+def run_flags(
+    model: ModelSpec, tp: int, pp: int, dp: int, m: int, token_budget: int
 ) -> list[str]:
-    """Flags of a plan: one packed micro-batch of up to `token_budget` tokens at a time."""
+    """What a plan decides for a run, and the model's shape: parallel sizes, one packed
+    micro-batch of up to `token_budget` tokens at a time, `m` per step and DP rank, bf16, and
+    whole-layer recompute (its per-stage counts come from the plan itself)."""
     flags = [
         "--tensor-model-parallel-size", str(tp),
         "--pipeline-model-parallel-size", str(pp),
@@ -40,15 +59,24 @@ def plan_flags(
         "--micro-batch-size", "1",
         "--global-batch-size", str(m * dp),
         "--bf16",
-        "--use-distributed-optimizer",
-        "--calculate-per-token-loss",
         "--recompute-granularity", "full",
         "--recompute-method", "block",
-        "--omnibal-plan", plan_path,
     ]  # fmt: skip
     if tp > 1:
         flags.append("--sequence-parallel")
     return flags
+
+
+def plan_flags(
+    model: ModelSpec, tp: int, pp: int, dp: int, m: int, token_budget: int, plan_path: str
+) -> list[str]:
+    """Flags of a plan: its run flags, the optimizer it assumes, and the plan itself."""
+    return [
+        *run_flags(model, tp, pp, dp, m, token_budget),
+        "--use-distributed-optimizer",
+        "--calculate-per-token-loss",
+        "--omnibal-plan", plan_path,
+    ]  # fmt: skip
 
 
 def baseline_flags(

@@ -101,8 +101,12 @@ class Setting:
         return self.hw.p2p_latency_ms + before * MIB / (self.link_gbs() * 1e9) * 1e3
 
     def sync_ms(self, stages: list[tuple[int, int]]) -> float:
-        """Distributed-optimizer gradient reduce-scatter + parameter all-gather, slowest stage
-        (`stages`: [first, end) unit ranges)."""
+        """The step's work outside the pipeline: distributed-optimizer gradient reduce-scatter +
+        parameter all-gather of the slowest stage (`stages`: [first, end) unit ranges), plus the
+        cost model's measured per-step overhead (a calibrated profile's; 0 otherwise)."""
+        return self._gradient_sync_ms(stages) + self.model.step_overhead_ms
+
+    def _gradient_sync_ms(self, stages: list[tuple[int, int]]) -> float:
         if self.dp == 1:
             return 0.0
         bw = (

@@ -1,10 +1,11 @@
 """torchrun worker: load Hugging Face checkpoints into the VLM stages at several TP/PP layouts
-and save what each layout computes (logits, ViT features, LLM final hidden states).
+and save what each layout computes (logits, ViT features, LLM final hidden states) and the
+RoPE frequencies the head's stage built.
 
 Usage: torchrun --nproc-per-node N hf_worker.py CASES.json OUT_DIR
 CASES.json: {"models": {name: {"hf_dir": path, "batch": path to a torch-saved list of samples
-             (tokens, images, image_flags)}}, "cases": [{"name", "tp", "pp", "vit", "llm",
-             "sequence_parallel"?}]}
+             (tokens, images, image_flags), "cases"?: the case names this model runs (default
+             all)}}, "cases": [{"name", "tp", "pp", "vit", "llm", "sequence_parallel"?}]}
 Weights go through the package's own path: models.hf_weights (HF -> canonical tensors) and
 megatron.stage_weights / tp_shard (canonical -> this rank's piece). The test compares the saved
 outputs with transformers' forward on the same inputs.
@@ -47,6 +48,8 @@ def run(name: str, spec, tensors: dict, batch, case: dict, out: Path) -> None:
     tp_rank = ps.get_tensor_model_parallel_rank()
     load_into(model, spec, tensors, case["tp"], tp_rank)
     kept = forward_outputs(model, batch, spec.llm.vocab_size)
+    if model.output_layer is not None:  # RoPE frequencies as built (base, Llama-3 scaling)
+        kept["rope_inv_freq"] = model.rotary.inv_freq
     if ps.get_data_parallel_rank() == 0 and tp_rank == 0:
         stage = ps.get_pipeline_model_parallel_rank()
         torch.save(kept, out / f"{name}.{case['name']}.stage{stage}.pt")
@@ -62,8 +65,9 @@ def main() -> None:
         samples = [Sample(**s) for s in torch.load(m["batch"])]
         batch = collate(samples)
         for case in cfg["cases"]:
-            run(name, hf.spec, tensors, batch, case, out)
-            dist.barrier()
+            if case["name"] in m.get("cases", [case["name"]]):
+                run(name, hf.spec, tensors, batch, case, out)
+                dist.barrier()
         if dist.get_rank() == 0:
             print(f"{name} done", flush=True)
     ps.destroy_model_parallel()

@@ -5,7 +5,8 @@ Usage: torchrun --nproc-per-node N model_worker.py CASES.json OUT_DIR
 CASES.json: {"spec": <model_spec dict>, "seed": s,
              "batches": [[[vit_num, token_num, image_flags] per sample] per micro-batch],
              "cases": [{"name", "tp", "pp", "vit", "llm", "vit_recompute"?, "llm_recompute"?,
-                        "dropout"?, "split_samples"?}, ...]}
+                        "dropout"?, "split_samples"?, "llm_layers"?}, ...]}
+"llm_layers" gives the case's model another LLM depth (its own reference weights).
 One process group serves every case (model-parallel groups are rebuilt per case), so the
 expensive start-up is paid once. Tests compare the saved results across cases.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,8 +27,8 @@ enable_cpu_megatron()
 
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
+from schedule import run_schedule  # noqa: E402
 
 from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
 from megatron_omnibal.megatron.batch import collate, synthetic_sample  # noqa: E402
@@ -117,14 +119,7 @@ def run_case(spec: ModelSpec, case: dict, weights: dict, batches: list, seed: in
     # Fresh RNG per case, the same on every rank: dropout masks depend only on the seed.
     model_parallel_cuda_manual_seed(seed + 7)
     torch.manual_seed(seed + 7)
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=[model],
-        num_microbatches=len(batches),
-        seq_length=max(b.tokens.shape[1] for b in batches),
-        micro_batch_size=1,
-    )
+    losses = run_schedule(forward_step, model, batches)
     grads = {}
     for n, p in named.items():
         g = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -167,12 +162,18 @@ def main() -> None:
         i += len(mb)
     # The same samples, one per micro-batch: packing must not change any loss or gradient.
     split = [collate([s]) for mb in samples for s in mb]
-    weights = reference_weights(spec, seed)
+    weights: dict[int, dict] = {}
     for case in cfg["cases"]:
+        case_spec = spec
+        if "llm_layers" in case:
+            case_spec = replace(spec, llm=replace(spec.llm, num_layers=case["llm_layers"]))
+        depth = case_spec.llm.num_layers
+        if depth not in weights:
+            weights[depth] = reference_weights(case_spec, seed)
         if case["tp"] * case["pp"] > dist.get_world_size():
             raise ValueError(f"case {case['name']}: needs {case['tp'] * case['pp']} ranks")
         batches = split if case.get("split_samples") else packed
-        run_case(spec, case, weights, batches, seed, out)
+        run_case(case_spec, case, weights[depth], batches, seed, out)
         dist.barrier()
         if dist.get_rank() == 0:
             print(f"case {case['name']} done", flush=True)

@@ -2,7 +2,8 @@
 process of its own because enable_cpu_megatron() patches torch.
 
 Usage: python parse_flags.py CASES.json OUT.json
-CASES.json: [[flag, ...], ...]; OUT.json: [{"ok": bool, "error": str}, ...]
+CASES.json: [[flag, ...], ...]; OUT.json: [{"ok": bool, "error": str, "args": {the parsed
+values of the LLM's shape flags in PARSED}}, ...]
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ def parse(flags: list[str]) -> dict:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            parse_args(extra_args_provider=add_omnibal_args)
+            args = parse_args(extra_args_provider=add_omnibal_args)
     except SystemExit:
         return {"ok": False, "error": err.getvalue()}
-    return {"ok": True, "error": ""}
+    return {"ok": True, "error": "", "args": {k: getattr(args, k, None) for k in PARSED}}
+
+
+PARSED = ("kv_channels", "qk_layernorm", "add_qkv_bias", "add_bias_linear", "rotary_base",
+          "position_embedding_type", "use_rope_scaling", "rope_scaling_factor")
 
 
 if __name__ == "__main__":

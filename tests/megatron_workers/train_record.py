@@ -3,7 +3,8 @@ the sample indices this rank read and (last pipeline stage) the loss sum and tok
 
 Usage: torchrun --nproc-per-node N train_record.py OUT_DIR <Megatron and --omnibal flags>
 Writes OUT_DIR/rank{R}.json: {"rank", "pp_rank", "dp_rank", "start", "micro": [{"indices",
-"loss"?, "tokens"?}, ...]} in the order Megatron's schedule drew the micro-batches, and exits
+"loss"?, "tokens"?}, ...], "flops_per_sample"}, micro-batches in the order Megatron's schedule
+drew them (flops_per_sample: Megatron's own FLOPs figure of one sample), and exits
 with main()'s status (2 on a bad flag, before any process group). A stop by --exit-interval
 (Megatron's sys.exit after its checkpoint) still writes the records.
 
@@ -156,6 +157,8 @@ def run() -> int:
         return status
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+    from megatron.training import get_args
+    from megatron.training.training import num_floating_point_operations
 
     out.mkdir(parents=True, exist_ok=True)
     result = {
@@ -165,6 +168,8 @@ def run() -> int:
         "start": STATE.get("start"),
         "micro": RECORDS,
         "recomputed": dict(STATE["recomputed"]),
+        # Megatron's FLOPs of one sample (its throughput figure), from the run's arguments.
+        "flops_per_sample": num_floating_point_operations(get_args(), 1),
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     if GRADS:

@@ -3,7 +3,7 @@ from the environment, no torchrun) and report, per case, the exit status, the er
 whether a process group exists afterwards (it must not: validation comes first).
 
 Usage: WORLD_SIZE=N python train_validate.py CASES.json OUT.json
-CASES.json: [[flag, ...], ...]; OUT.json: [{"status", "error", "process_group"}, ...]
+CASES.json: [[flag, ...], ...]; OUT.json: [{"status", "error", "notes", "process_group"}, ...]
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ def run_case(argv: list[str]) -> dict:
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         status = main(argv)
     unset_global_variables()
-    lines = [x for x in err.getvalue().splitlines() if x.startswith("pretrain_vlm: error:")]
-    return {"status": status, "error": lines, "process_group": dist.is_initialized()}
+    lines = err.getvalue().splitlines()
+    return {"status": status, "process_group": dist.is_initialized(),
+            "error": [x for x in lines if x.startswith("pretrain_vlm: error:")],
+            "notes": [x for x in lines if x.startswith("pretrain_vlm: note:")]}  # fmt: skip
 
 
 if __name__ == "__main__":

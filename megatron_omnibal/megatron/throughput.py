@@ -1,0 +1,77 @@
+"""Model TFLOP/s per GPU and MFU of training steps, from the samples each step really trained.
+
+Why: throughput in tokens/s cannot be compared across models or clusters; model-FLOPs
+utilisation can. The FLOPs of a step come from the balanced stream's per-step figures (tiles,
+tokens and the sum of squared sample lengths of every DP rank: stream_steps), counted by the
+planner's formula (planner.flops), so padding and recomputation never count as useful work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_omnibal.megatron.stream_steps import StepFigures
+from megatron_omnibal.planner.flops import ModelFlops, mfu
+
+
+@dataclass(frozen=True, kw_only=True)
+class Throughput:
+    """How to turn a step's figures and time into TFLOP/s per GPU and MFU."""
+
+    flops: ModelFlops
+    gpus: int  # every GPU of the run (TP x PP x DP)
+    peak_tflops: float | None  # None: MFU not reported
+    peak_source: str  # where the peak comes from, or why there is none
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ValueError(f"Throughput.gpus must be >= 1, got {self.gpus}")
+
+    def step_flops(self, figures: StepFigures) -> float:
+        """Useful training FLOPs of one step over all DP ranks."""
+        return float(self.flops.training(figures.tiles, figures.tokens, figures.sumsq).sum())
+
+    def rates(self, figures: Sequence[StepFigures], seconds: float) -> tuple[float, float | None]:
+        """(model TFLOP/s per GPU, MFU as a fraction or None) of steps taking `seconds`."""
+        total = sum(self.step_flops(f) for f in figures)
+        tflops = total / seconds / self.gpus / 1e12
+        if self.peak_tflops is None:
+            return tflops, None
+        return tflops, mfu(total, seconds, self.gpus, self.peak_tflops)
+
+    def text(self, figures: Sequence[StepFigures], seconds: float) -> str:
+        """The log line's part: ' | model TFLOP/s/GPU x | MFU y%' (MFU n/a without a peak)."""
+        tflops, fraction = self.rates(figures, seconds)
+        share = "n/a" if fraction is None else f"{100 * fraction:.1f}%"
+        return f" | model TFLOP/s/GPU {tflops:.3f} | MFU {share}"
+
+
+def device_name() -> str | None:
+    """The GPU's name as torch reports it; None on a CPU run (also under the CPU shim)."""
+    import torch
+
+    from megatron_omnibal.megatron.cpu import cpu_megatron_enabled
+
+    if cpu_megatron_enabled() or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name()
+
+
+def run_precision(args: Any) -> str:
+    """bf16, fp16 or fp32, as Megatron's flags say."""
+    return "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) \
+        else "fp32"
+
+
+def throughput_from_args(args: Any, spec: Any, device_name: str | None) -> Throughput:
+    """The run's Throughput: its model, its GPU count, the device's peak at its precision."""
+    from megatron_omnibal.planner.device_peak import device_peak_tflops
+
+    peak, source = device_peak_tflops(
+        device_name, run_precision(args), getattr(args, "omnibal_peak_tflops", None)
+    )
+    return Throughput(
+        flops=ModelFlops.of(spec), gpus=int(args.world_size), peak_tflops=peak, peak_source=source
+    )

@@ -1,0 +1,250 @@
+"""The preflight run: the training entry point with a measured forward step, a stream of the
+largest then typical micro-batches, and a report gathered from every rank.
+
+Why through megatron/pretrain_vlm.main: the stages, the recompute, the schedule, the optimizer and
+the checkpoint loading (--pretrained-checkpoint) are the training's own, so what is measured is
+what the long run will do. Megatron's train loop runs as many iterations as the stream holds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from megatron_omnibal.preflight.measure import StepMeter
+from megatron_omnibal.preflight.options import PreflightOptions, parse
+from megatron_omnibal.preflight.packs import WorstPack, worst_lengths, worst_packs
+from megatron_omnibal.preflight.report import TYPICAL, WORST, Limits, build_report, table
+
+WARM_UP = "warm-up"
+# flags of a long run that a preflight must not act on (it saves nothing and sets its own length)
+_DROPPED = {"--save": 1, "--save-interval": 1, "--exit-interval": 1, "--train-iters": 1,
+            "--exit-duration-in-mins": 1}  # fmt: skip
+
+
+def training_flags(rest: Sequence[str]) -> list[str]:
+    """The training's flags without those a preflight replaces, with a placeholder length (the
+    stream sets the real one once it knows the packing levels)."""
+    out, skip = [], 0
+    for arg in rest:
+        if skip:
+            skip -= 1
+            continue
+        name = arg.split("=")[0]
+        if name in _DROPPED:
+            skip = _DROPPED[name] if "=" not in arg else 0
+            continue
+        out.append(arg)
+    return [*out, "--train-iters", "1000"]
+
+
+class PreflightStream:
+    """Megatron's training iterator: one warm-up step of the balanced stream, the largest
+    micro-batches of each level, then typical steps of the balanced stream."""
+
+    def __init__(self, labels: list[str], worst: dict[str, tuple[Any, int]], typical: Any) -> None:
+        self.labels = labels
+        self.worst = worst  # label -> (micro-batch, micro-batches per step)
+        self.typical = typical
+        self.step = -1
+        self.left = 0
+
+    def micro_batches_of_next_step(self) -> int:
+        label = self.labels[self.step + 1]
+        if label in self.worst:
+            return self.worst[label][1]
+        return self.typical.micro_batches_of_next_step()
+
+    def __iter__(self) -> PreflightStream:
+        return self
+
+    def __next__(self) -> Any:
+        if self.left == 0:
+            self.left = self.micro_batches_of_next_step()
+            self.step += 1
+        self.left -= 1
+        label = self.labels[self.step]
+        return self.worst[label][0] if label in self.worst else next(self.typical)
+
+
+def step_labels(packs: Sequence[WorstPack], opts: PreflightOptions) -> list[str]:
+    worst = [f"{WORST} level {p.level}" for p in packs for _ in range(opts.worst_steps)]
+    return [WARM_UP, *worst, *([TYPICAL] * opts.typical_steps)]
+
+
+def build_stream(meter: StepMeter, opts: PreflightOptions, settings: Any, spec: Any,
+                 *_: Any) -> tuple[PreflightStream, None, None]:  # fmt: skip
+    """build_iterators for pretrain_vlm.main: the preflight's stream on this rank."""
+    from megatron.core import parallel_state
+    from megatron.training import get_args
+
+    from megatron_omnibal.megatron.batch import collate, synthetic_sample
+    from megatron_omnibal.megatron.pretrain_vlm import build_data_iterators
+
+    args = get_args()
+    typical, _, _ = build_data_iterators(settings, spec)
+    packs = worst_packs(settings.balance.all_levels, spec.tokens_per_tile)
+    lengths = worst_lengths(packs)
+    pixels = settings.layouts[parallel_state.get_pipeline_model_parallel_rank()].patch_embed
+    worst = {}
+    for i, p in enumerate(packs):
+        batch = collate([synthetic_sample(i, lengths, spec, seed=args.seed, pixels=pixels)])
+        batch.level = p.level
+        worst[f"{WORST} level {p.level}"] = (batch, p.micro_batches)
+    meter.labels = step_labels(packs, opts)
+    # Megatron's loop reads it every iteration; a run resumed with --load counts on from there
+    args.train_iters = args.iteration + len(meter.labels)
+    return PreflightStream(meter.labels, worst, typical), None, None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, run the training entry point measured, report. Exit status: 0 when every stage
+    fits, 1 when one would run out of memory, 2 on bad flags."""
+    import torch
+
+    from megatron_omnibal.megatron import pretrain_vlm
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        from megatron_omnibal.preflight.options import parser
+
+        parser().print_help()
+        return 0
+    try:
+        opts, rest = parse(argv)
+    except SystemExit as exc:  # argparse printed the usage and the error
+        return int(exc.code or 0)
+    except ValueError as exc:
+        print(f"preflight: {exc}", file=sys.stderr)
+        return 2
+    if opts.calibrate is not None and not any(a.split("=")[0] == "--omnibal-plan" for a in rest):
+        print("preflight: --calibrate re-plans an --omnibal-plan: give the plan", file=sys.stderr)
+        return 2
+    from megatron_omnibal.megatron.compat import ensure_typing_override
+    from megatron_omnibal.megatron.cpu import enable_cpu_megatron
+
+    cpu = enable_cpu_megatron()  # as the entry point does, before Megatron is imported
+    ensure_typing_override()
+    gpu = torch.cuda.is_available() and not cpu
+    meter = StepMeter([], gpu)
+    meter.install()
+    captured: dict[str, Any] = {}
+
+    def stream(settings: Any, spec: Any, *args: Any) -> Any:
+        captured.update(settings=settings, spec=spec)
+        return build_stream(meter, opts, settings, spec, *args)
+
+    status = pretrain_vlm.main(training_flags(rest), build_iterators=stream)
+    if status != 0:
+        return status
+    report = gather_report(meter, opts, captured["settings"], captured["spec"], gpu)
+    return 0 if report["ok"] else 1
+
+
+def gather_report(meter: StepMeter, opts: PreflightOptions, settings: Any, spec: Any,
+                  gpu: bool) -> dict[str, Any]:  # fmt: skip
+    """Every rank's step records to every rank; rank 0 prints the table and writes the JSON."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_omnibal.preflight.recompute_fit import LayerMeasure, fitting_recompute
+
+    mine = {"pp": ps.get_pipeline_model_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),
+            "dp": ps.get_data_parallel_rank(), "steps": [asdict(s) for s in meter.steps]}
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    plan = settings.plan
+    hardware = plan.hardware_spec if plan is not None else None
+    capacity = opts.device_memory_gib
+    if capacity is None and gpu:
+        capacity = torch.cuda.get_device_properties(0).total_memory / 2**30
+    elif capacity is None and hardware is not None:
+        capacity = hardware.memory_gib
+    margin = opts.memory_margin_gib
+    if margin is None:
+        margin = hardware.reserve_gib if hardware is not None else 4.0
+    packs = {f"{WORST} level {p.level}": p
+             for p in worst_packs(settings.balance.all_levels, spec.tokens_per_tile)}  # fmt: skip
+
+    def describe(label: str) -> str:
+        if label in packs:
+            return packs[label].describe()
+        return f"a {label} step of the balanced stream"
+
+    def fit(stage: int, measured: dict, limit: float) -> Any:
+        p = packs.get(measured["peak_step"]) or next(iter(packs.values()))
+        st = settings.layouts[stage]
+        vit_now, llm_now = st.vit_recompute, st.llm_recompute
+        if settings.level_recompute:
+            vit_now, llm_now = settings.level_recompute[stage][p.level]
+
+        def rows(tower: str) -> list[LayerMeasure]:
+            return [LayerMeasure(activation_gib=a, input_gib=i, forward_ms=ms)
+                    for a, i, ms in measured["layers"].get(tower, [])]  # fmt: skip
+
+        return fitting_recompute(
+            static_gib=measured["static_gib"], activation_gib=measured["activation_gib"],
+            inflight=min(settings.pp_size - stage, p.micro_batches), vit=rows("vit"),
+            llm=rows("llm"), vit_now=vit_now, llm_now=llm_now, limit_gib=limit)  # fmt: skip
+
+    def flags(stage: int, fix: tuple[int, int]) -> str:
+        vit = [st.vit_recompute for st in settings.layouts]
+        llm = [st.llm_recompute for st in settings.layouts]
+        vit[stage], llm[stage] = fix
+        return (f"--omnibal-vit-recompute {','.join(map(str, vit))} "
+                f"--omnibal-llm-recompute {','.join(map(str, llm))}")  # fmt: skip
+
+    planned = None
+    if plan is not None:
+        planned = [{"forward_ms": st.forward_ms, "backward_ms": st.backward_ms,
+                    "peak_memory_gib": st.peak_memory_gib} for st in plan.stages]  # fmt: skip
+    report = build_report(
+        ranks=ranks, pp=settings.pp_size, planned_stages=planned,
+        planned_step_ms=plan.predicted.step_ms if plan is not None else None,
+        limits=Limits(capacity_gib=capacity, margin_gib=margin,
+                      time_tolerance=opts.time_tolerance),
+        describe_step=describe, fit_recompute=fit, recompute_flags=flags,
+    )  # fmt: skip
+    report["memory_source"] = "allocator peak" if gpu else "tracked tensor bytes (CPU)"
+    if dist.get_rank() == 0:
+        if opts.calibrate is not None:
+            report["calibration"] = calibrate(report, opts, settings, spec, packs, limit=(
+                report["limits"]["memory_limit_gib"]))  # fmt: skip
+        opts.out.parent.mkdir(parents=True, exist_ok=True)
+        opts.out.write_text(json.dumps(report, indent=1) + "\n")
+        print("\n".join(table(report)), flush=True)
+        for line in report.get("calibration", {}).get("changes", []):
+            print(f"preflight: calibrated plan: {line}", flush=True)
+    return report
+
+
+def calibrate(report: dict[str, Any], opts: PreflightOptions, settings: Any, spec: Any,
+              packs: dict[str, WorstPack], limit: float | None) -> dict[str, Any]:  # fmt: skip
+    """Write the calibrated profile and the plan made from it; what changed, for the report."""
+    from megatron_omnibal.preflight.calibrate import calibrated_profile, plan_changes, replan
+
+    labels = {st["measured"]["peak_step"] for st in report["stages"]}
+    if len(labels) != 1 or next(iter(labels)) not in packs:
+        raise ValueError(f"--calibrate: the stages peaked on different steps {sorted(labels)}; "
+                         "calibrate with one packing level")  # fmt: skip
+    pack = packs[next(iter(labels))]
+    profile = calibrated_profile(
+        report=report, spec=spec, layouts=[st.to_dict() for st in settings.layouts],
+        tiles=pack.tiles, tokens=pack.tokens, micro_batches=settings.micro_batches,
+        memory_budget_gib=limit)  # fmt: skip
+    opts.calibrate.parent.mkdir(parents=True, exist_ok=True)
+    opts.calibrate.write_text(json.dumps(profile, indent=1) + "\n")
+    out = opts.calibrate.with_name(f"{opts.calibrate.stem}.plan.json")
+    new = replan(settings.plan, profile, opts.calibrate, out)
+    before, after = settings.plan.to_dict(), new.to_dict()
+    return {"profile": str(opts.calibrate), "plan": str(out),
+            "predicted_step_ms": {"before": before["predicted"]["step_ms"],
+                                  "after": after["predicted"]["step_ms"]},
+            "measured_step_ms": report["step_ms"]["measured"],
+            "changes": plan_changes(before, after)}  # fmt: skip
+
+
