@@ -7,6 +7,7 @@ wrote). Its inputs and outputs decide, with its command, whether it is up to dat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections.abc import Callable
@@ -98,14 +99,10 @@ def _convert(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> S
 
 
 def _train(config: FinetuneConfig, paths: OutputPaths, node_rank: int | None) -> Step:
-    if paths.plan.is_file():
-        from megatron_omnibal.planner.plan import load_plan
-
-        plan_flags = list(load_plan(paths.plan).megatron_flags)
-    else:
-        plan_flags = [f"<the Megatron flags of {paths.plan}>"]
     iters = planned_iterations(config, paths)
-    flags = training_flags(config, paths, plan_flags, iters)
+    flags = training_flags(config, paths, iters)
+    # the plan is named by path: its content decides whether a checkpoint is this run's
+    plan = hashlib.sha256(paths.plan.read_bytes()).hexdigest() if paths.plan.is_file() else ""
 
     def incomplete() -> str | None:
         done = checkpoint_iteration(paths.train_checkpoint)
@@ -117,7 +114,7 @@ def _train(config: FinetuneConfig, paths: OutputPaths, node_rank: int | None) ->
         name="train",
         command=launch_command(config, flags, node_rank),
         log=paths.log("train" if node_rank is None else f"train.node{node_rank}"),
-        key=(*flags, config.device, str(config.nodes), str(config.gpus_per_node)),
+        key=(*flags, plan, config.device, str(config.nodes), str(config.gpus_per_node)),
         inputs=(
             paths.plan,
             paths.lengths,

@@ -1,9 +1,9 @@
-"""The training command of a fine-tuning run: the one place that turns the config and the plan
-into Megatron flags and a torchrun launch (through scripts/launch_*.sh).
+"""The training command of a fine-tuning run: the one place that turns the config into
+Megatron flags and a torchrun launch (through scripts/launch_*.sh).
 
-The plan's own Megatron flags (planner/flags.py, stored in plan.json) come first, then the data,
-checkpoints and optimizer settings of the config, then the config's `megatron_args`, which
-Megatron reads last and so win.
+`--omnibal-plan` sets everything the plan decided (sizes, the model's shape, layout,
+recompute, batch, precision, budgets); the config adds the data, checkpoints and optimizer,
+then its `megatron_args`, which Megatron reads last and so win.
 """
 
 from __future__ import annotations
@@ -18,19 +18,12 @@ from megatron_omnibal.workflow.paths import OutputPaths
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
-def training_flags(
-    config: FinetuneConfig, paths: OutputPaths, plan_flags: list[str], iters: int | str
-) -> list[str]:
+def training_flags(config: FinetuneConfig, paths: OutputPaths, iters: int | str) -> list[str]:
     """Flags of pretrain_vlm for `iters` steps; `--load` and `--save` share one directory, so
     a second start resumes from the last checkpoint."""
-    if config.device == "cpu":
-        # megatron-core 0.19 without Transformer Engine or Apex does not resume a torch_dist
-        # checkpoint of the distributed optimizer on CPU (load_checkpoint stops at
-        # DistributedOptimizer.state_dict's `assert len(steps) == 1`), and a CPU trial run
-        # gains nothing from sharding it
-        plan_flags = [f for f in plan_flags if f != "--use-distributed-optimizer"]
     flags = [
-        "--omnibal", *plan_flags,
+        "--omnibal",
+        "--omnibal-plan", str(paths.plan),
         "--omnibal-data", config.data,
         "--omnibal-lengths", str(paths.lengths),
         "--pretrained-checkpoint", str(paths.start_checkpoint),
@@ -44,6 +37,12 @@ def training_flags(
         "--seed", str(config.seed),
         "--log-interval", str(config.log_interval),
     ]  # fmt: skip
+    if config.device == "cuda":
+        # megatron-core 0.19 without Transformer Engine or Apex does not resume a torch_dist
+        # checkpoint of the distributed optimizer on CPU (load_checkpoint stops at
+        # DistributedOptimizer.state_dict's `assert len(steps) == 1`); a CPU trial run gains
+        # nothing from sharding it
+        flags.append("--use-distributed-optimizer")
     if config.warmup >= 1:
         flags += ["--lr-warmup-iters", str(int(config.warmup))]
     else:
