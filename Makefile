@@ -42,7 +42,7 @@ test-fast: $(BUILT)
 	$(PY) -m pytest -q tests -m "not megatron and not slow"
 
 demo: $(BUILT)
-	bash scripts/demo.sh
+	PYTHON=$(PY) bash scripts/demo.sh
 
 lint: $(INSTALLED)
 	$(PY) -m ruff check .

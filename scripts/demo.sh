@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
-# `make demo`: what megatron-omnibal does, in under 3 minutes on a 2-core CPU after set-up.
+# `make demo`: what megatron-omnibal does, in a few minutes on a 2-core CPU after set-up.
 #   data     a generated InternVL-format dataset: real JPEG/PNG files, conversations whose
 #            answers follow from the question and the picture, a BPE tokenizer trained on the
 #            fly; `omnibal stats` measures it for the `tiny` model
 #   balance  `omnibal balance` of the shipped 70,706 real InternVL lengths over 64
 #            data-parallel ranks, beside random batching; per-rank balance PNG
-#   train    Megatron training on the generated samples (--omnibal-data): torchrun, 2 gloo
-#            processes (DP=2), balanced micro-batches; the log's start-up summary, the loss
-#            and the per-step balance
+#   train    `omnibal finetune` of a tiny random Hugging Face InternVL (with the dataset's
+#            tokenizer) on the generated samples, from a generated config: stats, plan,
+#            convert, Megatron training on 2 gloo processes (DP=2), export, compare-hf; the
+#            log's start-up summary, the loss and the per-step balance, the report
 #   compare  OmniBal (planned split and recompute, balanced batches) against Megatron's layout
 #            with random padded batches, PP=2 on the 2 processes, a few steps each (the short
 #            mode of bench/bench_megatron.py); pipeline Gantt PNGs of both (`omnibal simulate`)
 # Usage: scripts/demo.sh [data|balance|train|compare ...]   (default: all four, in this order)
 # Environment: DEMO_OUT (default out/demo), DEMO_SAMPLES (generated samples, 1200), DEMO_STEPS
-# (training steps, 60), DEMO_COMPARE_STEPS (steps per compared run, 8; the first is not timed),
-# PYTHON (interpreter, default .venv/bin/python).
+# (training steps, 40), DEMO_COMPARE_STEPS (steps per compared run, 8; the first is not timed),
+# PYTHON (interpreter, default $VENV/bin/python), VENV (virtual environment, default .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+PY=${PYTHON:-${VENV:-.venv}/bin/python}
 OUT=${DEMO_OUT:-out/demo}
 SAMPLES=${DEMO_SAMPLES:-1200}
-STEPS=${DEMO_STEPS:-60}
+STEPS=${DEMO_STEPS:-40}
 COMPARE_STEPS=${DEMO_COMPARE_STEPS:-8}
 EXAMPLE=examples/data/internvl_subset.npz
 # the generated data's system prompt: words its tokenizer knows (one definition, in generate.py)
@@ -46,16 +47,6 @@ run() { # print a command as a user would type it, then run it
     echo "\$ ${words[*]}" | sed "s#^\$ $PY -m megatron_omnibal.cli#\$ omnibal#"
     "$@"
 }
-torchrun_log() { # run torchrun quietly into a log; on failure show its end
-    local log=$1
-    shift
-    "$@" >"$log" 2>&1 || {
-        tail -n 40 "$log" >&2
-        echo "demo: training failed (full log: $log)" >&2
-        exit 1
-    }
-}
-
 data() {
     header "data: a generated InternVL-format dataset of real images and conversations"
     rm -rf "$OUT/data"
@@ -76,27 +67,44 @@ balance() {
 }
 
 train() {
-    header "train: Megatron on the generated samples, torchrun with 2 CPU processes (DP=2)"
-    [ -f "$OUT/data/lengths.npz" ] || {
-        echo "demo: no $OUT/data/lengths.npz: run the data section first" >&2
+    header "train: omnibal finetune of a tiny HF InternVL on the generated samples (DP=2 on CPU)"
+    [ -f "$OUT/data/meta.json" ] || {
+        echo "demo: no $OUT/data/meta.json: run the data section first" >&2
         exit 2
     }
-    rm -rf "$OUT/checkpoints"
-    echo "\$ torchrun --nproc-per-node 2 -m megatron_omnibal.pretrain_vlm --omnibal" \
-        "--omnibal-model tiny --omnibal-data $OUT/data/meta.json" \
-        "--omnibal-lengths $OUT/data/lengths.npz ... --train-iters $STEPS > $OUT/train.log"
-    torchrun_log "$OUT/train.log" "$PY" -m torch.distributed.run --standalone \
-        --nproc-per-node 2 -m megatron_omnibal.pretrain_vlm \
-        --omnibal --omnibal-model tiny --omnibal-data "$OUT/data/meta.json" \
-        --omnibal-lengths "$OUT/data/lengths.npz" --omnibal-vit-budget 24 \
-        --omnibal-token-budget 400 --omnibal-vit-pp-layers 4 --omnibal-llm-pp-layers 4 \
-        --pipeline-model-parallel-size 1 --micro-batch-size 1 --global-batch-size 4 \
-        --train-iters "$STEPS" --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine \
-        --lr-warmup-iters 5 --transformer-impl local --seed 1 --log-interval 5 \
-        --num-workers 1 --save "$OUT/checkpoints" --save-interval "$STEPS"
-    "$PY" scripts/demo_report.py train "$OUT/train.log" "$OUT/train.json"
+    rm -rf "$OUT/model" "$OUT/finetune"
+    run "$PY" -m megatron_omnibal.models.tiny_hf "$OUT/model" \
+        --tokenizer "$OUT/data/tokenizer.json" 2>/dev/null
+    cat >"$OUT/finetune.yaml" <<EOF
+model: model                 # a Hugging Face checkpoint directory (paths: from this file)
+data: data/meta.json         # the generated InternVL meta file
+output: finetune             # receives everything
+system_prompt: $SYSTEM_PROMPT
+hardware: A100-80G           # what the plan models
+gpus_per_node: 2
+device: cpu                  # 2 gloo processes instead of 2 GPUs
+tp: 1
+pp: 1
+iters: $STEPS
+lr: 5e-3
+min_lr: 5e-4
+warmup: 5
+global_batch: 32
+save_interval: $STEPS
+log_interval: 5
+seed: 1
+megatron_args: [--num-workers, "1"]
+EOF
+    echo "\$ cat $OUT/finetune.yaml"
+    sed 's/^/  /' "$OUT/finetune.yaml"
+    run "$PY" -m megatron_omnibal.cli finetune "$OUT/finetune.yaml" || {
+        echo "demo: omnibal finetune failed (logs: $OUT/finetune/logs)" >&2
+        exit 1
+    }
+    echo
+    "$PY" scripts/demo_report.py train "$OUT/finetune/logs/train.log" "$OUT/train.json"
     echo "(the answers follow from the question and the picture: the loss falls from"
-    echo " ln(128 tokens) = 4.85 as the model learns them; checkpoint: $OUT/checkpoints)"
+    echo " ln(123 tokens) = 4.81 as the model learns them)"
 }
 
 compare() {

@@ -10,34 +10,10 @@ figures in a JSON file under the demo's output folder; the summary reads whichev
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
-MEGATRON_LINE = re.compile(
-    r"\biteration +(\d+)/ *\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+).*?"
-    r"lm loss: ([0-9.E+-]+)"
-)
-OMNIBAL_LINE = re.compile(
-    r"omnibal: iteration +(\d+) \| samples/step ([0-9.]+) \| tiles/step ([0-9.]+) \| "
-    r"tokens/step ([0-9.]+) \| per-rank tokens .*?\(max/mean ([0-9.]+)\) \| "
-    r"per-rank tiles .*?\(max/mean ([0-9.]+)\)"
-)
-
-
-def parse_train_log(text: str) -> dict:
-    """The start-up summary and, per logged iteration, Megatron's loss and step time with the
-    OmniBal figures of the same iteration."""
-    steps: dict[int, dict] = {}
-    for m in MEGATRON_LINE.finditer(text):
-        steps.setdefault(int(m[1]), {}).update(ms=float(m[2]), loss=float(m[3]))
-    for m in OMNIBAL_LINE.finditer(text):
-        steps.setdefault(int(m[1]), {}).update(
-            samples=float(m[2]), tiles=float(m[3]), tokens=float(m[4]),
-            tokens_max_over_mean=float(m[5]), tiles_max_over_mean=float(m[6]))  # fmt: skip
-    startup = [line for line in text.splitlines() if line.startswith("omnibal: ")]
-    rows = [{"iteration": k, **v} for k, v in sorted(steps.items())]
-    return {"startup": startup, "rows": rows}
+from megatron_omnibal.workflow.train_log import parse_train_log
 
 
 def train(log_path: str, out_json: str) -> int:
@@ -139,10 +115,19 @@ def summary(out_dir: str) -> int:
     if (out / "train.json").exists():
         t = json.loads((out / "train.json").read_text())
         lines.append(
-            f"train    lm loss {t['first_loss']:.2f} -> {t['last_loss']:.2f} in "
-            f"{t['iterations']} steps on the generated samples (DP=2); per-rank max/mean at "
-            f"worst: tokens {t['worst_tokens_max_over_mean']:.3f}, tiles "
-            f"{t['worst_tiles_max_over_mean']:.3f}: {out / 'train.log'}")
+            f"train    `omnibal finetune` (stats, plan, convert, train, export, compare-hf): lm "
+            f"loss {t['first_loss']:.2f} -> {t['last_loss']:.2f} in {t['iterations']} steps "
+            f"on the generated samples (DP=2); per-rank max/mean at worst: tokens "
+            f"{t['worst_tokens_max_over_mean']:.3f}, tiles {t['worst_tiles_max_over_mean']:.3f}"
+            f": {out / 'finetune' / 'logs' / 'train.log'}")
+    report = out / "finetune" / "report.json"
+    if report.exists():
+        r = json.loads(report.read_text())
+        verdict = r["compare_hf"]
+        check = (f"compare-hf {'passed' if verdict['ok'] else 'FAILED'} (largest relative "
+                 f"difference {verdict['max_rel']:.1e})" if verdict else "compare-hf not run")
+        lines.append(f"         exported Hugging Face checkpoint {r['export']}, {check}; "
+                     f"report: {report.with_suffix('.md')}")
     if (out / "step_time.json").exists():
         rows = {r["step"]: r for r in
                 json.loads((out / "step_time.json").read_text())["shapes"][0]["rows"]}

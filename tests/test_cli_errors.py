@@ -6,6 +6,7 @@ files give a valid plan or one line saying what is wrong."""
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -275,3 +276,19 @@ def test_every_sample_skipped_is_an_error_not_an_empty_plan(lengths, capsys):
                  "--oversize", "skip"]) == 2  # fmt: skip
     assert "all 200 samples exceed the budgets and --oversize skip leaves every one out" in (
         capsys.readouterr().err)
+
+
+def test_help_texts_name_only_commands_that_exist(capsys):
+    """A help text that sends the user to `omnibal X` must name a real command."""
+    from megatron_omnibal.cli import _command_names
+
+    names = _command_names()
+    for name in names:
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = capsys.readouterr().out
+        for mentioned in re.findall(r"\bomnibal ([a-z][a-z-]*)", text):
+            assert mentioned in names, f"omnibal {name} --help names `omnibal {mentioned}`"
+    with pytest.raises(SystemExit):
+        main(["stats", "--help"])
+    assert "llava-1.5-7b" in capsys.readouterr().out  # the presets it accepts, listed

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -88,10 +89,36 @@ def test_qa_dataset_answers_follow_from_question_and_picture(tmp_path):
 
 
 def _demo(out, *sections, timeout, **env):
+    """The demo run by this test's own interpreter (wherever its environment lives)."""
     return subprocess.run(
         ["bash", str(ROOT / "scripts" / "demo.sh"), *sections],
-        env={**os.environ, "DEMO_OUT": str(out), **env}, capture_output=True, text=True,
-        timeout=timeout, cwd=ROOT)  # fmt: skip
+        env={**os.environ, "DEMO_OUT": str(out), "PYTHON": sys.executable, **env},
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT)  # fmt: skip
+
+
+def test_demo_runs_the_interpreter_it_is_given(tmp_path):
+    """PYTHON wins; without it VENV names the environment (as `make demo VENV=x` passes it),
+    so a test run by an interpreter outside .venv demos that interpreter's installation."""
+    calls = tmp_path / "calls.txt"
+    wrapper = tmp_path / "venv" / "bin" / "python"
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    proc = _demo(tmp_path / "a", "data", timeout=300, DEMO_SAMPLES="40", PYTHON=str(wrapper))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "-m megatron_omnibal.cli stats" in calls.read_text()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env.update(DEMO_OUT=str(tmp_path / "b"), VENV=str(tmp_path / "venv"), DEMO_SAMPLES="40")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh"), "data"], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert calls.read_text().count("-m megatron_omnibal.cli stats") == 2
+
+
+def test_make_demo_passes_its_environment_to_the_demo():
+    proc = subprocess.run(["make", "-n", "demo", "VENV=/elsewhere/env"], capture_output=True,
+                          text=True, cwd=ROOT, check=True)  # fmt: skip
+    assert "PYTHON=/elsewhere/env/bin/python bash scripts/demo.sh" in proc.stdout
 
 
 def test_demo_data_and_balance_sections(tmp_path):
@@ -135,23 +162,29 @@ def test_demo_refuses_an_unknown_section_and_training_without_data(tmp_path):
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_demo_trains_on_the_generated_data_and_compares_step_times(tmp_path):
-    """The training section on the generated samples (30 steps: the loss must fall well below
-    its start, since the answers are learnable) and the step-time section at its fewest steps.
-    The condensed log must hold every logged iteration of Megatron's own log; the step-time
-    report both runs, with the baseline's fixed-size batches and the plan's stages."""
+    """The training section (`omnibal finetune`) on the generated samples (30 steps: the loss
+    must fall well below its start, since the answers are learnable) and the step-time section
+    at its fewest steps. The condensed log must hold every logged iteration of Megatron's own
+    log; the export must pass compare-hf; the step-time report both runs, with the baseline's
+    fixed-size batches and the plan's stages."""
     out = tmp_path / "demo"
     proc = _demo(out, "data", timeout=120, DEMO_SAMPLES="400")
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = _demo(out, "train", "compare", timeout=900, DEMO_STEPS="30", DEMO_COMPARE_STEPS="4")
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
-    log = (out / "train.log").read_text()
+    log = (out / "finetune" / "logs" / "train.log").read_text()
     losses = [float(x) for x in re.findall(r"iteration +\d+/ +30 \|.*?lm loss: ([0-9.E+-]+)", log)]
     train = json.loads((out / "train.json").read_text())
     assert len(losses) == 7 and train["iterations"] == 30  # iteration 1, then every 5th
     assert (train["first_loss"], train["last_loss"]) == (losses[0], losses[-1])
     assert losses[-1] < 0.6 * losses[0]
     assert any(line.startswith("omnibal: pipeline: TP=1, PP=1, DP=2") for line in train["startup"])
-    assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
+    checkpoint = out / "finetune" / "checkpoints" / "train"
+    assert (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
+    finetune = json.loads((out / "finetune" / "report.json").read_text())
+    assert finetune["compare_hf"]["ok"] and finetune["export"] == str(out / "finetune" / "hf")
+    assert f"exported Hugging Face checkpoint {out / 'finetune' / 'hf'}, compare-hf passed" in (
+        proc.stdout.split("== summary")[1])
     report = json.loads((out / "step_time.json").read_text())
     rows = {r["step"]: r for r in report["shapes"][0]["rows"]}
     assert set(rows) == {"baseline", "+recompute"}

@@ -7,6 +7,7 @@ import os
 import sys
 
 from megatron_omnibal.cli_args import output_file_type, positive_int
+from megatron_omnibal.models.presets import PRESETS
 
 # Every output may go into a directory that does not exist yet: it is created when written.
 _LENGTH_FILE = output_file_type(".npz", ".json", create_parent=True)
@@ -20,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dataset", help="LLaVA-style JSON list, JSONL, ShareGPT/messages "
                         "records, or InternVL meta JSON")
     parser.add_argument("--model", required=True, metavar="NAME|FILE|HF_DIR",
-                        help="the model the lengths are for: a preset (omnibal presets), a "
+                        help="the model the lengths are for: a preset (" + ", ".join(PRESETS)
+                             + "), a "
                              "model_spec JSON/YAML, or a Hugging Face checkpoint directory "
                              "(its tiling, template and tokenizer are read from it)")
     parser.add_argument("--tokenizer", default=None,
