@@ -30,7 +30,8 @@ SPLIT = frozenset({
     "ffn_hidden_size", "num_attention_heads", "kv_channels", "group_query_attention",
     "num_query_groups", "normalization", "layernorm_epsilon", "swiglu", "position_embedding_type",
     "rotary_base", "vocab_size", "add_bias_linear", "add_qkv_bias",
-    "untie_embeddings_and_output_weights",
+    "untie_embeddings_and_output_weights", "qk_layernorm", "use_rope_scaling",
+    "rope_scaling_factor",
 })  # fmt: skip
 PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}
 
