@@ -151,7 +151,10 @@ def analytic_costs(
         sumsq=flops.llm_layer_per_sumsq / rate,
         one=over,
     )
-    stored = 6 * h + 2 * llm.kv_size + (3 if llm.gated_mlp else 2) * llm.ffn_hidden_size
+    # Per token: 4 h-wide tensors (the norms' inputs and outputs), q and the attention context
+    # (heads x head size each), k and v, and the MLP's.
+    q = llm.q_size
+    stored = 4 * h + 2 * q + 2 * llm.kv_size + (3 if llm.gated_mlp else 2) * llm.ffn_hidden_size
     llm_act = row(tokens=2 * stored / tp / MIB)
     llm_ckpt = row(tokens=2 * h / tp / MIB)
 
