@@ -30,6 +30,7 @@ import torch
 
 from megatron_omnibal.megatron.cpu import enable_cpu_megatron
 from megatron_omnibal.models.spec import ModelSpec
+from megatron_omnibal.planner.memory import static_bytes_per_param
 
 MIB = 2.0**20
 
@@ -260,7 +261,7 @@ def profile_model(
     patch = torch.nn.Conv2d(3, v.hidden_size, v.patch_size, v.patch_size).to(device, dtype)
     img = torch.randn(tiles, 3, v.image_size, v.image_size, dtype=dtype, device=device)
     patch_row = measure_module(patch, list(patch.parameters()), img, device, repeats, False)
-    per_param = (2 + 4 + 12 / dp) / MIB
+    per_param = static_bytes_per_param(dp) / MIB
 
     def entry(name: str, row: dict, group: str, extra: dict | None = None) -> dict:
         out = {
