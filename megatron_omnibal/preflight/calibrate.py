@@ -92,7 +92,7 @@ def calibrated_profile(
         "measured": {"tiles": tiles, "tokens": tokens},
         # the first stage's schedule spans the pipeline; the rest of its step is per-step work
         "step_overhead_ms": report["stages"][0]["measured"]["outside_schedule_ms"],
-        "source": "omnibal preflight --calibrate"}  # fmt: skip
+        "source": "python -m megatron_omnibal.preflight --calibrate"}  # fmt: skip
     if memory_budget_gib is not None:
         doc["memory_budget_gib"] = memory_budget_gib
     return doc
