@@ -55,6 +55,13 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def fraction(text: str) -> float:
     """A share in [0, 1]."""
     value = _number(text, float)

@@ -348,7 +348,7 @@ def test_levels_log_counts_samples_rates_and_epochs(lengths_file, tmp_path):
     megatron_ms = dict(re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration "
                                   r"\(ms\):\s+([\d.]+)", proc.stdout))  # fmt: skip
     ours = re.findall(r"omnibal: iteration\s+(\d+) \| samples/step ([\d.]+) .*\| tokens/step "
-                      r"([\d.]+) .*\| tokens/s ([\d.]+) \| samples/s ([\d.]+) \| epoch (\d+) "
+                      r"([\d.]+) .*\| tokens/s ([\d.]+) \| samples/s ([\d.]+) .*?\| epoch (\d+) "
                       r"step (\d+)/(\d+) \|", proc.stdout)  # fmt: skip
     assert [int(row[0]) for row in ours] == list(range(1, total + 1))
     for it, per_step, tokens, token_rate, rate, epoch, step, steps in ours:

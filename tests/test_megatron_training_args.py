@@ -119,6 +119,8 @@ def cases(tmp_path_factory):
          "--hidden-size 64 disagrees with --omnibal-model tiny, which sets --hidden-size 32"),
         ([*base, *counts, "--omnibal-llm-pp-layers", "1,3", "--add-qkv-bias"],
          "--add-qkv-bias disagrees with --omnibal-model tiny, which sets no --add-qkv-bias"),
+        ([*base, *counts, "--omnibal-llm-pp-layers", "1,3", "--qk-layernorm"],
+         "--qk-layernorm disagrees with --omnibal-model tiny, which sets no --qk-layernorm"),
         ([*base, *counts, "--omnibal-llm-pp-layers", "1,3", "--pipeline-model-parallel-layout",
           "Et|tttL"], "--pipeline-model-parallel-layout: with --omnibal the pipeline layout "
          "comes from --omnibal-plan or"),

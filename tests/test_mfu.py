@@ -29,7 +29,10 @@ def figures(ranks) -> StepFigures:
                        col(lambda t, n: n * n))  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["tiny", "internvl2-8b", "llava-1.5-7b"])
+# internvl3.5-38b: Qwen3-32B's heads x head size (8192) is not its hidden size (5120).
+@pytest.mark.parametrize(
+    "name", ["tiny", "internvl2-8b", "llava-1.5-7b", "internvl3.5-38b", "llava-llama3.1-8b"]
+)
 def test_model_flops_match_the_count_by_hand(name) -> None:
     spec = PRESETS[name]
     flops = ModelFlops.of(spec)
@@ -46,8 +49,13 @@ def test_mfu_of_a_step_against_the_hand_count() -> None:
     tflops, fraction = tp.rates([figures(RANKS)], seconds)
     assert tflops == pytest.approx(by_hand / seconds / 4 / 1e12, rel=1e-12)
     assert fraction == pytest.approx(by_hand / seconds / 4 / 2e9, rel=1e-12)
-    # padding is not useful work: the same samples padded into one longer one count more
-    assert ModelFlops.of(TINY).training(3, 39, 39**2) > ModelFlops.of(TINY).training(3, 39, 981)
+    # padding is not useful work: the samples (2 tiles, 30 tokens) and (1, 9) padded into one
+    # of 39 tokens count exactly the hand count's extra attention, nothing else
+    flops = ModelFlops.of(TINY)
+    padded = training_flops_by_hand(TINY, [(3, 39)])
+    assert flops.training(3, 39, 39**2) - flops.training(3, 39, 30**2 + 9**2) == pytest.approx(
+        padded - training_flops_by_hand(TINY, RANKS[0]), rel=1e-12
+    )
 
 
 def test_peak_table_names_its_source_and_never_guesses() -> None:
@@ -91,5 +99,5 @@ def test_the_log_line_carries_tflops_and_mfu_and_the_first_step_the_plan() -> No
     scalars = step_scalars(steps.step(0), 0.5, tp)
     assert scalars["omnibal/mfu"] == pytest.approx(tp.rates([steps.step(0)], 0.5)[1])
     no_peak = Throughput(flops=ModelFlops.of(TINY), gpus=2, peak_tflops=None, peak_source="x")
-    assert no_peak.text([steps.step(0)], 0.5).endswith("| MFU n/a")
+    assert no_peak.describe([steps.step(0)], 0.5).endswith("| MFU n/a")
     assert "plan predicted" not in first_step_line(no_peak, steps.step(0), 0.5, None)

@@ -97,6 +97,11 @@ def test_llm_time_follows_the_head_size_not_the_width():
     assert got == pytest.approx(1000 * flops_per_token / rate)
     scores = cm.at(workload_features(0, 0, 1000**2)).forward_ms[unit] - base
     assert scores == pytest.approx(2 * q * 1000**2 / rate)
+    # Activations: 4 h-wide tensors, q and the attention context at q, k and v, the gated MLP's
+    # 3 f; bf16, so 2 bytes each per token.
+    stored = 4 * h + 2 * q + 2 * kv + 3 * llm.ffn_hidden_size
+    activation = cm.at(workload_features(0, 1000, 0)).activation_mib[unit]
+    assert activation == pytest.approx(1000 * 2 * stored / 2**20)
 
 
 def test_static_memory_distributed_optimizer():

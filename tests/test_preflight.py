@@ -131,8 +131,10 @@ def test_pp2_plan_that_fits_passes_and_a_tight_device_fails_its_heavier_stage(
     lengths_file, tmp_path
 ):
     plan = _plan(tmp_path / "plan.json", lengths_file)
+    # fp32, as the other CPU runs of a plan (a plan alone implies bf16): fp32 memory and times
     flags = ["--omnibal-lengths", str(lengths_file), "--pipeline-model-parallel-size", "2",
-             "--omnibal-plan", str(tmp_path / "plan.json")]  # fmt: skip
+             "--omnibal-plan", str(tmp_path / "plan.json"),
+             "--omnibal-precision", "fp32"]  # fmt: skip
     profile = tmp_path / "calibrated.json"
     proc, report = _preflight(2, tmp_path / "fit.json", [*flags, "--calibrate", str(profile)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]

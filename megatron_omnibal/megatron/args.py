@@ -264,14 +264,19 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def validate_omnibal_args(
-    args: argparse.Namespace, vit_layers: int | None = None, tokens_per_tile: int | None = None
+    args: argparse.Namespace,
+    plan: Plan | None,
+    vit_layers: int | None = None,
+    tokens_per_tile: int | None = None,
 ) -> OmnibalSettings:
     """Check the --omnibal* flags against Megatron's parsed (and validated) arguments.
 
-    `vit_layers` is the model's ViT depth (None: whatever the layout covers); `tokens_per_tile`
-    the model's image tokens per tile, to turn the length file into the lengths the model sees
-    (None: keep them as they are). Call before megatron.training.pretrain: it creates no process
-    group and raises OmnibalArgsError naming the offending flag.
+    `plan` is --omnibal-plan as the caller loaded it (load_plan; None without the flag), so
+    the file is read once per run. `vit_layers` is the model's ViT depth (None: whatever the
+    layout covers); `tokens_per_tile` the model's image tokens per tile, to turn the length file
+    into the lengths the model sees (None: keep them as they are). Call before
+    megatron.training.pretrain: it creates no process group and raises OmnibalArgsError naming
+    the offending flag.
     """
     if not getattr(args, "omnibal", False):
         raise OmnibalArgsError("--omnibal is not set")
@@ -281,7 +286,6 @@ def validate_omnibal_args(
                 f"{flag}: with --omnibal the pipeline layout comes from --omnibal-plan or "
                 "--omnibal-vit-pp-layers / --omnibal-llm-pp-layers (any layer counts per stage)"
             )
-    plan = load_plan(args.omnibal_plan) if args.omnibal_plan else None
     try:
         layouts = _layouts(args, plan, vit_layers)
     except LayoutError as exc:

@@ -175,14 +175,16 @@ class VLMStage(MegatronModule):
                 post_process=lay.head,
                 pg_collection=pg_collection,
             )
+            factor = spec.llm.rope_scaling_factor
+            # Llama-3 scaling, passed here (megatron-core 0.19's own VLM scripts drop it), and
+            # a factor only with scaling on.
+            scaling = {"rope_scaling": True, "rope_scaling_factor": factor} if factor else {}
             self.rotary = RotaryEmbedding(
                 configs.llm.kv_channels,
                 rotary_percent=1.0,
                 rotary_base=spec.llm.rotary_base,
-                # Both passed here: megatron-core 0.19's own VLM scripts drop them.
-                rope_scaling=spec.llm.rope_scaling_factor > 0,
-                rope_scaling_factor=spec.llm.rope_scaling_factor or 8.0,
                 use_cpu_initialization=not torch.cuda.is_available(),
+                **scaling,
             )
         self.output_layer = None
         if lay.head:

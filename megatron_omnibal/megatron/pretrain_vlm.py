@@ -127,7 +127,7 @@ def prepare(
         )
     check_model_args(args, spec)
     settings = validate_omnibal_args(
-        args, vit_layers=spec.vit.num_layers, tokens_per_tile=spec.tokens_per_tile
+        args, plan, vit_layers=spec.vit.num_layers, tokens_per_tile=spec.tokens_per_tile
     )
     if settings.data != "synthetic":
         from megatron_omnibal.megatron.dataset import open_source

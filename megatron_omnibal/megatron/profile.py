@@ -30,6 +30,8 @@ import torch
 
 from megatron_omnibal.megatron.cpu import enable_cpu_megatron
 from megatron_omnibal.models.spec import ModelSpec
+from megatron_omnibal.planner.memory import static_bytes_per_param
+from megatron_omnibal.preflight.measure import SavedTensorTracker, sync_device
 
 MIB = 2.0**20
 
@@ -109,33 +111,23 @@ def _layer(
 
 
 def _saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Run `fn` and count the bytes of the distinct storages autograd saves for backward."""
-    seen: dict[tuple, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        seen[(storage.data_ptr(), t.device.type)] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """Run `fn` and count the bytes of the distinct storages autograd saves for backward (all
+    still held when it returns: the peak)."""
+    tracker = SavedTensorTracker()
+    with tracker.hooks():
         out = fn()
-    return out, sum(seen.values())
+    return out, tracker.peak
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+def _time(fn: Callable[[], object], repeats: int) -> float:
     """Median wall ms of `fn` over `repeats` runs after one warm-up."""
     fn()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync_device()
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync_device()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -144,7 +136,6 @@ def measure_module(
     forward: Callable[[torch.Tensor], torch.Tensor],
     params: list,
     x: torch.Tensor,
-    device: torch.device,
     repeats: int,
     recomputable: bool = True,
 ) -> dict:
@@ -163,8 +154,8 @@ def measure_module(
     def ckpt_fwd_bwd() -> None:
         checkpoint(forward, False, x).backward(grad)
 
-    f_ms = _time(fwd, device, repeats)
-    fb_ms = _time(fwd_bwd, device, repeats)
+    f_ms = _time(fwd, repeats)
+    fb_ms = _time(fwd_bwd, repeats)
     out, act = _saved_bytes(fwd)
     row = {
         "forward_ms": f_ms,
@@ -174,7 +165,7 @@ def measure_module(
         "params": sum(p.numel() for p in params),
     }
     if recomputable:
-        ck_ms = _time(ckpt_fwd_bwd, device, repeats)
+        ck_ms = _time(ckpt_fwd_bwd, repeats)
         _, kept = _saved_bytes(lambda: checkpoint(forward, False, x))
         row["recompute_ms"] = max(ck_ms - fb_ms, 0.0)
         row["checkpoint_mib"] = kept / MIB
@@ -226,14 +217,12 @@ def profile_model(
         lambda x: vit_layer(x, attention_mask=None)[0],
         list(vit_layer.parameters()),
         xv,
-        device,
         repeats,
     )
     lm = measure_module(
         lambda x: llm_layer(x, attention_mask=None)[0],
         list(llm_layer.parameters()),
         xl,
-        device,
         repeats,
     )
     proj_in, proj_mid = model.projector_in, model.projector_hidden
@@ -244,7 +233,7 @@ def profile_model(
         torch.nn.Linear(proj_mid, llm.hidden_size),
     ).to(device, dtype)
     xp = torch.randn(tiles * model.tokens_per_tile, proj_in, dtype=dtype, device=device)
-    proj = measure_module(projector, list(projector.parameters()), xp, device, repeats, False)
+    proj = measure_module(projector, list(projector.parameters()), xp, repeats, False)
     head = torch.nn.Linear(llm.hidden_size, llm.vocab_size, bias=False).to(device, dtype)
     labels = torch.randint(0, llm.vocab_size, (tokens,), device=device)
     head_row = measure_module(
@@ -253,14 +242,13 @@ def profile_model(
         ),
         list(head.parameters()),
         xl,
-        device,
         repeats,
         False,
     )
     patch = torch.nn.Conv2d(3, v.hidden_size, v.patch_size, v.patch_size).to(device, dtype)
     img = torch.randn(tiles, 3, v.image_size, v.image_size, dtype=dtype, device=device)
-    patch_row = measure_module(patch, list(patch.parameters()), img, device, repeats, False)
-    per_param = (2 + 4 + 12 / dp) / MIB
+    patch_row = measure_module(patch, list(patch.parameters()), img, repeats, False)
+    per_param = static_bytes_per_param(dp) / MIB
 
     def entry(name: str, row: dict, group: str, extra: dict | None = None) -> dict:
         out = {

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_omnibal.megatron.stream_steps import StepFigures
-from megatron_omnibal.planner.flops import ModelFlops, mfu
+from megatron_omnibal.planner.flops import ModelFlops
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +28,8 @@ class Throughput:
     def __post_init__(self) -> None:
         if self.gpus < 1:
             raise ValueError(f"Throughput.gpus must be >= 1, got {self.gpus}")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ValueError(f"Throughput.peak_tflops must be > 0, got {self.peak_tflops}")
 
     def step_flops(self, figures: StepFigures) -> float:
         """Useful training FLOPs of one step over all DP ranks."""
@@ -35,17 +37,17 @@ class Throughput:
 
     def rates(self, figures: Sequence[StepFigures], seconds: float) -> tuple[float, float | None]:
         """(model TFLOP/s per GPU, MFU as a fraction or None) of steps taking `seconds`."""
-        total = sum(self.step_flops(f) for f in figures)
-        tflops = total / seconds / self.gpus / 1e12
-        if self.peak_tflops is None:
-            return tflops, None
-        return tflops, mfu(total, seconds, self.gpus, self.peak_tflops)
+        if seconds <= 0:
+            raise ValueError(f"Throughput.rates needs positive seconds, got {seconds}")
+        tflops = sum(self.step_flops(f) for f in figures) / seconds / self.gpus / 1e12
+        return tflops, None if self.peak_tflops is None else tflops / self.peak_tflops
 
-    def text(self, figures: Sequence[StepFigures], seconds: float) -> str:
-        """The log line's part: ' | model TFLOP/s/GPU x | MFU y%' (MFU n/a without a peak)."""
+    def describe(self, figures: Sequence[StepFigures], seconds: float) -> str:
+        """'model TFLOP/s/GPU x | MFU y%' of steps taking `seconds` (MFU n/a without a peak):
+        the one wording of the iteration line and the first-step line."""
         tflops, fraction = self.rates(figures, seconds)
         share = "n/a" if fraction is None else f"{100 * fraction:.1f}%"
-        return f" | model TFLOP/s/GPU {tflops:.3f} | MFU {share}"
+        return f"model TFLOP/s/GPU {tflops:.3f} | MFU {share}"
 
 
 def device_name() -> str | None:

@@ -127,9 +127,7 @@ def first_step_line(
     """The first measured step beside the plan's prediction (MFU of this step's work at the
     predicted time): the start-up check of the plan's model against this cluster."""
     def at(sec: float) -> str:
-        tflops, fraction = throughput.rates([figures], sec)
-        share = "n/a" if fraction is None else f"{100 * fraction:.1f}%"
-        return f"{1e3 * sec:.1f} ms, {tflops:.3f} model TFLOP/s/GPU, MFU {share}"
+        return f"{1e3 * sec:.1f} ms, {throughput.describe([figures], sec)}"
 
     text = f"{PREFIX}: first step measured {at(seconds)} (includes warm-up)"
     if predicted_ms is not None and predicted_ms > 0:
@@ -210,7 +208,7 @@ class IterationLog:
                 f" | samples/s {sum(f.num_samples for f in figs) / seconds:.1f}"
             )
             if self.throughput is not None:
-                text += self.throughput.text(figs, seconds)
+                text += f" | {self.throughput.describe(figs, seconds)}"
         epoch, step = self.steps.locate(iteration - 1)
         return text + f" | epoch {epoch} step {step + 1}/{self.steps.epoch(epoch).num_steps} |"
 

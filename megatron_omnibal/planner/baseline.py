@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_omnibal.planner.costs import GROUP_LLM, GROUP_VIT, MIB
+from megatron_omnibal.planner.memory import static_bytes_per_param
 from megatron_omnibal.planner.parallel_sizes import divisors, parallel_candidates
 from megatron_omnibal.planner.partition import Partition
 from megatron_omnibal.planner.request import PlanRequest
@@ -159,7 +160,7 @@ class _Layouts:
             else (dp - 1)
             / dp
             * MIB
-            / (2 + 4 + 12 / dp)
+            / static_bytes_per_param(dp)
             * 6
             / (
                 (

@@ -21,6 +21,7 @@ from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.config_files import read_json
 from megatron_omnibal.planner.flops import ModelFlops
 from megatron_omnibal.planner.hardware import Hardware
+from megatron_omnibal.planner.memory import static_bytes_per_param
 
 MIB = 2.0**20
 GROUP_NONE, GROUP_VIT, GROUP_LLM = -1, 0, 1
@@ -123,7 +124,7 @@ def analytic_costs(
     v, llm = model.vit, model.llm
     rate = hw.peak_tflops * 1e12 * hw.efficiency * tp / 1e3  # FLOPs per ms per TP group
     tp_comm = 0.0 if tp == 1 else 4 * (tp - 1) / tp / (hw.nvlink_gbs * 1e9) * 1e3  # ms/byte
-    bytes_per_param = 2 + 4 + (12 / dp if distributed_optimizer else 12)
+    bytes_per_param = static_bytes_per_param(dp if distributed_optimizer else 1)
     over = hw.op_overhead_ms
 
     def row(tiles: float = 0.0, tokens: float = 0.0, sumsq: float = 0.0, one: float = 0.0):
@@ -151,7 +152,10 @@ def analytic_costs(
         sumsq=flops.llm_layer_per_sumsq / rate,
         one=over,
     )
-    stored = 6 * h + 2 * llm.kv_size + (3 if llm.gated_mlp else 2) * llm.ffn_hidden_size
+    # Per token: 4 h-wide tensors (the norms' inputs and outputs), q and the attention context
+    # (heads x head size each), k and v, and the MLP's.
+    q = llm.q_size
+    stored = 4 * h + 2 * q + 2 * llm.kv_size + (3 if llm.gated_mlp else 2) * llm.ffn_hidden_size
     llm_act = row(tokens=2 * stored / tp / MIB)
     llm_ckpt = row(tokens=2 * h / tp / MIB)
 
@@ -239,7 +243,7 @@ def profile_cost_model(doc: dict, where: str = "profile", dp: int = 1) -> CostMo
 
     params = [layer.get("params") for layer in doc["layers"]]
     if all(isinstance(p, int) for p in params):
-        static = np.array(params, np.float64) * (2 + 4 + 12 / dp) / MIB
+        static = np.array(params, np.float64) * static_bytes_per_param(dp) / MIB
     else:
         static = np.asarray(costs.static_mib, np.float64)
     zero = np.zeros((3, 4))

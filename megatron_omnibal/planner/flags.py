@@ -74,7 +74,6 @@ def plan_flags(
     return [
         *run_flags(model, tp, pp, dp, m, token_budget),
         "--use-distributed-optimizer",
-        "--calculate-per-token-loss",
         "--omnibal-plan", plan_path,
     ]  # fmt: skip
 

@@ -72,11 +72,3 @@ class ModelFlops:
     def training(self, tiles: np.ndarray, tokens: np.ndarray, sumsq: np.ndarray) -> np.ndarray:
         """Useful FLOPs of a training step over that work: forward and backward, no recompute."""
         return TRAINING_PASSES * self.forward(tiles, tokens, sumsq)
-
-
-def mfu(flops: float, seconds: float, gpus: int, peak_tflops: float) -> float:
-    """Model-FLOPs utilisation: achieved FLOPs per GPU over the GPU's peak (a fraction)."""
-    if seconds <= 0 or gpus <= 0 or peak_tflops <= 0:
-        raise ValueError(f"mfu needs positive seconds, gpus and peak (got {seconds}, {gpus}, "
-                         f"{peak_tflops})")  # fmt: skip
-    return flops / seconds / gpus / (peak_tflops * 1e12)

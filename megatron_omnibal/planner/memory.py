@@ -7,11 +7,20 @@ asymmetry is why recomputation should differ per stage.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from megatron_omnibal.planner.costs import LayerCosts
+if TYPE_CHECKING:  # costs.py prices static memory with static_bytes_per_param
+    from megatron_omnibal.planner.costs import LayerCosts
 
 GIB_MIB = 1024.0
+
+
+def static_bytes_per_param(dp: int = 1) -> float:
+    """Static bytes one parameter costs a GPU: its BF16 weight, FP32 main gradient and FP32 Adam
+    state (12 bytes), the last sharded over `dp` ranks by the distributed optimizer."""
+    return 2 + 4 + 12 / dp
 
 
 def inflight_1f1b(stage: int, pp: int, micro_batches: int) -> int:

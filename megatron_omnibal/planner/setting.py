@@ -23,7 +23,7 @@ from megatron_omnibal.planner.costs import (
     profile_cost_model,
 )
 from megatron_omnibal.planner.hardware import Hardware
-from megatron_omnibal.planner.memory import GIB_MIB
+from megatron_omnibal.planner.memory import GIB_MIB, static_bytes_per_param
 from megatron_omnibal.planner.parallel_sizes import partition_units
 from megatron_omnibal.planner.partition import (
     Partition,
@@ -112,7 +112,7 @@ class Setting:
         bw = (
             self.hw.network_gbs if self.tp * self.dp > self.hw.gpus_per_node else self.hw.nvlink_gbs
         )
-        per_param = 2 + 4 + 12 / self.dp  # static bytes per parameter (as in analytic_costs)
+        per_param = static_bytes_per_param(self.dp)
         cm, units = self.model, len(self.model.names)
         worst = 0.0
         for lo, hi in stages:

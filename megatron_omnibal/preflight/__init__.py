@@ -1,5 +1,5 @@
-"""`omnibal preflight`: run a plan's own stages for a few steps before the long run and check
-each stage's memory and time against the plan.
+"""`python -m megatron_omnibal.preflight` (under torchrun): run a plan's own stages for a few
+steps before the long run and check each stage's memory and time against the plan.
 
 `torchrun ... -m megatron_omnibal.preflight <training's flags> --out report.json` trains a few
 steps through the training entry point (megatron/pretrain_vlm.py) on the largest micro-batches

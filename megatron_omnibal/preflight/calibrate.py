@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_omnibal.models.spec import ModelSpec
+from megatron_omnibal.planner.memory import static_bytes_per_param
 
 if TYPE_CHECKING:
     from megatron_omnibal.planner.plan import Plan
 
 MIB_PER_GIB = 1024.0
-BYTES_PER_PARAM = 2 + 4 + 12  # BF16 weight, FP32 gradient, FP32 Adam (profile_cost_model's)
 
 
 def calibrated_profile(
@@ -92,7 +92,7 @@ def calibrated_profile(
         "measured": {"tiles": tiles, "tokens": tokens},
         # the first stage's schedule spans the pipeline; the rest of its step is per-step work
         "step_overhead_ms": report["stages"][0]["measured"]["outside_schedule_ms"],
-        "source": "omnibal preflight --calibrate"}  # fmt: skip
+        "source": "python -m megatron_omnibal.preflight --calibrate"}  # fmt: skip
     if memory_budget_gib is not None:
         doc["memory_budget_gib"] = memory_budget_gib
     return doc
@@ -111,7 +111,7 @@ def _fill_recomputed(towers: dict[str, dict[int, dict[str, Any]]]) -> None:
 def _layer(name: str, row: dict[str, Any], params: int, group: str) -> dict[str, Any]:
     return {"name": name, "forward_ms": row["forward_ms"], "backward_ms": row["backward_ms"],
             "recompute_ms": row["forward_ms"], "activation_mib": row["activation_mib"],
-            "weight_mib": params * BYTES_PER_PARAM / 2**20,
+            "weight_mib": params * static_bytes_per_param() / 2**20,
             "checkpoint_mib": row["checkpoint_mib"], "output_mib": row["checkpoint_mib"],
             "params": params, "group": group}  # fmt: skip
 

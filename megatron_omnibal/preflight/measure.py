@@ -131,7 +131,8 @@ class StepRecord:
         return self.static_bytes + self.activation_peak_bytes
 
 
-def _sync() -> None:
+def sync_device() -> None:
+    """Wait for the GPU's queued work (a no-op on a CPU), so a wall time covers it."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -140,10 +141,10 @@ def timed(record: Callable[[float], None], fn: Callable[..., Any]) -> Callable[.
     """`fn`, with its synchronised wall time in ms handed to `record` after each call."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        _sync()
+        sync_device()
         start = time.perf_counter()
         out = fn(*args, **kwargs)
-        _sync()
+        sync_device()
         record(1e3 * (time.perf_counter() - start))
         return out
 
@@ -172,13 +173,13 @@ class StepMeter:
         started: list[float] = []
 
         def before(*_: Any) -> None:
-            _sync()
+            sync_device()
             started.append(time.perf_counter())
             if self._schedule[0] is None:
                 self._schedule[0] = started[-1]
 
         def after(*_: Any) -> None:
-            _sync()
+            sync_device()
             self.current.forward_ms.append(1e3 * (time.perf_counter() - started.pop()))
 
         for chunk in model:
@@ -201,11 +202,11 @@ class StepMeter:
         def before(_: Any, args: tuple, kwargs: dict) -> None:
             hidden = args[0] if args else kwargs.get("hidden_states")
             size = hidden.untyped_storage().nbytes() if isinstance(hidden, torch.Tensor) else 0
-            _sync()
+            sync_device()
             state.append((self.tracker.bytes, size, time.perf_counter()))
 
         def after(*_: Any) -> None:
-            _sync()
+            sync_device()
             held, size, start = state.pop()
             if self._in_backward:
                 return

@@ -7,7 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_omnibal.cli_args import non_negative_int, positive_float, positive_int
+from megatron_omnibal.cli_args import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,13 +30,6 @@ class PreflightOptions:
             raise ValueError("--worst-steps and --typical-steps: at least one step to measure")
 
 
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m megatron_omnibal.preflight",
@@ -45,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
                    help="device memory to check against (default: the GPU's; on a CPU the "
                    "plan's hardware, else no memory verdict); set it lower to check for a "
                    "smaller device")  # fmt: skip
-    p.add_argument("--memory-margin-gib", type=_non_negative_float, default=None,
+    p.add_argument("--memory-margin-gib", type=non_negative_float, default=None,
                    help="memory kept free of the device memory (CUDA context, NCCL buffers, "
                    "fragmentation; default: the plan's hardware reserve, else 4)")  # fmt: skip
     p.add_argument("--time-tolerance", type=positive_float, default=0.25,
