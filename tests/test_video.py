@@ -123,8 +123,12 @@ def test_epoch_lengths_by_hand_and_files_without_videos(tmp_path):
     # frame k adds frame_tokens[k-1]: 3 -> 5 frames adds frames 4 and 5; 4 -> 2 drops 3 and 4
     assert got.tokens.tolist() == [50, 500 + 112 + 113, 900 - 111 - 112]
     by_epoch = EpochLengths(lengths, table, plan, seed=3)
-    counts = by_epoch.frame_counts(1)
-    assert np.array_equal(by_epoch(1).vit[1:], [counts[0], counts[1:].sum()])
+    # an epoch's lengths are the checked rule above applied to that epoch's drawn counts
+    counts = frame_counts(plan.frames, table.frames, table.fps, seed=3, epoch=1)
+    expected = with_frame_counts(lengths, table, plan, counts)
+    for field in ("vit", "tokens", "image_flags"):
+        assert np.array_equal(getattr(by_epoch(1), field), getattr(expected, field))
+    assert np.array_equal(by_epoch.frame_counts(1), counts)
     # a file written without videos (as before they existed) loads with an empty table, and
     # training's lengths are the file's in every epoch
     save_lengths(lengths, tmp_path / "old.npz")
