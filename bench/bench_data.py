@@ -54,27 +54,26 @@ VIDEOS = [("v0.mp4", "libx264", 1, (426, 240), 30), ("v1.webm", "libvpx", 5, (64
           ("v4.avi", "mjpeg", 8, (640, 480), 15), ("v5.mkv", "libx264", 60, (1920, 1080), 24)]
 
 
-def write_video(path: Path, codec: str, seconds: int, size: tuple[int, int], fps: int) -> None:
+def write_bench_video(path: Path, codec: str, seconds: int, size: tuple[int, int],
+                      fps: int) -> None:
     """A moving colour gradient, fast to encode (x264 superfast, which still writes B-frames as
     most real H.264 files have; VP8 realtime)."""
-    import av
+    from megatron_omnibal.data.generate import write_video
 
     w, h = size
     ramp = (np.arange(w)[None, :] + np.arange(h)[:, None]).astype(np.int64)
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream(codec, rate=fps)
-        stream.width, stream.height = w, h
-        stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
-        stream.codec_context.gop_size = 1 if codec == "mjpeg" else 2 * fps
-        stream.options = {"preset": "superfast"} if codec == "libx264" else (
-            {"deadline": "realtime", "cpu-used": "8"} if codec == "libvpx" else {})
-        for k in range(seconds * fps):
-            img = np.empty((h, w, 3), np.uint8)
-            img[..., 0] = (ramp + 4 * k) % 256
-            img[..., 1] = (ramp // 2 + k) % 256
-            img[..., 2] = (k * 7) % 256
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")))
-        out.mux(stream.encode())
+
+    def picture(k: int) -> np.ndarray:
+        img = np.empty((h, w, 3), np.uint8)
+        img[..., 0] = (ramp + 4 * k) % 256
+        img[..., 1] = (ramp // 2 + k) % 256
+        img[..., 2] = (k * 7) % 256
+        return img
+
+    options = {"preset": "superfast"} if codec == "libx264" else (
+        {"deadline": "realtime", "cpu-used": "8"} if codec == "libvpx" else {})
+    gop = 1 if codec == "mjpeg" else 2 * fps
+    write_video(path, codec, seconds * fps, fps, size, gop, picture, options)
 
 
 def generate(root: Path, samples: int, images: int, seed: int) -> None:
@@ -111,7 +110,7 @@ def generate(root: Path, samples: int, images: int, seed: int) -> None:
     write_jsonl(root / "part.jsonl", recs)
     write_meta(root / "meta.json", {"part": {"root": "images", "annotation": "part.jsonl"}})
     for name, codec, seconds, size, fps in VIDEOS:
-        write_video(root / "images" / name, codec, seconds, size, fps)
+        write_bench_video(root / "images" / name, codec, seconds, size, fps)
     mixed = [dict(r) for r in recs]
     for i in range(0, len(mixed), 3):  # every third record a video one
         mixed[i] = {"id": f"v{i}", "video": rng.choice(VIDEOS)[0], "conversations": [
