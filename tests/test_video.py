@@ -36,6 +36,19 @@ def test_frames_nothing_refers_to_are_not_decoded_unless_wanted(tmp_path):
     assert got.decoded < 75  # all 90 frames lie on the way
 
 
+def test_a_time_without_a_frame_takes_the_frame_shown_then(tmp_path):
+    """A variable-rate video (gaps in its frame times): the frame of a time no frame starts at
+    is the last one shown before it, as a player shows it."""
+    times = [0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 15, 16, 20, 21, 22, 23]  # in 1/10 s
+    path = write_video(tmp_path / "vfr.mkv", len(times), fps=10, gop=4, times=times)
+    header = read_header(path)
+    assert (header.frames, header.fps) == (24, 10.0)  # duration x rate
+    shown = [max(k for k, t in enumerate(times) if t <= at) for at in range(header.frames)]
+    for wanted in (list(range(header.frames)), [4, 5, 9, 11, 17, 19]):
+        got = decode_frames(path, wanted)
+        assert [frame_of(p) for p in got.pixels] == [shown[i] for i in wanted]
+
+
 def test_bad_videos_name_the_file_and_the_reason(tmp_path):
     with pytest.raises(VideoError, match="no such file"):
         read_header(tmp_path / "missing.mp4")
