@@ -98,17 +98,34 @@ def test_frame_counts_are_a_seeded_uniform_draw_per_epoch():
 
 def test_frame_indices_follow_internvl_rules():
     rand = FrameSettings()
-    idx = frame_indices(rand, 8, 80, 10.0, seed=1, epoch=0, sample=7)
+    idx = frame_indices(rand, 8, 80, 10.0, seed=1, epoch=0, sample=7, video=9)
     assert np.all((idx >= np.arange(8) * 10) & (idx < np.arange(1, 9) * 10))  # one per segment
-    assert np.array_equal(idx, frame_indices(rand, 8, 80, 10.0, 1, 0, 7))
-    assert not np.array_equal(idx, frame_indices(rand, 8, 80, 10.0, 1, 1, 7))
+    assert np.array_equal(idx, frame_indices(rand, 8, 80, 10.0, 1, 0, 7, 9))
+    assert not np.array_equal(idx, frame_indices(rand, 8, 80, 10.0, 1, 1, 7, 9))
     middle = FrameSettings(sampling="middle")
-    assert frame_indices(middle, 4, 40, 10.0, 0, 0, 0).tolist() == [5, 15, 25, 35]
+    assert frame_indices(middle, 4, 40, 10.0, 0, 0, 0, 0).tolist() == [5, 15, 25, 35]
     # a short video: every frame once, then the last repeated up to the count
-    assert frame_indices(middle, 6, 4, 10.0, 0, 0, 0).tolist() == [0, 1, 2, 3, 3, 3]
+    assert frame_indices(middle, 6, 4, 10.0, 0, 0, 0, 0).tolist() == [0, 1, 2, 3, 3, 3]
     # times 0.25, 0.75, 1.25, 1.75 s at 10 frames/s, rounded half to even (InternVL's round)
-    assert frame_indices(FrameSettings(sampling="fps2"), 4, 20, 10.0, 0, 0, 0).tolist() == \
+    assert frame_indices(FrameSettings(sampling="fps2"), 4, 20, 10.0, 0, 0, 0, 0).tolist() == \
         [2, 8, 12, 18]
+
+
+def test_each_video_and_the_counts_draw_from_their_own_streams():
+    rand = FrameSettings()
+    # two videos of one sample, of the same length, get independent frames (32 segments of
+    # 10 frames: equal picks by chance have probability 1e-32)
+    for seed in range(5):
+        first, second = (frame_indices(rand, 32, 320, 10.0, seed, 2, 7, video)
+                         for video in (3, 4))
+        assert not np.array_equal(first, second)
+    # the counts of an epoch follow from (seed, epoch) and the video's place alone: not from
+    # the videos' lengths or rates
+    frames, fps = np.array([90, 4000, 12, 700]), np.array([30.0, 25.0, 5.0, 24.0])
+    counts = frame_counts(rand, frames, fps, seed=5, epoch=1)
+    assert np.array_equal(counts, frame_counts(rand, frames[::-1] * 3, fps / 2, 5, 1))
+    assert np.array_equal(counts[:2], frame_counts(rand, frames[:2], fps[:2], 5, 1))
+    assert not np.array_equal(counts, frame_counts(rand, frames, fps, seed=6, epoch=1))
     with pytest.raises(ValueError, match="rand, middle or fpsX"):
         FrameSettings(sampling="every2")
     with pytest.raises(ValueError, match="min_frames <= max_frames"):
