@@ -471,7 +471,7 @@ def padded_dataset(make_sample, filler):
 
     class Padded(MicroBatchDataset):
         def load(self, draw):
-            samples = [self.make_sample(i) for i in draw.indices] or [self.filler()]
+            samples = [self.make_sample(i, draw.epoch) for i in draw.indices] or [self.filler()]
             return Loaded(draw, padded_collate(samples), list(range(len(draw.indices))),
                           [len(s.images) for s in samples])  # fmt: skip
 
@@ -525,7 +525,7 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
         from megatron.core import parallel_state
         from megatron.training import get_args
 
-        from megatron_omnibal.megatron.batch import synthetic_sample
+        from megatron_omnibal.megatron.batch import SyntheticSamples
         from megatron_omnibal.megatron.data import BalancedDataIterator
         from megatron_omnibal.megatron.pretrain_vlm import filler_sample
 
@@ -534,7 +534,7 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
                                parallel_state.get_data_parallel_world_size(),
                                parallel_state.get_data_parallel_rank(), settings.micro_batches,
                                args.seed)  # fmt: skip
-        make = partial(synthetic_sample, lengths=settings.lengths, spec=spec, seed=args.seed)
+        make = SyntheticSamples(lambda _epoch: settings.lengths, spec, seed=args.seed)
         dataset = padded_dataset(make, partial(filler_sample, spec))
         it = BalancedDataIterator(sampler, settings.micro_batches, dataset,
                                   start_step=args.iteration)  # fmt: skip

@@ -171,7 +171,7 @@ def _picked(rec, table, plan, counts, seed, epoch, index):
     clip = rec.get("clip")
     return [(int(clip[0] * table.fps[r]) if clip else 0) + frame_indices(
         plan.frames, int(counts[r]), int(table.frames[r]), float(table.fps[r]), seed, epoch,
-        index) for r in table.of_sample(index)]
+        index, int(r)) for r in table.of_sample(index)]
 
 
 def test_video_samples_equal_the_processor_tokens_and_pixels_every_epoch(data):

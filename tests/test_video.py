@@ -36,6 +36,19 @@ def test_frames_nothing_refers_to_are_not_decoded_unless_wanted(tmp_path):
     assert got.decoded < 75  # all 90 frames lie on the way
 
 
+def test_a_time_without_a_frame_takes_the_frame_shown_then(tmp_path):
+    """A variable-rate video (gaps in its frame times): the frame of a time no frame starts at
+    is the last one shown before it, as a player shows it."""
+    times = [0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 15, 16, 20, 21, 22, 23]  # in 1/10 s
+    path = write_video(tmp_path / "vfr.mkv", len(times), fps=10, gop=4, times=times)
+    header = read_header(path)
+    assert (header.frames, header.fps) == (24, 10.0)  # duration x rate
+    shown = [max(k for k, t in enumerate(times) if t <= at) for at in range(header.frames)]
+    for wanted in (list(range(header.frames)), [4, 5, 9, 11, 17, 19]):
+        got = decode_frames(path, wanted)
+        assert [frame_of(p) for p in got.pixels] == [shown[i] for i in wanted]
+
+
 def test_bad_videos_name_the_file_and_the_reason(tmp_path):
     with pytest.raises(VideoError, match="no such file"):
         read_header(tmp_path / "missing.mp4")
@@ -85,17 +98,34 @@ def test_frame_counts_are_a_seeded_uniform_draw_per_epoch():
 
 def test_frame_indices_follow_internvl_rules():
     rand = FrameSettings()
-    idx = frame_indices(rand, 8, 80, 10.0, seed=1, epoch=0, sample=7)
+    idx = frame_indices(rand, 8, 80, 10.0, seed=1, epoch=0, sample=7, video=9)
     assert np.all((idx >= np.arange(8) * 10) & (idx < np.arange(1, 9) * 10))  # one per segment
-    assert np.array_equal(idx, frame_indices(rand, 8, 80, 10.0, 1, 0, 7))
-    assert not np.array_equal(idx, frame_indices(rand, 8, 80, 10.0, 1, 1, 7))
+    assert np.array_equal(idx, frame_indices(rand, 8, 80, 10.0, 1, 0, 7, 9))
+    assert not np.array_equal(idx, frame_indices(rand, 8, 80, 10.0, 1, 1, 7, 9))
     middle = FrameSettings(sampling="middle")
-    assert frame_indices(middle, 4, 40, 10.0, 0, 0, 0).tolist() == [5, 15, 25, 35]
+    assert frame_indices(middle, 4, 40, 10.0, 0, 0, 0, 0).tolist() == [5, 15, 25, 35]
     # a short video: every frame once, then the last repeated up to the count
-    assert frame_indices(middle, 6, 4, 10.0, 0, 0, 0).tolist() == [0, 1, 2, 3, 3, 3]
+    assert frame_indices(middle, 6, 4, 10.0, 0, 0, 0, 0).tolist() == [0, 1, 2, 3, 3, 3]
     # times 0.25, 0.75, 1.25, 1.75 s at 10 frames/s, rounded half to even (InternVL's round)
-    assert frame_indices(FrameSettings(sampling="fps2"), 4, 20, 10.0, 0, 0, 0).tolist() == \
+    assert frame_indices(FrameSettings(sampling="fps2"), 4, 20, 10.0, 0, 0, 0, 0).tolist() == \
         [2, 8, 12, 18]
+
+
+def test_each_video_and_the_counts_draw_from_their_own_streams():
+    rand = FrameSettings()
+    # two videos of one sample, of the same length, get independent frames (32 segments of
+    # 10 frames: equal picks by chance have probability 1e-32)
+    for seed in range(5):
+        first, second = (frame_indices(rand, 32, 320, 10.0, seed, 2, 7, video)
+                         for video in (3, 4))
+        assert not np.array_equal(first, second)
+    # the counts of an epoch follow from (seed, epoch) and the video's place alone: not from
+    # the videos' lengths or rates
+    frames, fps = np.array([90, 4000, 12, 700]), np.array([30.0, 25.0, 5.0, 24.0])
+    counts = frame_counts(rand, frames, fps, seed=5, epoch=1)
+    assert np.array_equal(counts, frame_counts(rand, frames[::-1] * 3, fps / 2, 5, 1))
+    assert np.array_equal(counts[:2], frame_counts(rand, frames[:2], fps[:2], 5, 1))
+    assert not np.array_equal(counts, frame_counts(rand, frames, fps, seed=6, epoch=1))
     with pytest.raises(ValueError, match="rand, middle or fpsX"):
         FrameSettings(sampling="every2")
     with pytest.raises(ValueError, match="min_frames <= max_frames"):
@@ -123,8 +153,12 @@ def test_epoch_lengths_by_hand_and_files_without_videos(tmp_path):
     # frame k adds frame_tokens[k-1]: 3 -> 5 frames adds frames 4 and 5; 4 -> 2 drops 3 and 4
     assert got.tokens.tolist() == [50, 500 + 112 + 113, 900 - 111 - 112]
     by_epoch = EpochLengths(lengths, table, plan, seed=3)
-    counts = by_epoch.frame_counts(1)
-    assert np.array_equal(by_epoch(1).vit[1:], [counts[0], counts[1:].sum()])
+    # an epoch's lengths are the checked rule above applied to that epoch's drawn counts
+    counts = frame_counts(plan.frames, table.frames, table.fps, seed=3, epoch=1)
+    expected = with_frame_counts(lengths, table, plan, counts)
+    for field in ("vit", "tokens", "image_flags"):
+        assert np.array_equal(getattr(by_epoch(1), field), getattr(expected, field))
+    assert np.array_equal(by_epoch.frame_counts(1), counts)
     # a file written without videos (as before they existed) loads with an empty table, and
     # training's lengths are the file's in every epoch
     save_lengths(lengths, tmp_path / "old.npz")

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
-# (container suffix, codec, pixel format)
-FORMATS = {"mp4": ("libx264", "yuv420p"), "webm": ("libvpx-vp9", "yuv420p"),
-           "mkv": ("libx264", "yuv420p"), "avi": ("mpeg4", "yuv420p")}
+from megatron_omnibal.data import generate
+
+# container suffix -> codec
+CODECS = {"mp4": "libx264", "webm": "libvpx-vp9", "mkv": "libx264", "avi": "mpeg4"}
 
 
 def frame_colour(k: int) -> tuple[int, int, int]:
@@ -24,22 +25,14 @@ def frame_of(pixels: np.ndarray) -> int:
 
 
 def write_video(path: Path, frames: int, fps: int = 10, size: tuple[int, int] = (64, 48),
-                gop: int = 12) -> Path:
+                gop: int = 12, times: list[int] | None = None) -> Path:
     """A video of `frames` flat-coloured frames (width x height `size`), in the format its
-    suffix names."""
-    import av
+    suffix names (`times`: each frame's time in 1/fps units, for a variable rate)."""
 
-    codec, pix = FORMATS[path.suffix.lstrip(".")]
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream(codec, rate=fps)
-        stream.width, stream.height = size
-        stream.pix_fmt = pix
-        stream.codec_context.gop_size = gop
-        for k in range(frames):
-            img = np.empty((size[1], size[0], 3), np.uint8)
-            img[:] = frame_colour(k)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return path
+    def picture(k: int) -> np.ndarray:
+        img = np.empty((size[1], size[0], 3), np.uint8)
+        img[:] = frame_colour(k)
+        return img
+
+    return generate.write_video(path, CODECS[path.suffix.lstrip(".")], frames, fps, size, gop,
+                                picture, times=times)

@@ -40,7 +40,9 @@ from megatron_omnibal.data.lengths import LengthStats
 # for the same lengths and config, so that a checkpoint trained on an older stream is not
 # resumed into a newer one at the same iteration (megatron/data_identity.py records it).
 # 3: knapsack-composed tile slots, token-bound levels by LPT, the modeled time repaired.
-PACKER_VERSION = 3
+# 4: video frame counts and frames drawn from their own streams (data/frames.py): other
+#    per-epoch lengths, so other packs, and other frames trained.
+PACKER_VERSION = 4
 
 _TOP_UP_SALT = 0x544F505550  # "TOPUP"
 

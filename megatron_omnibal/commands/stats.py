@@ -72,8 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "in [--min-frames, --max-frames] per video")
     parser.add_argument("--frame-seed", type=int, default=0,
                         help="the length records count the frames of epoch 0 drawn with this "
-                             "seed (give the training run's balance seed to make them its "
-                             "first epoch's; training redraws every epoch from its own seed)")
+                             "seed (give the --seed of the training run (the balance seed) to "
+                             "make them its first epoch's; training redraws every epoch from "
+                             "that seed)")
     parser.add_argument("--extra-keys", default="",
                         help="comma-separated record keys that carry no content, accepted "
                              "besides the known ones (unknown keys are errors)")

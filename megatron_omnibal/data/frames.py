@@ -12,8 +12,10 @@ under 'rand' and 'middle'.
 
 Here the count is decided ahead of the epoch from (seed, epoch) alone, so the balancer and the
 planner know every sample's tiles and tokens before the epoch starts, every rank computes the
-same counts, and a resumed run the same again. The frames are drawn from (seed, epoch, sample)
-in the loader that decodes them.
+same counts, and a resumed run the same again. The frames are drawn in the loader that decodes
+them, from (seed, epoch, sample, video). Each draw has its own random stream, spawned from
+(seed, epoch) with a key naming what is drawn: the counts, or the frames of one video of one
+sample; so no two videos share frames by accident and no sample's frames repeat the counts.
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ import numpy as np
 
 SAMPLINGS = ("rand", "middle", "fpsX")
 _FPS = re.compile(r"fps(\d+(?:\.\d+)?)$")
-_COUNT_STREAM = 0x766964  # separates the count draws from the frame draws of one seed
+_COUNT_STREAM, _FRAME_STREAM = 0, 1  # the first word of each draw's spawn key
+
+
+def _stream(seed: int, epoch: int, *key: int) -> np.random.Generator:
+    """The random stream of one draw of (seed, epoch): `key` says which."""
+    return np.random.default_rng(np.random.SeedSequence([seed, epoch], spawn_key=key))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,14 +76,15 @@ def frame_counts(settings: FrameSettings, frames: np.ndarray, fps: np.ndarray, s
         return np.clip(count, 1, settings.max_frames)
     if settings.min_frames == settings.max_frames:
         return np.full(n, settings.min_frames, np.int64)
-    rng = np.random.default_rng([seed, epoch, _COUNT_STREAM])
+    rng = _stream(seed, epoch, _COUNT_STREAM)
     return rng.integers(settings.min_frames, settings.max_frames + 1, size=n, dtype=np.int64)
 
 
 def frame_indices(settings: FrameSettings, count: int, frames: int, fps: float, seed: int,
-                  epoch: int, sample: int) -> np.ndarray:
+                  epoch: int, sample: int, video: int) -> np.ndarray:
     """The `count` frame indices (int64, ascending, repeats at the end of a short video) that
-    sample `sample` trains in `epoch`, from a video of `frames` frames at `fps` frames/s."""
+    sample `sample` trains in `epoch` of its video `video` (its row in the length file's video
+    table), which has `frames` frames at `fps` frames/s."""
     if count <= 0 or frames <= 0:
         raise ValueError(f"frame_indices: count {count} of {frames} frames")
     if settings.fps is not None:
@@ -90,7 +98,7 @@ def frame_indices(settings: FrameSettings, count: int, frames: int, fps: float, 
         if settings.sampling == "middle":
             picked = (low + high) // 2
         else:
-            rng = np.random.default_rng([seed, epoch, sample])
+            rng = _stream(seed, epoch, _FRAME_STREAM, sample, video)
             picked = low + np.floor(rng.random(segments) * (high - low)).astype(np.int64)
     if len(picked) < count:
         picked = np.concatenate([picked, np.full(count - len(picked), picked[-1], np.int64)])

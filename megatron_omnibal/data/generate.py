@@ -15,8 +15,9 @@ import argparse
 import json
 import random
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,33 @@ def train_tokenizer(
             single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
         )
     return tok
+
+
+def write_video(path: str | Path, codec: str, frames: int, fps: int, size: tuple[int, int],
+                gop: int, picture: Callable[[int], np.ndarray],
+                options: dict[str, str] | None = None,
+                times: Sequence[int] | None = None) -> Path:
+    """A video of `frames` frames, frame k's RGB pixels (uint8 [height, width, 3]) being
+    `picture(k)`, encoded with `codec` at `fps` frames/s and a keyframe at least every `gop`
+    frames. `times` (in 1/fps units, rising) gives frame k's time for a variable-rate video
+    (default: k)."""
+    import av
+
+    width, height = size
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height = width, height
+        stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
+        stream.codec_context.gop_size = gop
+        if options:
+            stream.options = options
+        for k in range(frames):
+            frame = av.VideoFrame.from_ndarray(picture(k), format="rgb24")
+            if times is not None:
+                frame.pts, frame.time_base = int(times[k]), Fraction(1, fps)
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())
+    return Path(path)
 
 
 def write_json_list(path: str | Path, records: list[dict], indent: int | None = None) -> None:

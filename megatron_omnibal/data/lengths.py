@@ -19,9 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -253,31 +254,31 @@ def read_stats_config(path: str | os.PathLike) -> dict | None:
 
 def load_image_tiles(path: str | os.PathLike) -> ImageTiles:
     """Tiles of each image of the multi-image samples, by sample index (meta order)."""
-    path = Path(path)
-    meta = _meta_doc(path)
-    if meta is None:
-        return _image_tiles(path)
-    out: ImageTiles = {}
-    offset = 0
-    for entry in meta.values():
-        child = (path.parent / str(entry["token_lengths"])).resolve()
-        out.update({offset + i: t for i, t in _image_tiles(child).items()})
-        offset += len(load_lengths(child))
-    return out
+    return {offset + i: t for offset, tiles in _per_dataset(Path(path), _image_tiles)
+            for i, t in tiles.items()}
 
 
 def load_videos(path: str | os.PathLike) -> VideoTable:
     """The video table of a length file (meta order; empty for image-only or older files)."""
-    path = Path(path)
+    return concat_videos([table.shifted(offset)
+                          for offset, table in _per_dataset(Path(path), _videos)])
+
+
+_Part = TypeVar("_Part")
+
+
+def _per_dataset(path: Path, read: Callable[[Path], _Part]) -> list[tuple[int, _Part]]:
+    """`read` of each dataset's length file with the index of its first sample (meta order);
+    a file that is not a meta file is its one dataset."""
     meta = _meta_doc(path)
     if meta is None:
-        return _videos(path)
+        return [(0, read(path))]
     parts, offset = [], 0
     for entry in meta.values():
         child = (path.parent / str(entry["token_lengths"])).resolve()
-        parts.append(_videos(child).shifted(offset))
+        parts.append((offset, read(child)))
         offset += len(load_lengths(child))
-    return concat_videos(parts)
+    return parts
 
 
 def _videos(path: Path) -> VideoTable:

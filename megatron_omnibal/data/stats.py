@@ -396,7 +396,8 @@ def video_frames(path: str, video: Video, config: StatsConfig) -> tuple[int, flo
     if config.verify_images:
         spread = frame_indices(FrameSettings(min_frames=1, max_frames=config.frames.max_frames,
                                              sampling="middle"),
-                               min(frames, config.frames.max_frames), frames, header.fps, 0, 0, 0)
+                               min(frames, config.frames.max_frames), frames, header.fps,
+                               seed=0, epoch=0, sample=0, video=0)
         decode_frames(path, sorted({*(first + spread).tolist(), first + frames - 1}))
     return frames, header.fps
 

@@ -115,7 +115,9 @@ def decode_frames(path: str | os.PathLike, indices: list[int] | np.ndarray) -> D
     Frames are decoded in order from the keyframe before each wanted frame: the decoder seeks
     when the next wanted frame lies further ahead than the longest keyframe interval seen so
     far (at first: one second), else decodes on, since a seek would land on a keyframe it has
-    already passed. Frames no other frame refers to (B-frames) are skipped unless wanted.
+    already passed. Frames no other frame refers to (B-frames) are skipped unless wanted. A
+    frame index no frame's time maps to (variable-rate video) gets the frame shown at that
+    time: the last one before it.
     A video that ends before a wanted frame the header promised, or whose data is corrupt, is
     a VideoError.
     """
@@ -152,42 +154,55 @@ def _decode(container, header: VideoHeader, wanted: list[int],
 
     got: dict[int, np.ndarray] = {}
     decoded, position, frames = 0, -1, None
+    shown, shown_at, dropped = None, -1, []  # the last frame at or before the target
     gap = max(1, int(round(header.fps)))  # the longest keyframe interval seen (at first 1 s)
     last_key = None
     for target in wanted:
-        if frames is None or target > position + gap:
-            # the keyframe at or before the target, at the target's time less half a frame
-            seconds = max(0.0, (target - 0.5) / header.fps)
-            container.seek(base + int(seconds / tb), stream=stream, backward=True)
-            frames, position, last_key = _frames(container, stream, index, want), -1, None
-        while position < target:
-            frame = next(frames, None)
-            if frame is None:
-                raise VideoError(f"video {where} ends after frame {position} of the "
-                                 f"{header.frames} its header promises (frame {target} "
-                                 "wanted): truncated or corrupt")
-            decoded += 1
-            if frame.pts is not None:
-                position = max(position, index(frame.pts))
-            else:
-                position += 1
-            if frame.key_frame:
-                gap = max(gap, position - last_key) if last_key is not None else gap
-                last_key = position
-            if position in got or position not in want:
-                continue
-            got[position] = frame.to_ndarray(format="rgb24")
-        if target not in got:  # no frame has that time: take the one shown then
-            got[target] = got[position] if position in got else frame.to_ndarray(
-                format="rgb24")
+        while target not in got:
+            if frames is None or target > position + gap:
+                # the keyframe at or before the target, at the target's time less half a frame
+                seconds = max(0.0, (target - 0.5) / header.fps)
+                container.seek(base + int(seconds / tb), stream=stream, backward=True)
+                position, last_key, shown, shown_at, dropped = -1, None, None, -1, []
+                frames = _frames(container, stream, index, want, dropped)
+            while position < target:
+                frame = next(frames, None)
+                if frame is None:
+                    raise VideoError(f"video {where} ends after frame {position} of the "
+                                     f"{header.frames} its header promises (frame {target} "
+                                     "wanted): truncated or corrupt")
+                decoded += 1
+                at = index(frame.pts) if frame.pts is not None else position + 1
+                position = max(position, at)
+                if at <= target:
+                    shown, shown_at = frame, at
+                if frame.key_frame:
+                    gap = max(gap, position - last_key) if last_key is not None else gap
+                    last_key = position
+                if position in got or position not in want:
+                    continue
+                got[position] = frame.to_ndarray(format="rgb24")
+            if target in got:
+                break
+            # no frame has that time (a variable rate): the one shown then is the last one
+            # before it; if that one was dropped undecoded, decode again and keep it
+            passed = [i for i in dropped if shown_at < i <= target]
+            if passed:
+                want.update(passed)
+                frames = None
+            else:  # (the first one after it when the seek landed past it)
+                got[target] = (shown or frame).to_ndarray(format="rgb24")
     return got, decoded
 
 
-def _frames(container, stream, index, want: set[int]):
+def _frames(container, stream, index, want: set[int], dropped: list[int]):
     """The stream's frames from the container's position; a packet nothing refers to (a
-    B-frame) is dropped undecoded unless its frame is wanted."""
+    B-frame) is dropped undecoded unless its frame is wanted (the index of each packet that
+    may be dropped is added to `dropped`)."""
     context = stream.codec_context
     for packet in container.demux(stream):
         keep = packet.pts is None or packet.is_keyframe or index(packet.pts) in want
+        if not keep:
+            dropped.append(index(packet.pts))
         context.skip_frame = "DEFAULT" if keep else "NONREF"
         yield from packet.decode()

@@ -45,16 +45,6 @@ class VideoPlan:
         return cumulative[np.asarray(counts, np.int64)]
 
 
-def epoch_lengths(lengths: LengthStats, table: VideoTable, plan: VideoPlan, seed: int,
-                  epoch: int) -> LengthStats:
-    """The length records of `epoch` under balance seed `seed`: each video's frames drawn for
-    that epoch in place of the counted ones (tiles, real tiles and tokens)."""
-    if not len(table):
-        return lengths
-    return with_frame_counts(lengths, table, plan,
-                             frame_counts(plan.frames, table.frames, table.fps, seed, epoch))
-
-
 def with_frame_counts(lengths: LengthStats, table: VideoTable, plan: VideoPlan,
                       counts: np.ndarray) -> LengthStats:
     """The length records with video j trained on counts[j] frames instead of table.tiles[j]."""

@@ -21,6 +21,7 @@ from megatron_omnibal.balance.config import (
 )
 from megatron_omnibal.cli_args import non_negative_int, pack_cost, positive_float, positive_int
 from megatron_omnibal.data.lengths import LengthsError, LengthStats, load_lengths
+from megatron_omnibal.data.video_lengths import EpochLengths, run_lengths
 from megatron_omnibal.megatron.finetune import add_finetune_args
 from megatron_omnibal.megatron.layout import (
     LayoutError,
@@ -63,6 +64,8 @@ class OmnibalSettings:
     lengths: LengthStats  # as the model sees them (image tokens per tile, text scale)
     plan: Plan | None
     balance: BalanceConfig  # seed: Megatron's --seed (epoch e balances with seed + e)
+    lengths_path: str  # the length file (--omnibal-lengths)
+    by_epoch: EpochLengths  # each epoch's lengths (videos redraw their frames), read once
 
     @property
     def pp_size(self) -> int:
@@ -312,7 +315,8 @@ def validate_omnibal_args(
     except LayoutError as exc:
         raise OmnibalArgsError(f"--omnibal-levels / the plan's data.levels: {exc}") from exc
     return OmnibalSettings(
-        tuple(layouts), micro, dp, args.omnibal_data, lengths, plan, balance
+        tuple(layouts), micro, dp, args.omnibal_data, lengths, plan, balance,
+        str(args.omnibal_lengths), run_lengths(args.omnibal_lengths, lengths, balance.seed),
     )
 
 

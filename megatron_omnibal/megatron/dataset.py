@@ -296,7 +296,7 @@ class RealSampleSource:
             frames, fps = int(table.frames[row]), float(table.fps[row])
             picked = clip_start(video.clip, fps) + frame_indices(
                 self.by_epoch.plan.frames, int(count), frames, fps, self.by_epoch.seed, epoch,
-                index)
+                index, int(row))
             decoded = decode_frames(path, picked)
             self.frames_decoded += decoded.decoded
             self.frames_trained += len(picked)

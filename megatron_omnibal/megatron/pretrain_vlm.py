@@ -133,7 +133,7 @@ def prepare(
         from megatron_omnibal.megatron.dataset import open_source
 
         # configuration, count and a spread of samples (from their text: no image opened)
-        open_source(args, settings.lengths, spec, pixels=False)
+        open_source(args, settings.lengths, spec, pixels=False, by_epoch=settings.by_epoch)
     finetune = finetune_settings(args)
     resume = check_resume(args, settings, spec.vit.num_attention_heads)
     if settings.pp_size > 1:  # Megatron builds, numbers and counts the layers as laid out
@@ -381,7 +381,7 @@ def _install_iteration_log(
             vit_budget=settings.balance.vit_budget,
             token_budget=settings.balance.token_budget,
             num_samples=identity.num_samples,
-            lengths_file=str(args.omnibal_lengths),
+            lengths_file=settings.lengths_path,
             source=settings.data,
             balancer=(
                 f"balancer {settings.balance.algorithm}, mode {settings.balance.mode}, "
@@ -452,27 +452,15 @@ def _model_provider(
     )
 
 
-def balanced_sampler(settings: OmnibalSettings, dp_rank: int, by_epoch: Any = None) -> Any:
+def balanced_sampler(settings: OmnibalSettings, dp_rank: int) -> Any:
     """The balanced sampler of one DP rank (its `plan(epoch)` is every rank's plan), with each
-    epoch's lengths (`by_epoch`, default lengths_by_epoch(settings))."""
+    epoch's lengths: a length file with videos draws their frames per epoch from the balance
+    seed (data/video_lengths.py), the same on every rank and at every resume."""
     from megatron_omnibal.balance.sampler import BalancedBatchSampler
 
     return BalancedBatchSampler(
-        settings.lengths,
-        settings.balance,
-        dp_rank=dp_rank,
-        lengths_of_epoch=by_epoch or lengths_by_epoch(settings),
+        settings.lengths, settings.balance, dp_rank=dp_rank, lengths_of_epoch=settings.by_epoch
     )
-
-
-def lengths_by_epoch(settings: OmnibalSettings) -> Any:
-    """The lengths of each epoch: a length file with videos draws their frames per epoch from
-    the balance seed (data/video_lengths.py), the same on every rank and at every resume."""
-    from megatron.training import get_args
-
-    from megatron_omnibal.data.video_lengths import run_lengths
-
-    return run_lengths(get_args().omnibal_lengths, settings.lengths, settings.balance.seed)
 
 
 def build_data_iterators(
@@ -503,8 +491,8 @@ def build_data_iterators(
 
     args = get_args()
     dp_rank = parallel_state.get_data_parallel_rank()
-    by_epoch = lengths_by_epoch(settings)
-    sampler = balanced_sampler(settings, dp_rank, by_epoch)
+    by_epoch = settings.by_epoch
+    sampler = balanced_sampler(settings, dp_rank)
     pixels = settings.layouts[parallel_state.get_pipeline_model_parallel_rank()].patch_embed
     if settings.data == "synthetic":
         make_sample = SyntheticSamples(by_epoch, spec, seed=args.seed, pixels=pixels)
