@@ -78,7 +78,8 @@ def test_the_log_line_carries_tflops_and_mfu_and_the_first_step_the_plan() -> No
     vit = rng.integers(0, 4, 60)
     lengths = from_arrays(vit, rng.integers(10, 90, 60) + 4 * vit, vit)
     cfg = BalanceConfig(dp_size=2, micro_batches=2, vit_budget=8, token_budget=200, seed=1)
-    steps = StreamSteps(BalancedBatchSampler(lengths, cfg, dp_rank=0).plan, lengths)
+    sampler = BalancedBatchSampler(lengths, cfg, dp_rank=0)
+    steps = StreamSteps(sampler.plan, sampler.lengths_of)
     tp = Throughput(flops=ModelFlops.of(TINY), gpus=2, peak_tflops=1e-4, peak_source="test")
     lines: list[str] = []
     log = IterationLog(steps=steps, log_interval=1, tensorboard_interval=1, is_logger=True,

@@ -44,7 +44,7 @@ def oracle(first_epoch, steps):
 
 
 def test_every_step_matches_what_each_rank_reads_across_epochs():
-    steps = StreamSteps(sampler(0).plan, LENGTHS)
+    steps = StreamSteps(sampler(0).plan, sampler(0).lengths_of)
     per_epoch = sampler(0).steps_per_epoch
     total = 2 * per_epoch + 3
     want = oracle(0, total)
@@ -59,7 +59,7 @@ def test_every_step_matches_what_each_rank_reads_across_epochs():
 
 def test_a_stream_with_an_origin_counts_from_it():
     origin = StreamOrigin(iteration=7, epoch=3, consumed_samples=1000)
-    steps = StreamSteps(sampler(0).plan, LENGTHS, origin)
+    steps = StreamSteps(sampler(0).plan, sampler(0).lengths_of, origin)
     want = oracle(3, 5)
     for k in range(5):
         np.testing.assert_array_equal(steps.step(7 + k).tokens, want[k, :, 2])
@@ -70,7 +70,7 @@ def test_a_stream_with_an_origin_counts_from_it():
 
 
 def test_step_scalars_and_the_text_line_average_over_the_log_interval():
-    steps = StreamSteps(sampler(0).plan, LENGTHS)
+    steps = StreamSteps(sampler(0).plan, sampler(0).lengths_of)
     lines = []
     log = IterationLog(steps=steps, log_interval=2, tensorboard_interval=1, is_logger=True)
     log.record(1, 0.5, printer=lambda text, **_: lines.append(text))
@@ -95,7 +95,7 @@ def test_tensorboard_scalars_read_back_with_tensorboards_event_reader(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
-    steps = StreamSteps(sampler(0).plan, LENGTHS)
+    steps = StreamSteps(sampler(0).plan, sampler(0).lengths_of)
     writer = SummaryWriter(str(tmp_path))
     log = IterationLog(steps=steps, log_interval=10, tensorboard_interval=2, is_logger=True)
     for it in range(1, 7):
@@ -113,7 +113,7 @@ def test_tensorboard_scalars_read_back_with_tensorboards_event_reader(tmp_path):
 
 
 def test_startup_summary_names_layout_budgets_epoch_and_resume_position():
-    steps = StreamSteps(sampler(0).plan, LENGTHS)
+    steps = StreamSteps(sampler(0).plan, sampler(0).lengths_of)
     per_epoch = sampler(0).steps_per_epoch
     lines = startup_summary(
         layouts=tuple(layout_from_counts((3, 1), (0, 4), (1, 0), (0, 2), 4, 4)),

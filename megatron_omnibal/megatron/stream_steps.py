@@ -92,9 +92,8 @@ class StreamSteps:
 
     Megatron iteration `origin.iteration + k` trains the stream's step k, counted from the first
     step of epoch `origin.epoch`; epochs follow each other, each with its own number of steps.
-    `plan_of_epoch(e)` is the balancer's whole plan (all DP ranks) of epoch e; `lengths` are
-    the samples' lengths, or a function of the epoch giving them (videos train on a number of
-    frames drawn per epoch).
+    `plan_of_epoch(e)` is the balancer's whole plan (all DP ranks) of epoch e; `lengths_of(e)`
+    the samples' lengths in epoch e (videos train on a number of frames drawn per epoch).
     """
 
     _CACHED_EPOCHS = 2
@@ -102,11 +101,11 @@ class StreamSteps:
     def __init__(
         self,
         plan_of_epoch: Callable[[int], BalancePlan],
-        lengths: LengthStats | Callable[[int], LengthStats],
+        lengths_of: Callable[[int], LengthStats],
         origin: StreamOrigin | None = None,
     ) -> None:
         self._plan_of_epoch = plan_of_epoch
-        self._lengths = lengths
+        self._lengths_of = lengths_of
         self.origin = origin or StreamOrigin()
         self._epochs: OrderedDict[int, EpochSteps] = OrderedDict()
         self._totals: dict[int, tuple[int, int]] = {}  # epoch -> (steps, samples)
@@ -116,8 +115,7 @@ class StreamSteps:
         if epoch in self._epochs:
             self._epochs.move_to_end(epoch)
             return self._epochs[epoch]
-        lengths = self._lengths(epoch) if callable(self._lengths) else self._lengths
-        steps = epoch_steps(self._plan_of_epoch(epoch), lengths)
+        steps = epoch_steps(self._plan_of_epoch(epoch), self._lengths_of(epoch))
         if steps.num_steps <= 0:
             raise ValueError(
                 f"the balanced stream has no training step in epoch {epoch} "
