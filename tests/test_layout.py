@@ -172,3 +172,24 @@ def test_layout_module_imports_no_torch() -> None:
         "sys.exit(int('torch' in sys.modules or 'megatron.core' in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_plan_written_before_the_shared_stage_type_loads_to_the_same_layouts() -> None:
+    """tests/data/plan_v2_before_one_layout.json was written by `save_plan` of PLAN before plan
+    stages and training stages became one type: it still loads, its stages are the training
+    stages (no conversion), and they give the layouts recorded then."""
+    from pathlib import Path
+
+    from megatron_omnibal.planner.plan import load_plan
+
+    path = Path(__file__).resolve().parent / "data" / "plan_v2_before_one_layout.json"
+    old = load_plan(path)
+    assert old == PLAN
+    assert all(isinstance(st, StageLayout) for st in old.stages)
+    recorded = [  # layout_from_plan(PLAN, 4) as printed before the change
+        ((0, 30), (0, 0), True, False, False, False, 30, 0),
+        ((30, 45), (0, 10), False, True, True, False, 5, 2),
+        ((45, 45), (10, 29), False, False, False, False, 0, 0),
+        ((45, 45), (29, 48), False, False, False, True, 0, 0),
+    ]
+    assert layout_from_plan(old, pp_size=4) == [StageLayout(*row) for row in recorded]

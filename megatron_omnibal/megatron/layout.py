@@ -6,55 +6,21 @@ plan for another PP size or model, recompute above the layer count) must stop wi
 message BEFORE any process group exists, where a wrong layout would otherwise hang a pipeline.
 Pure Python: no torch, no Megatron.
 
-Model order is [patch embedding, ViT layers, projector, LLM embedding, LLM layers, head]. Layer
-ranges are half-open and use GLOBAL layer numbering per tower.
+The stage type itself (StageLayout) is the planner's, shared with plan.json's stages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from megatron_omnibal.balance.config import Level
 from megatron_omnibal.planner.plan import Plan
+from megatron_omnibal.planner.stage_layout import StageLayout
 
 
 class LayoutError(ValueError):
     """A pipeline layout that cannot build the model; the message says what and where."""
-
-
-@dataclass(frozen=True)
-class StageLayout:
-    """One pipeline stage's slice of the VLM (half-open global layer ranges per tower)."""
-
-    vit_layers: tuple[int, int]
-    llm_layers: tuple[int, int]
-    patch_embed: bool
-    projector: bool
-    llm_embed: bool
-    head: bool
-    vit_recompute: int = 0
-    llm_recompute: int = 0
-
-    @property
-    def num_vit_layers(self) -> int:
-        return self.vit_layers[1] - self.vit_layers[0]
-
-    @property
-    def num_llm_layers(self) -> int:
-        return self.llm_layers[1] - self.llm_layers[0]
-
-    @property
-    def has_vision(self) -> bool:
-        """Whether this stage sees the ViT hidden states (input or produced)."""
-        return self.patch_embed or self.num_vit_layers > 0 or self.projector
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["vit_layers"] = list(self.vit_layers)
-        d["llm_layers"] = list(self.llm_layers)
-        return d
 
 
 def validate_layout(
@@ -152,19 +118,7 @@ def layout_from_plan(
             f"--pipeline-model-parallel-size {pp_size}"
         )
     spec = plan.model_spec
-    out = [
-        StageLayout(
-            vit_layers=s.vit_layers,
-            llm_layers=s.llm_layers,
-            patch_embed=s.patch_embed,
-            projector=s.projector,
-            llm_embed=s.llm_embed,
-            head=s.head,
-            vit_recompute=s.vit_recompute,
-            llm_recompute=s.llm_recompute,
-        )
-        for s in plan.stages
-    ]
+    out = [s.layout for s in plan.stages]
     validate_layout(
         out,
         spec.vit.num_layers if vit_layers is None else vit_layers,

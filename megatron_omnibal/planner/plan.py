@@ -23,6 +23,7 @@ from megatron_omnibal.models.spec import ModelSpec, SpecError
 from megatron_omnibal.planner.config_files import hardware_from_dict
 from megatron_omnibal.planner.hardware import Hardware
 from megatron_omnibal.planner.plan_fields import PlanError, from_json, need, to_json
+from megatron_omnibal.planner.stage_layout import StageLayout
 
 PLAN_VERSION = 2
 MODES = ("exact", "bmp", "megatron")
@@ -85,18 +86,11 @@ class ParallelSizes:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StagePlan:
-    """One pipeline stage: its slice of [patch embed, ViT, projector + LLM embed, LLM, head]."""
+class StagePlan(StageLayout):
+    """One pipeline stage: its layout (the slice of [patch embed, ViT, projector + LLM embed,
+    LLM, head] the training stage builds) and what the plan predicts for it."""
 
     stage: int
-    vit_layers: tuple[int, int]
-    llm_layers: tuple[int, int]
-    patch_embed: bool
-    projector: bool
-    llm_embed: bool
-    head: bool
-    vit_recompute: int = 0
-    llm_recompute: int = 0
     forward_ms: float  # per micro-batch, at the mean balanced micro-batch
     backward_ms: float  # recompute included
     peak_memory_gib: float  # at the largest micro-batch
@@ -116,14 +110,6 @@ class StagePlan:
             )
         need(self.projector == self.llm_embed, "llm_embed must sit with the projector")
         _non_negative(self, "forward_ms", "backward_ms", "peak_memory_gib")
-
-    @property
-    def num_vit_layers(self) -> int:
-        return self.vit_layers[1] - self.vit_layers[0]
-
-    @property
-    def num_llm_layers(self) -> int:
-        return self.llm_layers[1] - self.llm_layers[0]
 
 
 @dataclass(frozen=True, kw_only=True)
