@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -132,6 +131,7 @@ def measure(root: Path, layout: str, pixels: bool, workers: int, micro: int) -> 
     from megatron_omnibal.balance.sampler import BalancedBatchSampler
     from megatron_omnibal.data.lengths import load_lengths
     from megatron_omnibal.data.video_lengths import run_lengths
+    from megatron_omnibal.megatron.args import SourceSettings
     from megatron_omnibal.megatron.data import BalancedDataIterator
     from megatron_omnibal.megatron.dataset import open_source
     from megatron_omnibal.megatron.loader import MicroBatchDataset
@@ -143,9 +143,7 @@ def measure(root: Path, layout: str, pixels: bool, workers: int, micro: int) -> 
     data = root / DATA[layout]
     lengths_path = root / f"{layout}_lengths.npz"
     lengths = load_lengths(lengths_path)
-    args = SimpleNamespace(omnibal_data=str(data), omnibal_lengths=str(lengths_path),
-                           omnibal_tokenizer=None, omnibal_text_scale=1,
-                           trust_remote_code=False)
+    args = SourceSettings(data=str(data), lengths_path=str(lengths_path))
     by_epoch = run_lengths(lengths_path, lengths, seed=0)
     source = open_source(args, lengths, spec, pixels=pixels, check=0, by_epoch=by_epoch)
     config = BalanceConfig(dp_size=1, micro_batches=1, vit_budget=vit_budget,

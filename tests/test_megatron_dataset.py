@@ -33,6 +33,7 @@ from megatron_omnibal.data.generate import (
     write_meta,
 )
 from megatron_omnibal.data.lengths import load_lengths, save_lengths
+from megatron_omnibal.megatron.args import SourceSettings
 from megatron_omnibal.megatron.dataset import DatasetError, open_source
 from megatron_omnibal.megatron.loader import SampleLoadError
 from megatron_omnibal.models.presets import PRESETS
@@ -128,9 +129,8 @@ def data(tmp_path_factory):
 
 
 def _args(data_path, lengths, **kw):
-    return SimpleNamespace(omnibal_data=str(data_path), omnibal_tokenizer=kw.get("tok"),
-                           omnibal_lengths=str(lengths), omnibal_text_scale=kw.get("scale", 1),
-                           trust_remote_code=False)
+    return SourceSettings(data=str(data_path), tokenizer=kw.get("tok"),
+                          lengths_path=str(lengths), text_scale=kw.get("scale", 1))
 
 
 # --- the oracle ------------------------------------------------------------------------------
@@ -491,3 +491,28 @@ def test_samples_skipped_by_stats_are_left_out_in_order(data, tmp_path):
     out.with_name(f"{out.stem}.skipped.json").unlink()
     with pytest.raises(DatasetError, match=f"has {len(recs) - 2} samples.*gives {len(recs)}"):
         open_source(_args(data.root / "skips.json", out), lengths, SPEC)
+
+
+@pytest.mark.megatron
+def test_start_up_work_happens_once(data, tmp_path):
+    """PP=2 through torchrun on the real dataset, counted by wrapping the functions on every
+    rank (startup_counts.py): the node balances the epoch plan once (its local rank 0; the other
+    rank maps the file), and each rank opens the data source, validates the layout and reads
+    the length file once."""
+    lengths_path = _stats(data.root / "data.json", data.root / "tok.json", INTERNVL_FLAGS,
+                          tmp_path / "lengths.npz")
+    lengths = load_lengths(lengths_path)
+    flags = _entry_flags(data.root / "data.json", lengths_path, lengths, 1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1",
+           "OMNIBAL_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(WORKERS / "startup_counts.py"), str(tmp_path / "counts"), *flags],
+        env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    counts = [json.loads((tmp_path / "counts" / f"counts_rank{r}.json").read_text())
+              for r in (0, 1)]  # fmt: skip
+    assert sum(c["epoch_plans_balanced"] for c in counts) == 1, counts
+    for c in counts:
+        assert (c["data_sources_opened"], c["layout_validations"], c["length_file_reads"],
+                c["plan_json_reads"]) == (1, 1, 1, 0), c  # fmt: skip

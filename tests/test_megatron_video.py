@@ -35,6 +35,7 @@ from megatron_omnibal.data.frames import frame_indices
 from megatron_omnibal.data.generate import image_array, save_image, write_jsonl, write_meta
 from megatron_omnibal.data.lengths import load_lengths
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan, run_lengths
+from megatron_omnibal.megatron.args import SourceSettings
 from megatron_omnibal.megatron.data import BalancedDataIterator
 from megatron_omnibal.megatron.dataset import open_source
 from megatron_omnibal.megatron.loader import BadSamplePolicy, MicroBatchDataset, SampleLoadError
@@ -107,9 +108,8 @@ def data(tmp_path_factory):
 
 
 def _args(data):
-    return SimpleNamespace(omnibal_data=str(data.root / "meta.json"), omnibal_tokenizer=None,
-                           omnibal_lengths=str(data.lengths_path), omnibal_text_scale=1,
-                           trust_remote_code=False)
+    return SourceSettings(data=str(data.root / "meta.json"), tokenizer=None,
+                          lengths_path=str(data.lengths_path), text_scale=1)
 
 
 # --- the oracle ------------------------------------------------------------------------------
@@ -255,9 +255,8 @@ def test_bad_videos_are_logged_counted_and_never_replaced(data, tmp_path):
                           tmp_path / "l.npz")  # the cut file's header is intact: measured
     (root / "media" / "b.webm").unlink()  # gone after stats
     lengths = load_lengths(lengths_path)
-    args = SimpleNamespace(omnibal_data=str(root / "meta.json"), omnibal_tokenizer=None,
-                           omnibal_lengths=str(lengths_path), omnibal_text_scale=1,
-                           trust_remote_code=False)
+    args = SourceSettings(data=str(root / "meta.json"), tokenizer=None,
+                          lengths_path=str(lengths_path), text_scale=1)
     source = open_source(args, lengths, SPEC)
     assert source(0).images.shape == (5, 3, 16, 16)
     with pytest.raises(SampleLoadError, match=r"d.jsonl:2: sample 1 \(id cut\).*cut.webm ends "

@@ -183,23 +183,21 @@ def test_a_torch_dist_checkpoint_loads_at_any_split_unless_the_vocabulary_pads_d
 
 
 def test_a_bad_tracker_file_or_a_missing_iteration_is_refused(tmp_path):
-    from types import SimpleNamespace
-
     from megatron_omnibal.megatron.checkpoint_check import read_saved_run
     from megatron_omnibal.megatron.compat import ensure_typing_override
 
     ensure_typing_override()  # megatron.training on Python 3.11
-    args = SimpleNamespace(load=str(tmp_path), ckpt_step=None)
-    assert read_saved_run(args) is None  # nothing saved yet: Megatron starts from scratch
+    args = {"load": str(tmp_path), "ckpt_step": None}
+    assert read_saved_run(**args) is None  # nothing saved yet: Megatron starts from scratch
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("seven\n")
     with pytest.raises(OmnibalArgsError, match="holds 'seven', expected an iteration number"):
-        read_saved_run(args)
+        read_saved_run(**args)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("7\n")
     with pytest.raises(OmnibalArgsError, match="no checkpoint directory .*iter_0000007"):
-        read_saved_run(args)
+        read_saved_run(**args)
     (tmp_path / "iter_0000007").mkdir()
     with pytest.raises(OmnibalArgsError, match="holds neither a torch_dist checkpoint"):
-        read_saved_run(args)
+        read_saved_run(**args)
 
 
 def test_an_identity_from_another_version_needs_permission_to_resume():

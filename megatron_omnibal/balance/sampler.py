@@ -15,7 +15,8 @@ level's budgets and recompute counts.
 
 The last epoch plan computed is kept per process (`shared_plan`): the samplers of one process
 (the training log's, the data iterator's) ask for the same epoch at start-up, and balance it
-once between them.
+once between them. A training run passes `plan_of_epoch` instead, which balances once per node
+(megatron/node_plans.py).
 """
 
 from __future__ import annotations
@@ -50,12 +51,14 @@ class BalancedBatchSampler:
     """Yields lists of sample indices: step 0 micro 0..M-1, step 1, ..., then the next epoch."""
 
     def __init__(self, lengths: LengthStats, config: BalanceConfig, *, dp_rank: int,
-                 lengths_of_epoch: Callable[[int], LengthStats] | None = None) -> None:
+                 lengths_of_epoch: Callable[[int], LengthStats] | None = None,
+                 plan_of_epoch: Callable[[int], BalancePlan] | None = None) -> None:
         if not 0 <= dp_rank < config.dp_size:
             raise ValueError(f"BalancedBatchSampler: dp_rank {dp_rank} not in "
                              f"[0, {config.dp_size})")
         self.lengths = lengths
         self._lengths_of_epoch = lengths_of_epoch
+        self._plan_of_epoch = plan_of_epoch
         self.config = config
         self.dp_rank = dp_rank
         self.epoch, self.step, self.micro = 0, 0, 0
@@ -86,7 +89,11 @@ class BalancedBatchSampler:
         return self.lengths if self._lengths_of_epoch is None else self._lengths_of_epoch(epoch)
 
     def plan(self, epoch: int) -> BalancePlan:
-        """The whole plan (all ranks) of one epoch."""
+        """The whole plan (all ranks) of one epoch: `plan_of_epoch`'s where given (the plan of
+        balance() for the epoch's lengths and seed, made elsewhere: computed once per node),
+        else computed in this process."""
+        if self._plan_of_epoch is not None:
+            return self._plan_of_epoch(epoch)
         return shared_plan(self.lengths_of(epoch), self.config.with_seed(self.config.seed + epoch))
 
     def _load(self, epoch: int) -> None:

@@ -22,14 +22,13 @@ from megatron_omnibal.balance.config import (
 from megatron_omnibal.cli_args import non_negative_int, pack_cost, positive_float, positive_int
 from megatron_omnibal.data.lengths import LengthsError, LengthStats, load_lengths
 from megatron_omnibal.data.video_lengths import EpochLengths, run_lengths
-from megatron_omnibal.megatron.finetune import add_finetune_args
+from megatron_omnibal.megatron.finetune import FinetuneSettings, add_finetune_args
 from megatron_omnibal.megatron.layout import (
     LayoutError,
     StageLayout,
     layout_from_counts,
     layout_from_plan,
     level_recompute,
-    validate_layout,
 )
 from megatron_omnibal.megatron.stderr import write_line
 from megatron_omnibal.planner.plan import Plan, PlanError
@@ -37,6 +36,7 @@ from megatron_omnibal.planner.plan import load_plan as read_plan
 from megatron_omnibal.planner.provenance import lengths_sha256
 
 BAD_SAMPLE = ("error", "skip")
+PRECISIONS = ("bf16", "fp16", "fp32")
 # Megatron's own ways of splitting the layers; --omnibal sets the layout itself.
 MEGATRON_LAYOUT_FLAGS = (
     ("--pipeline-model-parallel-layout", "pipeline_model_parallel_layout"),
@@ -53,23 +53,91 @@ class OmnibalArgsError(ValueError):
     """A bad --omnibal* flag or a combination Megatron cannot run; the message names the flag."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class SourceSettings:
+    """Where the samples come from and how their length file is read (--omnibal-data,
+    --omnibal-lengths, --omnibal-tokenizer, --omnibal-text-scale, --trust-remote-code)."""
+
+    data: str  # 'synthetic' or the dataset the length file was computed from
+    lengths_path: str
+    tokenizer: str | None = None
+    text_scale: int = 1
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.text_scale < 1:
+            raise OmnibalArgsError(f"--omnibal-text-scale must be >= 1, got {self.text_scale}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class OmnibalSettings:
-    """The validated OmniBal configuration of one run (identical on every rank)."""
+    """The validated configuration of one run (identical on every rank but `rank`): the
+    --omnibal* flags and the Megatron arguments the package uses, built once at start-up
+    (validate_omnibal_args). Everything below the entry points receives this (or a part of
+    it), never Megatron's argument namespace."""
 
     layouts: tuple[StageLayout, ...]
     micro_batches: int
     dp_size: int
-    data: str
+    tp_size: int
+    world_size: int
+    rank: int
+    source: SourceSettings
     lengths: LengthStats  # as the model sees them (image tokens per tile, text scale)
     plan: Plan | None
     balance: BalanceConfig  # seed: Megatron's --seed (epoch e balances with seed + e)
-    lengths_path: str  # the length file (--omnibal-lengths)
     by_epoch: EpochLengths  # each epoch's lengths (videos redraw their frames), read once
+    finetune: FinetuneSettings
+    precision: str  # bf16 | fp16 | fp32, as Megatron's flags say
+    peak_tflops: float | None  # --omnibal-peak-tflops
+    vocab_size: int | None  # the model's, as Megatron pads nothing yet
+    load: str | None  # --load
+    ckpt_step: int | None  # --ckpt-step
+    save: str | None  # --save
+    restart_stream: bool  # Megatron's --finetune: training (re)starts at iteration 0
+    allow_data_change: bool  # --omnibal-allow-data-change
+    bad_sample: str  # --omnibal-bad-sample
+    bad_sample_report: str | None  # --omnibal-bad-sample-report
+    num_workers: int  # Megatron's --num-workers (data loader processes of decoding ranks)
+    log_interval: int
+    tensorboard_log_interval: int
+
+    def __post_init__(self) -> None:
+        if not self.layouts:
+            raise OmnibalArgsError("the pipeline layout has no stages")
+        for flag, value in (
+            ("--tensor-model-parallel-size", self.tp_size),
+            ("the data-parallel size", self.dp_size),
+            ("--global-batch-size / DP", self.micro_batches),
+            ("--log-interval", self.log_interval),
+            ("--tensorboard-log-interval", self.tensorboard_log_interval),
+        ):
+            if value < 1:
+                raise OmnibalArgsError(f"{flag} must be >= 1, got {value}")
+        if self.bad_sample not in BAD_SAMPLE:
+            raise OmnibalArgsError(
+                f"--omnibal-bad-sample {self.bad_sample}: choose from {', '.join(BAD_SAMPLE)}"
+            )
+        if self.precision not in PRECISIONS:
+            raise OmnibalArgsError(f"precision {self.precision}: one of {', '.join(PRECISIONS)}")
+        if self.num_workers < 0:
+            raise OmnibalArgsError(f"--num-workers must be >= 0, got {self.num_workers}")
 
     @property
     def pp_size(self) -> int:
         return len(self.layouts)
+
+    @property
+    def data(self) -> str:
+        return self.source.data
+
+    @property
+    def lengths_path(self) -> str:
+        return self.source.lengths_path
+
+    @property
+    def seed(self) -> int:
+        return self.balance.seed
 
     @property
     def level_recompute(self) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -206,7 +274,7 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     g.add_argument(
         "--omnibal-precision",
-        choices=("bf16", "fp16", "fp32"),
+        choices=PRECISIONS,
         default=None,
         help="training precision (default: Megatron's --bf16 / --fp16 where given, else the "
         "plan's, bf16; fp32 without a plan)",
@@ -314,10 +382,52 @@ def validate_omnibal_args(
         level_recompute(layouts, balance.levels)
     except LayoutError as exc:
         raise OmnibalArgsError(f"--omnibal-levels / the plan's data.levels: {exc}") from exc
-    return OmnibalSettings(
-        tuple(layouts), micro, dp, args.omnibal_data, lengths, plan, balance,
-        str(args.omnibal_lengths), run_lengths(args.omnibal_lengths, lengths, balance.seed),
+    source = SourceSettings(
+        data=args.omnibal_data,
+        lengths_path=str(args.omnibal_lengths),
+        tokenizer=args.omnibal_tokenizer,
+        text_scale=args.omnibal_text_scale,
+        trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
     )
+    try:
+        finetune = FinetuneSettings(
+            freeze=frozenset(args.omnibal_freeze), vit_lr_mult=args.omnibal_vit_lr_mult
+        )
+    except ValueError as exc:
+        raise OmnibalArgsError(str(exc)) from exc
+    return OmnibalSettings(
+        layouts=tuple(layouts),
+        micro_batches=micro,
+        dp_size=dp,
+        tp_size=args.tensor_model_parallel_size,
+        world_size=int(getattr(args, "world_size", 1)),
+        rank=int(getattr(args, "rank", 0)),
+        source=source,
+        lengths=lengths,
+        plan=plan,
+        balance=balance,
+        by_epoch=run_lengths(args.omnibal_lengths, lengths, balance.seed),
+        finetune=finetune,
+        precision=run_precision(args),
+        peak_tflops=args.omnibal_peak_tflops,
+        vocab_size=getattr(args, "vocab_size", None),
+        load=args.load,
+        ckpt_step=getattr(args, "ckpt_step", None) or None,
+        save=args.save,
+        restart_stream=bool(getattr(args, "finetune", False)),
+        allow_data_change=args.omnibal_allow_data_change,
+        bad_sample=args.omnibal_bad_sample,
+        bad_sample_report=args.omnibal_bad_sample_report,
+        num_workers=args.num_workers,
+        log_interval=args.log_interval,
+        tensorboard_log_interval=args.tensorboard_log_interval,
+    )
+
+
+def run_precision(args: argparse.Namespace) -> str:
+    """bf16, fp16 or fp32, as Megatron's flags say."""
+    return "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) \
+        else "fp32"
 
 
 def load_plan(path: str) -> Plan:
@@ -348,28 +458,19 @@ def _layouts(
             )
         layouts = layout_from_counts(vit, llm, vit_rc, llm_rc, vit_total, llm_total)
     elif plan is not None:
-        try:
-            layouts = layout_from_plan(plan, pp, vit_total, llm_total)
-        except LayoutError as exc:
-            raise OmnibalArgsError(f"--omnibal-plan {args.omnibal_plan}: {exc}") from exc
         for flag, counts in (
             ("--omnibal-vit-recompute", vit_rc),
             ("--omnibal-llm-recompute", llm_rc),
         ):
-            if counts is not None and len(counts) != pp:
+            if counts is not None and len(counts) != pp and len(plan.stages) == pp:
                 raise OmnibalArgsError(
                     f"{flag} {_fmt(counts)} has {len(counts)} stages, "
                     f"--pipeline-model-parallel-size is {pp}"
                 )
-        layouts = [
-            replace(
-                st,
-                vit_recompute=st.vit_recompute if vit_rc is None else vit_rc[r],
-                llm_recompute=st.llm_recompute if llm_rc is None else llm_rc[r],
-            )
-            for r, st in enumerate(layouts)
-        ]
-        validate_layout(layouts, vit_total, llm_total)
+        try:
+            layouts = layout_from_plan(plan, pp, vit_total, llm_total, vit_rc, llm_rc)
+        except LayoutError as exc:
+            raise OmnibalArgsError(f"--omnibal-plan {args.omnibal_plan}: {exc}") from exc
     else:
         raise OmnibalArgsError(
             "--omnibal needs --omnibal-plan, or --omnibal-vit-pp-layers and --omnibal-llm-pp-layers"

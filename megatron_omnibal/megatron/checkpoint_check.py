@@ -15,7 +15,6 @@ checkpoint) holds the stage layouts, the data-stream identity and the stream's o
 
 from __future__ import annotations
 
-import argparse
 import os
 import warnings
 from dataclasses import dataclass
@@ -81,52 +80,49 @@ class ResumePlan:
     notes: tuple[str, ...] = ()
 
 
-def stream_identity(args: argparse.Namespace, settings: OmnibalSettings) -> StreamIdentity:
+def stream_identity(settings: OmnibalSettings) -> StreamIdentity:
     """This run's data-stream identity (settings.lengths are the lengths as balanced)."""
     return StreamIdentity.of(
         settings.lengths,
-        text_scale=args.omnibal_text_scale,
+        text_scale=settings.source.text_scale,
         data=settings.data,
         balance=settings.balance,
     )
 
 
 def run_info(
-    args: argparse.Namespace,
-    settings: OmnibalSettings,
-    identity: StreamIdentity,
-    origin: StreamOrigin,
+    settings: OmnibalSettings, identity: StreamIdentity, origin: StreamOrigin
 ) -> dict[str, Any]:
     """The record stored as args.omnibal_run (plain types: Megatron pickles args)."""
     return {
         "version": RUN_INFO_VERSION,
         "layouts": [st.to_dict() for st in settings.layouts],
-        "tp": args.tensor_model_parallel_size,
-        "pp": args.pipeline_model_parallel_size,
+        "tp": settings.tp_size,
+        "pp": settings.pp_size,
         "stream": identity.to_dict(),
         "origin": origin.to_dict(),
-        "lengths_file": str(args.omnibal_lengths),
+        "lengths_file": settings.lengths_path,
     }
 
 
-def read_saved_run(args: argparse.Namespace) -> SavedRun | None:
+def read_saved_run(load: str | None, ckpt_step: int | None = None) -> SavedRun | None:
     """The checkpoint `--load` (and `--ckpt-step`) will load, or None when there is none."""
-    if not args.load:
+    if not load:
         return None
     from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
 
-    tracker = get_checkpoint_tracker_filename(args.load)
+    tracker = get_checkpoint_tracker_filename(load)
     iteration, release = -1, False
     if os.path.isfile(tracker):
         iteration, release = _read_tracker(tracker)
-    if getattr(args, "ckpt_step", None):
-        iteration = args.ckpt_step
+    if ckpt_step:
+        iteration = ckpt_step
     if iteration < 0:
         return None  # Megatron starts from scratch (or stops with --exit-on-missing-checkpoint)
-    path = get_checkpoint_name(args.load, iteration, release, return_base_dir=True)
+    path = get_checkpoint_name(load, iteration, release, return_base_dir=True)
     if not os.path.isdir(path):
-        raise OmnibalArgsError(f"--load {args.load}: no checkpoint directory {path}")
-    fmt, saved = _saved_args(args.load, iteration, release, path)
+        raise OmnibalArgsError(f"--load {load}: no checkpoint directory {path}")
+    fmt, saved = _saved_args(load, iteration, release, path)
     return SavedRun(
         path=path,
         iteration=iteration,
@@ -243,28 +239,26 @@ def check_layout(
             )
 
 
-def check_resume(
-    args: argparse.Namespace, settings: OmnibalSettings, vit_heads: int = 0
-) -> ResumePlan:
+def check_resume(settings: OmnibalSettings, vit_heads: int = 0) -> ResumePlan:
     """Read the checkpoint this run will load (if any), refuse what cannot resume, and say
     where the data stream starts. `vit_heads`: the model's ViT attention heads."""
-    saved = read_saved_run(args)
+    saved = read_saved_run(settings.load, settings.ckpt_step)
     if saved is not None:
         check_layout(
             saved,
             settings.layouts,
-            args.tensor_model_parallel_size,
-            args.load,
-            args.vocab_size,
+            settings.tp_size,
+            str(settings.load),
+            settings.vocab_size,
             vit_heads,
         )
     return plan_resume(
         saved,
-        stream_identity(args, settings),
-        allow_data_change=args.omnibal_allow_data_change,
-        finetune=bool(getattr(args, "finetune", False)),
-        load=str(args.load),
-        lengths_file=str(args.omnibal_lengths),
+        stream_identity(settings),
+        allow_data_change=settings.allow_data_change,
+        finetune=settings.restart_stream,
+        load=str(settings.load),
+        lengths_file=settings.lengths_path,
     )
 
 

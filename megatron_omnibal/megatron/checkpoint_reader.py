@@ -80,9 +80,10 @@ def _record(info: dict, where: str) -> tuple[ModelSpec, list[StageLayout]]:
     return spec, layouts
 
 
-def _from_args(args: Any, where: str) -> tuple[ModelSpec, list[StageLayout], int]:
-    spec_text = getattr(args, "omnibal_model_spec", None)
-    stages_text = getattr(args, "omnibal_stages", None)
+def _from_args(saved: Any, where: str) -> tuple[ModelSpec, list[StageLayout], int]:
+    """Model, layout and TP size from the argument namespace a checkpoint saved."""
+    spec_text = getattr(saved, "omnibal_model_spec", None)
+    stages_text = getattr(saved, "omnibal_stages", None)
     if spec_text is None or stages_text is None:
         raise CheckpointError(
             f"{where}: the checkpoint's args hold no omnibal_model_spec / omnibal_stages (not "
@@ -91,7 +92,7 @@ def _from_args(args: Any, where: str) -> tuple[ModelSpec, list[StageLayout], int
     spec, layouts = _record(
         {"model_spec": json.loads(spec_text), "stages": json.loads(stages_text)}, where
     )
-    return spec, layouts, int(args.tensor_model_parallel_size)
+    return spec, layouts, int(saved.tensor_model_parallel_size)
 
 
 def open_checkpoint(root: str | Path, iteration: int | None = None) -> Checkpoint:

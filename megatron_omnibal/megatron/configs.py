@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_omnibal.megatron.layout import StageLayout, megatron_layout, validate_layout
+from megatron_omnibal.megatron.layout import StageLayout, megatron_layout
 from megatron_omnibal.models.spec import ModelSpec
 
 
@@ -98,12 +98,12 @@ def stage_configs(
     tp_size: int = 1,
     overrides: dict[str, Any] | None = None,
 ) -> StageConfigs:
-    """The TransformerConfigs stage `stage` builds with.
+    """The TransformerConfigs stage `stage` builds with. `layouts` come validated (every way
+    of making them checks them: layout.layout_from_plan / _counts / _dicts).
 
     `overrides` are TransformerConfig fields from the training flags applied to every tower
     (dtype, dropout, init, sequence_parallel: the LLM's only).
     """
-    validate_layout(layouts, spec.vit.num_layers, spec.llm.num_layers)
     check_tensor_parallel(spec, tp_size)
     pp = len(layouts)
     st = layouts[stage]

@@ -24,7 +24,6 @@ training starts.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from dataclasses import replace
@@ -55,6 +54,7 @@ from megatron_omnibal.data.stats_config import (
 from megatron_omnibal.data.tokenization import TokenCounter
 from megatron_omnibal.data.video import VideoError, decode_frames
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan
+from megatron_omnibal.megatron.args import SourceSettings
 
 if TYPE_CHECKING:
     from megatron_omnibal.megatron.batch import Sample
@@ -376,45 +376,46 @@ def stored_config(lengths_path: str | os.PathLike) -> tuple[StatsConfig, dict]:
         raise DatasetError(str(exc)) from exc
 
 
-def open_source(args: argparse.Namespace, lengths: LengthStats, spec: Any, pixels: bool = True,
+def open_source(source: SourceSettings, lengths: LengthStats, spec: Any, pixels: bool = True,
                 check: int = 32, by_epoch: EpochLengths | None = None) -> RealSampleSource:
-    """The source of --omnibal-data PATH, checked against --omnibal-lengths and the model (no
+    """The dataset of --omnibal-data PATH, checked against --omnibal-lengths and the model (no
     process group). `check` records spread over the dataset are built now, every sample
-    again when drawn. `pixels`: this rank decodes images (its stage embeds patches).
+    again when drawn. `pixels`: this rank decodes images (its stage embeds patches; a source
+    opened without may be switched on later by setting its `pixels`).
     `by_epoch`: the run's lengths per epoch (default: the epochs of the frame seed the length
     file was counted with, whose epoch 0 is the file's own records)."""
-    where = f"--omnibal-lengths {args.omnibal_lengths}"
-    if args.omnibal_text_scale != 1:
-        raise DatasetError(f"--omnibal-text-scale {args.omnibal_text_scale}: with a real "
+    where = f"--omnibal-lengths {source.lengths_path}"
+    if source.text_scale != 1:
+        raise DatasetError(f"--omnibal-text-scale {source.text_scale}: with a real "
                            "dataset the length file is used as it is (the scale is for "
                            "synthetic dry runs)")
-    config, run = stored_config(args.omnibal_lengths)
+    config, run = stored_config(source.lengths_path)
     try:
         check_model(config, run, spec, where)
     except StatsConfigError as exc:
         raise DatasetError(str(exc)) from exc
-    if args.omnibal_tokenizer:
-        config = replace(config, tokenizer=args.omnibal_tokenizer)
-    config = replace(config, trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
-    report = Path(args.omnibal_lengths)
+    if source.tokenizer:
+        config = replace(config, tokenizer=source.tokenizer)
+    config = replace(config, trust_remote_code=source.trust_remote_code)
+    report = Path(source.lengths_path)
     try:
-        tiles = load_image_tiles(args.omnibal_lengths)
+        tiles = load_image_tiles(source.lengths_path)
         if by_epoch is None:
-            table, plan = load_video_plan(args.omnibal_lengths)
+            table, plan = load_video_plan(source.lengths_path)
             by_epoch = EpochLengths(lengths, table, plan, plan.seed if plan else 0)
-        source = RealSampleSource(
-            args.omnibal_data, config, lengths, spec, tiles, run.get("image_root"),
+        opened = RealSampleSource(
+            source.data, config, lengths, spec, tiles, run.get("image_root"),
             skipped=report.with_name(f"{report.stem}.skipped.json"), pixels=pixels,
             by_epoch=by_epoch)
     except (OSError, LengthsError) as exc:  # a missing dataset, annotation or tokenizer
-        raise DatasetError(f"--omnibal-data {args.omnibal_data}: {exc}") from exc
+        raise DatasetError(f"--omnibal-data {source.data}: {exc}") from exc
     except ValueError as exc:  # a tokenizer that cannot be loaded (the message says why)
         raise DatasetError(f"{where}: {exc}") from exc
-    fingerprint = source.counter.fingerprint()
+    fingerprint = opened.counter.fingerprint()
     if fingerprint != run.get("tokenizer_fingerprint"):
         raise DatasetError(
             f"tokenizer {config.tokenizer} is not the one {where} was counted with (fingerprint "
             f"{fingerprint}, stored {run.get('tokenizer_fingerprint')}); give the same "
             "tokenizer with --omnibal-tokenizer or rerun `omnibal stats`")
-    source.check_spread(check)
-    return source
+    opened.check_spread(check)
+    return opened

@@ -73,12 +73,6 @@ def add_finetune_args(group: Any) -> None:
     )
 
 
-def finetune_settings(args: argparse.Namespace) -> FinetuneSettings:
-    return FinetuneSettings(
-        freeze=frozenset(args.omnibal_freeze), vit_lr_mult=args.omnibal_vit_lr_mult
-    )
-
-
 def apply_to_stage(stage: torch.nn.Module, settings: FinetuneSettings) -> None:
     """Freeze the stage's parameters of frozen parts; mark its ViT parameters."""
     for part, names in _MODULES.items():

@@ -12,6 +12,7 @@ The stage type itself (StageLayout) is the planner's, shared with plan.json's st
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from megatron_omnibal.balance.config import Level
@@ -107,8 +108,11 @@ def layout_from_plan(
     pp_size: int,
     vit_layers: int | None = None,
     llm_layers: int | None = None,
+    vit_recompute: Sequence[int] | None = None,
+    llm_recompute: Sequence[int] | None = None,
 ) -> list[StageLayout]:
-    """The stages of a (validated) plan, checked against the run's PP size and model.
+    """The stages of a (validated) plan, checked against the run's PP size and model, with
+    per-stage recompute counts given by flags in place of the plan's (None: the plan's).
 
     Model layer counts default to the plan's model_spec.
     """
@@ -118,7 +122,14 @@ def layout_from_plan(
             f"--pipeline-model-parallel-size {pp_size}"
         )
     spec = plan.model_spec
-    out = [s.layout for s in plan.stages]
+    out = [
+        replace(
+            s.layout,
+            vit_recompute=s.vit_recompute if vit_recompute is None else vit_recompute[r],
+            llm_recompute=s.llm_recompute if llm_recompute is None else llm_recompute[r],
+        )
+        for r, s in enumerate(plan.stages)
+    ]
     validate_layout(
         out,
         spec.vit.num_layers if vit_layers is None else vit_layers,

@@ -193,10 +193,9 @@ class BadSamplePolicy:
                 f"skipped{report}")
 
 
-def report_path(args: Any, dp_rank: int) -> Path:
-    """The skipped-sample report of a data-parallel replica: --omnibal-bad-sample-report, else
-    next to the checkpoints (--save), else the working directory."""
-    base = Path(args.omnibal_bad_sample_report) if args.omnibal_bad_sample_report else (
-        Path(args.save or os.getcwd()) / "omnibal_bad_samples.jsonl")
-    return base.with_name(f"{base.stem}.dp{dp_rank}{base.suffix}") if args.data_parallel_size \
-        > 1 else base
+def report_path(report: str | None, save: str | None, dp_size: int, dp_rank: int) -> Path:
+    """The skipped-sample report of a data-parallel replica: `report`
+    (--omnibal-bad-sample-report), else next to the checkpoints (`save`), else the working
+    directory."""
+    base = Path(report) if report else Path(save or os.getcwd()) / "omnibal_bad_samples.jsonl"
+    return base.with_name(f"{base.stem}.dp{dp_rank}{base.suffix}") if dp_size > 1 else base

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -34,11 +35,7 @@ from megatron_omnibal.megatron.checkpoint_check import (
 )
 from megatron_omnibal.megatron.compat import ensure_typing_override
 from megatron_omnibal.megatron.cpu import enable_cpu_megatron
-from megatron_omnibal.megatron.finetune import (
-    FinetuneSettings,
-    finetune_settings,
-    install_vit_lr_override,
-)
+from megatron_omnibal.megatron.finetune import install_vit_lr_override
 from megatron_omnibal.megatron.layout import embedding_ranks, megatron_layout_flag
 from megatron_omnibal.megatron.notes import note_fallbacks, quiet_fallback_warnings
 from megatron_omnibal.megatron.run_args import complete_argv
@@ -76,7 +73,7 @@ def main(
         # (it broadcasts them from DP rank 0).
         argv.append("--data-parallel-random-init")
     try:
-        argv, settings, spec, finetune, resume = prepare(argv)
+        argv, settings, spec, resume, source = prepare(argv)
     except (OmnibalArgsError, ValueError) as exc:
         return _fail(exc)
     note_fallbacks()
@@ -92,19 +89,18 @@ def main(
     from megatron_omnibal.megatron.loader import SampleLoadError
 
     try:
-        train(args, settings, spec, resume, forward_step_func, build_iterators, finetune)
+        train(args, settings, spec, resume, forward_step_func, build_iterators, source)
     except SampleLoadError as exc:  # a sample that cannot be loaded (--omnibal-bad-sample)
         return _fail(exc, every_rank=True)
     return 0
 
 
-def prepare(
-    argv: list[str],
-) -> tuple[list[str], OmnibalSettings, Any, FinetuneSettings, ResumePlan]:
+def prepare(argv: list[str]) -> tuple[list[str], OmnibalSettings, Any, ResumePlan, Any]:
     """Every check of the run, on Megatron's parse of the completed command line, before
     Megatron validates (and prints) its arguments or creates a process group: the command line
-    completed from the plan and model, with the pipeline layout Megatron is to build, and the
-    run's settings. Raises OmnibalArgsError (or ValueError) naming what is wrong."""
+    completed from the plan and model, with the pipeline layout Megatron is to build, the run's
+    settings, model spec and resume plan, and the opened data source (None: synthetic data).
+    Raises OmnibalArgsError (or ValueError) naming what is wrong."""
     from megatron.training.arguments import add_megatron_arguments
 
     pre = _preparse(argv)
@@ -129,16 +125,19 @@ def prepare(
     settings = validate_omnibal_args(
         args, plan, vit_layers=spec.vit.num_layers, tokens_per_tile=spec.tokens_per_tile
     )
+    source = None
     if settings.data != "synthetic":
         from megatron_omnibal.megatron.dataset import open_source
 
-        # configuration, count and a spread of samples (from their text: no image opened)
-        open_source(args, settings.lengths, spec, pixels=False, by_epoch=settings.by_epoch)
-    finetune = finetune_settings(args)
-    resume = check_resume(args, settings, spec.vit.num_attention_heads)
+        # configuration, count and a spread of samples (from their text: no image opened);
+        # the ranks that decode images switch pixels on when they build their iterator
+        source = open_source(
+            settings.source, settings.lengths, spec, pixels=False, by_epoch=settings.by_epoch
+        )
+    resume = check_resume(settings, spec.vit.num_attention_heads)
     if settings.pp_size > 1:  # Megatron builds, numbers and counts the layers as laid out
         argv += ["--pipeline-model-parallel-layout", megatron_layout_flag(settings.layouts)]
-    return argv, settings, spec, finetune, resume
+    return argv, settings, spec, resume, source
 
 
 def _parsed(
@@ -314,13 +313,15 @@ def train(
     resume: ResumePlan,
     forward_step_func: ForwardStep | None = None,
     build_iterators: IteratorsBuilder | None = None,
-    finetune: FinetuneSettings | None = None,
+    source: Any = None,
 ) -> None:
     """megatron.training.pretrain with the VLM stage provider and the balanced iterator.
 
-    `resume` (from check_resume) says where the data stream starts. With the package's own
-    iterator, rank 0 prints the start-up summary and every logged iteration gets the balance
-    figures (training_log.py); a replaced `build_iterators` has no balanced plan to report.
+    `args` is Megatron's validated namespace (this entry point hands it to megatron.training
+    only); `resume` (from check_resume) says where the data stream starts; `source` is the
+    data source prepare opened (None: synthetic). With the package's own iterator, rank 0
+    prints the start-up summary and every logged iteration gets the balance figures
+    (training_log.py); a replaced `build_iterators` has no balanced plan to report.
     """
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
@@ -330,16 +331,17 @@ def train(
 
     _run_steps_of_their_levels()
     args.calculate_per_token_loss = True  # losses are token sums; Megatron divides globally
-    if finetune is not None:
-        install_vit_lr_override(finetune.vit_lr_mult)
+    install_vit_lr_override(settings.finetune.vit_lr_mult)
     args.variable_seq_lengths = True  # balanced micro-batches differ in shape
     args.eval_iters = 0  # the balanced stream is for training; there is no validation split
     # Megatron saves its argument namespace in every checkpoint: the next resume checks this.
-    setattr(args, RUN_INFO, run_info(args, settings, resume.identity, resume.origin))
+    setattr(args, RUN_INFO, run_info(settings, resume.identity, resume.origin))
     cfg = pretrain_cfg_container_from_args(args)
     if build_iterators is None:
-        _install_iteration_log(args, settings, resume, spec)
-        data_provider = partial(build_data_iterators, settings, spec, origin=resume.origin)
+        plans = node_plans(settings, resume)
+        _install_iteration_log(settings, resume, spec, plans)
+        data_provider = partial(build_data_iterators, settings, spec, origin=resume.origin,
+                                plans=plans, source=source)  # fmt: skip
     else:
         data_provider = partial(build_iterators, settings, spec)
     # Every rank builds its own iterator: no broadcast from TP rank 0 (training.py reads this).
@@ -349,33 +351,46 @@ def train(
         data_provider,
         ModelType.encoder_or_decoder,
         forward_step_func or forward_step,
-        model_provider=partial(
-            _model_provider, settings, spec, config_overrides(args), finetune
-        ),
+        model_provider=partial(_model_provider, settings, spec, config_overrides(args)),
         # A tied output head's gradient is summed with the embedding's between their stages.
         get_embedding_ranks=embedding_ranks(settings.layouts),
         get_position_embedding_ranks=_first_rank,
     )
 
 
+def node_plans(settings: OmnibalSettings, resume: ResumePlan) -> Any:
+    """The run's epoch plans, balanced once per node (node_plans.NodePlans; the local rank
+    from torchrun's LOCAL_RANK)."""
+    from megatron_omnibal.megatron.node_plans import NodePlans
+
+    return NodePlans(
+        settings.by_epoch,
+        settings.balance,
+        resume.identity.to_dict(),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    )
+
+
 def _install_iteration_log(
-    args: argparse.Namespace, settings: OmnibalSettings, resume: ResumePlan, spec: Any
+    settings: OmnibalSettings, resume: ResumePlan, spec: Any, plans: Any
 ) -> None:
     """The start-up summary and notes (rank 0) and the per-iteration log (installed into
     Megatron's training_log on every rank: every rank counts consumed samples)."""
+    from megatron.training import get_args
+
     from megatron_omnibal.megatron import training_log
     from megatron_omnibal.megatron.stream_steps import StreamSteps
-    from megatron_omnibal.megatron.throughput import device_name, throughput_from_args
+    from megatron_omnibal.megatron.throughput import device_name, run_throughput
 
-    sampler = balanced_sampler(settings, 0)
+    sampler = balanced_sampler(settings, 0, plans)
     steps = StreamSteps(sampler.plan, sampler.lengths_of, resume.origin)
-    if args.rank == 0:
+    if settings.rank == 0:
         for note in resume.notes:
             print(f"pretrain_vlm: note: {note}", flush=True)
         identity = resume.identity
         summary = training_log.startup_summary(
             layouts=settings.layouts,
-            tp=args.tensor_model_parallel_size,
+            tp=settings.tp_size,
             dp=settings.dp_size,
             micro_batches=settings.micro_batches,
             vit_budget=settings.balance.vit_budget,
@@ -393,13 +408,19 @@ def _install_iteration_log(
         print("\n".join(summary), flush=True)
     log = training_log.IterationLog(
         steps=steps,
-        log_interval=args.log_interval,
-        tensorboard_interval=args.tensorboard_log_interval,
-        is_logger=args.rank == args.world_size - 1,
-        throughput=throughput_from_args(args, spec, device_name()),
+        log_interval=settings.log_interval,
+        tensorboard_interval=settings.tensorboard_log_interval,
+        is_logger=settings.rank == settings.world_size - 1,
+        throughput=run_throughput(
+            spec, settings.world_size, settings.precision, settings.peak_tflops, device_name()
+        ),
         predicted_step_ms=settings.plan.predicted.step_ms if settings.plan else None,
     )
-    training_log.install(log)
+
+    def set_consumed(samples: int) -> None:  # Megatron's count, in its namespace
+        get_args().consumed_train_samples = samples
+
+    training_log.install(log, set_consumed)
 
 
 def _run_steps_of_their_levels() -> None:
@@ -430,7 +451,6 @@ def _model_provider(
     settings: OmnibalSettings,
     spec: Any,
     overrides: dict[str, Any],
-    finetune: FinetuneSettings | None,
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
@@ -447,20 +467,22 @@ def _model_provider(
         vp_stage,
         config_overrides=overrides,
         pg_collection=pg_collection,
-        finetune=finetune,
+        finetune=settings.finetune,
         level_recompute=settings.level_recompute,
     )
 
 
-def balanced_sampler(settings: OmnibalSettings, dp_rank: int) -> Any:
+def balanced_sampler(settings: OmnibalSettings, dp_rank: int, plans: Any = None) -> Any:
     """The balanced sampler of one DP rank (its `plan(epoch)` is every rank's plan), with each
     epoch's lengths: a length file with videos draws their frames per epoch from the balance
-    seed (data/video_lengths.py), the same on every rank and at every resume."""
+    seed (data/video_lengths.py), the same on every rank and at every resume. `plans`: the
+    epoch plans (node_plans; None: balanced in this process)."""
     from megatron_omnibal.balance.sampler import BalancedBatchSampler
 
     return BalancedBatchSampler(
-        settings.lengths, settings.balance, dp_rank=dp_rank, lengths_of_epoch=settings.by_epoch
-    )
+        settings.lengths, settings.balance, dp_rank=dp_rank, lengths_of_epoch=settings.by_epoch,
+        plan_of_epoch=plans,
+    )  # fmt: skip
 
 
 def build_data_iterators(
@@ -469,9 +491,13 @@ def build_data_iterators(
     _num_samples: Any = None,
     *,
     origin: Any = None,
+    plans: Any = None,
+    source: Any = None,
 ) -> tuple[Any, None, None]:
     """(train iterator, no validation, no test) for this rank, at Megatron's iteration of the
     stream that starts at `origin` (data_identity.StreamOrigin; None: iteration 0, epoch 0).
+    `plans`: the run's epoch plans (node_plans; None: balanced in this process); `source`: the
+    data source prepare opened (None: opened here for a real dataset).
 
     Only ranks whose stage holds the patch embedding decode pixels; the others get token ids,
     labels and shape-only tiles. Micro-batches come from Megatron's --num-workers processes on
@@ -481,79 +507,116 @@ def build_data_iterators(
     """
     import atexit
 
-    import torch
     from megatron.core import parallel_state
     from megatron.training import get_args
 
-    from megatron_omnibal.megatron.batch import SyntheticSamples
-    from megatron_omnibal.megatron.data import BalancedDataIterator
-    from megatron_omnibal.megatron.loader import MicroBatchDataset
-
-    args = get_args()
-    dp_rank = parallel_state.get_data_parallel_rank()
-    by_epoch = settings.by_epoch
-    sampler = balanced_sampler(settings, dp_rank)
-    pixels = settings.layouts[parallel_state.get_pipeline_model_parallel_rank()].patch_embed
-    if settings.data == "synthetic":
-        make_sample = SyntheticSamples(by_epoch, spec, seed=args.seed, pixels=pixels)
-        describe = str
-    else:
-        from megatron_omnibal.megatron.dataset import open_source
-
-        make_sample = open_source(
-            args, settings.lengths, spec, pixels=pixels, check=0, by_epoch=by_epoch
-        )
-        describe = make_sample.describe
-    workers = args.num_workers if pixels else 0
-    if workers:
-        # The worker processes are the parallelism; a forked tokenizer's thread pool is not.
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    most = max(lv.micro_batches for lv in settings.balance.all_levels)  # per step
-    policy = bad_sample_policy(args, pixels, describe, dp_rank, most)
-    iterator = BalancedDataIterator(
-        sampler,
-        settings.micro_batches,
-        MicroBatchDataset(make_sample, partial(filler_sample, spec)),
-        start_step=args.iteration,
-        num_workers=workers,
-        pin_memory=torch.cuda.is_available(),
-        policy=policy,
-        origin=origin,
+    ranks = StageRanks(
+        dp=parallel_state.get_data_parallel_rank(),
+        pp=parallel_state.get_pipeline_model_parallel_rank(),
+        tp=parallel_state.get_tensor_model_parallel_rank(),
+        model_size=parallel_state.get_pipeline_model_parallel_world_size()
+        * parallel_state.get_tensor_model_parallel_world_size(),
+    )
+    # Megatron's iteration once it loaded its checkpoint: where this rank's stream resumes
+    iterator, policy = data_iterator(
+        settings, spec, ranks, get_args().iteration, origin=origin, plans=plans, source=source
     )
     atexit.register(_report_skipped, policy)
     return iterator, None, None
 
 
+@dataclass(frozen=True)
+class StageRanks:
+    """This rank's place in the model-parallel grid, as the data stream needs it."""
+
+    dp: int
+    pp: int
+    tp: int
+    model_size: int  # PP x TP: the ranks that read one replica's stream
+
+
+def data_iterator(
+    settings: OmnibalSettings,
+    spec: Any,
+    ranks: StageRanks,
+    start_step: int,
+    *,
+    origin: Any = None,
+    plans: Any = None,
+    source: Any = None,
+) -> tuple[Any, Any]:
+    """(this rank's balanced iterator from Megatron iteration `start_step`, its bad-sample
+    policy): build_data_iterators once the process groups say where the rank stands."""
+    import torch
+
+    from megatron_omnibal.megatron.batch import SyntheticSamples
+    from megatron_omnibal.megatron.data import BalancedDataIterator
+    from megatron_omnibal.megatron.loader import MicroBatchDataset
+
+    by_epoch = settings.by_epoch
+    sampler = balanced_sampler(settings, ranks.dp, plans)
+    pixels = settings.layouts[ranks.pp].patch_embed
+    if settings.data == "synthetic":
+        make_sample = SyntheticSamples(by_epoch, spec, seed=settings.seed, pixels=pixels)
+        describe = str
+    else:
+        if source is None:
+            from megatron_omnibal.megatron.dataset import open_source
+
+            source = open_source(
+                settings.source, settings.lengths, spec, pixels=pixels, check=0, by_epoch=by_epoch
+            )
+        source.pixels = pixels
+        make_sample = source
+        describe = make_sample.describe
+    workers = settings.num_workers if pixels else 0
+    if workers:
+        # The worker processes are the parallelism; a forked tokenizer's thread pool is not.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    most = max(lv.micro_batches for lv in settings.balance.all_levels)  # per step
+    policy = bad_sample_policy(settings, ranks, pixels, describe, most)
+    iterator = BalancedDataIterator(
+        sampler,
+        settings.micro_batches,
+        MicroBatchDataset(make_sample, partial(filler_sample, spec)),
+        start_step=start_step,
+        num_workers=workers,
+        pin_memory=torch.cuda.is_available(),
+        policy=policy,
+        origin=origin,
+    )
+    return iterator, policy
+
+
 def bad_sample_policy(
-    args: argparse.Namespace, pixels: bool, describe: Any, dp_rank: int, micro_batches: int
+    settings: OmnibalSettings, ranks: StageRanks, pixels: bool, describe: Any,
+    micro_batches: int,
 ) -> Any:
     """The skip/error policy of this rank; under skip, the decoding rank of each replica (first
     stage, TP rank 0) tells the other ranks through the job's store which samples failed."""
-    from megatron.core import parallel_state
-
     from megatron_omnibal.megatron.loader import BadSampleChannel, BadSamplePolicy, report_path
 
-    decides = pixels and parallel_state.get_tensor_model_parallel_rank() == 0
+    decides = pixels and ranks.tp == 0
     channel = None
-    others = (
-        parallel_state.get_pipeline_model_parallel_world_size()
-        * parallel_state.get_tensor_model_parallel_world_size()
-        > 1
-    )
-    if args.omnibal_bad_sample == "skip" and others:
+    if settings.bad_sample == "skip" and ranks.model_size > 1:
         import torch.distributed as dist
 
         # the decision of micro-batch k is read before step k/M + 2 ends: keep three steps
         channel = BadSampleChannel(
-            dist.distributed_c10d._get_default_store(), dp_rank, 3 * micro_batches
+            dist.distributed_c10d._get_default_store(), ranks.dp, 3 * micro_batches
+        )
+    report = None
+    if decides:
+        report = report_path(
+            settings.bad_sample_report, settings.save, settings.dp_size, ranks.dp
         )
     return BadSamplePolicy(
-        mode=args.omnibal_bad_sample,
+        mode=settings.bad_sample,
         decides=decides,
         channel=channel,
-        report=report_path(args, dp_rank) if decides else None,
+        report=report,
         describe=describe,
-    )
+    )  # fmt: skip
 
 
 def _report_skipped(policy: Any) -> None:

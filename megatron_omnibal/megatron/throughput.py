@@ -61,19 +61,12 @@ def device_name() -> str | None:
     return torch.cuda.get_device_name()
 
 
-def run_precision(args: Any) -> str:
-    """bf16, fp16 or fp32, as Megatron's flags say."""
-    return "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) \
-        else "fp32"
-
-
-def throughput_from_args(args: Any, spec: Any, device_name: str | None) -> Throughput:
-    """The run's Throughput: its model, its GPU count, the device's peak at its precision."""
+def run_throughput(
+    spec: Any, gpus: int, precision: str, peak_tflops: float | None, device_name: str | None
+) -> Throughput:
+    """The run's Throughput: its model, its GPU count, the device's peak at its precision
+    (`peak_tflops`: --omnibal-peak-tflops, else the device's known peak)."""
     from megatron_omnibal.planner.device_peak import device_peak_tflops
 
-    peak, source = device_peak_tflops(
-        device_name, run_precision(args), getattr(args, "omnibal_peak_tflops", None)
-    )
-    return Throughput(
-        flops=ModelFlops.of(spec), gpus=int(args.world_size), peak_tflops=peak, peak_source=source
-    )
+    peak, source = device_peak_tflops(device_name, precision, peak_tflops)
+    return Throughput(flops=ModelFlops.of(spec), gpus=gpus, peak_tflops=peak, peak_source=source)

@@ -8,7 +8,7 @@ budgets or the balance a run is paying for, and its "consumed samples" counts mi
 
 How: Megatron's train loop calls `megatron.training.training.training_log` after every
 iteration on every rank and offers no hook for extra figures; `install` wraps that function (the
-only place this module touches Megatron): before it runs, `consumed_train_samples` is set to the
+only place this module touches Megatron): before it runs, Megatron's consumed samples are set to the
 samples trained so far (so Megatron's log line, its TensorBoard "vs samples" axes and the
 checkpoint count samples), after it the OmniBal line and scalars follow Megatron's, on the rank
 that prints and writes Megatron's (the last).
@@ -213,8 +213,9 @@ class IterationLog:
         return text + f" | epoch {epoch} step {step + 1}/{self.steps.epoch(epoch).num_steps} |"
 
 
-def install(log: IterationLog) -> None:
-    """Wrap Megatron's training_log: samples in "consumed samples", then the OmniBal figures.
+def install(log: IterationLog, set_consumed: Callable[[int], None]) -> None:
+    """Wrap Megatron's training_log: samples in "consumed samples" (`set_consumed` writes
+    Megatron's count), then the OmniBal figures.
 
     An iteration's time is read from Megatron's own "interval-time" timer (the one behind its
     "elapsed time per iteration"), which pauses while a checkpoint is saved.
@@ -228,7 +229,7 @@ def install(log: IterationLog) -> None:
     @functools.wraps(orig)
     def training_log(*a: Any, **k: Any) -> Any:
         iteration = int(signature.bind(*a, **k).arguments["iteration"])
-        global_vars.get_args().consumed_train_samples = log.consumed_samples(iteration)
+        set_consumed(log.consumed_samples(iteration))
         timer = global_vars.get_timers()("interval-time")
         seconds = timer.elapsed(reset=False) - timer_before_log[0]
         result = orig(*a, **k)
