@@ -4,13 +4,14 @@ Why: the plan is the same on every rank (the balancer is deterministic), and at 
 samples one balance() call takes about half a minute and a GB or more at its peak; eight ranks
 of a node computing it each pay that eight times over, in time on shared cores and in memory.
 Here the node's local rank 0 balances the epoch and writes the plan's arrays as .npy files into
-a folder whose name holds the stream's identity and the epoch; the other local ranks wait for
-the folder to appear (it is renamed into place whole, so a rank never sees half a plan) and
-np.load the arrays with mmap_mode='r', so the node holds one copy in its page cache.
+a folder whose name holds the job, the stream's identity and the epoch; the other local ranks
+wait for the folder to appear (it is renamed into place whole, so a rank never sees half a
+plan) and np.load the arrays with mmap_mode='r', so the node holds one copy in its page cache.
 
-A folder left by an earlier run of the same stream is used as it is (its name says it is the
-same plan). The writer removes the folder of the epoch before last when it moves on to a new
-epoch, and the folders it used when its process exits. Pure numpy: no torch, no Megatron.
+The writer removes the folders it wrote when its process exits, not before: a rank that resumes
+walks the epochs from the stream's origin to count their steps and may ask for an
+early epoch after the writer moved on. The folder (in /dev/shm: memory) so holds one plan per
+epoch the run reached, about 20 bytes per sample each. Pure numpy: no torch, no Megatron.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ ARRAYS = ("samples", "pack_ptr", "pack_step", "pack_rank", "pack_micro", "skippe
 META = "meta.json"
 WAIT_S = 3600.0  # how long a rank waits for its node's writer (torchrun ends it sooner on error)
 POLL_S = 0.02
+KEPT = 2  # mapped plans kept per process
 
 
 def default_folder() -> Path:
@@ -44,11 +46,18 @@ def default_folder() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def plan_name(identity: dict, epoch: int) -> str:
-    """The folder name of one epoch's plan: the balance seed of the epoch and a digest of the
-    stream's identity (lengths, budgets, balancer options, packer version)."""
+def job_id() -> str:
+    """The job's id on this node: torchrun's run id (a fresh one per --standalone job, the
+    rendezvous id of a multi-node job), else this process's (a run without torchrun)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
+
+
+def plan_name(identity: dict, epoch: int, job: str) -> str:
+    """The folder name of one epoch's plan: the job, a digest of the stream's identity
+    (lengths, budgets, balancer options, packer version), the epoch and its balance seed."""
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
-    return f"omnibal-epoch-plan-{digest}-seed{int(identity['seed']) + epoch}-epoch{epoch}"
+    seed = int(identity["seed"]) + epoch
+    return f"omnibal-epoch-plan-{job}-{digest}-seed{seed}-epoch{epoch}"
 
 
 def write_plan(plan: BalancePlan, folder: Path) -> None:
@@ -73,7 +82,7 @@ def map_plan(folder: Path) -> BalancePlan:
 
 class NodePlans:
     """`plans(epoch)`: the whole balanced plan of an epoch, balanced by the node's writer (local
-    rank 0) and mapped by the others; the last plan is kept in the process.
+    rank 0) and mapped by the others; the last two plans stay mapped in the process.
 
     `lengths_of(epoch)` and `config` are the sampler's (epoch e balances with seed + e);
     `identity` names the stream (data_identity.StreamIdentity.to_dict()).
@@ -95,26 +104,26 @@ class NodePlans:
         self.writer = local_rank == 0
         self.folder = folder or default_folder()
         self._wait_s = wait_s
-        self._last: tuple[int, BalancePlan] | None = None
-        self._written: list[Path] = []
+        self._job = job_id()
+        self._plans: dict[int, BalancePlan] = {}
+        self._used: list[Path] = []
         if self.writer:
-            atexit.register(self._remove, self._written)
+            atexit.register(self._remove, self._used)
 
     def __call__(self, epoch: int) -> BalancePlan:
-        if self._last is not None and self._last[0] == epoch:
-            return self._last[1]
-        folder = self.folder / plan_name(self._identity, epoch)
+        if epoch in self._plans:
+            return self._plans[epoch]
+        folder = self.folder / plan_name(self._identity, epoch, self._job)
         if not self.writer:
             self._wait(folder)
-        else:
-            if not (folder / META).is_file():
-                config = self._config.with_seed(self._config.seed + epoch)
-                write_plan(balance(self._lengths_of(epoch), config), folder)
-            self._written.append(folder)
-            self._remove(self._written[:-2])  # the epoch before last: no rank reads it again
-            del self._written[:-2]
+        elif folder not in self._used:
+            config = self._config.with_seed(self._config.seed + epoch)
+            write_plan(balance(self._lengths_of(epoch), config), folder)
+            self._used.append(folder)
         plan = map_plan(folder)
-        self._last = (epoch, plan)
+        self._plans[epoch] = plan
+        while len(self._plans) > KEPT:  # the stream and the sampler stand in the last two
+            del self._plans[min(self._plans)]
         return plan
 
     def _wait(self, folder: Path) -> None:
