@@ -218,6 +218,7 @@ def _level_run(nproc, out, flags):
     proc = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"},
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     _ok(proc)
+    (out / "stdout.txt").write_text(proc.stdout)
     return _records(out)
 
 
@@ -312,6 +313,30 @@ def test_levels_resume_across_a_level_change_continues_exactly(level_runs):
         assert [m["level"] for m in s + r] == [m["level"] for m in w]
     w, r = whole[1]["micro"], resumed[1]["micro"]
     assert [m["loss"] for m in r] == pytest.approx([m["loss"] for m in w[k:]], rel=1e-6)
+
+
+def test_levels_consumed_samples_survive_the_checkpoint(level_runs):
+    """Megatron's "consumed samples" with packing levels (4 and 2 micro-batches a step) in the
+    stopped run, in the checkpoint it saved and in the resumed run: the samples trained so far.
+    Oracle: the micro-batches the uninterrupted run drew, counted here."""
+    out, runs, total, stop = level_runs
+    steps = _steps_of(runs["pp2"][0]["micro"])
+    trained = np.cumsum([sum(len(m["indices"]) for m in s) for s in steps]).tolist()
+    assert len(trained) == total and len(set(np.diff(trained))) > 1  # steps differ in samples
+
+    def logged(name):
+        text = (out / name / "stdout.txt").read_text()
+        found = re.findall(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+)", text)
+        return {int(i): int(c) for i, c in found}
+
+    from megatron_omnibal.megatron.checkpoint_check import read_saved_run
+    from megatron_omnibal.megatron.compat import ensure_typing_override
+
+    assert logged("stopped") == {it: trained[it - 1] for it in range(1, stop + 1)}
+    ensure_typing_override()  # megatron.training on Python 3.11
+    saved = read_saved_run(str(out / "ckpt"))
+    assert (saved.iteration, saved.consumed_samples) == (stop, trained[stop - 1])
+    assert logged("resumed") == {it: trained[it - 1] for it in range(stop + 1, total + 1)}
 
 
 def test_levels_log_counts_samples_rates_and_epochs(lengths_file, tmp_path):

@@ -1,5 +1,6 @@
-"""Epoch plans balanced once per node: local rank 0 writes, the other ranks map the same plan
-read-only; a rank that finds no plan waits, and says which file it waited for."""
+"""Epoch plans balanced (and lengths read) once per node: local rank 0 writes, the other ranks
+map the same arrays read-only; a rank that finds no plan waits, and says which file it waited
+for."""
 
 from __future__ import annotations
 
@@ -67,3 +68,28 @@ def test_a_reader_without_its_writer_stops_naming_the_file(tmp_path) -> None:
                        wait_s=0.1)  # fmt: skip
     with pytest.raises(TimeoutError, match=r"omnibal-epoch-plan-.*-seed5-epoch2.*local rank 0"):
         reader(2)
+
+
+def test_lengths_are_made_once_and_mapped_by_the_other_ranks(tmp_path) -> None:
+    """Oracle: the lengths themselves. The writer makes them once, a reader (started first)
+    maps an equal read-only copy; another key is another file."""
+    made = []
+
+    def make():
+        made.append(1)
+        return LENGTHS
+
+    got = {}
+    reader = threading.Thread(target=lambda: got.setdefault(
+        "r", node_plans.node_lengths(make, {"k": 1}, local_rank=1, folder=tmp_path)))
+    reader.start()
+    mine = node_plans.node_lengths(make, {"k": 1}, local_rank=0, folder=tmp_path)
+    reader.join()
+    assert made == [1]
+    for lengths in (mine, got["r"]):
+        for field in ("vit", "tokens", "image_flags", "dataset"):
+            np.testing.assert_array_equal(getattr(lengths, field), getattr(LENGTHS, field))
+            assert not getattr(lengths, field).flags.writeable
+        assert lengths.names == LENGTHS.names
+    node_plans.node_lengths(make, {"k": 2}, local_rank=0, folder=tmp_path)
+    assert made == [1, 1] and len(list(tmp_path.glob("omnibal-lengths-*"))) == 2

@@ -9,6 +9,7 @@ wrong, not hang a 1000-GPU job in its first collective. Nothing here imports tor
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, replace
 
 from megatron_omnibal.balance.config import (
@@ -30,6 +31,7 @@ from megatron_omnibal.megatron.layout import (
     layout_from_plan,
     level_recompute,
 )
+from megatron_omnibal.megatron.node_plans import node_lengths
 from megatron_omnibal.megatron.stderr import write_line
 from megatron_omnibal.planner.plan import Plan, PlanError
 from megatron_omnibal.planner.plan import load_plan as read_plan
@@ -376,7 +378,7 @@ def validate_omnibal_args(
     if plan is not None:
         _check_plan_sizes(plan, args, micro)
     vit_budget, token_budget = _budgets(args, plan)
-    lengths = _load_lengths(args, plan, tokens_per_tile)
+    lengths = _node_lengths(args, plan, tokens_per_tile)
     balance = _balance_config(args, plan, dp, micro, vit_budget, token_budget)
     try:  # each level's recompute must fit its stages: checked before any process group
         level_recompute(layouts, balance.levels)
@@ -517,6 +519,31 @@ def _check_plan_sizes(plan: Plan, args: argparse.Namespace, micro: int) -> None:
                 f"pretrain_vlm: note: {where} was made for {key}={planned}, this run has "
                 f"{key}={value}"
             )
+
+
+def _node_lengths(
+    args: argparse.Namespace, plan: Plan | None, tokens_per_tile: int | None
+) -> LengthStats:
+    """_load_lengths once per node when torchrun starts several local ranks: local rank 0 reads,
+    checks and converts them, the others map its copy (node_plans.node_lengths)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    path = args.omnibal_lengths
+    try:
+        stat = os.stat(path) if path is not None and local_ranks > 1 else None
+    except OSError:
+        stat = None
+    if stat is None:  # one rank, or no file (every rank reports it)
+        return _load_lengths(args, plan, tokens_per_tile)
+    key = {
+        "path": os.path.abspath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+        "tokens_per_tile": tokens_per_tile, "text_scale": args.omnibal_text_scale,
+        "plan_lengths": None if plan is None else plan.data.lengths_sha256,
+    }  # fmt: skip
+    return node_lengths(
+        lambda: _load_lengths(args, plan, tokens_per_tile),
+        key,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    )
 
 
 def _load_lengths(

@@ -1,4 +1,5 @@
-"""Each epoch's balanced plan computed once per node and mapped read-only by its other ranks.
+"""Each epoch's balanced plan (and the run's lengths) made once per node and mapped read-only by
+its other ranks.
 
 Why: the plan is the same on every rank (the balancer is deterministic), and at 12 million
 samples one balance() call takes about half a minute and a GB or more at its peak; eight ranks
@@ -11,7 +12,9 @@ plan) and np.load the arrays with mmap_mode='r', so the node holds one copy in i
 The writer removes the folders it wrote when its process exits, not before: a rank that resumes
 walks the epochs from the stream's origin to count their steps and may ask for an
 early epoch after the writer moved on. The folder (in /dev/shm: memory) so holds one plan per
-epoch the run reached, about 20 bytes per sample each. Pure numpy: no torch, no Megatron.
+epoch the run reached, about 20 bytes per sample each. The lengths (28 bytes per sample, read,
+checked and converted for the model) are shared the same way (`node_lengths`). Pure numpy: no
+torch, no Megatron.
 """
 
 from __future__ import annotations
@@ -60,24 +63,67 @@ def plan_name(identity: dict, epoch: int, job: str) -> str:
     return f"omnibal-epoch-plan-{job}-{digest}-seed{seed}-epoch{epoch}"
 
 
-def write_plan(plan: BalancePlan, folder: Path) -> None:
-    """The plan's arrays as .npy files and its meta as JSON, renamed into `folder` whole."""
+def write_arrays(arrays: dict[str, np.ndarray], meta: dict, folder: Path) -> None:
+    """Arrays as .npy files and `meta` as JSON, renamed into `folder` whole."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        for name in ARRAYS:
-            np.save(tmp / f"{name}.npy", np.ascontiguousarray(getattr(plan, name)))
-        (tmp / META).write_text(json.dumps(plan.meta))
+        for name, array in arrays.items():
+            np.save(tmp / f"{name}.npy", np.ascontiguousarray(array))
+        (tmp / META).write_text(json.dumps({"arrays": list(arrays), "meta": meta}))
         os.rename(tmp, folder)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (folder / META).is_file():  # not another writer of the same plan first
-            raise
+        raise
+
+
+def map_arrays(folder: Path) -> tuple[dict[str, np.ndarray], dict]:
+    """The arrays and meta written by write_arrays, the arrays mapped read-only."""
+    doc = json.loads((folder / META).read_text())
+    arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in doc["arrays"]}
+    return arrays, doc["meta"]
+
+
+def wait_for(folder: Path, wait_s: float = WAIT_S) -> None:
+    """Return once `folder` was written (its meta is the last part renamed into place)."""
+    waited = 0.0
+    while not (folder / META).is_file():
+        if waited >= wait_s:
+            raise TimeoutError(
+                f"waited {waited:.0f} s for {folder}, which the node's local rank 0 writes"
+            )
+        time.sleep(POLL_S)
+        waited += POLL_S
+
+
+def write_plan(plan: BalancePlan, folder: Path) -> None:
+    write_arrays({name: getattr(plan, name) for name in ARRAYS}, plan.meta, folder)
 
 
 def map_plan(folder: Path) -> BalancePlan:
     """A plan written by write_plan, its arrays mapped read-only."""
-    arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in ARRAYS}
-    return BalancePlan(**arrays, meta=json.loads((folder / META).read_text()))
+    arrays, meta = map_arrays(folder)
+    return BalancePlan(**arrays, meta=meta)
+
+
+def node_lengths(
+    make: Callable[[], LengthStats], key: dict, *, local_rank: int, folder: Path | None = None
+) -> LengthStats:
+    """The run's lengths, made once per node: `make()` (read, checked and converted for the
+    model) on local rank 0, written next to the epoch plans under a name from the job and
+    `key`; the other local ranks map them (they rely on its checks: when it fails, torchrun
+    stops them). Removed when local rank 0 exits."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    path = (folder or default_folder()) / f"omnibal-lengths-{job_id()}-{digest}"
+    if local_rank != 0:
+        wait_for(path)
+        arrays, meta = map_arrays(path)
+        return LengthStats(**arrays, names=tuple(meta["names"]))
+    lengths = make()
+    fields = ("vit", "tokens", "image_flags", "dataset")
+    write_arrays({f: getattr(lengths, f) for f in fields}, {"names": list(lengths.names)}, path)
+    atexit.register(shutil.rmtree, path, True)
+    arrays, meta = map_arrays(path)  # the node's one copy, also here
+    return LengthStats(**arrays, names=tuple(meta["names"]))
 
 
 class NodePlans:
@@ -115,7 +161,7 @@ class NodePlans:
             return self._plans[epoch]
         folder = self.folder / plan_name(self._identity, epoch, self._job)
         if not self.writer:
-            self._wait(folder)
+            wait_for(folder, self._wait_s)
         elif folder not in self._used:
             config = self._config.with_seed(self._config.seed + epoch)
             write_plan(balance(self._lengths_of(epoch), config), folder)
@@ -125,17 +171,6 @@ class NodePlans:
         while len(self._plans) > KEPT:  # the stream and the sampler stand in the last two
             del self._plans[min(self._plans)]
         return plan
-
-    def _wait(self, folder: Path) -> None:
-        waited = 0.0
-        while not (folder / META).is_file():
-            if waited >= self._wait_s:
-                raise TimeoutError(
-                    f"waited {waited:.0f} s for the node's epoch plan {folder} (written by local "
-                    "rank 0)"
-                )
-            time.sleep(POLL_S)
-            waited += POLL_S
 
     @staticmethod
     def _remove(folders: list[Path]) -> None:
