@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "run stats, plan, convert, train, export and compare-hf from one YAML config"
+HELP = "run stats, plan, convert, preflight, train, export and compare-hf from one YAML config"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -143,9 +143,9 @@ def build_report(
                 "no recompute of this stage fits: lower the budgets or re-plan for this "
                 "device memory")  # fmt: skip
             failures.append(
-                f"stage {s} would run out of memory: peak {measured['peak_memory_gib']:.3f} GiB "
-                f"> {limit:.3f} GiB (device {limits.capacity_gib:.3f} GiB less a "
-                f"{limits.margin_gib:.3f} GiB margin) on {describe_step(measured['peak_step'])}; "
+                f"stage {s} would run out of memory: peak {_gib(measured['peak_memory_gib'])} GiB "
+                f"> {_gib(limit)} GiB (device {_gib(limits.capacity_gib)} GiB less a "
+                f"{_gib(limits.margin_gib)} GiB margin) on {describe_step(measured['peak_step'])}; "
                 f"{remedy}")  # fmt: skip
         entry["verdict"] = verdict
         stages.append(entry)
@@ -163,6 +163,11 @@ def build_report(
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _gib(value: float) -> str:
+    """Three decimals, or four significant digits below 0.1 GiB (small test devices)."""
+    return f"{value:.3f}" if value >= 0.1 or value == 0 else f"{value:.4g}"
 
 
 def table(report: dict[str, Any]) -> list[str]:

@@ -15,30 +15,17 @@ from dataclasses import asdict
 from typing import Any
 
 from megatron_omnibal.preflight.measure import StepMeter
-from megatron_omnibal.preflight.options import PreflightOptions, parse
+from megatron_omnibal.preflight.options import PreflightOptions, parse, without_long_run_flags
 from megatron_omnibal.preflight.packs import WorstPack, worst_lengths, worst_packs
 from megatron_omnibal.preflight.report import TYPICAL, WORST, Limits, build_report, table
 
 WARM_UP = "warm-up"
-# flags of a long run that a preflight must not act on (it saves nothing and sets its own length)
-_DROPPED = {"--save": 1, "--save-interval": 1, "--exit-interval": 1, "--train-iters": 1,
-            "--exit-duration-in-mins": 1}  # fmt: skip
 
 
 def training_flags(rest: Sequence[str]) -> list[str]:
     """The training's flags without those a preflight replaces, with a placeholder length (the
     stream sets the real one once it knows the packing levels)."""
-    out, skip = [], 0
-    for arg in rest:
-        if skip:
-            skip -= 1
-            continue
-        name = arg.split("=")[0]
-        if name in _DROPPED:
-            skip = _DROPPED[name] if "=" not in arg else 0
-            continue
-        out.append(arg)
-    return [*out, "--train-iters", "1000"]
+    return [*without_long_run_flags(rest), "--train-iters", "1000"]
 
 
 class PreflightStream:
