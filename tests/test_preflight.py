@@ -200,15 +200,25 @@ def _check_calibration(report, profile, plan, lengths_file, tmp_path):
     by_name = {layer["name"]: layer for layer in doc["layers"]}
     for st, sp in zip(report["stages"], plan.stages, strict=True):
         # a stage's work outside its layers goes to its projector, else its first ViT layer,
-        # else its last LLM layer; every other layer is as measured
+        # else its last LLM layer; every other layer is its mean forward on the typical steps,
+        # scaled linearly (ViT by tiles, LLM by tokens) to the profile's micro-batch
+        m = st["measured"]
+        tiles, tokens = m["typical_batch"]
+        assert 0 < tiles <= 16 and 0 < tokens <= 160  # balanced: within the budgets
+        scale = {"vit": 16 / tiles, "llm": 160 / tokens}
         folded = ("projector" if sp.projector else f"vit.{sp.vit_layers[0]}"
                   if sp.vit_layers[1] > sp.vit_layers[0] else f"llm.{sp.llm_layers[1] - 1}")
         for tower in ("vit", "llm"):
             first = getattr(sp, f"{tower}_layers")[0]
-            for i, (_, _, ms) in enumerate(st["measured"]["layers"].get(tower, [])):
+            for i, ms in enumerate(m["typical_layers"].get(tower, [])):
                 layer = by_name[f"{tower}.{first + i}"]
-                assert (layer["forward_ms"] > ms if layer["name"] == folded
-                        else layer["forward_ms"] == pytest.approx(ms))  # fmt: skip
+                want = ms * scale[tower]
+                act = m["layers"][tower][i][0] * 1024  # memory: as on the largest micro-batch
+                if layer["name"] == folded:
+                    assert layer["forward_ms"] > want and layer["activation_mib"] >= act
+                else:
+                    assert layer["forward_ms"] == pytest.approx(want)
+                    assert act == 0 or layer["activation_mib"] == pytest.approx(act)
     replanned = load_plan(cal["plan"])
     assert replanned.predicted.cost_model == "measured profile"
     assert cal["predicted_step_ms"] == {"before": plan.predicted.step_ms,

@@ -123,6 +123,7 @@ class StepRecord:
     # per tower ("vit", "llm"), per layer of this stage: [activation bytes it stored (largest
     # micro-batch), bytes of its input (what recomputing it still stores), forward ms (mean)]
     layers: dict[str, list[list[float]]] = field(default_factory=dict)
+    batches: list[list[int]] = field(default_factory=list)  # [tiles, tokens] of each micro-batch
 
     @property
     def peak_bytes(self) -> int:

@@ -77,6 +77,11 @@ def measure_stage(steps: list[list[dict]]) -> dict[str, Any]:
         # per tower, per layer on the peak step: [activation GiB, input GiB, forward ms]
         "layers": {tower: [[a / GIB, i / GIB, ms] for a, i, ms in rows]
                    for tower, rows in peak_rec.get("layers", {}).items()},  # fmt: skip
+        # the typical steps' mean micro-batch (tiles, tokens) and each layer's mean forward ms
+        # on them: what --calibrate fits the layer times from
+        "typical_batch": _mean_rows([b for s in typical for b in s[0].get("batches", [])]),
+        "typical_layers": {tower: [ms for *_, ms in rows] for tower, rows in _mean_layers(
+            [r for s in typical for r in s]).items()},  # fmt: skip
         "forward_ms": per_micro(typical, "forward_ms"),
         "backward_ms": per_micro(typical, "backward_ms"),
         "worst_forward_ms": per_micro(worst, "forward_ms"),
@@ -90,6 +95,18 @@ def measure_stage(steps: list[list[dict]]) -> dict[str, Any]:
         "idle_ms": mean(idle),
         "bubble": mean(i / t for i, t in zip(idle, step_ms, strict=True) if t > 0),
     }
+
+
+def _mean_rows(rows: list[list[float]]) -> list[float] | None:
+    return [mean(column) for column in zip(*rows, strict=True)] if rows else None
+
+
+def _mean_layers(records: list[dict]) -> dict[str, list[list[float]]]:
+    """Per tower, per layer: the mean of its rows over `records`."""
+    towers = {tower for r in records for tower in r.get("layers", {})}
+    return {tower: [_mean_rows(list(rows)) for rows in zip(
+        *(r["layers"][tower] for r in records if tower in r.get("layers", {})),
+        strict=True)] for tower in sorted(towers)}  # fmt: skip
 
 
 def _time_verdict(planned: dict | None, measured: dict, tolerance: float) -> str:
@@ -143,9 +160,9 @@ def build_report(
                 "no recompute of this stage fits: lower the budgets or re-plan for this "
                 "device memory")  # fmt: skip
             failures.append(
-                f"stage {s} would run out of memory: peak {_gib(measured['peak_memory_gib'])} GiB "
-                f"> {_gib(limit)} GiB (device {_gib(limits.capacity_gib)} GiB less a "
-                f"{_gib(limits.margin_gib)} GiB margin) on {describe_step(measured['peak_step'])}; "
+                f"stage {s} would run out of memory: peak {measured['peak_memory_gib']:.3f} GiB "
+                f"> {limit:.3f} GiB (device {limits.capacity_gib:.3f} GiB less a "
+                f"{limits.margin_gib:.3f} GiB margin) on {describe_step(measured['peak_step'])}; "
                 f"{remedy}")  # fmt: skip
         entry["verdict"] = verdict
         stages.append(entry)
@@ -163,11 +180,6 @@ def build_report(
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
-
-
-def _gib(value: float) -> str:
-    """Three decimals, or four significant digits below 0.1 GiB (small test devices)."""
-    return f"{value:.3f}" if value >= 0.1 or value == 0 else f"{value:.4g}"
 
 
 def table(report: dict[str, Any]) -> list[str]:

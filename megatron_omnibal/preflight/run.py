@@ -32,7 +32,9 @@ class PreflightStream:
     """Megatron's training iterator: one warm-up step of the balanced stream, the largest
     micro-batches of each level, then typical steps of the balanced stream."""
 
-    def __init__(self, labels: list[str], worst: dict[str, tuple[Any, int]], typical: Any) -> None:
+    def __init__(self, labels: list[str], worst: dict[str, tuple[Any, int]], typical: Any,
+                 meter: StepMeter) -> None:  # fmt: skip
+        self.meter = meter  # hears of every micro-batch's size, for the calibration
         self.labels = labels
         self.worst = worst  # label -> (micro-batch, micro-batches per step)
         self.typical = typical
@@ -54,7 +56,10 @@ class PreflightStream:
             self.step += 1
         self.left -= 1
         label = self.labels[self.step]
-        return self.worst[label][0] if label in self.worst else next(self.typical)
+        batch = self.worst[label][0] if label in self.worst else next(self.typical)
+        if self.meter.steps:
+            self.meter.current.batches.append([len(batch.image_flags), batch.tokens.shape[1]])
+        return batch
 
 
 def step_labels(packs: Sequence[WorstPack], opts: PreflightOptions) -> list[str]:
@@ -84,7 +89,7 @@ def build_stream(meter: StepMeter, opts: PreflightOptions, settings: Any, spec: 
     meter.labels = step_labels(packs, opts)
     # Megatron's loop reads it every iteration; a run resumed with --load counts on from there
     args.train_iters = args.iteration + len(meter.labels)
-    return PreflightStream(meter.labels, worst, typical), None, None
+    return PreflightStream(meter.labels, worst, typical, meter), None, None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
