@@ -54,6 +54,7 @@ def test_worst_pack_fills_both_budgets_of_each_level() -> None:
 
 def _rank(pp, peaks, label="worst level 0"):
     step = {"label": label, "step_ms": 10.0, "forward_ms": [1.0, 1.0], "backward_ms": [2.0, 2.0],
+            "call_ms": [1.5, 1.5],
             "static_bytes": 0, "activation_peak_bytes": peaks, "allocator_peak_bytes": None,
             "schedule_ms": 7.0}
     return {"pp": pp, "tp": 0, "dp": 0, "steps": [step, {**step, "label": "typical"}]}
@@ -77,6 +78,7 @@ def test_report_fails_exactly_the_stage_over_the_limit_and_names_the_fix() -> No
     assert "on <worst level 0>" in failure and "<flags 1 (0, 2)>" in failure
     assert report["bubble"]["measured"] == pytest.approx(0.4)  # 10 ms step, 6 ms busy
     assert first["measured"]["outside_schedule_ms"] == pytest.approx(3.0)  # 10 ms step, 7 in it
+    assert first["measured"]["outside_forward_ms"] == pytest.approx(0.5)  # 1.5 ms call, 1 fwd
 
 
 def test_bad_preflight_flags_stop_before_any_training(tmp_path, capsys) -> None:
@@ -148,6 +150,7 @@ def test_pp2_plan_that_fits_passes_and_a_tight_device_fails_its_heavier_stage(
         assert m["peak_step"] == "worst level 0"  # the largest micro-batches peak the memory
         assert m["peak_memory_gib"] > m["static_gib"] > 0 and m["activation_gib"] > 0
         assert m["forward_ms"] > 0 and m["backward_ms"] > 0 and 0 <= m["bubble"] < 1
+        assert m["outside_forward_ms"] > 0  # the data and (last stage) the loss
         assert st["verdict"]["memory"] == "fits"
     assert "preflight: OK" in proc.stdout
     peaks = [st["measured"]["peak_memory_gib"] for st in report["stages"]]

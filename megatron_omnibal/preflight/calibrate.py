@@ -109,11 +109,13 @@ def _timing(measured: dict[str, Any], tiles: int, tokens: int) -> tuple[
 
     From the typical steps where they hold tiles and tokens: the balanced stream's micro-batches
     are what the planner predicts, and their times, scaled linearly to the profile's size, hold
-    the per-micro-batch work a one-sample largest micro-batch does not show. Else from the
-    largest micro-batch, as measured."""
+    the per-micro-batch work a one-sample largest micro-batch does not show; the forward step's
+    work outside the stage's forward (data, the batch's copy, the loss) counts as the stage's
+    forward. Else from the largest micro-batch, as measured."""
     batch, layers = measured.get("typical_batch"), measured.get("typical_layers")
     if batch and batch[0] >= 1 and batch[1] >= 1 and measured["forward_ms"] and layers:
-        return (measured["forward_ms"], measured["backward_ms"], layers,
+        outside = measured.get("outside_forward_ms") or 0.0
+        return (measured["forward_ms"] + outside, measured["backward_ms"], layers,
                 {"vit": tiles / batch[0], "llm": tokens / batch[1]})  # fmt: skip
     fwd, bwd = measured["worst_forward_ms"], measured["worst_backward_ms"]
     if fwd is None or bwd is None or fwd <= 0:

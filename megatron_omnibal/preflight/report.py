@@ -82,6 +82,10 @@ def measure_stage(steps: list[list[dict]]) -> dict[str, Any]:
         "typical_batch": _mean_rows([b for s in typical for b in s[0].get("batches", [])]),
         "typical_layers": {tower: [ms for *_, ms in rows] for tower, rows in _mean_layers(
             [r for s in typical for r in s]).items()},  # fmt: skip
+        # per micro-batch, the forward step's time outside the stage's forward (data, the
+        # batch's checks and copy, the loss): on the pipeline's path, in no layer
+        "outside_forward_ms": _difference(per_micro(typical, "call_ms"),
+                                          per_micro(typical, "forward_ms")),  # fmt: skip
         "forward_ms": per_micro(typical, "forward_ms"),
         "backward_ms": per_micro(typical, "backward_ms"),
         "worst_forward_ms": per_micro(worst, "forward_ms"),
@@ -95,6 +99,10 @@ def measure_stage(steps: list[list[dict]]) -> dict[str, Any]:
         "idle_ms": mean(idle),
         "bubble": mean(i / t for i, t in zip(idle, step_ms, strict=True) if t > 0),
     }
+
+
+def _difference(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else max(a - b, 0.0)
 
 
 def _mean_rows(rows: list[list[float]]) -> list[float] | None:

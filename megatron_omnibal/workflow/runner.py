@@ -83,9 +83,9 @@ def run_steps(
             return done
         if node_rank is not None and name in STEPS[: STEPS.index("preflight")] and why:
             raise ValueError(
-                f"step {name} is not done ({why}); with NODE_RANK set only training runs: run "
-                "`omnibal finetune CONFIG --until convert` once on one machine first (OUTPUT "
-                "on a file system every node sees)"
+                f"step {name} is not done ({why}); with NODE_RANK set only the preflight and "
+                "training run: run `omnibal finetune CONFIG --until convert` once on one machine "
+                "first (OUTPUT on a file system every node sees)"
             )
         if why is None and not (selection.force_first and name == selection.first):
             print(f"[{name}] up to date, skipped", file=out)
