@@ -12,12 +12,9 @@ HELP = "run a fine-tuning config's plan for a few steps and check memory and tim
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="the `omnibal finetune` YAML file (keys: docs/finetune.md)")
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print every command it would run (and which it would skip), run nothing",
-    )
+    from megatron_omnibal.commands.finetune import add_config_arguments
+
+    add_config_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
