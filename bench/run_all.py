@@ -1,7 +1,7 @@
 """Run every benchmark under bench/ in turn, each writing its figures to bench/results/NAME.json.
 
 Usage: python bench/run_all.py [NAME ...]
-Names: balance, planner, stats, data, megatron, convert.
+Names: balance, planner, stats, data, megatron, preflight, convert.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ("balance", "planner", "stats", "data", "megatron", "convert")
+BENCHES = ("balance", "planner", "stats", "data", "megatron", "preflight", "convert")
 
 
 def main(argv: list[str]) -> int:

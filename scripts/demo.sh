@@ -94,6 +94,7 @@ save_interval: $STEPS
 log_interval: 5
 seed: 1
 megatron_args: [--num-workers, "1"]
+preflight: false             # the pre-launch check of the plan (omnibal preflight): skipped here
 EOF
     echo "\$ cat $OUT/finetune.yaml"
     sed 's/^/  /' "$OUT/finetune.yaml"

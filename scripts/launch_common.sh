@@ -11,6 +11,7 @@ nproc=""
 nnodes=""
 node_rank=""
 script=""
+module=""
 passthrough=()
 
 launch_die() {
@@ -52,6 +53,12 @@ launch_parse_args() {
                 shift
                 ;;
             --script=*) script=${1#*=} ;;
+            --module)
+                launch_need_value "$1" $#
+                module=$2
+                shift
+                ;;
+            --module=*) module=${1#*=} ;;
             --nnodes | --node-rank | --nnodes=* | --node-rank=*)
                 ((multi)) || launch_die "$1 is for several nodes: use launch_multi_node.sh"
                 local name=${1%%=*} value
@@ -94,10 +101,14 @@ launch_resolve_nproc() {
     [[ $nproc == gpu ]] || launch_check_count "--nproc-per-node (or GPUS_PER_NODE)" "$nproc" 1
 }
 
-# The program torchrun starts on every rank: the package's entry by default, or a Python file
-# given with --script (e.g. a Megatron-LM checkout's pretrain_vlm.py patched for --omnibal).
+# The program torchrun starts on every rank: the package's entry by default, a Python file
+# given with --script (e.g. a Megatron-LM checkout's pretrain_vlm.py patched for --omnibal), or
+# a module given with --module (megatron_omnibal.preflight: the preflight of the same flags).
 launch_entry() {
-    if [[ -n $script ]]; then
+    [[ -z $script || -z $module ]] || launch_die "--script and --module: give one of them"
+    if [[ -n $module ]]; then
+        entry=(-m "$module")
+    elif [[ -n $script ]]; then
         [[ -f $script ]] || launch_die "--script: no such file: $script"
         launch_check_handover
         entry=("$script")

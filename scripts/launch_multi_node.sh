@@ -6,7 +6,7 @@ set -euo pipefail
 launch_usage() {
     cat <<'USAGE'
 Usage: scripts/launch_multi_node.sh [--nnodes N] [--node-rank R] [--cpu] [--nproc-per-node N]
-                                    [--script FILE] [--dry-run]
+                                    [--script FILE | --module NAME] [--dry-run]
                                     [MEGATRON AND --omnibal* FLAGS...] [-- FLAGS...]
 
 Run it on every node. Starts torchrun for node R of N, running `python -m
@@ -21,6 +21,7 @@ by scripts/apply_megatron_patch.sh; then pass --omnibal) with every other flag, 
   --nproc-per-node N   processes per node (default: $GPUS_PER_NODE, else one per GPU;
                        with --cpu: 2)
   --script FILE        run this Python file instead of the package's entry
+  --module NAME        run this module instead (megatron_omnibal.preflight: the preflight)
   --dry-run            print the command (shell-quoted, one line) instead of running it
   --                   pass everything after it through unread
 

@@ -5,8 +5,8 @@ set -euo pipefail
 
 launch_usage() {
     cat <<'USAGE'
-Usage: scripts/launch_single_node.sh [--cpu] [--nproc-per-node N] [--script FILE] [--dry-run]
-                                     [MEGATRON AND --omnibal* FLAGS...] [-- FLAGS...]
+Usage: scripts/launch_single_node.sh [--cpu] [--nproc-per-node N] [--script FILE | --module NAME]
+                                     [--dry-run] [MEGATRON AND --omnibal* FLAGS...] [-- FLAGS...]
 
 Starts `torchrun --standalone --nnodes 1` on this node, running `python -m
 megatron_omnibal.pretrain_vlm` (or FILE, e.g. a Megatron-LM checkout's pretrain_vlm.py patched
@@ -17,6 +17,7 @@ by scripts/apply_megatron_patch.sh; then pass --omnibal) with every other flag, 
   --nproc-per-node N   processes on this node (default: $GPUS_PER_NODE, else one per GPU;
                        with --cpu: 2)
   --script FILE        run this Python file instead of the package's entry
+  --module NAME        run this module instead (megatron_omnibal.preflight: the preflight)
   --dry-run            print the command (shell-quoted, one line) instead of running it
   --                   pass everything after it through unread
 

@@ -12,7 +12,7 @@ import yaml
 from megatron_omnibal.data.generate import SYSTEM_PROMPT
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("stats", "plan", "convert", "train", "export", "compare-hf")
+STEPS = ("stats", "plan", "convert", "preflight", "train", "export", "compare-hf")
 ITERS = 8
 
 

@@ -1,7 +1,7 @@
 """`omnibal finetune` on CPU, as a user runs it: a tiny transformers InternVL with its own
 tokenizer, a generated InternVL dataset of real JPEG/PNG files, PP=2 on 2 gloo processes.
 
-One module-wide run does all six steps; later tests build on its output directory (a second
+One module-wide run does all seven steps; later tests build on its output directory (a second
 run skips everything; a changed learning rate reruns training and what follows, killed and
 resumed). The export is checked by transformers itself (compare-hf's oracle, and loading it
 here), the iteration counts by Megatron's own checkpoint tracker and log.
@@ -38,13 +38,13 @@ def first_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("finetune")
     made = qa_dataset(folder / "data", samples=160, images=41, seed=2)
     write_tiny_internvl(folder / "hf", made.tokenizer)
-    config = write_config(folder, "run.yaml")
-    proc = finetune(config)
+    config = write_config(folder, "run.yaml", preflight={"typical_steps": 1})
+    proc = finetune(config, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return folder, config, proc
 
 
-def test_all_six_steps_run_and_report(first_run):
+def test_all_seven_steps_run_and_report(first_run):
     from transformers import InternVLForConditionalGeneration
 
     folder, _, proc = first_run
@@ -61,6 +61,9 @@ def test_all_six_steps_run_and_report(first_run):
                                            (out / "logs" / "train.log").read_text())]  # fmt: skip
     assert len(logged) == ITERS and min(logged) <= report["train"]["measured_step_ms"]
     assert report["train"]["iteration"] == ITERS
+    preflight = json.loads((out / "preflight.json").read_text())  # the step before training
+    assert report["preflight"]["ok"] and preflight["ok"]
+    assert preflight["step_ms"]["planned"] == plan["predicted"]["step_ms"]
     assert report["compare_hf"]["ok"] and report["compare_hf"]["max_rel"] < 1e-4
     for png in ("loss.png", "balance.png", "stats.png"):
         assert Image.open(out / png).format == "PNG"
@@ -100,9 +103,9 @@ def _kill_tree(pid: int) -> None:
 @pytest.fixture(scope="module")
 def killed(first_run):
     """A new learning rate, stopped by killing every process of the run once a checkpoint of
-    the new run is written and before the last one."""
+    the new run is written and before the last one (its preflight turned off in the config)."""
     folder, _, _ = first_run
-    config = write_config(folder, "lr.yaml", lr=5e-4)
+    config = write_config(folder, "lr.yaml", lr=5e-4, preflight=False)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "megatron_omnibal.cli", "finetune", str(config), "--until",
@@ -122,6 +125,7 @@ def killed(first_run):
 
 def test_a_new_learning_rate_reruns_training_but_not_the_statistics(killed):
     folder, _, stdout, stopped = killed
+    assert "[preflight] off in the config (preflight: false), skipped" in stdout
     assert step_status(stdout) == {"stats": "skipped", "plan": "skipped", "convert": "skipped",
                                "train": "ran"}  # fmt: skip
     assert 2 <= stopped < ITERS
@@ -158,17 +162,23 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(killed):
 
 def test_several_nodes_get_one_launch_script_each_that_trains(killed):
     """Two nodes of one process each (PP=2 across them, a static rendezvous on this machine):
-    the scripts run scripts/launch_multi_node.sh; run together they train to the end, and the
-    next `omnibal finetune` takes the checkpoint as done."""
+    the scripts run scripts/launch_multi_node.sh, the preflight then training; run together
+    they train to the end, and the next `omnibal finetune` takes the checkpoint as done."""
     folder, _, _, _ = killed
     config = write_config(folder, "nodes.yaml", gpus_per_node=1, nodes=2, master_addr="127.0.0.1")
     proc = finetune(config, "--until", "train")
     assert proc.returncode == 0, proc.stderr
     assert step_status(proc.stdout) == dict.fromkeys(("stats", "plan", "convert"), "skipped")
+    assert "[preflight] several nodes: runs in the launch scripts, before training" in proc.stdout
     scripts = [folder / "out" / "launch" / f"node_{r}.sh" for r in (0, 1)]
+    preflight = folder / "out" / "preflight.json"
+    preflight.unlink()
     for rank, script in enumerate(scripts):
         text = script.read_text()
-        assert f"launch_multi_node.sh --nnodes 2 --node-rank {rank} --cpu" in text
+        check = text.index(f"launch_multi_node.sh --nnodes 2 --node-rank {rank} --cpu --module "
+                           "megatron_omnibal.preflight")  # fmt: skip
+        assert check < text.index(f"launch_multi_node.sh --nnodes 2 --node-rank {rank} --cpu "
+                                  "--nproc-per-node")  # fmt: skip
         assert f"--omnibal-plan {folder / 'out' / 'plan.json'}" in text
         assert os.access(script, os.X_OK)
     with socket.socket() as s:
@@ -177,6 +187,7 @@ def test_several_nodes_get_one_launch_script_each_that_trains(killed):
     env = {**os.environ, "MASTER_PORT": port}
     nodes = [subprocess.Popen(["bash", str(s)], env=env) for s in scripts]
     assert [p.wait(timeout=400) for p in nodes] == [0, 0]
+    assert json.loads(preflight.read_text())["ok"]  # node 0's rank 0 wrote it
     assert _tracker(folder) == str(ITERS)
     assert "iteration        8/       8" in (folder / "out/logs/train.node1.log").read_text()
     proc = finetune(config, "--until", "train")

@@ -54,6 +54,7 @@ def test_worst_pack_fills_both_budgets_of_each_level() -> None:
 
 def _rank(pp, peaks, label="worst level 0"):
     step = {"label": label, "step_ms": 10.0, "forward_ms": [1.0, 1.0], "backward_ms": [2.0, 2.0],
+            "call_ms": [1.5, 1.5],
             "static_bytes": 0, "activation_peak_bytes": peaks, "allocator_peak_bytes": None,
             "schedule_ms": 7.0}
     return {"pp": pp, "tp": 0, "dp": 0, "steps": [step, {**step, "label": "typical"}]}
@@ -77,6 +78,7 @@ def test_report_fails_exactly_the_stage_over_the_limit_and_names_the_fix() -> No
     assert "on <worst level 0>" in failure and "<flags 1 (0, 2)>" in failure
     assert report["bubble"]["measured"] == pytest.approx(0.4)  # 10 ms step, 6 ms busy
     assert first["measured"]["outside_schedule_ms"] == pytest.approx(3.0)  # 10 ms step, 7 in it
+    assert first["measured"]["outside_forward_ms"] == pytest.approx(0.5)  # 1.5 ms call, 1 fwd
 
 
 def test_bad_preflight_flags_stop_before_any_training(tmp_path, capsys) -> None:
@@ -148,6 +150,7 @@ def test_pp2_plan_that_fits_passes_and_a_tight_device_fails_its_heavier_stage(
         assert m["peak_step"] == "worst level 0"  # the largest micro-batches peak the memory
         assert m["peak_memory_gib"] > m["static_gib"] > 0 and m["activation_gib"] > 0
         assert m["forward_ms"] > 0 and m["backward_ms"] > 0 and 0 <= m["bubble"] < 1
+        assert m["outside_forward_ms"] > 0  # the data and (last stage) the loss
         assert st["verdict"]["memory"] == "fits"
     assert "preflight: OK" in proc.stdout
     peaks = [st["measured"]["peak_memory_gib"] for st in report["stages"]]
@@ -200,15 +203,25 @@ def _check_calibration(report, profile, plan, lengths_file, tmp_path):
     by_name = {layer["name"]: layer for layer in doc["layers"]}
     for st, sp in zip(report["stages"], plan.stages, strict=True):
         # a stage's work outside its layers goes to its projector, else its first ViT layer,
-        # else its last LLM layer; every other layer is as measured
+        # else its last LLM layer; every other layer is its mean forward on the typical steps,
+        # scaled linearly (ViT by tiles, LLM by tokens) to the profile's micro-batch
+        m = st["measured"]
+        tiles, tokens = m["typical_batch"]
+        assert 0 < tiles <= 16 and 0 < tokens <= 160  # balanced: within the budgets
+        scale = {"vit": 16 / tiles, "llm": 160 / tokens}
         folded = ("projector" if sp.projector else f"vit.{sp.vit_layers[0]}"
                   if sp.vit_layers[1] > sp.vit_layers[0] else f"llm.{sp.llm_layers[1] - 1}")
         for tower in ("vit", "llm"):
             first = getattr(sp, f"{tower}_layers")[0]
-            for i, (_, _, ms) in enumerate(st["measured"]["layers"].get(tower, [])):
+            for i, ms in enumerate(m["typical_layers"].get(tower, [])):
                 layer = by_name[f"{tower}.{first + i}"]
-                assert (layer["forward_ms"] > ms if layer["name"] == folded
-                        else layer["forward_ms"] == pytest.approx(ms))  # fmt: skip
+                want = ms * scale[tower]
+                act = m["layers"][tower][i][0] * 1024  # memory: as on the largest micro-batch
+                if layer["name"] == folded:
+                    assert layer["forward_ms"] > want and layer["activation_mib"] >= act
+                else:
+                    assert layer["forward_ms"] == pytest.approx(want)
+                    assert act == 0 or layer["activation_mib"] == pytest.approx(act)
     replanned = load_plan(cal["plan"])
     assert replanned.predicted.cost_model == "measured profile"
     assert cal["predicted_step_ms"] == {"before": plan.predicted.step_ms,

@@ -128,6 +128,14 @@ def test_an_unpatched_megatron_lm_script_with_omnibal_flags_is_refused(
     assert dry_run(SINGLE, "--script", str(script), "--omnibal")[-1] == "--omnibal"
 
 
+def test_module_runs_a_module_with_the_same_flags() -> None:
+    """--module megatron_omnibal.preflight: the preflight of the training's flags."""
+    for launcher in (SINGLE, MULTI):
+        got = dry_run(launcher, "--module", "megatron_omnibal.preflight", "--lr", "1",
+                      NNODES="1", MASTER_ADDR="127.0.0.1")  # fmt: skip
+        assert got[-4:] == ["-m", "megatron_omnibal.preflight", "--lr", "1"]
+
+
 def test_multi_node_static_rendezvous_from_master_addr() -> None:
     got = dry_run(
         MULTI,
@@ -183,6 +191,7 @@ def test_multi_node_elastic_c10d_rendezvous() -> None:
         (SINGLE, ["--nproc-per-node", "0"], {}, "must be at least 1, got '0'"),
         (SINGLE, [], {"GPUS_PER_NODE": "eight"}, "must be a whole number, got 'eight'"),
         (SINGLE, ["--script", "/no/such.py"], {}, "--script: no such file: /no/such.py"),
+        (SINGLE, ["--script", "x.py", "--module", "m"], {}, "--script and --module: give one"),
         (MULTI, [], {"MASTER_ADDR": "h", "NODE_RANK": "0"}, "number of nodes unknown"),
         (MULTI, ["--nnodes", "2"], {"MASTER_ADDR": "h"}, "node rank unknown"),
         (MULTI, ["--nnodes", "2", "--node-rank", "2"], {"MASTER_ADDR": "h"}, "out of range"),

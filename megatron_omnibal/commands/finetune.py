@@ -5,18 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "run stats, plan, convert, train, export and compare-hf from one YAML config"
+HELP = "run stats, plan, convert, preflight, train, export and compare-hf from one YAML config"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from megatron_omnibal.workflow.steps import STEPS
-
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The config file and --dry-run, as every command of the workflow takes them."""
     parser.add_argument("config", help="the run's YAML file (keys: docs/finetune.md)")
     parser.add_argument(
         "--dry-run",
         action="store_true",
         help="print every command it would run (and which it would skip), run nothing",
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from megatron_omnibal.workflow.steps import STEPS
+
+    add_config_arguments(parser)
     parser.add_argument(
         "--from",
         dest="first",

@@ -3,12 +3,13 @@ made again from it, with what changed.
 
 Why: the planner's analytic model leaves out what a real run on these GPUs measures (kernel
 efficiency at these shapes, attention at packed lengths, launch overheads). The profile holds,
-per layer, what the stages measured on their largest micro-batch (forward time, stored
-activations, the input a recomputed layer keeps); `omnibal plan --profile` scales it per tile and
-per token (docs/planner.md). A stage's backward is split over its layers as their forwards are;
-the work outside the layers (patch embedding, projector and LLM embedding, head and loss) is
-the stage's forward less its layers', given to the projector on its stage, else to the stage's
-first ViT or last LLM layer, as `omnibal profile` folds it. Pure: no torch.
+per layer, what the stages measured, at the size of their largest micro-batch: stored
+activations and the input a recomputed layer keeps as measured on it, forward times as measured
+on the typical steps' micro-batches and scaled linearly to it; `omnibal plan --profile` scales
+it per tile and per token (docs/planner.md). A stage's backward is split over its layers as
+their forwards are; the work outside the layers (patch embedding, projector and LLM embedding,
+head and loss) is the stage's forward less its layers', given to the projector on its stage,
+else to the stage's first ViT or last LLM layer, as `omnibal profile` folds it. Pure: no torch.
 """
 
 from __future__ import annotations
@@ -45,31 +46,34 @@ def calibrated_profile(
     extras: list[tuple[str, int, float, float, float]] = []
     for st, lay in zip(report["stages"], layouts, strict=True):
         m = st["measured"]
-        fwd, bwd = m["worst_forward_ms"], m["worst_backward_ms"]
-        if fwd is None or bwd is None or fwd <= 0:
-            raise ValueError(f"--calibrate: stage {st['stage']} has no timed largest micro-batch "
-                             "(give --worst-steps 1 or more)")  # fmt: skip
+        timing = _timing(m, tiles, tokens)
+        if timing is None:
+            raise ValueError(f"--calibrate: stage {st['stage']} has no timed micro-batch "
+                             "(give --typical-steps or --worst-steps 1 or more)")  # fmt: skip
+        fwd, bwd, layer_ms, scale = timing
         ratio = bwd / fwd
-        layer_ms = 0.0
+        layer_sum = 0.0
         held = 0.0
         for tower, key in (("vit", "vit_layers"), ("llm", "llm_layers")):
             first = lay[key][0]
-            for i, (act, inp, ms) in enumerate(m["layers"].get(tower, [])):
-                towers[tower][first + i] = {"forward_ms": ms, "backward_ms": ms * ratio,
+            for i, (act, inp, _) in enumerate(m["layers"].get(tower, [])):
+                ms = layer_ms[tower][i]
+                towers[tower][first + i] = {"forward_ms": ms * scale[tower],
+                                            "backward_ms": ms * scale[tower] * ratio,
                                             "activation_mib": act * MIB_PER_GIB,
                                             "checkpoint_mib": inp * MIB_PER_GIB}  # fmt: skip
-                layer_ms += ms
+                layer_sum += ms
                 held += act * MIB_PER_GIB
         inflight = min(len(layouts) - st["stage"], micro_batches)
-        rest_ms = max(fwd - layer_ms, 0.0)
+        rest_ms = max(fwd - layer_sum, 0.0)
         rest_mib = max(m["activation_gib"] * MIB_PER_GIB / inflight - held, 0.0)
         if lay["projector"]:
-            where, index = "projector", 0
+            where, index, factor = "projector", 0, scale["vit"]
         elif lay["vit_layers"][1] > lay["vit_layers"][0]:
-            where, index = "vit", lay["vit_layers"][0]
+            where, index, factor = "vit", lay["vit_layers"][0], scale["vit"]
         else:
-            where, index = "llm", lay["llm_layers"][1] - 1
-        extras.append((where, index, rest_ms, rest_mib, ratio))
+            where, index, factor = "llm", lay["llm_layers"][1] - 1, scale["llm"]
+        extras.append((where, index, rest_ms * factor, rest_mib, ratio))
     _fill_recomputed(towers)
     layers: list[dict[str, Any]] = []
     params = {"vit": spec.vit.layer_params, "llm": spec.llm.layer_params}
@@ -96,6 +100,28 @@ def calibrated_profile(
     if memory_budget_gib is not None:
         doc["memory_budget_gib"] = memory_budget_gib
     return doc
+
+
+def _timing(measured: dict[str, Any], tiles: int, tokens: int) -> tuple[
+        float, float, dict[str, list[float]], dict[str, float]] | None:  # fmt: skip
+    """(forward ms, backward ms per micro-batch, per tower each layer's forward ms, per tower
+    the factor to the profile's micro-batch of `tiles` and `tokens`).
+
+    From the typical steps where they hold tiles and tokens: the balanced stream's micro-batches
+    are what the planner predicts, and their times, scaled linearly to the profile's size, hold
+    the per-micro-batch work a one-sample largest micro-batch does not show; the forward step's
+    work outside the stage's forward (data, the batch's copy, the loss) counts as the stage's
+    forward. Else from the largest micro-batch, as measured."""
+    batch, layers = measured.get("typical_batch"), measured.get("typical_layers")
+    if batch and batch[0] >= 1 and batch[1] >= 1 and measured["forward_ms"] and layers:
+        outside = measured.get("outside_forward_ms") or 0.0
+        return (measured["forward_ms"] + outside, measured["backward_ms"], layers,
+                {"vit": tiles / batch[0], "llm": tokens / batch[1]})  # fmt: skip
+    fwd, bwd = measured["worst_forward_ms"], measured["worst_backward_ms"]
+    if fwd is None or bwd is None or fwd <= 0:
+        return None
+    layers = {tower: [ms for *_, ms in rows] for tower, rows in measured["layers"].items()}
+    return fwd, bwd, layers, {"vit": 1.0, "llm": 1.0}
 
 
 def _fill_recomputed(towers: dict[str, dict[int, dict[str, Any]]]) -> None:

@@ -123,6 +123,10 @@ class StepRecord:
     # per tower ("vit", "llm"), per layer of this stage: [activation bytes it stored (largest
     # micro-batch), bytes of its input (what recomputing it still stores), forward ms (mean)]
     layers: dict[str, list[list[float]]] = field(default_factory=dict)
+    batches: list[list[int]] = field(default_factory=list)  # [tiles, tokens] of each micro-batch
+    # each micro-batch's forward step as the schedule runs it: its data, the batch's checks and
+    # copy, the stage's forward and (last stage) the loss
+    call_ms: list[float] = field(default_factory=list)
 
     @property
     def peak_bytes(self) -> int:
@@ -247,7 +251,21 @@ class StepMeter:
 
         training.train_step = measured_train_step
 
+    def _time_forward_step(self, forward_step: Callable[..., Any]) -> Callable[..., Any]:
+        """Megatron's forward step function, timed with the loss function it returns."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            record = self.current
+            index = len(record.call_ms)
+            record.call_ms.append(0.0)
+            output, loss = timed(lambda ms: _add(record.call_ms, index, ms), forward_step)(
+                *args, **kwargs)  # fmt: skip
+            return output, timed(lambda ms: _add(record.call_ms, index, ms), loss)
+
+        return run
+
     def _step(self, train_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        args = (self._time_forward_step(args[0]), *args[1:])
         model, optimizer = args[2], args[3]
         if not self._hooked:
             self._time_forwards(model)
@@ -286,3 +304,7 @@ class StepMeter:
 
     def _set_step_ms(self, ms: float) -> None:
         self.current.step_ms = ms
+
+
+def _add(values: list[float], index: int, ms: float) -> None:
+    values[index] += ms

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +13,10 @@ from megatron_omnibal.cli_args import (
     positive_float,
     positive_int,
 )
+
+# flags of a long run that a preflight must not act on (it saves nothing and sets its own length)
+_DROPPED = ("--save", "--save-interval", "--exit-interval", "--train-iters",
+            "--exit-duration-in-mins")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +63,30 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def config_options() -> dict[str, Callable[[str], object]]:
+    """The options a fine-tuning config may set under `preflight` (by their flags' names with `_`
+    for `-`), each with the check of its flag; where the report and the profile go is the
+    workflow's."""
+    return {a.dest: a.type for a in parser()._actions
+            if a.dest not in ("out", "calibrate") and a.type is not None}  # fmt: skip
+
+
 def parse(argv: Sequence[str]) -> tuple[PreflightOptions, list[str]]:
     """(the preflight's options, the training's flags)."""
     ns, rest = parser().parse_known_args(list(argv))
     return PreflightOptions(**vars(ns)), rest
+
+
+def without_long_run_flags(flags: Sequence[str], dropped: Sequence[str] = _DROPPED) -> list[str]:
+    """`flags` without those named in `dropped` (each with its value)."""
+    out, skip = [], False
+    for arg in flags:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=")[0]
+        if name in dropped:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out

@@ -15,37 +15,26 @@ from dataclasses import asdict
 from typing import Any
 
 from megatron_omnibal.preflight.measure import StepMeter
-from megatron_omnibal.preflight.options import PreflightOptions, parse
+from megatron_omnibal.preflight.options import PreflightOptions, parse, without_long_run_flags
 from megatron_omnibal.preflight.packs import WorstPack, worst_lengths, worst_packs
 from megatron_omnibal.preflight.report import TYPICAL, WORST, Limits, build_report, table
 
 WARM_UP = "warm-up"
-# flags of a long run that a preflight must not act on (it saves nothing and sets its own length)
-_DROPPED = {"--save": 1, "--save-interval": 1, "--exit-interval": 1, "--train-iters": 1,
-            "--exit-duration-in-mins": 1}  # fmt: skip
 
 
 def training_flags(rest: Sequence[str]) -> list[str]:
     """The training's flags without those a preflight replaces, with a placeholder length (the
     stream sets the real one once it knows the packing levels)."""
-    out, skip = [], 0
-    for arg in rest:
-        if skip:
-            skip -= 1
-            continue
-        name = arg.split("=")[0]
-        if name in _DROPPED:
-            skip = _DROPPED[name] if "=" not in arg else 0
-            continue
-        out.append(arg)
-    return [*out, "--train-iters", "1000"]
+    return [*without_long_run_flags(rest), "--train-iters", "1000"]
 
 
 class PreflightStream:
     """Megatron's training iterator: one warm-up step of the balanced stream, the largest
     micro-batches of each level, then typical steps of the balanced stream."""
 
-    def __init__(self, labels: list[str], worst: dict[str, tuple[Any, int]], typical: Any) -> None:
+    def __init__(self, labels: list[str], worst: dict[str, tuple[Any, int]], typical: Any,
+                 meter: StepMeter) -> None:  # fmt: skip
+        self.meter = meter  # hears of every micro-batch's size, for the calibration
         self.labels = labels
         self.worst = worst  # label -> (micro-batch, micro-batches per step)
         self.typical = typical
@@ -67,7 +56,10 @@ class PreflightStream:
             self.step += 1
         self.left -= 1
         label = self.labels[self.step]
-        return self.worst[label][0] if label in self.worst else next(self.typical)
+        batch = self.worst[label][0] if label in self.worst else next(self.typical)
+        if self.meter.steps:
+            self.meter.current.batches.append([len(batch.image_flags), batch.tokens.shape[1]])
+        return batch
 
 
 def step_labels(packs: Sequence[WorstPack], opts: PreflightOptions) -> list[str]:
@@ -97,7 +89,7 @@ def build_stream(meter: StepMeter, opts: PreflightOptions, settings: Any, spec: 
     meter.labels = step_labels(packs, opts)
     # Megatron's loop reads it every iteration; a run resumed with --load counts on from there
     args.train_iters = args.iteration + len(meter.labels)
-    return PreflightStream(meter.labels, worst, typical), None, None
+    return PreflightStream(meter.labels, worst, typical, meter), None, None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

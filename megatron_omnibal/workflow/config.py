@@ -7,6 +7,7 @@ Relative paths are read from the config file's folder.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ class FinetuneConfig:
     log_interval: int = 10
     seed: int = 42
     megatron_args: tuple[str, ...] = ()  # passed through to Megatron, last
+    preflight: bool | dict[str, Any] = True  # the preflight step: off, on, or on with options
 
     def __post_init__(self) -> None:
         for key in ("model", "data", "output"):
@@ -122,6 +124,13 @@ class FinetuneConfig:
         )
         if "vit" in self.freeze and self.vit_lr_mult != 1.0:
             raise ValueError("vit_lr_mult has no effect with freeze: [vit]")
+        _expect(
+            isinstance(self.preflight, (bool, dict)),
+            "preflight",
+            "true, false or a mapping of preflight options",
+            self.preflight,
+        )
+        preflight_flags(self.preflight)  # an unknown option or a bad value stops here
 
     @property
     def gpus(self) -> int:
@@ -130,6 +139,35 @@ class FinetuneConfig:
     @property
     def out(self) -> Path:
         return Path(self.output)
+
+    @property
+    def runs_preflight(self) -> bool:
+        return self.preflight is not False
+
+
+def preflight_flags(setting: bool | dict[str, Any]) -> list[str]:
+    """The preflight's own flags for the config's `preflight` (a mapping of its options, keys
+    with `_` for `-`: `device_memory_gib: 70` is `--device-memory-gib 70`), each value checked
+    as the preflight checks its flag."""
+    from megatron_omnibal.preflight.options import config_options
+
+    if isinstance(setting, bool):
+        return []
+    options = config_options()
+    flags = []
+    for key, value in setting.items():
+        if key not in options:
+            raise ValueError(
+                f"preflight: unknown option {key!r} (known: {', '.join(options)})"
+            )
+        try:
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise ValueError(f"expected a number, got {value!r}")
+            options[key](str(value))
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            raise ValueError(f"preflight.{key}: {exc}") from exc
+        flags += [f"--{key.replace('_', '-')}", str(value)]
+    return flags
 
 
 def _is_int(value: Any, low: int) -> bool:

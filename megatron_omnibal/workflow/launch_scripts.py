@@ -1,5 +1,6 @@
 """Several nodes: one launch script per node, each running scripts/launch_multi_node.sh
-(torchrun with a static rendezvous at node 0) with the run's training flags."""
+(torchrun with a static rendezvous at node 0) with the run's training flags, after the
+preflight of the same flags unless the config turns it off."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ def write_launch_scripts(config: FinetuneConfig, paths: OutputPaths, out: TextIO
     scripts = []
     for rank in range(config.nodes):
         step = build_step("train", config, paths, node_rank=rank)
+        check = build_step("preflight", config, paths, node_rank=rank)
+        preflight = [
+            f"{shlex.join(check.command)} >>{shlex.quote(str(check.log))} 2>&1 || {{ echo "
+            f"{shlex.quote(f'preflight failed: see {paths.preflight} and {check.log}')} >&2; "
+            "exit 1; }",
+        ] if config.runs_preflight else []  # fmt: skip
         env = {k: v for k, v in step.env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
         lines = [
             "#!/usr/bin/env bash",
@@ -33,6 +40,7 @@ def write_launch_scripts(config: FinetuneConfig, paths: OutputPaths, out: TextIO
             f'export MASTER_ADDR="{addr}"',
             f'export MASTER_PORT="${{MASTER_PORT:-{config.master_port}}}"',
             *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
+            *preflight,
             f"exec {shlex.join(step.command)} >>{shlex.quote(str(step.log))} 2>&1",
         ]
         script = paths.launch / f"node_{rank}.sh"

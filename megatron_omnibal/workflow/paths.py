@@ -29,6 +29,10 @@ class OutputPaths:
         return self.root / "checkpoints" / "start"
 
     @property
+    def preflight(self) -> Path:
+        return self.root / "preflight.json"
+
+    @property
     def train_checkpoint(self) -> Path:
         return self.root / "checkpoints" / "train"
 

@@ -1,6 +1,7 @@
-"""What a fine-tuning run gave: the plan's predicted step time beside the measured one, the loss
-curve and the balance of the data (PNGs), where the exported checkpoint is and compare-hf's
-verdict; written as OUTPUT/report.md and OUTPUT/report.json and printed."""
+"""What a fine-tuning run gave: the plan's predicted step time beside the measured ones (the
+preflight's and training's), the loss curve and the balance of the data (PNGs), where the
+exported checkpoint is and compare-hf's verdict; written as OUTPUT/report.md and
+OUTPUT/report.json and printed."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def build_report(config: FinetuneConfig, paths: OutputPaths) -> dict[str, Any]:
             "predicted_step_ms": plan.predicted.step_ms,
         }
         report["balance_png"] = _balance_png(config, paths, plan)
+    report["preflight"] = (_preflight(paths.preflight)
+                           if _up_to_date("preflight", config, paths) else None)  # fmt: skip
     rows = _train_rows(paths)
     losses = [r for r in rows if "loss" in r]
     report["train"] = {
@@ -91,6 +94,14 @@ def _balance_png(config: FinetuneConfig, paths: OutputPaths, plan: Any) -> str |
     return str(png) if ok else None
 
 
+def _preflight(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return {"ok": doc["ok"], "step_ms": doc["step_ms"], "file": str(path)}
+
+
 def _verdict(path: Path) -> dict[str, Any] | None:
     try:
         doc = json.loads(path.read_text())
@@ -116,6 +127,12 @@ def render(report: dict[str, Any]) -> str:
             f"- step time: predicted {predicted:.1f} ms (modeled for "
             f"{plan['hardware']}), measured {_ms(measured)} on {report['device']} "
             f"(median of the logged iterations){ratio}"
+        )
+    check = report.get("preflight")
+    if check:
+        lines.append(
+            f"- preflight: {'passed' if check['ok'] else 'FAILED'}, step time measured "
+            f"{_ms(check['step_ms']['measured'])} on {report['device']} ({check['file']})"
         )
     if train["iteration"] is not None:
         loss = (

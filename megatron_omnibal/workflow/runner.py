@@ -52,6 +52,8 @@ def dry_run(config: FinetuneConfig, paths: OutputPaths, selection: Selection, ou
         why = staleness(step, paths)
         forced = selection.force_first and name == selection.first
         status = "would run" if why or forced else "up to date, would skip"
+        if name == "preflight" and not config.runs_preflight:
+            status = "off in the config (preflight: false), would skip"
         print(f"[{name}] {status}; log {step.log}\n  {show(step)}", file=out)
 
 
@@ -63,8 +65,15 @@ def run_steps(
     node_rank = _node_rank(config)
     done = None
     for name in selection.names():
+        if name == "preflight" and not config.runs_preflight:
+            print(f"[{name}] off in the config (preflight: false), skipped", file=out)
+            continue
         step = build_step(name, config, paths, node_rank=node_rank)
         why = staleness(step, paths)
+        if name == "preflight" and why and config.nodes > 1 and node_rank is None:
+            print(f"[{name}] several nodes: runs in the launch scripts, before training",
+                  file=out)  # fmt: skip
+            continue
         if name == "train" and why and config.nodes > 1 and node_rank is None:
             from megatron_omnibal.workflow.launch_scripts import write_launch_scripts
 
@@ -72,11 +81,11 @@ def run_steps(
                 _move_aside(step, step.log)
             write_launch_scripts(config, paths, out)
             return done
-        if node_rank is not None and name in STEPS[: STEPS.index("train")] and why:
+        if node_rank is not None and name in STEPS[: STEPS.index("preflight")] and why:
             raise ValueError(
-                f"step {name} is not done ({why}); with NODE_RANK set only training runs: run "
-                "`omnibal finetune CONFIG --until convert` once on one machine first (OUTPUT "
-                "on a file system every node sees)"
+                f"step {name} is not done ({why}); with NODE_RANK set only the preflight and "
+                "training run: run `omnibal finetune CONFIG --until convert` once on one machine "
+                "first (OUTPUT on a file system every node sees)"
             )
         if why is None and not (selection.force_first and name == selection.first):
             print(f"[{name}] up to date, skipped", file=out)
@@ -120,6 +129,9 @@ def _run(step: Step, paths: OutputPaths) -> None:
             if stdout is not fh:
                 stdout.close()
     if proc.returncode not in step.ok_codes:
+        said = step.verdict() if step.verdict else None
+        if said:
+            raise StepFailed(f"step {step.name}: {said}; its log: {log}")
         raise StepFailed(
             f"step {step.name} failed (exit status {proc.returncode}); its log: {log}\n{_tail(log)}"
         )

@@ -1,4 +1,4 @@
-"""The six steps of a fine-tuning run, each one of the project's own commands.
+"""The seven steps of a fine-tuning run, each one of the project's own commands.
 
 A step is built just before it runs (the training command needs the plan the step before
 wrote). Its inputs and outputs decide, with its command, whether it is up to date
@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_omnibal.workflow.config import FinetuneConfig
+from megatron_omnibal.workflow.config import FinetuneConfig, preflight_flags
 from megatron_omnibal.workflow.paths import TRACKER, OutputPaths, checkpoint_iteration
 from megatron_omnibal.workflow.train_command import launch_command, launch_env, training_flags
 
-STEPS = ("stats", "plan", "convert", "train", "export", "compare-hf")
+STEPS = ("stats", "plan", "convert", "preflight", "train", "export", "compare-hf")
 OMNIBAL = [sys.executable, "-m", "megatron_omnibal.cli"]
 
 
@@ -36,6 +36,7 @@ class Step:
     resumable: bool = False  # a second start of the same command continues the first
     starts_over: tuple[Path, ...] = ()  # moved aside when the command changed
     incomplete: Callable[[], str | None] | None = None  # why its outputs are unfinished
+    verdict: Callable[[], str | None] | None = None  # what its outputs say when it failed
 
 
 def build_step(
@@ -98,11 +99,43 @@ def _convert(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> S
     )
 
 
+def _preflight(config: FinetuneConfig, paths: OutputPaths, node_rank: int | None) -> Step:
+    """The training's own flags (its stages, recompute, schedule and start checkpoint), run
+    by the preflight module: it saves nothing, and starts from the converted checkpoint even
+    when a training checkpoint exists."""
+    from megatron_omnibal.preflight.options import without_long_run_flags
+
+    flags = [*without_long_run_flags(training_flags(config, paths, 1), ("--load", "--save",
+             "--save-interval", "--train-iters")), *preflight_flags(config.preflight),
+             "--out", str(paths.preflight)]  # fmt: skip
+
+    def verdict() -> str | None:
+        started = paths.state("preflight")  # recorded as started just before it ran
+        try:
+            if paths.preflight.stat().st_mtime_ns < started.stat().st_mtime_ns:
+                return None  # an earlier run's report
+            report = json.loads(paths.preflight.read_text())
+        except (OSError, ValueError):
+            return None
+        failures = "; ".join(report.get("failures", [])) or "see the report"
+        return f"the preflight failed: {failures}; its report: {paths.preflight}"
+
+    return Step(
+        name="preflight",
+        command=launch_command(config, flags, node_rank, module="megatron_omnibal.preflight"),
+        log=paths.log("preflight" if node_rank is None else f"preflight.node{node_rank}"),
+        key=(*flags, _plan_digest(paths), config.device, str(config.nodes),
+             str(config.gpus_per_node)),  # fmt: skip
+        inputs=_launch_inputs(config, paths),
+        outputs=(paths.preflight,),
+        env=launch_env(config),
+        verdict=verdict,
+    )
+
+
 def _train(config: FinetuneConfig, paths: OutputPaths, node_rank: int | None) -> Step:
     iters = planned_iterations(config, paths)
     flags = training_flags(config, paths, iters)
-    # the plan is named by path: its content decides whether a checkpoint is this run's
-    plan = hashlib.sha256(paths.plan.read_bytes()).hexdigest() if paths.plan.is_file() else ""
 
     def incomplete() -> str | None:
         done = checkpoint_iteration(paths.train_checkpoint)
@@ -114,14 +147,9 @@ def _train(config: FinetuneConfig, paths: OutputPaths, node_rank: int | None) ->
         name="train",
         command=launch_command(config, flags, node_rank),
         log=paths.log("train" if node_rank is None else f"train.node{node_rank}"),
-        key=(*flags, plan, config.device, str(config.nodes), str(config.gpus_per_node)),
-        inputs=(
-            paths.plan,
-            paths.lengths,
-            paths.start_checkpoint / TRACKER,
-            *(paths.state(s) for s in ("stats", "plan", "convert")),
-            *_data_files(config),
-        ),
+        key=(*flags, _plan_digest(paths), config.device, str(config.nodes),
+             str(config.gpus_per_node)),  # fmt: skip
+        inputs=_launch_inputs(config, paths),
         outputs=(paths.train_checkpoint / TRACKER,),
         env=launch_env(config),
         resumable=True,
@@ -176,6 +204,23 @@ def _compare(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> S
     )
 
 
+def _plan_digest(paths: OutputPaths) -> str:
+    """The plan is named by path: its content decides whether a launch's outputs are this
+    plan's."""
+    return hashlib.sha256(paths.plan.read_bytes()).hexdigest() if paths.plan.is_file() else ""
+
+
+def _launch_inputs(config: FinetuneConfig, paths: OutputPaths) -> tuple[Path, ...]:
+    """What a torchrun launch of the plan's stages reads (the preflight's and training's)."""
+    return (
+        paths.plan,
+        paths.lengths,
+        paths.start_checkpoint / TRACKER,
+        *(paths.state(s) for s in ("stats", "plan", "convert")),
+        *_data_files(config),
+    )
+
+
 def _data_files(config: FinetuneConfig) -> tuple[Path, ...]:
     """The dataset file and the annotation files a meta file names."""
     from megatron_omnibal.data.annotations import read_inputs
@@ -195,6 +240,7 @@ _BUILDERS: dict[str, Callable[[FinetuneConfig, OutputPaths, int | None], Step]] 
     "stats": _stats,
     "plan": _plan,
     "convert": _convert,
+    "preflight": _preflight,
     "train": _train,
     "export": _export,
     "compare-hf": _compare,

@@ -61,10 +61,11 @@ def training_flags(config: FinetuneConfig, paths: OutputPaths, iters: int | str)
 
 
 def launch_command(
-    config: FinetuneConfig, flags: list[str], node_rank: int | None = None
+    config: FinetuneConfig, flags: list[str], node_rank: int | None = None, module: str = ""
 ) -> list[str]:
     """torchrun through the project's launcher: this node alone (single node), or node
-    `node_rank` of `config.nodes` (the rendezvous from MASTER_ADDR / MASTER_PORT)."""
+    `node_rank` of `config.nodes` (the rendezvous from MASTER_ADDR / MASTER_PORT); of the
+    training's entry point, or of `module` run with the same flags (the preflight)."""
     if not SCRIPTS.is_dir():
         raise ValueError(f"no launch scripts at {SCRIPTS}: training runs the launchers of a "
                          "source checkout (pip install -e)")  # fmt: skip
@@ -81,6 +82,8 @@ def launch_command(
         ]
     if config.device == "cpu":
         cmd.append("--cpu")
+    if module:
+        cmd += ["--module", module]
     return [*cmd, "--nproc-per-node", str(config.gpus_per_node), "--", *flags]
 
 

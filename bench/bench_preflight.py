@@ -1,0 +1,207 @@
+"""Calibrated step-time predictions against real Megatron runs on this CPU.
+
+For each (model shape, pipeline size): a plan, the preflight of that plan with `--calibrate`
+(its largest micro-batches and a few typical steps, drawn with one seed), then real training
+runs of the plan's layout on other steps (another seed): balanced micro-batches
+(`--omnibal-plan`) or the usual fixed-size micro-batches padded to their longest sample
+(`baseline`). The prediction is the planner's pipeline simulator with the calibrated profile
+(`omnibal plan --profile` reads the same file) on exactly the micro-batches each timed step
+trained on; the calibration never saw those steps.
+
+Each layout is run `--repeats` times, the layouts interleaved (one round runs every layout
+once), each run its own torchrun under this process; a run's step time is the median of its
+timed steps (wall time between step starts on the first stage), the layout's the median over
+the repeats, and its noise the spread of the repeats ((max - min) / median), printed beside the
+error (median predicted / median measured - 1).
+
+Layouts (4): 6+20b PP=2 balanced, 6+20b PP=3 baseline, llava-7b PP=2 baseline, llava-7b PP=3
+balanced (shapes: bench_megatron.py). PP=3 runs three ranks on the cores there are.
+
+Usage: python bench/bench_preflight.py [--repeats 3] [--steps 5] [--warmup 1]
+       [--layouts 6+20b:2:balanced,...] [--work-dir DIR] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_megatron as bm  # noqa: E402  (shapes, lengths, the timed torchrun worker)
+
+LAYOUTS = ("6+20b:2:balanced", "6+20b:3:baseline", "llava-7b:2:baseline", "llava-7b:3:balanced")
+CALIBRATION_SEED = 11  # the preflight's steps; the timed runs use bench_megatron's seed (3)
+
+
+def flags_for(pp: int, lengths: Path, micro: int, steps: int) -> list[str]:
+    flags = bm.common_flags(lengths, micro, steps)
+    flags[flags.index("--pipeline-model-parallel-size") + 1] = str(pp)
+    return flags
+
+
+def torchrun(pp: int, argv: list[str]) -> None:
+    bm.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={pp}", *argv], timeout=1800)  # fmt: skip
+
+
+def prepare(shape: str, pp: int, args: argparse.Namespace, tmp: Path) -> dict:
+    """Lengths, a plan at `pp`, and its preflight with --calibrate."""
+    from megatron_omnibal.data.lengths import load_lengths, save_lengths
+    from megatron_omnibal.megatron.data import model_lengths
+    from megatron_omnibal.models.spec import ModelSpec
+    from megatron_omnibal.planner.make import make_plan
+    from megatron_omnibal.planner.plan import save_plan
+    from megatron_omnibal.planner.request import PlanRequest
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    spec = ModelSpec.from_dict(bm.SHAPES[shape])
+    model_file = tmp / "model.json"
+    model_file.write_text(json.dumps(bm.SHAPES[shape]))
+    real = load_lengths(bm.EXAMPLE)
+    pick = np.sort(np.random.default_rng(0).choice(len(real), args.samples, replace=False))
+    lengths = model_lengths(real.subset(pick), bm.DATA_TOKENS_PER_TILE, spec.tokens_per_tile,
+                            bm.TEXT_SCALE)  # fmt: skip
+    lengths_file = tmp / "lengths.npz"
+    save_lengths(lengths, lengths_file)
+    m = args.micro_batches
+    request = PlanRequest(model=spec, hardware=bm.cpu_hardware(1e9), lengths=lengths,
+                          lengths_path=str(lengths_file), gpus=pp, tp=1, pp=pp, micro_batches=m,
+                          global_batch=m * args.samples_per_micro_batch,
+                          plan_path=str(tmp / "plan.json"))  # fmt: skip
+    plan = make_plan(request)
+    save_plan(plan, tmp / "plan.json")
+    base = [*flags_for(pp, lengths_file, m, args.steps), "--omnibal-model", str(model_file)]
+    preflight = [*base, "--omnibal-plan", str(tmp / "plan.json"), "--omnibal-precision", "fp32"]
+    seed = preflight.index("--seed") + 1
+    preflight[seed] = str(CALIBRATION_SEED)
+    start = time.perf_counter()
+    torchrun(pp, ["-m", "megatron_omnibal.preflight", *preflight, "--out",
+                  str(tmp / "preflight.json"), "--calibrate", str(tmp / "calibrated.json"),
+                  "--worst-steps", "1", "--typical-steps", str(args.typical_steps)])  # fmt: skip
+    return {"spec": spec, "request": request, "plan": plan, "base": base, "lengths": lengths,
+            "model_file": model_file, "preflight_s": time.perf_counter() - start,
+            "profile": json.loads((tmp / "calibrated.json").read_text())}  # fmt: skip
+
+
+def layout_run(prep: dict, batching: str, args: argparse.Namespace, tmp: Path):
+    """(worker mode, flags, the plan's partition) of one layout's timed run."""
+    from dataclasses import replace
+
+    from megatron_omnibal.planner.make import plan_partition
+    from megatron_omnibal.planner.setting import make_setting
+
+    plan, pp = prep["plan"], prep["plan"].parallel.pp
+    request = replace(prep["request"], profile=prep["profile"],
+                      profile_path=str(tmp / "calibrated.json"))  # fmt: skip
+    setting = make_setting(request, 1, pp, 1, plan.parallel.micro_batches)
+    bounds, recompute = plan_partition(plan)
+    part = setting.problem(float("inf")).evaluate(bounds, recompute)
+    if batching == "balanced":
+        flags = [*prep["base"], "--omnibal-plan", str(tmp / "plan.json"),
+                 "--omnibal-precision", "fp32"]  # fmt: skip
+        return "balanced", flags, setting, part
+    budgets = ["--omnibal-vit-budget", str(plan.data.vit_budget), "--omnibal-token-budget",
+               str(plan.data.token_budget)]  # fmt: skip
+    flags = [*prep["base"], *budgets, *bm.layout_flags(part, prep["spec"].vit.num_layers),
+             "--omnibal-baseline-batch", str(args.samples_per_micro_batch)]  # fmt: skip
+    return "baseline", flags, setting, part
+
+
+def timed_run(pp: int, mode: str, flags: list[str], out: Path, warmup: int) -> dict:
+    torchrun(pp, [bm.__file__, "--worker", mode, str(out), "--", *flags])
+    rec = json.loads((out / "rank0.json").read_text())
+    times = (np.diff([*rec["step_starts"], rec["end"]]) * 1000.0)[warmup:]
+    return {"median_ms": float(statistics.median(times)), "times_ms": times.tolist(),
+            "micro_indices": rec["micro_indices"][warmup:]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layouts", default=",".join(LAYOUTS),
+                        help="comma-separated SHAPE:PP:balanced|baseline")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per layout")
+    parser.add_argument("--steps", type=int, default=5, help="training steps per timed run")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed first steps of a run")
+    parser.add_argument("--typical-steps", type=int, default=3,
+                        help="typical steps of the calibrating preflight")  # fmt: skip
+    parser.add_argument("--micro-batches", type=int, default=4, help="per step")
+    parser.add_argument("--samples-per-micro-batch", type=int, default=4,
+                        help="planned samples per micro-batch (the plan's global batch, and the "
+                        "baseline's fixed micro-batch size)")  # fmt: skip
+    parser.add_argument("--samples", type=int, default=3000, help="random subset of the data")
+    parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    layouts = []
+    for item in args.layouts.split(","):
+        shape, pp, batching = (item.split(":") + ["", ""])[:3]
+        if shape not in bm.SHAPES or not pp.isdigit() or int(pp) < 2 or batching not in (
+                "balanced", "baseline"):  # fmt: skip
+            parser.error(f"--layouts: {item!r} is not SHAPE:PP:balanced|baseline with a shape "
+                         f"of {', '.join(bm.SHAPES)} and PP >= 2")  # fmt: skip
+        layouts.append((shape, int(pp), batching))
+    if args.steps - args.warmup < 1 or args.repeats < 1:
+        parser.error("need at least one timed step (--steps > --warmup) and one repeat")
+    tmp = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_preflight_"))
+    started, load = time.perf_counter(), [os.getloadavg()[0]]
+    preps = {}
+    for shape, pp, _ in layouts:
+        if (shape, pp) not in preps:
+            preps[shape, pp] = prepare(shape, pp, args, tmp / f"{shape}-pp{pp}")
+    runs = {lay: layout_run(preps[lay[:2]], lay[2], args, tmp / f"{lay[0]}-pp{lay[1]}")
+            for lay in layouts}  # fmt: skip
+    measured: dict = {lay: [] for lay in layouts}
+    for r in range(args.repeats):  # rounds: every layout once, side by side
+        for lay in layouts:
+            mode, flags, _, _ = runs[lay]
+            out = tmp / f"{lay[0]}-pp{lay[1]}" / f"{lay[2]}.run{r}"
+            measured[lay].append(timed_run(lay[1], mode, flags, out, args.warmup))
+        load.append(os.getloadavg()[0])
+    rows = []
+    for lay in layouts:
+        _, _, setting, part = runs[lay]
+        lengths = preps[lay[:2]]["lengths"]
+        got = measured[lay]
+        steps = got[0]["micro_indices"]  # the same seed: every repeat trains the same steps
+        feats = [bm.step_features(lengths, s, lay[2] == "baseline")[None] for s in steps]
+        predicted = float(statistics.median(setting.predict(part, f).step_ms for f in feats))
+        medians = [g["median_ms"] for g in got]
+        median = float(statistics.median(medians))
+        rows.append({"shape": lay[0], "pp": lay[1], "batches": lay[2],
+                     "measured_ms": round(median, 1), "predicted_ms": round(predicted, 1),
+                     "error": round(predicted / median - 1, 4),
+                     "noise": round((max(medians) - min(medians)) / median, 4),
+                     "repeat_medians_ms": [round(x, 1) for x in medians],
+                     "stages": [list(s) for s in part.stages]})  # fmt: skip
+    print(f"{'shape':<9} {'PP':>2} {'batches':<8} {'measured ms':>11} {'predicted ms':>12} "
+          f"{'error':>7} {'noise':>6}  repeats (ms)")  # fmt: skip
+    for row in rows:
+        print(f"{row['shape']:<9} {row['pp']:>2} {row['batches']:<8} {row['measured_ms']:>11.1f} "
+              f"{row['predicted_ms']:>12.1f} {row['error']:>+7.1%} {row['noise']:>6.1%}  "
+              f"{row['repeat_medians_ms']}")  # fmt: skip
+    within = sum(abs(r["error"]) <= 0.10 for r in rows)
+    print(f"\n{within} of {len(rows)} layouts within 10% (goal: all, at least 4); largest error "
+          f"{max(abs(r['error']) for r in rows):.1%}, largest noise "
+          f"{max(r['noise'] for r in rows):.1%}; load average {min(load):.1f}-{max(load):.1f}; "
+          f"{time.perf_counter() - started:.0f} s")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "note": "CPU, gloo, one thread per rank; calibrated by the preflight on other steps",
+            "repeats": args.repeats, "steps": args.steps, "warmup": args.warmup,
+            "load_average": load, "rows": rows,
+            "preflight_s": {f"{s}-pp{p}": round(v["preflight_s"], 1)
+                            for (s, p), v in preps.items()}}, indent=1) + "\n")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
