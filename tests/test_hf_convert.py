@@ -14,11 +14,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -32,9 +35,21 @@ import hf_models  # noqa: E402
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
 
 
-def omnibal(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "megatron_omnibal.cli", *args], env=ENV,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+def omnibal(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`omnibal ARGS` through the CLI's entry point in this process (its exit status and
+    output as a process's): each command's own worker processes still run under torchrun, but
+    the ~30 commands here do not each pay a Python, torch and megatron-core start-up.
+    tests/test_planner_plan.py runs the entry point as a process."""
+    from megatron_omnibal.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with (mock.patch.dict(os.environ, ENV), contextlib.redirect_stdout(out),
+          contextlib.redirect_stderr(err)):  # fmt: skip
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code
+    proc = subprocess.CompletedProcess(["omnibal", *args], code, out.getvalue(), err.getvalue())
     if check and proc.returncode:
         pytest.fail(f"omnibal {' '.join(args)} -> {proc.returncode}\n{proc.stderr[-4000:]}")
     return proc
