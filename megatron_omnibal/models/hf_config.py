@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from megatron_omnibal.models.presets import QWEN25_MERGER, QWEN25_VIT
 from megatron_omnibal.models.spec import LanguageSpec, ModelSpec, ProjectorSpec, VisionSpec
 
 FAMILIES = ("internvl", "internvl_chat", "llava", "qwen2_5_vl")
@@ -405,24 +406,19 @@ def _qwen2_5_vl(path: Path, doc: dict) -> HFModel:
     )
     _need(vc.hidden_act == "silu", path, f"vision hidden_act {vc.hidden_act!r}: only silu")
     merge, patch = int(vc.spatial_merge_size), int(vc.patch_size)
-    vit = VisionSpec(
+    # The architecture's fixed facts (norms, biases, SwiGLU, 2D RoPE) are the presets' tower.
+    vit = replace(
+        QWEN25_VIT,
         num_layers=int(vc.depth),
         hidden_size=int(vc.hidden_size),
         ffn_hidden_size=int(vc.intermediate_size),
         num_attention_heads=int(vc.num_heads),
         image_size=patch * merge,
         patch_size=patch,
-        norm="rmsnorm",
-        activation="silu",
-        class_token=False,
-        patch_bias=False,
-        gated_mlp=True,
-        native_resolution=True,
         temporal_patch_size=int(vc.temporal_patch_size),
         spatial_merge_size=merge,
         window_size=int(vc.window_size),
         fullatt_block_indexes=tuple(int(i) for i in vc.fullatt_block_indexes),
-        rotary_2d=True,
     )
     params = _get(tc, "rope_parameters") or {}
     section = tuple(int(x) for x in params.get("mrope_section") or ())
@@ -431,11 +427,8 @@ def _qwen2_5_vl(path: Path, doc: dict) -> HFModel:
     spec = ModelSpec(
         name=path.name,
         vit=vit,
-        projector=ProjectorSpec(
-            type="patch_merger",
-            downsample=1 / merge,
-            hidden_size=int(vc.hidden_size) * merge**2,
-            norm_eps=1e-6,  # the merger's ln_q, fixed in transformers
+        projector=replace(
+            QWEN25_MERGER, downsample=1 / merge, hidden_size=int(vc.hidden_size) * merge**2
         ),
         llm=replace(llm, mrope_section=section, tie_embeddings=bool(cfg.tie_word_embeddings)),
         image_token_id=int(cfg.image_token_id),

@@ -71,7 +71,7 @@ QWEN25_VIT = VisionSpec(
 )
 # Its merger: RMSNorm(1280) per patch, 2x2 patches concatenated, Linear(5120, 5120), exact GELU,
 # Linear(5120, out_hidden_size = the LLM's hidden size).
-_PATCH_MERGER = ProjectorSpec(type="patch_merger", downsample=0.5, hidden_size=5120, norm_eps=1e-6)
+QWEN25_MERGER = ProjectorSpec(type="patch_merger", downsample=0.5, hidden_size=5120, norm_eps=1e-6)
 
 
 def _qwen25_vl(name: str, source: str, **shape: int) -> ModelSpec:
@@ -82,7 +82,7 @@ def _qwen25_vl(name: str, source: str, **shape: int) -> ModelSpec:
     return ModelSpec(
         name=name,
         vit=QWEN25_VIT,
-        projector=_PATCH_MERGER,
+        projector=QWEN25_MERGER,
         llm=LanguageSpec(
             **shape,
             vocab_size=152064,
