@@ -20,7 +20,8 @@ from typing import Any
 
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu")
-PROJECTORS = ("pixel_shuffle_mlp", "mlp")
+PROJECTORS = ("pixel_shuffle_mlp", "mlp", "patch_merger")
+FOLDING_PROJECTORS = ("pixel_shuffle_mlp", "patch_merger")  # fold factor^2 patches into one
 
 
 class SpecError(ValueError):
@@ -59,7 +60,13 @@ class VisionSpec:
     """The ViT: each layer sees one tile as `patches (+ class token)` tokens; tiles are the batch.
 
     Covers InternViT (RMSNorm or LayerNorm, optional qkv bias, layer scale, QK-norm over all
-    heads at once) and CLIP (pre-LayerNorm, quick_gelu, no patch-embedding bias).
+    heads at once), CLIP (pre-LayerNorm, quick_gelu, no patch-embedding bias) and Qwen2.5-VL's
+    native-resolution tower (`native_resolution`): images keep their own size (a multiple of
+    `patch_size x spatial_merge_size` pixels per side), so the unit of vision work, the "tile",
+    is one merge group of `spatial_merge_size`^2 patches (`image_size` = 28 px, one LLM token);
+    attention runs within windows of `window_size` pixels except in the layers
+    `fullatt_block_indexes`, which attend over the whole image; 2D rotary positions
+    (`rotary_2d`) instead of learned ones; a SwiGLU MLP (`gated_mlp`) with biases.
     """
 
     num_layers: int
@@ -82,9 +89,17 @@ class VisionSpec:
     pre_norm: bool = False  # LayerNorm after the embeddings, before layer 0 (CLIP)
     post_norm: bool = False  # LayerNorm after the last used layer (InternVL, no mean pooling)
     drop_class_token: bool = True  # the projector sees patches only ("default" feature select)
+    gated_mlp: bool = False  # SwiGLU MLP (gate, up, down; biased), Qwen2.5-VL
+    native_resolution: bool = False  # images at their own size; a tile is one merge group
+    temporal_patch_size: int = 1  # frames per patch (Qwen2.5-VL: 2, a still image doubled)
+    spatial_merge_size: int = 1  # patches merged per side into one LLM token
+    window_size: int = 0  # pixels per window side of the windowed layers (0: no windows)
+    fullatt_block_indexes: tuple[int, ...] = ()  # layers attending over the whole image
+    rotary_2d: bool = False  # 2D rotary positions in attention, no position embedding
 
     def __post_init__(self) -> None:
         w = "model_spec.vit"
+        object.__setattr__(self, "fullatt_block_indexes", tuple(self.fullatt_block_indexes))
         _check_positive(
             self,
             w,
@@ -111,6 +126,39 @@ class VisionSpec:
             f"{w}.image_size",
             f"{self.image_size} is not a multiple of patch_size {self.patch_size}",
         )
+        _check_positive(self, w, ("temporal_patch_size", "spatial_merge_size"))
+        full = self.fullatt_block_indexes
+        _need(
+            all(isinstance(i, int) and 0 <= i < self.num_layers for i in full)
+            and list(full) == sorted(set(full)),
+            f"{w}.fullatt_block_indexes",
+            f"{list(full)} must be ascending layer indexes below num_layers {self.num_layers}",
+        )
+        cell = self.patch_size * self.spatial_merge_size
+        _need(
+            isinstance(self.window_size, int) and self.window_size >= 0
+            and self.window_size % cell == 0,
+            f"{w}.window_size",
+            f"{self.window_size} is not 0 or a multiple of patch_size x spatial_merge_size "
+            f"= {cell}",
+        )
+        if self.native_resolution:
+            _need(
+                self.image_size == cell,
+                f"{w}.image_size",
+                f"{self.image_size}: a native-resolution tile is one merge group of {cell} px",
+            )
+            _need(not self.class_token, f"{w}.class_token", "a native-resolution ViT has none")
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the layers outside `fullatt_block_indexes` attend within windows."""
+        return self.window_size > 0
+
+    @property
+    def window_patches(self) -> int:
+        """Patches per side of a full window (Qwen2.5-VL: 112 px / 14 = 8)."""
+        return self.window_size // self.patch_size
 
     @property
     def grid(self) -> int:
@@ -133,15 +181,20 @@ class VisionSpec:
     @property
     def layer_params(self) -> int:
         h, f = self.hidden_size, self.ffn_hidden_size
-        biases = (3 * h if self.qkv_bias else 0) + h + f + h
+        mlp = (3 if self.gated_mlp else 2) * h * f + (2 if self.gated_mlp else 1) * f + h
+        biases = (3 * h if self.qkv_bias else 0) + h
         norms = (2 if self.norm == "rmsnorm" else 4) * h  # two norms: weight (and bias)
         norms += (2 * h if self.qk_norm else 0) + (2 * h if self.layer_scale else 0)
-        return 4 * h * h + 2 * h * f + biases + norms
+        return 4 * h * h + mlp + biases + norms
 
 
 @dataclass(frozen=True, kw_only=True)
 class ProjectorSpec:
-    """Vision-to-language bridge: optional pixel shuffle + LayerNorm, then a two-layer MLP."""
+    """Vision-to-language bridge: optional pixel shuffle + LayerNorm, then a two-layer MLP.
+
+    `patch_merger` (Qwen2.5-VL): RMSNorm of each patch, the patches of each merge group
+    concatenated (the same fold as the pixel shuffle, by `factor` per side), then the MLP.
+    """
 
     type: str = "pixel_shuffle_mlp"
     downsample: float = 0.5  # pixel shuffle keeps 1/downsample^2 of the tokens, 4x channels
@@ -168,7 +221,7 @@ class ProjectorSpec:
             f"{w}.hidden_size",
             f"expected an integer >= 0, got {self.hidden_size!r}",
         )
-        if self.type == "pixel_shuffle_mlp":
+        if self.type in FOLDING_PROJECTORS:
             factor = round(1 / self.downsample) if self.downsample > 0 else 0
             _need(
                 factor >= 1 and abs(factor * self.downsample - 1) < 1e-6,
@@ -179,7 +232,7 @@ class ProjectorSpec:
     @property
     def factor(self) -> int:
         """Patches folded per side by the pixel shuffle (1: none)."""
-        return round(1 / self.downsample) if self.type == "pixel_shuffle_mlp" else 1
+        return round(1 / self.downsample) if self.type in FOLDING_PROJECTORS else 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,9 +260,13 @@ class LanguageSpec:
     rope_scaling_factor: float = 0.0
     max_position_embeddings: int = 32768
     tie_embeddings: bool = False  # the output head reuses the input embedding
+    # Multimodal RoPE (Qwen2.5-VL): rotary frequency pairs given to the (t, h, w) position axes,
+    # summing to half the head dimension; () is plain 1D RoPE.
+    mrope_section: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         w = "model_spec.llm"
+        object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
         if self.num_query_groups == 0:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         if self.kv_channels == 0 and self.num_attention_heads > 0:
@@ -241,6 +298,16 @@ class LanguageSpec:
             self.rope_scaling_factor == 0 or self.rope_scaling_factor >= 1,
             f"{w}.rope_scaling_factor",
             f"must be 0 (no scaling) or >= 1, got {self.rope_scaling_factor}",
+        )
+        section = self.mrope_section
+        _need(
+            not section or (
+                len(section) == 3 and all(isinstance(x, int) and x > 0 for x in section)
+                and 2 * sum(section) == self.kv_channels
+            ),
+            f"{w}.mrope_section",
+            f"{list(section)} must be 3 positive integers summing to half the head dimension "
+            f"{self.kv_channels}",
         )
 
     @property
@@ -283,6 +350,14 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         v, p = self.vit, self.projector
+        _need(
+            not v.native_resolution or (
+                p.type == "patch_merger" and p.factor == v.spatial_merge_size
+            ),
+            "model_spec.projector",
+            f"a native-resolution ViT needs a patch_merger projector folding "
+            f"{v.spatial_merge_size} patches per side, got {p.type} by {p.factor}",
+        )
         _need(
             v.grid % p.factor == 0,
             "model_spec.projector.downsample",
@@ -329,13 +404,18 @@ class ModelSpec:
     @property
     def projector_params(self) -> int:
         i, m, o = self.projector_in, self.projector_hidden, self.llm.hidden_size
-        norm = 2 * i if self.projector.type == "pixel_shuffle_mlp" else 0
+        norm = {"pixel_shuffle_mlp": 2 * i, "patch_merger": self.vit.hidden_size}.get(
+            self.projector.type, 0
+        )
         return i * m + m * o + (m + o if self.projector.bias else 0) + norm
 
     @property
     def patch_embed_params(self) -> int:
         v = self.vit
-        conv = 3 * v.patch_size**2 * v.hidden_size + (v.hidden_size if v.patch_bias else 0)
+        pixels = 3 * v.temporal_patch_size * v.patch_size**2
+        conv = pixels * v.hidden_size + (v.hidden_size if v.patch_bias else 0)
+        if v.rotary_2d:
+            return conv
         return conv + (v.seq_per_tile + int(v.class_token)) * v.hidden_size
 
     @property
@@ -395,6 +475,14 @@ def _fields(cls: type, doc: Any, where: str, skip: tuple[str, ...] = ()) -> dict
             value = float(value)
         elif kind == "str":
             _need(isinstance(value, str), f"{where}.{key}", f"expected a string, got {value!r}")
+        elif kind == "tuple[int, ...]":
+            _need(
+                isinstance(value, (list, tuple))
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in value),
+                f"{where}.{key}",
+                f"expected a list of integers, got {value!r}",
+            )
+            value = tuple(value)
         out[key] = value
     missing = [
         n
