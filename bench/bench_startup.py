@@ -11,10 +11,11 @@ datasets, as bench_balance's scaling builds them), InternVL-6B+20B shapes, budge
 6,016 tokens, 8 micro-batches per rank and step, synthetic samples; each rank stops once it
 holds its first step's micro-batches (no model is built). Side by side:
 
-  node    the product: the node's local rank 0 balances the epoch and writes it, the other
-          ranks map it read-only (megatron/node_plans.py)
-  today   the code path before: every rank balances the epoch itself, through the same public
-          function (the sampler without node plans), reachable only from this benchmark
+  node    the product: the node's local rank 0 reads the lengths and balances the epoch and
+          writes both, the other ranks map them read-only (megatron/node_plans.py)
+  today   the code path before: every rank reads the lengths and balances the epoch itself,
+          through the same public functions (each rank told it is its node's only one, the
+          sampler without node plans), reachable only from this benchmark
 
 and, for reference, one balance() of the same epoch in a fresh process (the length file loaded,
 then balanced): its wall time and peak RSS are the goals' yardstick (time to the first batch
@@ -88,6 +89,8 @@ def worker(mode: str, out: Path, flags: list[str]) -> None:
     quiet_fallback_warnings()  # as pretrain_vlm.main starts
     enable_cpu_megatron()
     ensure_typing_override()
+    if mode == "today":  # each rank its own node's only rank: it reads the lengths itself
+        os.environ["LOCAL_WORLD_SIZE"] = "1"
     _, settings, spec, resume, source = pretrain_vlm.prepare(flags)
     plans = pretrain_vlm.node_plans(settings, resume) if mode == "node" else None
     pretrain_vlm._install_iteration_log(settings, resume, spec, plans)

@@ -92,7 +92,7 @@ class OmnibalSettings:
     finetune: FinetuneSettings
     precision: str  # bf16 | fp16 | fp32, as Megatron's flags say
     peak_tflops: float | None  # --omnibal-peak-tflops
-    vocab_size: int | None  # the model's, as Megatron pads nothing yet
+    vocab_size: int | None  # --vocab-size: the model's, before Megatron pads it
     load: str | None  # --load
     ckpt_step: int | None  # --ckpt-step
     save: str | None  # --save
