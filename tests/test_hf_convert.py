@@ -39,7 +39,7 @@ def omnibal(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """`omnibal ARGS` through the CLI's entry point in this process (its exit status and
     output as a process's): each command's own worker processes still run under torchrun, but
     the ~30 commands here do not each pay a Python, torch and megatron-core start-up.
-    tests/test_planner_plan.py runs the entry point as a process."""
+    The planner tests run the entry point as a process of its own."""
     from megatron_omnibal.cli import main
 
     out, err = io.StringIO(), io.StringIO()
