@@ -2,9 +2,9 @@
 
 Inputs: a LLaVA-style JSON list, a JSONL file (one record per line), or an InternVL meta JSON
 {"name": {"root": image folder, "annotation": file.jsonl, "repeat_time"?, "max_dynamic_patch"?,
-...}} naming several such files. Relative paths in a meta file are resolved against the meta
-file's folder (InternVL resolves them against the working directory; absolute paths, the usual
-case, mean the same in both).
+...}} naming several such files; or a Megatron-Energon dataset (data/energon_source.py).
+Relative paths in a meta file are resolved against the meta file's folder (InternVL resolves
+them against the working directory; absolute paths, the usual case, mean the same in both).
 """
 
 from __future__ import annotations
@@ -15,8 +15,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_omnibal.data.conversations import SampleError
+
+if TYPE_CHECKING:
+    from megatron_omnibal.data.energon_source import EnergonOptions
+    from megatron_omnibal.data.sample_files import SampleFiles
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,22 @@ class DatasetSpec:
     def repeats(self) -> int:
         """Passes over the records per epoch (a fraction keeps a part once, see read_records)."""
         return int(self.repeat_time) if self.repeat_time > 1 else 1
+
+    def records(self) -> list[RawRecord]:
+        """All records in file order (a fractional repeat_time keeps the first part)."""
+        if self.annotation.suffix == ".jsonl":
+            records = _jsonl_records(self.annotation)
+        else:
+            records = _json_list_records(self.annotation)
+        if self.repeat_time < 1:
+            records = records[:int(len(records) * self.repeat_time)]
+        return records
+
+    def files(self) -> SampleFiles:
+        """The records with their images (files under image_root)."""
+        from megatron_omnibal.data.sample_files import FolderFiles
+
+        return FolderFiles(self.image_root)
 
 
 @dataclass(frozen=True)
@@ -59,10 +80,18 @@ def parse_record(raw: RawRecord) -> dict:
     return data
 
 
-def read_inputs(path: str | os.PathLike, image_root: str | os.PathLike | None = None
-                ) -> tuple[list[DatasetSpec], bool]:
-    """The datasets an input names, and whether it was a meta file."""
+def read_inputs(path: str | os.PathLike, image_root: str | os.PathLike | None = None,
+                energon: EnergonOptions | None = None) -> tuple[list[DatasetSpec], bool]:
+    """The datasets an input names, and whether it was a meta file (or an Energon
+    metadataset). A prepared Energon folder or metadataset YAML is read with `energon`."""
+    from megatron_omnibal.data.energon_source import EnergonOptions, is_energon, read_energon
+
     path = Path(path)
+    if is_energon(path):
+        if image_root is not None:
+            raise ValueError(f"{path}: --image-root does not apply to an Energon dataset (its "
+                             "images are shard members)")
+        return read_energon(path, energon or EnergonOptions())
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such dataset file")
     if path.suffix == ".jsonl":
@@ -111,14 +140,8 @@ def _meta_entry(path: Path, name: str, entry: object) -> DatasetSpec:
 
 
 def read_records(spec: DatasetSpec) -> list[RawRecord]:
-    """All records of a dataset in file order (a fractional repeat_time keeps the first part)."""
-    if spec.annotation.suffix == ".jsonl":
-        records = _jsonl_records(spec.annotation)
-    else:
-        records = _json_list_records(spec.annotation)
-    if spec.repeat_time < 1:
-        records = records[:int(len(records) * spec.repeat_time)]
-    return records
+    """All records of a dataset in its order (a fractional repeat_time keeps the first part)."""
+    return spec.records()
 
 
 def chunks(records: list[RawRecord], size: int) -> Iterator[list[RawRecord]]:
