@@ -157,3 +157,28 @@ def test_cli_measures_a_folder_and_names_a_bad_member(data, tmp_path, capsys):
     assert rc == 0
     assert [k for _, k in load_identities(tmp_path / "b.npz")] == [
         f"beta_{k:05d}" for k in range(7) if k != 3]
+
+
+def test_export_round_trip_gives_the_same_stats(data, tmp_path, capsys):
+    """`omnibal export-energon` of a JSON list and of an InternVL meta file with repeat_time:
+    `omnibal stats` of the export equals `omnibal stats` of the source."""
+    from megatron_omnibal.data.energon_export import ExportError, export_energon
+
+    config = StatsConfig(tokenizer=data.tok)
+    rc = cli_main(["export-energon", str(data.first_json), "--out", str(tmp_path / "one"),
+                   "--shard-size", "5"])
+    assert rc == 0 and f"{len(SIZES)} samples in 1 dataset(s)" in capsys.readouterr().err
+    assert len(list((tmp_path / "one").glob("*.tar"))) == 3
+    _same(compute_stats(tmp_path / "one", config, progress=False).stats,
+          compute_stats(data.first_json, config, progress=False).stats)
+    meta = tmp_path / "meta.json"
+    meta.write_text(json.dumps({
+        "a/1": {"root": str(data.root), "annotation": str(data.first_json), "repeat_time": 2},
+        "b": {"root": str(data.root), "annotation": str(data.second_json),
+              "repeat_time": 0.5}}))
+    done = export_energon(meta, tmp_path / "two", shard_size=4)
+    assert done.path.name == "metadataset.yaml" and done.samples == [len(SIZES), 7]
+    _same(compute_stats(done.path, config, progress=False).stats,
+          compute_stats(meta, config, progress=False).stats)
+    with pytest.raises(ExportError, match="not empty"):
+        export_energon(meta, tmp_path / "two")

@@ -228,7 +228,7 @@ def _size(path: Path) -> int | None:
 def changes(stored: dict, now: dict) -> list[str]:
     """What differs between two fingerprints of one dataset, in words."""
     out = []
-    for field in ("path", "split", "repetitions"):
+    for field in ("split", "repetitions"):  # a moved folder is the same dataset
         if stored.get(field) != now.get(field):
             out.append(f"{field} {stored.get(field)!r} -> {now.get(field)!r}")
     old, new = stored.get("shards", {}), now.get("shards", {})
