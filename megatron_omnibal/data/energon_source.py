@@ -323,7 +323,7 @@ class _Reader:
         path = EPath(spec.annotation)
         # Images stay encoded bytes for the model's own processing; a task encoder gets
         # them as Energon decodes them.
-        decoding = {} if self.encoder is not None else {"decoder": _TextDecoder()}
+        decoding = {} if self.encoder is not None else {"decoder": TextDecoder()}
         self.factory = get_dataset_from_config(
             path, dataset_config=spec.dataset_config, split_config=spec.split_config,
             split_part=spec.split, training=False,
@@ -370,7 +370,7 @@ class _Reader:
         return int(info["width"]), int(info["height"])
 
 
-class _TextDecoder:
+class TextDecoder:
     """WebDataset's decoding of text members (json, txt, ...), images left as encoded bytes."""
 
     def __init__(self) -> None:
@@ -429,14 +429,16 @@ def _crude_record(members: dict[str, Any], base: str) -> tuple[dict, dict[str, b
     if "json" not in members:
         raise SampleError(f"{base}: a crude sample needs a 'json' member holding its record, "
                           f"it has {sorted(members)}")
-    try:
-        record = json.loads(members["json"])
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise SampleError(f"{base}.json: invalid JSON ({exc})") from exc
-    if isinstance(record, list):
-        record = {"conversations": record}
+    record = members["json"]
+    if isinstance(record, bytes | str):  # as stored; Energon's decoders give it parsed
+        try:
+            record = json.loads(record)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise SampleError(f"{base}.json: invalid JSON ({exc})") from exc
+    record = {"conversations": record} if isinstance(record, list) else record
     if not isinstance(record, dict):
         raise SampleError(f"{base}.json: expected a record object or a conversation list")
+    record = dict(record)
     images = {k: v for k, v in members.items() if k.rsplit(".", 1)[-1].lower()
               in IMAGE_EXTENSIONS}
     if not any(k in record for k in ("image", "images")) and images:

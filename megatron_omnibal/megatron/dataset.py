@@ -180,10 +180,11 @@ class RealSampleSource:
                 f"token_num={tokens}, image_flags={flags} (the length file was made from other "
                 "data, tokenizer or `omnibal stats` flags)")
 
-    def render(self, index: int, epoch: int = 0) -> tuple[
+    def render(self, index: int, epoch: int = 0, sample: LoadedSample | None = None) -> tuple[
             np.ndarray, np.ndarray, list[str], list[int], list[Video], LoadedSample]:
         """(token ids, loss flags per token, image names, tiles per image (per frame of a
-        video), videos, the loaded sample) of a sample as `epoch` trains it.
+        video), videos, the loaded sample) of a sample as `epoch` trains it; `sample`: the
+        sample already read (by another loader), else it is read here.
 
         Image placeholders are already expanded to the model's image token id. Tiles per image
         and frames per video come from the length file: no image is decoded here.
@@ -194,7 +195,7 @@ class RealSampleSource:
             raise IndexError(f"sample index {index} outside 0..{len(self.entries) - 1}")
         d, raw = self.entries[index]
         try:
-            sample = self.files[d].sample(raw)
+            sample = sample or self.files[d].sample(raw)
             images, videos, turns = read_sample(sample.record, self.config.extra_keys)
         except MemberError as exc:
             raise SampleLoadError(f"{self.describe(index)}: {exc}") from exc
@@ -278,13 +279,14 @@ class RealSampleSource:
         real = sum(tiles)
         return (real if images or videos else int(self.config.dummy_tile)), len(ids), real
 
-    def __call__(self, index: int, epoch: int = 0) -> Sample:
+    def __call__(self, index: int, epoch: int = 0, sample: LoadedSample | None = None
+                 ) -> Sample:
         import torch
 
         from megatron_omnibal.megatron.batch import Sample, shape_only_images
         from megatron_omnibal.megatron.loader import SampleLoadError
 
-        ids, target, names, tiles, videos, sample = self.render(index, epoch)
+        ids, target, names, tiles, videos, sample = self.render(index, epoch, sample)
         real = sum(tiles)
         vit = real if names or videos else int(self.config.dummy_tile)
         self.check(index, vit, len(ids), real, epoch)
