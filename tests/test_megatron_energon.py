@@ -10,7 +10,6 @@ was made is refused naming the change."""
 import json
 import os
 import random
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -19,12 +18,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from megatron_omnibal.cli import main as cli_main
 from megatron_omnibal.data.generate import train_tokenizer
 from megatron_omnibal.data.lengths import load_identities, load_lengths
 from megatron_omnibal.megatron.dataset import DatasetError, open_source
 from megatron_omnibal.models.presets import PRESETS
 from tests.energon_data import prepare_vqa, write_vqa_dataset
+from tests.test_megatron_dataset import _entry_flags, _stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "megatron_workers"))
 from run_records import records as _records  # noqa: E402
@@ -44,13 +43,6 @@ def _cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNIBAL_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def _stats(dataset, tokenizer, out, *extra):
-    argv = ["stats", str(dataset), "--tokenizer", str(tokenizer), "--out", str(out),
-            "--workers", "1", "--no-progress", *shlex.split(FLAGS), *extra]
-    assert cli_main(argv) == 0
-    return out
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("energon_train")
@@ -63,8 +55,8 @@ def data(tmp_path_factory):
     prepare_vqa(folder)
     return SimpleNamespace(root=root, tok=root / "tok.json", folder=folder,
                            annotation=annotation,
-                           energon=_stats(folder, root / "tok.json", root / "energon.npz"),
-                           plain=_stats(annotation, root / "tok.json", root / "plain.npz"))
+                           energon=_stats(folder, root / "tok.json", FLAGS, root / "energon.npz"),
+                           plain=_stats(annotation, root / "tok.json", FLAGS, root / "plain.npz"))
 
 
 def _args(data_path, lengths):
@@ -115,15 +107,8 @@ def test_a_dataset_changed_since_its_length_file_is_refused(data, tmp_path):
 
 def _flags(data_path, lengths_path, steps, *extra):
     lengths = load_lengths(lengths_path)
-    return ["--omnibal", "--omnibal-model", "tiny", "--omnibal-lengths", str(lengths_path),
-            "--omnibal-data", str(data_path),
-            "--omnibal-vit-budget", str(2 * int(lengths.vit.max())),
-            "--omnibal-token-budget", str(2 * int(lengths.tokens.max())),
-            "--pipeline-model-parallel-size", "2", "--omnibal-vit-pp-layers", "4,0",
-            "--omnibal-llm-pp-layers", "1,3", "--micro-batch-size", "1",
-            "--global-batch-size", "2", "--train-iters", str(steps), "--lr", "1e-3",
-            "--transformer-impl", "local", "--ckpt-format", "torch", "--seed", "5",
-            "--log-interval", "1", "--num-workers", "2", *extra]
+    return [*_entry_flags(data_path, lengths_path, lengths, steps), "--ckpt-format", "torch",
+            *extra]
 
 
 def _epoch_steps(lengths_path):
@@ -193,7 +178,7 @@ def test_a_corrupted_shard_member_is_skipped_or_stops_the_run(data, tmp_path):
     start = raw.index(b"\xff\xd8\xff")  # the shard's first image: vqa_00004
     raw[start:start + 16] = b"\x00" * 16
     shard.write_bytes(bytes(raw))
-    lengths_path = _stats(broken, data.tok, tmp_path / "lengths.npz")
+    lengths_path = _stats(broken, data.tok, FLAGS, tmp_path / "lengths.npz")
     assert [k for _, k in load_identities(lengths_path)][4] == "vqa_00004"
     epoch = _epoch_steps(lengths_path)
     flags = _flags(broken, lengths_path, epoch)

@@ -121,11 +121,8 @@ def _meta_entry(path: Path, name: str, entry: object) -> DatasetSpec:
         if "://" in value:
             raise ValueError(f"{path}: dataset '{name}': remote {key} {value!r} is not "
                              "supported (only local files)")
-    repeat = entry.get("repeat_time", 1)
-    if isinstance(repeat, bool) or not isinstance(repeat, int | float) or repeat <= 0 or (
-            repeat > 1 and not float(repeat).is_integer()):
-        raise ValueError(f"{path}: dataset '{name}': repeat_time must be a fraction in (0, 1] "
-                         f"or a whole number, got {repeat!r}")
+    repeat = checked_repeat(entry.get("repeat_time", 1), f"{path}: dataset '{name}': "
+                            "repeat_time")
     max_tiles = entry.get("max_dynamic_patch")
     if max_tiles is not None and (isinstance(max_tiles, bool) or not isinstance(max_tiles, int)
                                   or max_tiles < 1):
@@ -136,7 +133,17 @@ def _meta_entry(path: Path, name: str, entry: object) -> DatasetSpec:
     if not ann.is_file():
         raise FileNotFoundError(f"{path}: dataset '{name}': annotation {ann} not found")
     return DatasetSpec(str(name), ann, Path(root) if os.path.isabs(root) else base / root,
-                       float(repeat), max_tiles)
+                       repeat, max_tiles)
+
+
+def checked_repeat(value: object, what: str) -> float:
+    """Passes over a dataset per epoch: a fraction in (0, 1] (its first part) or a whole
+    number; `what` names the setting in the error."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0 or (
+            value > 1 and not float(value).is_integer()):
+        raise ValueError(f"{what} must be a fraction in (0, 1] or a whole number, got "
+                         f"{value!r}")
+    return float(value)
 
 
 def read_records(spec: DatasetSpec) -> list[RawRecord]:

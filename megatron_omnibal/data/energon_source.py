@@ -41,7 +41,7 @@ import numpy as np
 import yaml
 from PIL import Image
 
-from megatron_omnibal.data.annotations import DatasetSpec, RawRecord
+from megatron_omnibal.data.annotations import DatasetSpec, RawRecord, checked_repeat
 from megatron_omnibal.data.conversations import SampleError
 from megatron_omnibal.data.image_header import checked_size, image_bytes_size
 from megatron_omnibal.data.image_tiles import ImageDecodeError, decode_image_bytes
@@ -139,11 +139,7 @@ def read_energon(path: str | os.PathLike, options: EnergonOptions
         if folder.suffix in (".yaml", ".yml"):
             raise EnergonError(f"{path}: entry {k}: nested metadataset {folder} is not "
                                "supported; name its datasets here")
-        repeat = entry.get("repetitions", 1)
-        if isinstance(repeat, bool) or not isinstance(repeat, int | float) or repeat <= 0 or (
-                repeat > 1 and not float(repeat).is_integer()):
-            raise EnergonError(f"{path}: entry {k}: repetitions must be a fraction in (0, 1] "
-                               f"or a whole number, got {repeat!r}")
+        repeat = checked_repeat(entry.get("repetitions", 1), f"{path}: entry {k}: repetitions")
         name = folder.name
         while name in used:
             name += "_"
@@ -151,7 +147,7 @@ def read_energon(path: str | os.PathLike, options: EnergonOptions
         if not (folder / META_FOLDER).is_dir():
             raise EnergonError(f"{path}: entry {k}: {folder} is not a prepared Energon "
                                "dataset")
-        specs.append(_spec(name, folder, float(repeat), options, entry))
+        specs.append(_spec(name, folder, repeat, options, entry))
     return specs, True
 
 
