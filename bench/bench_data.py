@@ -27,7 +27,7 @@ of reach under InternVL's 'rand' sampling on long-GOP video (it holds for all-in
 keyframes closer than the sampled frames), so the figure is reported, not targeted.
 
 An Energon section then compares, on a prepared Energon dataset of `--energon-samples` records
-over the same pictures, the balanced path's samples/s (planned samples fetched by key) with
+over pictures of 300-800 pixels, the balanced path's samples/s (planned samples fetched by key) with
 Energon's own get_train_dataset + get_loader decoding through the same code; goal >= 0.9x.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_data.py --json bench_data.json
@@ -175,16 +175,25 @@ def measure(root: Path, layout: str, pixels: bool, workers: int, micro: int) -> 
     return out
 
 
-def generate_energon(root: Path, samples: int, seed: int) -> Path:
-    """`samples` single-image records over the generated images, as a LLaVA JSON list and as a
-    prepared Energon dataset (omnibal export-energon: crude samples, the image bytes as they
-    are), measured by `omnibal stats` on the Energon form."""
+def generate_energon(root: Path, samples: int, images: int, seed: int) -> Path:
+    """`samples` single-image records over `images` JPEG/PNG pictures of 300-800 pixels a side
+    (alike in decoding cost, so that the samples each loader times cost the same on average),
+    as a LLaVA JSON list and as a prepared Energon dataset (omnibal export-energon: crude
+    samples, the image bytes as they are), measured by `omnibal stats` on the Energon form."""
     from megatron_omnibal.cli import main as cli_main
     from megatron_omnibal.data.energon_export import export_energon
-    from megatron_omnibal.data.generate import write_json_list
+    from megatron_omnibal.data.generate import image_array, save_image, write_json_list
 
     rng = random.Random(seed + 1)
-    files = sorted(p.name for p in (root / "images").iterdir() if p.suffix in (".jpg", ".png"))
+    nrng = np.random.default_rng(seed + 1)
+    (root / "energon_images").mkdir()
+    files = []
+    for k in range(images):
+        name = f"{k:04d}.{'png' if k % 5 == 0 else 'jpg'}"
+        save_image(root / "energon_images" / name,
+                   image_array(rng.randint(300, 800), rng.randint(300, 800), (k % 256, 0, 0),
+                               noise=40, gradient=True, rng=nrng))
+        files.append(name)
 
     def words(lo: int, hi: int) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
@@ -193,7 +202,7 @@ def generate_energon(root: Path, samples: int, seed: int) -> Path:
         {"from": "human", "value": "<image>\n" + words(5, 30)},
         {"from": "gpt", "value": words(10, 120)}]} for i in range(samples)]
     write_json_list(root / "energon.json", recs)
-    folder = export_energon(root / "energon.json", root / "energon", root / "images",
+    folder = export_energon(root / "energon.json", root / "energon", root / "energon_images",
                             shard_size=200).path
     rc = cli_main(["stats", str(folder), "--model", LAYOUTS["internvl"][0], "--tokenizer",
                    str(root / "tokenizer.json"), "--workers", "2", "--out",
@@ -292,7 +301,7 @@ def measure_energon(root: Path, own_loader: bool, workers: int, samples: int,
 
 def energon_section(root: Path, args: argparse.Namespace) -> dict:
     """The balanced Energon path against Energon's own loader, interleaved, best of repeats."""
-    generate_energon(root, args.energon_samples, args.seed)
+    generate_energon(root, args.energon_samples, args.energon_images, args.seed)
     probe = measure_energon(root, False, 0, 20, 1)
     batch = max(1, round(probe["samples"] / probe["batches"]))
     best: dict[tuple[bool, int], dict] = {}
@@ -304,7 +313,8 @@ def energon_section(root: Path, args: argparse.Namespace) -> dict:
                 if key not in best or r["samples_per_s"] > best[key]["samples_per_s"]:
                     best[key] = r
     rows = [best[k] for k in sorted(best, key=lambda k: (k[1], k[0]))]
-    print(f"\nEnergon dataset: {args.energon_samples} samples (real JPEG/PNG members), "
+    print(f"\nEnergon dataset: {args.energon_samples} samples (real JPEG/PNG members, "
+          f"{args.energon_images} pictures of 300-800 pixels), "
           f"{args.energon_timed} samples timed per case, Energon batches of {batch}")
     print(f"{'loader':<22}{'workers':>8}{'samples/s':>12}")
     for r in rows:
@@ -328,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--energon-samples", type=int, default=2000,
                         help="samples of the generated Energon dataset (0: no Energon section)")
-    parser.add_argument("--energon-timed", type=int, default=120,
+    parser.add_argument("--energon-images", type=int, default=64,
+                        help="pictures the Energon dataset's samples draw from")
+    parser.add_argument("--energon-timed", type=int, default=400,
                         help="samples timed per Energon case")
     parser.add_argument("--only-energon", action="store_true",
                         help="run the Energon section alone")
