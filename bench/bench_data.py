@@ -224,7 +224,7 @@ class _SameDecoding:
     def __init__(self, source, index_of: dict[str, int]) -> None:
         from megatron.energon import Cooker, DefaultTaskEncoder, stateless
 
-        from megatron_omnibal.data.energon_source import TextDecoder
+        from megatron_omnibal.data.energon_samples import TextDecoder
 
         self.source, self.index_of = source, index_of
         encoder = DefaultTaskEncoder()
@@ -235,7 +235,7 @@ class _SameDecoding:
         self.encoder = encoder
 
     def encode_sample(self, crude):
-        from megatron_omnibal.data.energon_source import EnergonSample, builtin_record
+        from megatron_omnibal.data.energon_samples import EnergonSample, builtin_record
 
         key = crude["__key__"]
         members = {k: v for k, v in crude.items() if not k.startswith("__")}
