@@ -19,7 +19,8 @@ HELP = "compute per-sample length statistics (image tiles, tokens) of a VLM data
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dataset", help="LLaVA-style JSON list, JSONL, ShareGPT/messages "
-                        "records, or InternVL meta JSON")
+                        "records, InternVL meta JSON, or a Megatron-Energon dataset (a folder "
+                        "prepared with `energon prepare`, or a metadataset YAML)")
     parser.add_argument("--model", required=True, metavar="NAME|FILE|HF_DIR",
                         help="the model the lengths are for: a preset (" + ", ".join(PRESETS)
                              + "), a "
@@ -97,6 +98,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-dataset file format of a .json (meta) output (default json)")
     parser.add_argument("--image-root", default=None,
                         help="image folder of a JSON/JSONL input (default: its folder)")
+    parser.add_argument("--split", default="train",
+                        help="Energon dataset: the split part measured (default train)")
+    parser.add_argument("--energon-task-encoder", default=None, metavar="MODULE:CLASS",
+                        help="Energon dataset of your own format: your task encoder class "
+                             "(built without arguments), whose encode_sample(sample) returns "
+                             "a record ('conversations' or 'messages', 'images' as the images "
+                             "themselves); default: Energon's VQASample, CaptioningSample and "
+                             "CrudeWebdataset samples are read directly")
     parser.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
                         help="worker processes (default: all cores)")
     parser.add_argument("--chunk-size", type=positive_int, default=256,
@@ -171,13 +180,16 @@ def build_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_omnibal.data.energon_source import EnergonOptions
     from megatron_omnibal.data.stats import StatsError, compute_stats, write_outputs
 
     config = build_config(args)
+    energon = EnergonOptions(split=args.split, task_encoder=args.energon_task_encoder)
     try:
         result = compute_stats(args.dataset, config, image_root=args.image_root,
                                on_error=args.on_error, workers=args.workers,
-                               chunk_size=args.chunk_size, progress=not args.no_progress)
+                               chunk_size=args.chunk_size, progress=not args.no_progress,
+                               energon=energon)
     except StatsError as exc:
         print(f"omnibal stats: error: {exc}", file=sys.stderr)
         return 1

@@ -2,9 +2,9 @@
 
 Inputs: a LLaVA-style JSON list, a JSONL file (one record per line), or an InternVL meta JSON
 {"name": {"root": image folder, "annotation": file.jsonl, "repeat_time"?, "max_dynamic_patch"?,
-...}} naming several such files. Relative paths in a meta file are resolved against the meta
-file's folder (InternVL resolves them against the working directory; absolute paths, the usual
-case, mean the same in both).
+...}} naming several such files; or a Megatron-Energon dataset (data/energon_source.py).
+Relative paths in a meta file are resolved against the meta file's folder (InternVL resolves
+them against the working directory; absolute paths, the usual case, mean the same in both).
 """
 
 from __future__ import annotations
@@ -15,8 +15,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_omnibal.data.conversations import SampleError
+
+if TYPE_CHECKING:
+    from megatron_omnibal.data.energon_source import EnergonOptions
+    from megatron_omnibal.data.sample_files import SampleFiles
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,22 @@ class DatasetSpec:
     def repeats(self) -> int:
         """Passes over the records per epoch (a fraction keeps a part once, see read_records)."""
         return int(self.repeat_time) if self.repeat_time > 1 else 1
+
+    def records(self) -> list[RawRecord]:
+        """All records in file order (a fractional repeat_time keeps the first part)."""
+        if self.annotation.suffix == ".jsonl":
+            records = _jsonl_records(self.annotation)
+        else:
+            records = _json_list_records(self.annotation)
+        if self.repeat_time < 1:
+            records = records[:int(len(records) * self.repeat_time)]
+        return records
+
+    def files(self) -> SampleFiles:
+        """The records with their images (files under image_root)."""
+        from megatron_omnibal.data.sample_files import FolderFiles
+
+        return FolderFiles(self.image_root)
 
 
 @dataclass(frozen=True)
@@ -59,10 +80,18 @@ def parse_record(raw: RawRecord) -> dict:
     return data
 
 
-def read_inputs(path: str | os.PathLike, image_root: str | os.PathLike | None = None
-                ) -> tuple[list[DatasetSpec], bool]:
-    """The datasets an input names, and whether it was a meta file."""
+def read_inputs(path: str | os.PathLike, image_root: str | os.PathLike | None = None,
+                energon: EnergonOptions | None = None) -> tuple[list[DatasetSpec], bool]:
+    """The datasets an input names, and whether it was a meta file (or an Energon
+    metadataset). A prepared Energon folder or metadataset YAML is read with `energon`."""
+    from megatron_omnibal.data.energon_source import EnergonOptions, is_energon, read_energon
+
     path = Path(path)
+    if is_energon(path):
+        if image_root is not None:
+            raise ValueError(f"{path}: --image-root does not apply to an Energon dataset (its "
+                             "images are shard members)")
+        return read_energon(path, energon or EnergonOptions())
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such dataset file")
     if path.suffix == ".jsonl":
@@ -92,11 +121,8 @@ def _meta_entry(path: Path, name: str, entry: object) -> DatasetSpec:
         if "://" in value:
             raise ValueError(f"{path}: dataset '{name}': remote {key} {value!r} is not "
                              "supported (only local files)")
-    repeat = entry.get("repeat_time", 1)
-    if isinstance(repeat, bool) or not isinstance(repeat, int | float) or repeat <= 0 or (
-            repeat > 1 and not float(repeat).is_integer()):
-        raise ValueError(f"{path}: dataset '{name}': repeat_time must be a fraction in (0, 1] "
-                         f"or a whole number, got {repeat!r}")
+    repeat = checked_repeat(entry.get("repeat_time", 1), f"{path}: dataset '{name}': "
+                            "repeat_time")
     max_tiles = entry.get("max_dynamic_patch")
     if max_tiles is not None and (isinstance(max_tiles, bool) or not isinstance(max_tiles, int)
                                   or max_tiles < 1):
@@ -107,18 +133,22 @@ def _meta_entry(path: Path, name: str, entry: object) -> DatasetSpec:
     if not ann.is_file():
         raise FileNotFoundError(f"{path}: dataset '{name}': annotation {ann} not found")
     return DatasetSpec(str(name), ann, Path(root) if os.path.isabs(root) else base / root,
-                       float(repeat), max_tiles)
+                       repeat, max_tiles)
+
+
+def checked_repeat(value: object, what: str) -> float:
+    """Passes over a dataset per epoch: a fraction in (0, 1] (its first part) or a whole
+    number; `what` names the setting in the error."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0 or (
+            value > 1 and not float(value).is_integer()):
+        raise ValueError(f"{what} must be a fraction in (0, 1] or a whole number, got "
+                         f"{value!r}")
+    return float(value)
 
 
 def read_records(spec: DatasetSpec) -> list[RawRecord]:
-    """All records of a dataset in file order (a fractional repeat_time keeps the first part)."""
-    if spec.annotation.suffix == ".jsonl":
-        records = _jsonl_records(spec.annotation)
-    else:
-        records = _json_list_records(spec.annotation)
-    if spec.repeat_time < 1:
-        records = records[:int(len(records) * spec.repeat_time)]
-    return records
+    """All records of a dataset in its order (a fractional repeat_time keeps the first part)."""
+    return spec.records()
 
 
 def chunks(records: list[RawRecord], size: int) -> Iterator[list[RawRecord]]:

@@ -9,8 +9,10 @@ rotation, as `Image.open(path).convert("RGB")` in the training loaders sees it.
 
 from __future__ import annotations
 
+import io
 import os
 import struct
+from typing import BinaryIO
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Start-of-frame markers carry the size; C4 (DHT), C8 (JPG) and CC (DAC) share the range.
@@ -27,23 +29,43 @@ def image_size(path: str | os.PathLike) -> tuple[int, int]:
     """(width, height) of the image at `path`, read from its header only."""
     try:
         with open(path, "rb") as fh:
-            head = fh.read(26)
-            if head.startswith(_PNG_SIGNATURE):
-                size = _png_size(head)
-            elif head.startswith(b"\xff\xd8"):
-                fh.seek(2)
-                size = _jpeg_size(fh)
-            else:
-                size = _pillow_size(path)
+            size = _stream_size(fh, path)
     except OSError as exc:
         raise ImageHeaderError(f"cannot read image {os.fspath(path)}: "
                                f"{exc.strerror or exc}") from exc
     except ImageHeaderError as exc:
         raise ImageHeaderError(f"corrupt image {os.fspath(path)}: {exc}") from exc
+    return checked_size(os.fspath(path), size)
+
+
+def image_bytes_size(data: bytes, where: str) -> tuple[int, int]:
+    """(width, height) of an encoded image held in memory (a WebDataset member), from its
+    header; `where` names it in errors."""
+    try:
+        size = _stream_size(io.BytesIO(data), io.BytesIO(data))
+    except ImageHeaderError as exc:
+        raise ImageHeaderError(f"corrupt image {where}: {exc}") from exc
+    return checked_size(where, size)
+
+
+def checked_size(where: str, size: tuple[int, int]) -> tuple[int, int]:
+    """`size` of the image `where`, refused when empty or a decompression bomb."""
     if size[0] <= 0 or size[1] <= 0:
-        raise ImageHeaderError(f"corrupt image {os.fspath(path)}: size {size[0]}x{size[1]}")
-    check_pixel_limit(path, size)
+        raise ImageHeaderError(f"corrupt image {where}: size {size[0]}x{size[1]}")
+    check_pixel_limit(where, size)
     return size
+
+
+def _stream_size(fh: BinaryIO, source: str | os.PathLike | BinaryIO) -> tuple[int, int]:
+    """The size from the header at the start of `fh`; Pillow opens `source` for other
+    formats."""
+    head = fh.read(26)
+    if head.startswith(_PNG_SIGNATURE):
+        return _png_size(head)
+    if head.startswith(b"\xff\xd8"):
+        fh.seek(2)
+        return _jpeg_size(fh)
+    return _pillow_size(source)
 
 
 def check_pixel_limit(path: str | os.PathLike, size: tuple[int, int]) -> None:
@@ -97,7 +119,7 @@ def _jpeg_size(fh) -> tuple[int, int]:
         fh.seek(length - 2, os.SEEK_CUR)
 
 
-def _pillow_size(path: str | os.PathLike) -> tuple[int, int]:
+def _pillow_size(path: str | os.PathLike | BinaryIO) -> tuple[int, int]:
     from PIL import Image, UnidentifiedImageError
 
     try:

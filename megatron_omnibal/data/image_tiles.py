@@ -11,7 +11,9 @@ tiles a training sample carries are exactly the vit_num of its length record.
 
 from __future__ import annotations
 
+import io
 import os
+from typing import BinaryIO
 
 import numpy as np
 from PIL import Image
@@ -63,9 +65,17 @@ def decode_image(path: str | os.PathLike) -> Image.Image:
     A truncated JPEG passes a header read and fails only here; Pillow refuses images over
     2x Image.MAX_IMAGE_PIXELS (decompression bombs) before decoding them.
     """
-    where = os.fspath(path)
+    return _decode(path, os.fspath(path))
+
+
+def decode_image_bytes(data: bytes, where: str) -> Image.Image:
+    """The fully decoded image held in memory (a WebDataset member); `where` names it."""
+    return _decode(io.BytesIO(data), where)
+
+
+def _decode(source: str | os.PathLike | BinaryIO, where: str) -> Image.Image:
     try:
-        with Image.open(path) as img:
+        with Image.open(source) as img:
             img.load()
             return img.copy() if img.mode == "RGB" else img.convert("RGB")
     except Image.DecompressionBombError as exc:
@@ -78,17 +88,23 @@ def decode_image(path: str | os.PathLike) -> Image.Image:
 
 def load_tiles(path: str | os.PathLike, config: TilingConfig, images_in_sample: int = 1,
                expected: int | None = None) -> np.ndarray:
-    """float32 [tiles, 3, tile, tile] of the image at `path`, normalized for the encoder.
+    """float32 [tiles, 3, tile, tile] of the image at `path`, normalized for the encoder."""
+    return image_to_tiles(decode_image(path), config, images_in_sample, expected,
+                          os.fspath(path))
+
+
+def image_to_tiles(img: Image.Image, config: TilingConfig, images_in_sample: int,
+                   expected: int | None, where: str) -> np.ndarray:
+    """float32 [tiles, 3, tile, tile] of a decoded image, normalized for the encoder.
 
     The count is checked against `expected` (what the length file holds), else against
     data/tiling.py's `image_tiles` of the decoded size.
     """
-    img = decode_image(path)
     tiles = tile_image(img, config, images_in_sample)
     if expected is None:
         expected, _ = image_tiles(img.width, img.height, config, images_in_sample)
     if len(tiles) != expected:
-        raise ImageDecodeError(f"{os.fspath(path)}: {len(tiles)} tiles from the decoded "
+        raise ImageDecodeError(f"{where}: {len(tiles)} tiles from the decoded "
                                f"{img.width}x{img.height} image, the length file counts "
                                f"{expected} (the image changed since `omnibal stats`)")
     return normalize(np.stack([np.asarray(t, dtype=np.uint8) for t in tiles]), config)

@@ -185,14 +185,19 @@ def concat_videos(parts: Iterable[VideoTable]) -> VideoTable:
 
 
 def save_lengths(stats: LengthStats, path: str | os.PathLike, config: dict | None = None,
-                 image_tiles: ImageTiles | None = None, videos: VideoTable | None = None
-                 ) -> None:
+                 image_tiles: ImageTiles | None = None, videos: VideoTable | None = None,
+                 identities: Sequence[tuple[str, str]] | None = None) -> None:
     """Write statistics as `.npz` (compact), `.jsonl` or a `.json` list, chosen by suffix.
 
     `config` (the stats configuration) is stored in a `.npz` only; a JSON list keeps the
     OmniBal record format (a meta JSON entry carries the configuration instead).
+    `identities`: (shard, key) of each sample of an Energon dataset (`shard`/`key` fields of a
+    JSON record).
     """
     path = Path(path)
+    if identities is not None and len(identities) != len(stats):
+        raise LengthsError(f"{path}: {len(identities)} sample identities for {len(stats)} "
+                           "samples")
     tiles = image_tiles or {}
     bad = [i for i, t in tiles.items() if not 0 <= i < len(stats) or sum(t)
            != stats.image_flags[i]]
@@ -205,6 +210,12 @@ def save_lengths(stats: LengthStats, path: str | os.PathLike, config: dict | Non
         order = sorted(tiles)
         ptr = np.cumsum([0, *(len(tiles[i]) for i in order)])
         extra = {"stats_config": np.array(json.dumps(config))} if config is not None else {}
+        if identities is not None:
+            shards = sorted({shard for shard, _ in identities})
+            where = {shard: k for k, shard in enumerate(shards)}
+            extra.update(shard_names=np.array(json.dumps(shards)),
+                         sample_shard=np.asarray([where[s] for s, _ in identities], np.int32),
+                         sample_key=np.asarray([key for _, key in identities], np.str_))
         np.savez_compressed(
             path,
             vit=stats.vit.astype(_smallest_uint(stats.vit)),
@@ -225,6 +236,8 @@ def save_lengths(stats: LengthStats, path: str | os.PathLike, config: dict | Non
                for v, t, f in zip(stats.vit, stats.tokens, stats.image_flags, strict=True)]
     for i, t in tiles.items():
         records[i]["image_tiles"] = [int(x) for x in t]
+    for record, (shard, key) in zip(records, identities or (), strict=False):
+        record.update(shard=shard, key=key)
     for field in VIDEO_FIELDS:
         for i, value in zip(videos.sample, getattr(videos, field), strict=True):
             records[int(i)].setdefault(f"video_{field}", []).append(value.item())
@@ -256,6 +269,27 @@ def load_image_tiles(path: str | os.PathLike) -> ImageTiles:
     """Tiles of each image of the multi-image samples, by sample index (meta order)."""
     return {offset + i: t for offset, tiles in _per_dataset(Path(path), _image_tiles)
             for i, t in tiles.items()}
+
+
+def load_identities(path: str | os.PathLike) -> list[tuple[str, str]] | None:
+    """(shard, key) of each sample (meta order) of a length file made from Energon datasets;
+    None when it stores none."""
+    parts = [ids for _, ids in _per_dataset(Path(path), _identities)]
+    return None if any(p is None for p in parts) else [i for p in parts for i in p]
+
+
+def _identities(path: Path) -> list[tuple[str, str]] | None:
+    if path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as z:
+            if "sample_key" not in z.files:
+                return None
+            shards = json.loads(str(z["shard_names"]))
+            return [(shards[s], str(k)) for s, k in zip(z["sample_shard"], z["sample_key"],
+                                                         strict=True)]
+    records = _text_records(path)
+    if not records or not all(isinstance(r, dict) and "key" in r for r in records):
+        return None
+    return [(str(r["shard"]), str(r["key"])) for r in records]
 
 
 def load_videos(path: str | os.PathLike) -> VideoTable:

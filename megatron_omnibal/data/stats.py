@@ -39,13 +39,13 @@ from megatron_omnibal.data.annotations import (
     DatasetSpec,
     RawRecord,
     chunks,
-    parse_record,
     read_inputs,
     read_records,
 )
+from megatron_omnibal.data.energon_source import EnergonOptions, EnergonSpec, fingerprint
 from megatron_omnibal.data.frames import FrameSettings, clip_start, frame_counts, frame_indices
-from megatron_omnibal.data.image_header import ImageHeaderError, image_size
-from megatron_omnibal.data.image_tiles import ImageDecodeError, decode_image
+from megatron_omnibal.data.image_header import ImageHeaderError
+from megatron_omnibal.data.image_tiles import ImageDecodeError
 from megatron_omnibal.data.lengths import (
     ImageTiles,
     LengthStats,
@@ -56,6 +56,7 @@ from megatron_omnibal.data.lengths import (
     save_lengths,
 )
 from megatron_omnibal.data.records import Video, read_sample
+from megatron_omnibal.data.sample_files import LoadedSample
 from megatron_omnibal.data.stats_config import StatsConfig, config_to_dict
 from megatron_omnibal.data.tiling import TilingConfig, TilingError, image_tiles
 from megatron_omnibal.data.tokenization import TokenCounter
@@ -94,6 +95,8 @@ class StatsResult:
     image_tiles: list[ImageTiles]  # per dataset: tiles of each image of multi-image samples
     config: dict  # the stored configuration (stats_config.config_to_dict)
     videos: list[VideoTable]  # per dataset (its own sample indices)
+    # per dataset: (shard, key) of each length entry of an Energon dataset, else None
+    identities: list[list[tuple[str, str]] | None]
 
     @property
     def stats(self) -> LengthStats:
@@ -118,12 +121,13 @@ _STATE: dict = {}
 def compute_stats(path: str | os.PathLike, config: StatsConfig,
                   image_root: str | os.PathLike | None = None, on_error: str = "error",
                   workers: int = 1, chunk_size: int = 256,
-                  progress: bool = True) -> StatsResult:
-    """Length statistics of the dataset(s) at `path` (JSON list, JSONL or InternVL meta)."""
+                  progress: bool = True, energon: EnergonOptions | None = None) -> StatsResult:
+    """Length statistics of the dataset(s) at `path` (JSON list, JSONL, InternVL meta, or a
+    Megatron-Energon dataset read with `energon`)."""
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
     start = time.perf_counter()
-    specs, is_meta = read_inputs(path, image_root)
+    specs, is_meta = read_inputs(path, image_root, energon)
     config = replace(config, tokenizer=str(Path(config.tokenizer).resolve()))
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     if workers > 1:
@@ -172,7 +176,7 @@ def _compute(specs: list[DatasetSpec], is_meta: bool, config: StatsConfig, on_er
         if pool is not None:
             pool.terminate()
             pool.join()
-    datasets, multi, videos = [], [], []
+    datasets, multi, videos, identities = [], [], [], []
     for d, spec in enumerate(specs):
         mine = [o for o in outs if o.dataset == d]
         keep = np.concatenate([o.ok for o in mine]) if mine else np.zeros(0, bool)
@@ -187,13 +191,15 @@ def _compute(specs: list[DatasetSpec], is_meta: bool, config: StatsConfig, on_er
         datasets.append(from_arrays(vit, tokens, flags, names=(spec.name,),
                                     source=str(spec.annotation)))
         multi.append(_kept_image_tiles(mine, keep, repeat))
+        identities.append([r.data for r, k in zip(records[d], keep, strict=True) if k] * repeat
+                          if isinstance(spec, EnergonSpec) else None)
         videos.append(_kept_videos(mine, keep, repeat))
     datasets, videos = _first_epoch_frames(datasets, videos, plan, config.frame_seed)
     stored = _stored_config(config, counter, specs, is_meta, image_root)
     stored["frame_tokens"] = list(plan.frame_tokens)
     return StatsResult(specs, datasets, skipped, [len(r) for r in records],
                        time.perf_counter() - start, is_meta, counter.added, multi, stored,
-                       videos)
+                       videos, identities)
 
 
 def video_plan(config: StatsConfig, counter: TokenCounter) -> VideoPlan:
@@ -258,13 +264,18 @@ def _stored_config(config: StatsConfig, counter: TokenCounter, specs: list[Datas
     ids = {part: counter.token_id(getattr(style, part)) if getattr(style, part) else None
            for part in ("start", "context", "end")}
     root = None if is_meta or image_root is None else str(Path(image_root).resolve())
-    return config_to_dict(config, {
+    run = {
         "tokenizer_fingerprint": counter.fingerprint(),
         "added_tokens": list(counter.added),
         "image_token_ids": ids,
         "image_root": root,
         "datasets": [s.name for s in specs],
-    })
+    }
+    energon = [s for s in specs if isinstance(s, EnergonSpec)]
+    if energon:
+        run["energon"] = {"split": energon[0].split, "task_encoder": energon[0].task_encoder,
+                          "datasets": [fingerprint(s) for s in energon]}
+    return config_to_dict(config, run)
 
 
 def _tasks(specs: list[DatasetSpec], records: list[list[RawRecord]], config: StatsConfig,
@@ -275,7 +286,7 @@ def _tasks(specs: list[DatasetSpec], records: list[list[RawRecord]], config: Sta
             tiling = replace(tiling, max_tiles=spec.max_tiles,
                              min_tiles=min(tiling.min_tiles, spec.max_tiles))
         for chunk in chunks(recs, chunk_size):
-            yield d, spec.name, str(spec.image_root), tiling, chunk
+            yield d, spec.name, spec.files(), tiling, chunk
 
 
 def _ignore_interrupt() -> None:
@@ -286,7 +297,7 @@ def _ignore_interrupt() -> None:
 
 def _run_chunk(task: tuple) -> _ChunkOut:
     """Measure one chunk of records (in a worker): images per sample, then one token batch."""
-    dataset, name, root, tiling, chunk = task
+    dataset, name, files, tiling, chunk = task
     config: StatsConfig = _STATE["config"]
     counter: TokenCounter = _STATE["counter"]
     n = len(chunk)
@@ -304,9 +315,9 @@ def _run_chunk(task: tuple) -> _ChunkOut:
     ids: list[str | None] = [None] * n
     for k, raw in enumerate(chunk):
         try:
-            record = parse_record(raw)
-            ids[k] = _sample_id(record)
-            pieces, extra, per_image, found = _measure(record, root, tiling, config, counter)
+            sample = files.sample(raw)
+            ids[k] = _sample_id(sample.record)
+            pieces, extra, per_image, found = _measure(sample, tiling, config, counter)
         except (conv.SampleError, ImageHeaderError, ImageDecodeError, VideoError) as exc:
             ok[k] = False
             errors.append(Skipped(name, raw.index, raw.line, ids[k], str(exc)))
@@ -351,16 +362,16 @@ def _sample_id(record: dict) -> str | None:
     return None if value is None else str(value)
 
 
-def _measure(record: dict, root: str, tiling: TilingConfig, config: StatsConfig,
+def _measure(sample: LoadedSample, tiling: TilingConfig, config: StatsConfig,
              counter: TokenCounter) -> tuple[list[str], int, list[int], list[tuple[int, float]]]:
     """(text pieces, image tokens beyond one per image, tiles of each image, (frames, fps) of
     each video) of a sample; each video is rendered with one frame."""
-    images, videos, turns = read_sample(record, config.extra_keys)
+    images, videos, turns = read_sample(sample.record, config.extra_keys)
     style = config.image_style
     if videos and tiling.mode == "native":
         raise conv.SampleError("video samples of a native-resolution model (Qwen2.5-VL) are "
                                "not supported yet: its frames are not InternVL's")
-    found = [video_frames(os.path.join(root, v.path), v, config) for v in videos]
+    found = [video_frames(sample.video_path(v.path), v, config) for v in videos]
     if videos:
         if not (style.start and style.end):
             raise conv.SampleError("video samples need a model whose images have start and "
@@ -370,17 +381,17 @@ def _measure(record: dict, root: str, tiling: TilingConfig, config: StatsConfig,
     per_image = []
     extra = 0
     for rel in images:
-        path = os.path.join(root, rel)
-        width, height = image_size(path)
+        width, height = sample.image_size(rel)
         if config.verify_images:
-            decoded = decode_image(path).size
+            decoded = sample.decode(rel).size
             if decoded != (width, height):
-                raise ImageDecodeError(f"image {path}: the header says {width}x{height}, "
-                                       f"the decoded image is {decoded[0]}x{decoded[1]}")
+                raise ImageDecodeError(f"image {sample.where(rel)}: the header says "
+                                       f"{width}x{height}, the decoded image is "
+                                       f"{decoded[0]}x{decoded[1]}")
         try:
             n_tiles, n_tokens = image_tiles(width, height, tiling, len(images))
         except TilingError as exc:
-            raise conv.SampleError(f"image {path}: {exc}") from None
+            raise conv.SampleError(f"image {sample.where(rel)}: {exc}") from None
         per_image.append(n_tiles)
         extra += n_tokens - 1
     if images:
@@ -460,19 +471,23 @@ def write_outputs(result: StatsResult, out: str | os.PathLike, fmt: str = "json"
             tiles.update({offset + i: t for i, t in multi.items()})
             videos.append(table.shifted(offset))
             offset += len(stats)
+        ids = None if None in result.identities else [
+            i for part in result.identities for i in part]
         save_lengths(result.stats, out, config=result.config, image_tiles=tiles,
-                     videos=concat_videos(videos))
+                     videos=concat_videos(videos), identities=ids)
     else:
         meta = {}
         used: set[str] = set()
-        for spec, stats, multi, table in zip(result.specs, result.datasets, result.image_tiles,
-                                             result.videos, strict=True):
+        for spec, stats, multi, table, ids in zip(result.specs, result.datasets,
+                                                  result.image_tiles, result.videos,
+                                                  result.identities, strict=True):
             stem = re.sub(r"[^A-Za-z0-9._-]", "_", spec.name) or "dataset"
             while stem in used:
                 stem += "_"
             used.add(stem)
             child = out.parent / f"{stem}_token_lengths.{fmt}"
-            save_lengths(stats, child, config=result.config, image_tiles=multi, videos=table)
+            save_lengths(stats, child, config=result.config, image_tiles=multi, videos=table,
+                         identities=ids)
             written.append(child)
             meta[spec.name] = {"token_lengths": child.name, "stats_config": result.config}
         out.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")

@@ -286,8 +286,9 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default="synthetic",
         metavar="synthetic|PATH",
         help="sample source: 'synthetic' (deterministic random samples shaped like the "
-        "lengths) or the dataset the length file was computed from (LLaVA JSON/JSONL or "
-        "InternVL meta)",
+        "lengths) or the dataset the length file was computed from (LLaVA JSON/JSONL, "
+        "InternVL meta, or a Megatron-Energon folder or metadataset: its split and task "
+        "encoder are the ones `omnibal stats` used)",
     )
     g.add_argument(
         "--omnibal-tokenizer",

@@ -34,17 +34,26 @@ import numpy as np
 
 from megatron_omnibal.data import conversations as conv
 from megatron_omnibal.data.annotations import RawRecord, parse_record, read_inputs, read_records
+from megatron_omnibal.data.energon_source import (
+    EnergonOptions,
+    EnergonSpec,
+    MemberError,
+    changes,
+    fingerprint,
+)
 from megatron_omnibal.data.frames import clip_start, frame_indices
-from megatron_omnibal.data.image_tiles import ImageDecodeError, load_tiles, normalize
+from megatron_omnibal.data.image_tiles import ImageDecodeError, image_to_tiles, normalize
 from megatron_omnibal.data.lengths import (
     ImageTiles,
     LengthsError,
     LengthStats,
     VideoTable,
+    load_identities,
     load_image_tiles,
     read_stats_config,
 )
 from megatron_omnibal.data.records import Video, read_sample
+from megatron_omnibal.data.sample_files import LoadedSample
 from megatron_omnibal.data.stats_config import (
     StatsConfig,
     StatsConfigError,
@@ -79,7 +88,8 @@ class RealSampleSource:
     def __init__(self, data: str | os.PathLike, config: StatsConfig, lengths: LengthStats,
                  spec: Any, image_tiles: ImageTiles, image_root: str | os.PathLike | None = None,
                  skipped: str | os.PathLike | None = None, pixels: bool = True,
-                 by_epoch: EpochLengths | None = None) -> None:
+                 by_epoch: EpochLengths | None = None, energon: dict | None = None,
+                 identities: list[tuple[str, str]] | None = None) -> None:
         tiling = config.tiling
         if config.template not in TURN_MARKS:
             raise DatasetError(f"template {config.template!r}: training samples are built for "
@@ -99,7 +109,12 @@ class RealSampleSource:
             raise DatasetError(f"{config.tokenizer}: training samples need a fast tokenizer "
                                "(token offsets locate the answers)")
         self.context_id = self.counter.backend.token_to_id(config.image_style.context)
-        self.specs, _ = read_inputs(data, image_root)
+        options = EnergonOptions(split=energon["split"], task_encoder=energon["task_encoder"]
+                                 ) if energon else None
+        self.specs, _ = read_inputs(data, image_root, options)
+        _check_unchanged(self.specs, energon)
+        self.files = [spec.files() for spec in self.specs]
+        self.identities = identities
         self.tilings = [
             tiling if s.max_tiles is None else
             replace(tiling, max_tiles=s.max_tiles, min_tiles=min(tiling.min_tiles, s.max_tiles))
@@ -117,6 +132,15 @@ class RealSampleSource:
             repeat = spec.repeats
             entries.extend([(d, r) for r in records] * repeat)
             per_dataset.append(len(records) * repeat)
+        if self.identities is not None and len(entries) == len(self.lengths):
+            now = [raw.data for _, raw in entries]
+            moved = next((i for i, (a, b) in enumerate(zip(now, self.identities, strict=True))
+                          if tuple(a) != tuple(b)), None)
+            if moved is not None:
+                raise DatasetError(
+                    f"length record {moved} is sample {'/'.join(self.identities[moved])} in the "
+                    f"length file, {'/'.join(now[moved])} in the dataset: the dataset changed "
+                    "since the length file was made; rerun `omnibal stats`")
         if len(entries) != len(self.lengths):
             detail = ", ".join(f"'{s.name}': {n}" for s, n in zip(self.specs, per_dataset,
                                                                    strict=True))
@@ -134,6 +158,10 @@ class RealSampleSource:
 
     def describe(self, index: int) -> str:
         d, raw = self.entries[index]
+        if isinstance(self.specs[d], EnergonSpec):
+            shard, key = raw.data
+            return (f"{self.specs[d].annotation}/{shard}/{key} (sample {raw.index} of "
+                    f"'{self.specs[d].name}'), length record {index}")
         record_id = _record_id(raw)
         ident = f" (id {record_id})" if record_id is not None else ""
         return (f"{self.specs[d].annotation}:{raw.line}: sample {raw.index}{ident}, length "
@@ -152,23 +180,27 @@ class RealSampleSource:
                 f"token_num={tokens}, image_flags={flags} (the length file was made from other "
                 "data, tokenizer or `omnibal stats` flags)")
 
-    def render(self, index: int, epoch: int = 0
-               ) -> tuple[np.ndarray, np.ndarray, list[str], list[int], list[Video]]:
-        """(token ids, loss flags per token, image paths, tiles per image (per frame of a
-        video), videos) of a sample as `epoch` trains it.
+    def render(self, index: int, epoch: int = 0, sample: LoadedSample | None = None) -> tuple[
+            np.ndarray, np.ndarray, list[str], list[int], list[Video], LoadedSample]:
+        """(token ids, loss flags per token, image names, tiles per image (per frame of a
+        video), videos, the loaded sample) of a sample as `epoch` trains it; `sample`: the
+        sample already read (by another loader), else it is read here.
 
         Image placeholders are already expanded to the model's image token id. Tiles per image
-        and frames per video come from the length file: nothing here opens a file.
+        and frames per video come from the length file: no image is decoded here.
         """
+        from megatron_omnibal.megatron.loader import SampleLoadError
+
         if not 0 <= index < len(self.entries):
             raise IndexError(f"sample index {index} outside 0..{len(self.entries) - 1}")
         d, raw = self.entries[index]
         try:
-            record = parse_record(raw)
-            images, videos, turns = read_sample(record, self.config.extra_keys)
+            sample = sample or self.files[d].sample(raw)
+            images, videos, turns = read_sample(sample.record, self.config.extra_keys)
+        except MemberError as exc:
+            raise SampleLoadError(f"{self.describe(index)}: {exc}") from exc
         except conv.SampleError as exc:
             raise DatasetError(f"{self.describe(index)}: {exc}") from exc
-        paths = [os.path.join(self.specs[d].image_root, rel) for rel in images]
         tiles = self._tiles(index, len(images))
         if images:
             turns = conv.expand_images(turns, [self.config.image_style.compact()] * len(images))
@@ -180,7 +212,7 @@ class RealSampleSource:
                 conv.VIDEO_PLACEHOLDER)
         pieces = conv.render(turns, self.config.template, self.config.system)
         ids, target = self._tokenize(index, pieces, turns)
-        return (*self._expand(index, ids, target, tiles), paths, tiles, videos)
+        return (*self._expand(index, ids, target, tiles), images, tiles, videos, sample)
 
     def frame_counts(self, index: int, epoch: int, n_videos: int) -> np.ndarray:
         """Frames each video of sample `index` trains on in `epoch` (from the epoch plan)."""
@@ -243,34 +275,35 @@ class RealSampleSource:
 
     def measure(self, index: int, epoch: int = 0) -> tuple[int, int, int]:
         """(vit_num, token_num, image_flags) of a sample as built from its text."""
-        ids, _, paths, tiles, videos = self.render(index, epoch)
+        ids, _, images, tiles, videos, _ = self.render(index, epoch)
         real = sum(tiles)
-        return (real if paths or videos else int(self.config.dummy_tile)), len(ids), real
+        return (real if images or videos else int(self.config.dummy_tile)), len(ids), real
 
-    def __call__(self, index: int, epoch: int = 0) -> Sample:
+    def __call__(self, index: int, epoch: int = 0, sample: LoadedSample | None = None
+                 ) -> Sample:
         import torch
 
         from megatron_omnibal.megatron.batch import Sample, shape_only_images
         from megatron_omnibal.megatron.loader import SampleLoadError
 
-        ids, target, paths, tiles, videos = self.render(index, epoch)
+        ids, target, names, tiles, videos, sample = self.render(index, epoch, sample)
         real = sum(tiles)
-        vit = real if paths or videos else int(self.config.dummy_tile)
+        vit = real if names or videos else int(self.config.dummy_tile)
         self.check(index, vit, len(ids), real, epoch)
         size = self.config.tiling.tile
         if not self.pixels:
             images = shape_only_images(vit, size)
         elif videos:
             try:
-                images = torch.from_numpy(self.video_tiles(index, epoch, videos))
+                images = torch.from_numpy(self.video_tiles(index, epoch, videos, sample))
             except VideoError as exc:
                 raise SampleLoadError(f"{self.describe(index)}: {exc}") from exc
-        elif paths:
+        elif names:
             tiling = self.tilings[self.entries[index][0]]
             try:
                 images = torch.from_numpy(np.concatenate([
-                    load_tiles(p, tiling, len(paths), expected=t)
-                    for p, t in zip(paths, tiles, strict=True)]))
+                    image_to_tiles(sample.decode(n), tiling, len(names), t, sample.where(n))
+                    for n, t in zip(names, tiles, strict=True)]))
             except ImageDecodeError as exc:
                 raise SampleLoadError(f"{self.describe(index)}: {exc}") from exc
         else:
@@ -282,17 +315,17 @@ class RealSampleSource:
         return Sample(tokens=torch.from_numpy(ids), labels=torch.from_numpy(labels),
                       images=images, image_flags=torch.from_numpy(flags))
 
-    def video_tiles(self, index: int, epoch: int, videos: list[Video]) -> np.ndarray:
+    def video_tiles(self, index: int, epoch: int, videos: list[Video],
+                    sample: LoadedSample) -> np.ndarray:
         """float32 [frames, 3, tile, tile]: the planned frames of each video of a sample,
         decoded by seeking and resized to one tile each."""
         from PIL import Image
 
-        d = self.entries[index][0]
         table, size = self.by_epoch.table, self.config.tiling.tile
         counts = self.frame_counts(index, epoch, len(videos))
         out = []
         for video, row, count in zip(videos, table.of_sample(index), counts, strict=True):
-            path = os.path.join(self.specs[d].image_root, video.path)
+            path = sample.video_path(video.path)
             frames, fps = int(table.frames[row]), float(table.fps[row])
             picked = clip_start(video.clip, fps) + frame_indices(
                 self.by_epoch.plan.frames, int(count), frames, fps, self.by_epoch.seed, epoch,
@@ -359,6 +392,23 @@ def _skipped_indices(path: str | os.PathLike | None, specs: list) -> dict[str, s
     return out
 
 
+def _check_unchanged(specs: list, energon: dict | None) -> None:
+    """Refuse Energon datasets that changed since the length file was made, saying what."""
+    if not energon:
+        return
+    stored = energon["datasets"]
+    now = [s for s in specs if isinstance(s, EnergonSpec)]
+    if len(stored) != len(now):
+        raise DatasetError(f"the length file was made from {len(stored)} Energon dataset(s) "
+                           f"{[d['name'] for d in stored]}, the data names {len(now)}")
+    for spec, before in zip(now, stored, strict=True):  # in order: a moved folder is the same
+        found = changes(before, fingerprint(spec))
+        if found:
+            raise DatasetError(f"Energon dataset '{spec.name}' ({spec.annotation}) changed "
+                               f"since the length file was made: {'; '.join(found)}; rerun "
+                               "`omnibal stats`")
+
+
 def stored_config(lengths_path: str | os.PathLike) -> tuple[StatsConfig, dict]:
     """The configuration `omnibal stats` stored in the length file, and its run facts."""
     try:
@@ -406,7 +456,8 @@ def open_source(source: SourceSettings, lengths: LengthStats, spec: Any, pixels:
         opened = RealSampleSource(
             source.data, config, lengths, spec, tiles, run.get("image_root"),
             skipped=report.with_name(f"{report.stem}.skipped.json"), pixels=pixels,
-            by_epoch=by_epoch)
+            by_epoch=by_epoch, energon=run.get("energon"),
+            identities=load_identities(args.omnibal_lengths))
     except (OSError, LengthsError) as exc:  # a missing dataset, annotation or tokenizer
         raise DatasetError(f"--omnibal-data {source.data}: {exc}") from exc
     except ValueError as exc:  # a tokenizer that cannot be loaded (the message says why)
