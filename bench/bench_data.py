@@ -255,6 +255,7 @@ def measure_energon(root: Path, own_loader: bool, workers: int, samples: int,
     from megatron_omnibal.balance.config import BalanceConfig
     from megatron_omnibal.balance.sampler import BalancedBatchSampler
     from megatron_omnibal.data.lengths import load_identities, load_lengths
+    from megatron_omnibal.megatron.args import SourceSettings
     from megatron_omnibal.megatron.data import BalancedDataIterator
     from megatron_omnibal.megatron.dataset import open_source
     from megatron_omnibal.megatron.loader import MicroBatchDataset
@@ -265,10 +266,8 @@ def measure_energon(root: Path, own_loader: bool, workers: int, samples: int,
     spec = get_preset(preset)
     lengths_path = root / "energon_lengths.npz"
     lengths = load_lengths(lengths_path)
-    args = SimpleNamespace(omnibal_data=str(root / "energon"), omnibal_lengths=str(lengths_path),
-                           omnibal_tokenizer=None, omnibal_text_scale=1,
-                           trust_remote_code=False)
-    source = open_source(args, lengths, spec, check=0)
+    settings = SourceSettings(data=str(root / "energon"), lengths_path=str(lengths_path))
+    source = open_source(settings, lengths, spec, check=0)
     if own_loader:
         from megatron.energon import WorkerConfig, get_loader, get_train_dataset
 

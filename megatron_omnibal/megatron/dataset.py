@@ -457,7 +457,7 @@ def open_source(source: SourceSettings, lengths: LengthStats, spec: Any, pixels:
             source.data, config, lengths, spec, tiles, run.get("image_root"),
             skipped=report.with_name(f"{report.stem}.skipped.json"), pixels=pixels,
             by_epoch=by_epoch, energon=run.get("energon"),
-            identities=load_identities(args.omnibal_lengths))
+            identities=load_identities(source.lengths_path))
     except (OSError, LengthsError) as exc:  # a missing dataset, annotation or tokenizer
         raise DatasetError(f"--omnibal-data {source.data}: {exc}") from exc
     except ValueError as exc:  # a tokenizer that cannot be loaded (the message says why)
