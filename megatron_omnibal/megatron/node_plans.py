@@ -51,8 +51,12 @@ def default_folder() -> Path:
 
 def job_id() -> str:
     """The job's id on this node: torchrun's run id (a fresh one per --standalone job, the
-    rendezvous id of a multi-node job), else this process's (a run without torchrun)."""
-    return os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
+    rendezvous id of a multi-node job) and node rank (several "nodes" may share one host), else
+    this process's (a run without torchrun)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run:
+        return f"pid{os.getpid()}"
+    return f"{run}-node{os.environ.get('GROUP_RANK', '0')}"
 
 
 def plan_name(identity: dict, epoch: int, job: str) -> str:
