@@ -111,6 +111,11 @@ def llm_splits(num_layers: int, pp: int) -> list[tuple[int, ...]]:
     return out
 
 
+def even_split(num_layers: int, pp: int) -> list[tuple[int, ...]]:
+    """The split without --decoder-first/last-pipeline-num-layers (none if PP does not divide)."""
+    return [(num_layers // pp,) * pp] if num_layers % pp == 0 else []
+
+
 def interleaved_splits(split: tuple[int, ...], micro_batches: int) -> list[int]:
     """Model chunks per rank Megatron accepts for an LLM split: 1, or with pp >= 2 and
     micro-batches divisible by pp, every rank's layers divisible by the chunk count (its checks
@@ -279,9 +284,18 @@ class _Layouts:
         return worst + sync
 
 
-def best_megatron_baseline(request: PlanRequest, interleave: bool = True) -> BaselineSearch:
-    """The fastest hand-set Megatron-LM configuration that fits memory (module docstring);
-    without `interleave`, 1F1B configurations only."""
+def best_megatron_baseline(
+    request: PlanRequest,
+    interleave: bool = True,
+    uneven: bool = True,
+    recompute: bool = True,
+    micro_batch_sizes: bool = True,
+) -> BaselineSearch:
+    """The fastest hand-set Megatron-LM configuration that fits memory (module docstring).
+
+    Each flag off takes one of the user's choices away (to price it): `interleave` 1F1B only,
+    `uneven` the even LLM split only, `recompute` no recompute flags, `micro_batch_sizes`
+    micro-batch size 1 only."""
     model, hw = request.model, request.hardware
     nv, nl, gb = model.vit.num_layers, model.llm.num_layers, request.global_batch
     budget = budget_mib(hw)
@@ -291,19 +305,19 @@ def best_megatron_baseline(request: PlanRequest, interleave: bool = True) -> Bas
     for t, p, d in parallel_candidates(model, hw, request.gpus, tp, None, max_pp=nl):
         if gb % d:
             continue  # Megatron needs global batch = micro-batch size x micro-batches x dp
-        for mbs in divisors(gb // d):
+        for mbs in divisors(gb // d) if micro_batch_sizes else [1]:
             layouts = _Layouts(
                 make_setting(request, t, p, d, gb // d // mbs, balanced=False), budget, nv
             )
             m = gb // d // mbs
-            for split in llm_splits(nl, p):
+            for split in llm_splits(nl, p) if uneven else even_split(nl, p):
                 for v in interleaved_splits(split, m) if interleave else [1]:
                     config = BaselineConfig(t, p, d, mbs, m, split, False, 0, v)
                     bounds = config.bounds(nv)
                     top = max(config.chunk_layers())
-                    for vision in (False, True):
+                    for vision in (False, True) if recompute else (False,):
                         searched += top + 1
-                        ks = layouts.fitting_recompute(bounds, vision, top, v)
+                        ks = layouts.fitting_recompute(bounds, vision, top if recompute else 0, v)
                         if not len(ks):
                             continue
                         fitting += len(ks)

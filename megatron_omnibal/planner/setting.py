@@ -250,17 +250,16 @@ def choose_partition(
     interleaved 1F1B (`interleaved.search_interleaved`).
     """
     problem = setting.problem(budget_mib(setting.hw), features)
-    if vpp > 1:
-        if mode != "exact" or not recompute:
-            raise ValueError(f"virtual stages (vpp {vpp}) are searched in exact mode only")
-        if quick:
-            return search_interleaved(problem, setting.pp, vpp, None, max_evaluations=0), problem
-        return search_interleaved(problem, setting.pp, vpp), problem
     if not recompute and mode != "megatron":
         problem = Problem(
             full_recompute_costs(problem.costs), problem.m, problem.budget, problem.p2p
         )
-    if mode == "megatron":
+    if vpp > 1 and mode != "exact":
+        raise ValueError(f"virtual stages (vpp {vpp}) are searched in exact mode only")
+    if vpp > 1:
+        tolerance, evaluations = (None, 0) if quick else (1e-3, 2048)
+        part = search_interleaved(problem, setting.pp, vpp, tolerance, max_evaluations=evaluations)
+    elif mode == "megatron":
         part = megatron_default(problem, setting.pp, full_recompute=True)
     elif mode == "bmp":
         part = bmp(problem, setting.pp)
