@@ -187,7 +187,14 @@ def print_levels(plan, out) -> None:
 
 def _vpp(text: str) -> int | None:
     """--vpp: a positive integer, or 'auto' (None: searched)."""
-    return None if text == "auto" else positive_int(text)
+    if text == "auto":
+        return None
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer or 'auto', got {text!r}"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
