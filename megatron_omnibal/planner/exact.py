@@ -293,7 +293,7 @@ class _Bound:
         # on, with stage s on [lo, hi); joint[s][lo]: least over completions from (s, lo) of
         # the max over signatures pivoting at s or later (see `_joint`)
         self.head = np.full((pp, u + 1, u + 1), -np.inf)
-        self.add([single_path_signature(pp), *seeds])  # signature 0: v[0] is the work before
+        self.add([single_path_signature(pp), *seeds])  # v[0]: the work before the next stage
 
     def _joint(self) -> np.ndarray:
         """(pp + 1, U + 1) lower bound on every completion from stage s at unit lo of the max
