@@ -6,8 +6,10 @@ real sample lengths (the shipped InternVL subset); nothing is measured on GPUs.
 
 The headline (`omnibal plan`'s first line) compares the plan with the best configuration a
 Megatron-LM user could set by hand for the same model, GPUs and global batch (TP, PP,
-micro-batch size, --decoder-first/last-pipeline-num-layers, --recompute-vision and
---recompute-num-layers searched; ViT on stage 0; padded fixed-size batches; only what fits).
+micro-batch size, --decoder-first/last-pipeline-num-layers, --recompute-vision,
+--recompute-num-layers and the interleaved schedule searched; ViT on stage 0; padded
+fixed-size batches; only what fits). `--worth-only` prints only what each choice of the
+baseline and of the plan is worth on four presets (`choices_worth`).
 
 The ablation keeps one parallel configuration and adds the three balances one at a time:
 
@@ -17,7 +19,8 @@ The ablation keeps one parallel configuration and adds the three balances one at
   +partition   the exact searched partition, still recomputing every layer
   +recompute   partition searched jointly with per-stage recompute under the memory budget
 
-Usage: python bench/bench_planner.py [--gpus 128] [--hardware A100-80G] [--json PATH]
+Usage: python bench/bench_planner.py [--gpus 128] [--hardware A100-80G] [--worth-only]
+                                     [--json PATH]
 """
 
 from __future__ import annotations
@@ -37,24 +40,18 @@ import numpy as np  # noqa: E402
 
 from megatron_omnibal.data.lengths import load_lengths  # noqa: E402
 from megatron_omnibal.models.presets import get_preset  # noqa: E402
-from megatron_omnibal.planner.costs import GROUP_LLM, GROUP_VIT  # noqa: E402
 from megatron_omnibal.planner.hardware import get_hardware  # noqa: E402
 from megatron_omnibal.planner.make import make_plan  # noqa: E402
-from megatron_omnibal.planner.memory import (  # noqa: E402
-    inflight_interleaved,
-    stage_memory_mib,
-)
 from megatron_omnibal.planner.parallel_search import plan_candidates  # noqa: E402
-from megatron_omnibal.planner.partition import Problem, search  # noqa: E402
+from megatron_omnibal.planner.partition import search  # noqa: E402
 from megatron_omnibal.planner.request import PlanRequest  # noqa: E402
 from megatron_omnibal.planner.setting import (  # noqa: E402
     budget_mib,
     choose_partition,
-    full_recompute_costs,
     make_setting,
 )
-from megatron_omnibal.planner.simulate import simulate_step  # noqa: E402
 
+WORTH_PRESETS = ("internvl-6b-20b", "llava-1.5-7b", "internvl-6b-34b", "internvl2-8b")
 PAPER_GPU_DAYS = {"internvl-6b-20b": [61.8, 51.9, 29.0, 21.3]}  # OmniBal (ICML 2025) ablation
 EPOCH_SAMPLES = 70_706 * 17  # the 1.2M-record replicate of the shipped subset
 
@@ -105,12 +102,13 @@ def headline(names, hw_name: str, gpus: int, stats, global_batch: int) -> list[d
             {
                 "model": name,
                 "plan": {"tp": par.tp, "pp": par.pp, "dp": par.dp, "m": par.micro_batches,
-                         "step_ms": p.step_ms},
+                         "vpp": par.vpp, "step_ms": p.step_ms},
                 "baseline": None if b is None else {
                     "tp": b.tp, "pp": b.pp, "dp": b.dp, "micro_batch_size": b.micro_batch_size,
                     "llm_layers": list(b.llm_layers_per_stage),
                     "recompute_vision": b.recompute_vision,
-                    "recompute_num_layers": b.recompute_num_layers, "step_ms": b.step_ms,
+                    "recompute_num_layers": b.recompute_num_layers, "vpp": b.vpp,
+                    "step_ms": b.step_ms,
                     "configurations_searched": b.configurations_searched,
                     "configurations_fitting": b.configurations_fitting,
                 },
@@ -241,67 +239,123 @@ def certificates(stats, gpus: int, hw_name: str) -> list[dict]:
     return out
 
 
-def interleaved_check(stats, gpus: int, hw_name: str) -> list[dict]:
-    """Would interleaved 1F1B (VPP 2) beat the certified 1F1B plan? 6+20B, tp=1, m=4 x PP.
-
-    The units are cut into 2 x PP virtual stages by the certified search; rank r runs virtual
-    stages r and PP + r. Recompute: either per virtual stage under 1F1B's in-flight counts
-    for 2 x PP stages (optimistic: interleaving holds more), or every layer (the most memory
-    can be saved). Both are simulated on the same balanced micro-batches with the same
-    gradient sync as the plan. Rank memory: both chunks' static state plus Megatron's
-    interleaved in-flight chunk-micro-batches times the larger chunk's stored activations.
-    """
-    hw, req = get_hardware(hw_name), request("internvl-6b-20b", hw_name, gpus, stats)
+def interleaved_steps(stats, gpus: int, hw_name: str) -> list[dict]:
+    """The certified plan at fixed sizes (6+20B, TP 1, m = 4 x PP) with 1, 2 and 4 model
+    chunks per rank: step on the balanced micro-batches, CPU seconds, proven gap."""
+    req = request("internvl-6b-20b", hw_name, gpus, stats)
     out = []
     for pp in (4, 8, 16):
-        m = 4 * pp
-        setting = make_setting(req, 1, pp, gpus // pp, m)
-        plain, problem = choose_partition(setting, "exact")
-        sync = setting.sync_ms(plain.stages)
-        row = {"pp": pp, "m": m, "step_1f1b_ms": round(plain_step(setting, plain), 1)}
-        for label, full in (("chosen", False), ("full", True)):
-            cut = Problem(full_recompute_costs(problem.costs), m) if full else problem
-            virtual = search(cut, 2 * pp)
-            if full:
-                virtual = replace(virtual, recompute=tuple(all_layers(setting.model, virtual)))
-            feats = setting.balanced
-            two = simulate_step(
-                [setting.stage_times(virtual, feats[r]) for r in range(setting.dp)],
-                pp,
-                2,
-                [setting.stage_p2p(virtual, feats[r]) for r in range(setting.dp)],
-                sync,
-            )
-            peak = max(interleaved_rank_mib(problem.costs, virtual, r, pp, m) for r in range(pp))
-            row[f"vpp2_{label}_ms"] = round(two.step_ms, 1)
-            row[f"vpp2_{label}_ratio"] = round(two.step_ms / row["step_1f1b_ms"], 4)
-            row[f"vpp2_{label}_peak_gib"] = round(peak / 1024, 1)
-            row[f"vpp2_{label}_fits"] = peak <= budget_mib(hw) + 1e-6
+        setting = make_setting(req, 1, pp, gpus // pp, 4 * pp)
+        row = {"pp": pp, "m": 4 * pp}
+        for vpp in (1, 2, 4):
+            c0 = time.process_time()
+            part, _ = choose_partition(setting, "exact", vpp=vpp)
+            row[f"vpp{vpp}"] = {
+                "step_ms": round(setting.predict(part, setting.balanced).step_ms, 1),
+                "cpu_s": round(time.process_time() - c0, 2),
+                "proven_gap": round(part.step_ms / part.lower_bound_ms - 1, 4),
+                "peak_gib": round(float(part.memory_mib.max()) / 1024, 1),
+            }
         out.append(row)
     return out
 
 
-def plain_step(setting, part) -> float:
-    return setting.predict(part, setting.balanced).step_ms
+BASELINE_CHOICES = (
+    ("all of them", {}),
+    ("without interleaving (1F1B only)", {"interleave": False}),
+    ("without uneven first/last stages", {"uneven": False}),
+    ("without recompute flags", {"recompute": False}),
+    ("without micro-batch sizes > 1", {"micro_batch_sizes": False}),
+)
 
 
-def all_layers(cost_model, part):
-    """Recompute counts with every ViT and LLM layer of each stage recomputed."""
-    for lo, hi in part.stages:
-        group = np.asarray(cost_model.group[lo:hi])
-        yield {g: int(np.sum(group == g)) for g in (GROUP_VIT, GROUP_LLM) if np.any(group == g)}
+def choices_worth(
+    names, hw_name: str, gpus: int, stats, global_batch: int, show: bool = False
+) -> list[dict]:
+    """What each choice is worth, in modeled step time, on each preset.
+
+    Baseline: the best hand-set Megatron-LM configuration with all of its choices, and again
+    with each one taken away (searched again without it). Ours: the plan with virtual stages
+    searched (`--vpp auto`) and, at its configuration, each of our choices taken away: the
+    interleaved schedule (the best 1F1B plan, searched again), balanced data (the same split
+    on the baseline's fixed-size padded micro-batches), the searched split (Megatron's LLaVA
+    split with the cheapest recompute that fits, 1F1B), per-stage recompute (every layer
+    recomputed, split searched again). A value is the step without the choice over the step
+    with all of them: what the choice is worth.
+    """
+    from megatron_omnibal.planner.baseline import best_megatron_baseline
+    from megatron_omnibal.planner.partition import megatron_default
+
+    hw = get_hardware(hw_name)
+    out = []
+    for name in names:
+        req = request(name, hw_name, gpus, stats, global_batch, vpp=None)
+        baseline = []
+        for label, kw in BASELINE_CHOICES:
+            found = best_megatron_baseline(req, **kw).best
+            baseline.append(
+                {
+                    "without": label,
+                    "step_ms": None if found is None else round(found.result.step_ms, 1),
+                    "config": None if found is None else describe_baseline(found.config),
+                }
+            )
+        best = plan_candidates(req)[0]
+        st, part = best.setting, best.part
+        one_f1b = plan_candidates(replace(req, vpp=1))[0]
+        problem = st.problem(budget_mib(hw))
+        plain = megatron_default(problem, st.pp, full_recompute=False)
+        no_rec, _ = choose_partition(st, "exact", recompute=False, vpp=part.vpp)
+        ours = [
+            ("all of them", best.result.step_ms, True),
+            ("without interleaving (best 1F1B plan)", one_f1b.result.step_ms, True),
+            ("without balanced data", st.predict(part, st.fixed).step_ms, None),
+            ("without the searched split", st.predict(plain, st.balanced).step_ms,
+             problem.fits(plain)),
+            ("without per-stage recompute", st.predict(no_rec, st.balanced).step_ms,
+             bool(np.all(no_rec.memory_mib <= budget_mib(hw) + 1e-6))),
+        ]  # fmt: skip
+        out.append(
+            {
+                "model": name,
+                "plan": f"tp{st.tp} pp{st.pp} dp{st.dp} m{st.m} vpp{part.vpp}",
+                "plan_1f1b": f"tp{one_f1b.setting.tp} pp{one_f1b.setting.pp} "
+                f"dp{one_f1b.setting.dp} m{one_f1b.setting.m}",
+                "baseline": baseline,
+                "ours": [
+                    {"without": label, "step_ms": round(step, 1), "fits": fits}
+                    for label, step, fits in ours
+                ],
+            }
+        )
+        if show:  # one preset at a time: the full table takes minutes
+            print_worth(out[-1:])
+            sys.stdout.flush()
+    return out
 
 
-def interleaved_rank_mib(costs, part, rank: int, pp: int, m: int) -> float:
-    """Rank memory under VPP 2: static of both chunks + in-flight x the larger chunk's store."""
-    n = inflight_interleaved(rank, pp, 2, m)
-    static, stored = 0.0, 0.0
-    for s in (rank, pp + rank):
-        (lo, hi), rec = part.stages[s], part.recompute[s]
-        base = stage_memory_mib(costs, lo, hi, rec, 0)
-        static += base
-        stored = max(stored, stage_memory_mib(costs, lo, hi, rec, 1) - base)
-    return static + n * stored
+def describe_baseline(c) -> str:
+    rec = ("ViT + " if c.recompute_vision else "") + f"{c.recompute_num_layers} LLM layers"
+    return (
+        f"tp{c.tp} pp{c.pp} dp{c.dp} mbs{c.micro_batch_size} vpp{c.vpp} LLM "
+        f"{'/'.join(map(str, c.llm_layers))}, recompute {rec}"
+    )
+
+
+def print_worth(rows: list[dict]) -> None:
+    for row in rows:
+        base = row["baseline"]
+        full = base[0]["step_ms"]
+        print(f"  {row['model']}: best baseline {base[0]['config']}: {full / 1000:.2f} s")
+        for b in base[1:]:
+            worth = "nothing fits" if b["step_ms"] is None else f"x{b['step_ms'] / full:.3f}"
+            print(f"    baseline {b['without']:<38} {worth:>12}  ({b['config']})")
+        ours = row["ours"]
+        top = ours[0]["step_ms"]
+        print(f"    plan {row['plan']}: {top / 1000:.2f} s (best 1F1B plan {row['plan_1f1b']})")
+        for o in ours[1:]:
+            fits = "" if o["fits"] is None else ("" if o["fits"] else "  (over memory)")
+            print(f"    ours {o['without']:<42} x{o['step_ms'] / top:.3f}{fits}")
 
 
 def plan_times(stats, gpus: int, hw_name: str) -> list[dict]:
@@ -339,7 +393,7 @@ def print_report(report: dict) -> None:
         base = (
             "no Megatron-LM configuration fits memory"
             if b is None
-            else f"best baseline tp={b['tp']} pp={b['pp']} dp={b['dp']} mbs="
+            else f"best baseline tp={b['tp']} pp={b['pp']} vpp={b['vpp']} dp={b['dp']} mbs="
             f"{b['micro_batch_size']} LLM {'/'.join(map(str, b['llm_layers']))} recompute "
             f"vision={b['recompute_vision']} llm={b['recompute_num_layers']}: "
             f"{b['step_ms'] / 1000:.1f} s ({b['configurations_fitting']} of "
@@ -410,15 +464,18 @@ def print_report(report: dict) -> None:
             f"{row['certified_step_ms']:.1f} ms ({row['certified_cpu_s']:.2f} s CPU), lower "
             f"bound {row['lower_bound_ms']:.1f} ms, proven gap {row['proven_gap']:.3%}"
         )
-    print("\ninterleaved 1F1B (VPP 2) vs the certified 1F1B plan, internvl-6b-20b (tp=1):")
+    print("\ncertified plans with 1, 2 and 4 model chunks per rank, internvl-6b-20b (tp=1):")
     for row in report["interleaved"]:
-        print(f"  pp={row['pp']:>2} m={row['m']:>2}: 1F1B {row['step_1f1b_ms'] / 1000:.2f} s")
-        for label in ("chosen", "full"):
-            print(
-                f"    VPP 2, {label} recompute: {row[f'vpp2_{label}_ms'] / 1000:.2f} s "
-                f"(x{row[f'vpp2_{label}_ratio']:.3f}), peak "
-                f"{row[f'vpp2_{label}_peak_gib']} GiB, fits {row[f'vpp2_{label}_fits']}"
+        print(
+            f"  pp={row['pp']:>2} m={row['m']:>2}: "
+            + "; ".join(
+                f"vpp {v}: {row[f'vpp{v}']['step_ms'] / 1000:.2f} s "
+                f"(x{row[f'vpp{v}']['step_ms'] / row['vpp1']['step_ms']:.3f}, peak "
+                f"{row[f'vpp{v}']['peak_gib']} GiB, gap {row[f'vpp{v}']['proven_gap']:.1%}, "
+                f"{row[f'vpp{v}']['cpu_s']} s CPU)"
+                for v in (1, 2, 4)
             )
+        )
     print("\nAll figures are modeled (FLOPs cost model + pipeline simulator), not measured.")
 
 
@@ -428,8 +485,21 @@ def main() -> int:
     parser.add_argument("--hardware", default="A100-80G")
     parser.add_argument("--global-batch", type=int, default=1024)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument(
+        "--worth-only",
+        action="store_true",
+        help="only the table of what each baseline and plan choice is worth on the presets",
+    )
     args = parser.parse_args()
     stats = load_lengths(ROOT / "examples" / "data" / "internvl_subset.npz")
+    print("what each choice is worth (step without it / step with all; modeled):")
+    worth = choices_worth(
+        WORTH_PRESETS, args.hardware, args.gpus, stats, args.global_batch, show=True
+    )
+    if args.worth_only:
+        if args.json:
+            Path(args.json).write_text(json.dumps({"worth": worth}, indent=1) + "\n")
+        return 0
     report = {
         "note": "modeled (FLOPs cost model + pipeline simulator), not measured",
         "headline": headline(
@@ -441,7 +511,8 @@ def main() -> int:
         "plan_seconds": plan_times(stats, args.gpus, args.hardware),
         "optimality": optimality_check(stats, args.gpus, args.hardware),
         "certificates": certificates(stats, args.gpus, args.hardware),
-        "interleaved": interleaved_check(stats, args.gpus, args.hardware),
+        "worth": worth,
+        "interleaved": interleaved_steps(stats, args.gpus, args.hardware),
     }
     for name in ("internvl-6b-20b", "internvl-6b-34b"):
         report["ablation"].append(

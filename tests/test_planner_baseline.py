@@ -21,6 +21,7 @@ from megatron_omnibal.planner.baseline import (
     BaselineConfig,
     baseline_from_config,
     best_megatron_baseline,
+    interleaved_splits,
     llm_splits,
 )
 from megatron_omnibal.planner.hardware import Hardware, get_hardware
@@ -53,8 +54,14 @@ def _all_configs(request: PlanRequest) -> list[BaselineConfig]:
             if sum(c) == nl and len(set(c[1:-1])) <= 1
         ]
         for mbs, split, vision in itertools.product(divisors(gb // d), splits, (False, True)):
-            for k in range(max(split) + 1):
-                out.append(BaselineConfig(t, p, d, mbs, gb // d // mbs, split, vision, k))
+            m = gb // d // mbs
+            for v in (1, 2, 3, 4):
+                # interleaved: pp >= 2, micro-batches divisible by pp, every rank's layers
+                # divisible by its chunks (Megatron's checks, tested below)
+                if v > 1 and (p < 2 or m % p or any(n % v for n in split)):
+                    continue
+                for k in range(max(split) // v + 1):
+                    out.append(BaselineConfig(t, p, d, mbs, m, split, vision, k, v))
     return out
 
 
@@ -91,6 +98,7 @@ def test_search_finds_the_brute_force_best_under_every_budget(
         assert found.best.result.step_ms == pytest.approx(best_step, rel=1e-9)
         assert found.best.part.memory_mib.max() <= budget_mib(probe.hardware) + 1e-6
         assert found.best.config in {r[2] for r in fitting if r[0] <= best_step * (1 + 1e-9)}
+    assert any(r[2].vpp > 1 for r in rows)  # the interleaved schedule is among them
 
 
 def test_nothing_fits_means_no_baseline():
@@ -184,3 +192,39 @@ def test_llm_splits_are_exactly_what_megatron_core_accepts():
             if sum(split) == layers and min(split) >= 1:
                 accepted.add(split)
         assert set(llm_splits(layers, pp)) == accepted, (layers, pp)
+
+
+@pytest.mark.megatron
+def test_interleaved_splits_are_what_megatron_core_accepts():
+    """Oracle: megatron-core 0.19's TransformerConfig with a virtual pipeline size and
+    get_num_layers_to_build per (rank, chunk): the (split, chunks) pairs it builds are those the
+    baseline search uses, each chunk holding its rank's layers / chunks."""
+    import torch
+
+    warnings.filterwarnings("ignore")
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    for layers, pp, vpp in itertools.product(range(2, 13), range(2, 5), range(2, 4)):
+        accepted = set()
+        values = [None, *range(1, layers + 1)]
+        for first, last in itertools.product(values, values):
+            try:
+                config = TransformerConfig(
+                    num_layers=layers, hidden_size=8, num_attention_heads=2,
+                    pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                    virtual_pipeline_model_parallel_size=vpp,
+                    num_layers_in_first_pipeline_stage=first,
+                    num_layers_in_last_pipeline_stage=last)  # fmt: skip
+                chunks = [
+                    [get_num_layers_to_build(config, vp_stage=c, pp_rank=r) for c in range(vpp)]
+                    for r in range(pp)
+                ]
+            except (ValueError, AssertionError):
+                continue
+            split = tuple(sum(c) for c in chunks)
+            if sum(split) == layers and min(min(c) for c in chunks) >= 1:
+                accepted.add(split)
+                assert all(len(set(c)) == 1 for c in chunks), (layers, pp, vpp, chunks)
+        ours = {s for s in llm_splits(layers, pp) if vpp in interleaved_splits(s, pp)}
+        assert ours == accepted, (layers, pp, vpp)

@@ -11,8 +11,8 @@ from megatron_omnibal.planner.exact import (
     bottleneck_signatures,
     certify,
     fill_drain_signatures,
-    graph_1f1b,
     longest_paths,
+    pipeline_graph,
 )
 from megatron_omnibal.planner.memory import inflight_1f1b, stage_memory_mib, stage_time_ms
 from megatron_omnibal.planner.partition import (
@@ -259,7 +259,7 @@ def test_longest_paths_match_the_simulator_and_their_critical_paths():
         f = rng.uniform(0.1, 3, (3, pp))
         b = f * rng.uniform(0.2, 4, (3, pp))
         c = rng.uniform(0, 1, (3, pp - 1))
-        span, sigs = longest_paths(graph_1f1b(pp, m), f, b, c, paths=True)
+        span, sigs = longest_paths(pipeline_graph(pp, m), f, b, c, paths=True)
         for i in range(3):
             link = c[i][:, None] if pp > 1 else 0.0
             rep = np.repeat(f[i][:, None], m, 1), np.repeat(b[i][:, None], m, 1)
@@ -332,7 +332,7 @@ def test_closed_form_signatures_never_exceed_the_longest_path():
         sigs = bottleneck_signatures(pp, m) + fill_drain_signatures(pp, m)
         f, b = np.exp(rng.normal(0, 1.5, (2, 32, pp)))
         c = np.exp(rng.normal(-1, 1.5, (32, pp - 1)))
-        span, _ = longest_paths(graph_1f1b(pp, m), f, b, c)
+        span, _ = longest_paths(pipeline_graph(pp, m), f, b, c)
         nf, nb, nc = (np.array([getattr(g, k) for g in sigs]) for k in FIELDS)
         priced = f @ nf.T + b @ nb.T + c @ nc[:, : pp - 1].T
         assert np.all(priced <= span[:, None] * (1 + 1e-12))

@@ -29,6 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pp", type=positive_int, help="pipeline parallel size (searched if omitted)"
     )
     parser.add_argument(
+        "--vpp",
+        type=_vpp,
+        default=1,
+        help="model chunks per pipeline rank: 1 (default) for 1F1B, more for interleaved 1F1B, "
+        "'auto' to search 1-4 (pretrain_vlm builds 1F1B plans only)",
+    )
+    parser.add_argument(
         "--micro-batches",
         type=positive_int,
         help="micro-batches per step and replica (default: best of 2 or 4 x PP)",
@@ -103,12 +110,14 @@ def print_table(plan, out=None) -> None:
     print(headline(plan), file=out)
     print(
         f"{plan.model_spec.name} on {par.gpus} x {plan.hardware_spec.name}: tp={par.tp} "
-        f"pp={par.pp} dp={par.dp} micro-batches={par.micro_batches}",
+        f"pp={par.pp} dp={par.dp} micro-batches={par.micro_batches}"
+        + (f" vpp={par.vpp} (interleaved 1F1B)" if par.vpp > 1 else ""),
         file=out,
     )
     print(f"budgets per micro-batch: {data.vit_budget} tiles, {data.token_budget} tokens", file=out)
     print(
-        f"{'stage':>5} {'vit layers':>11} {'proj':>4} {'llm layers':>11} {'fwd ms':>9} "
+        f"{'stage' if par.vpp == 1 else 'r.chk':>5} {'vit layers':>11} {'proj':>4} "
+        f"{'llm layers':>11} {'fwd ms':>9} "
         f"{'bwd ms':>9} {'recompute v/l':>13} {'mem GiB':>8}",
         file=out,
     )
@@ -116,8 +125,9 @@ def print_table(plan, out=None) -> None:
         v, lm = st.vit_layers, st.llm_layers
         vit = f"{v[0]}-{v[1] - 1}" if v[1] > v[0] else "-"
         llm = f"{lm[0]}-{lm[1] - 1}" if lm[1] > lm[0] else "-"
+        where = str(st.stage) if par.vpp == 1 else f"{st.stage % par.pp}.{st.stage // par.pp}"
         print(
-            f"{st.stage:>5} {vit:>11} {'yes' if st.projector else '':>4} {llm:>11} "
+            f"{where:>5} {vit:>11} {'yes' if st.projector else '':>4} {llm:>11} "
             f"{st.forward_ms:>9.1f} {st.backward_ms:>9.1f} "
             f"{st.vit_recompute:>6}/{st.llm_recompute:<6} {st.peak_memory_gib:>8.1f}",
             file=out,
@@ -175,6 +185,18 @@ def print_levels(plan, out) -> None:
         )
 
 
+def _vpp(text: str) -> int | None:
+    """--vpp: a positive integer, or 'auto' (None: searched)."""
+    if text == "auto":
+        return None
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer or 'auto', got {text!r}"
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_omnibal.models.resolve import read_mapping, resolve_model
     from megatron_omnibal.planner.config_files import resolve_hardware
@@ -192,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         gpus=args.gpus,
         tp=args.tp,
         pp=args.pp,
+        vpp=args.vpp,
         micro_batches=args.micro_batches,
         global_batch=args.global_batch,
         mode=args.mode,

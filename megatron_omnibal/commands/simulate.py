@@ -97,6 +97,8 @@ def print_epochs(plan, setting, bounds, lengths) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from megatron_omnibal.planner.baseline import (
         BaselineConfig,
         baseline_from_config,
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             )
         config = BaselineConfig(b.tp, b.pp, b.dp, b.micro_batch_size, b.micro_batches,
                                 b.llm_layers_per_stage, b.recompute_vision,
-                                b.recompute_num_layers)  # fmt: skip
+                                b.recompute_num_layers, b.vpp)  # fmt: skip
         base = baseline_from_config(request, config)
         setting, part, result = base.setting, base.part, base.result
         features, kind = setting.fixed, "best Megatron-LM baseline"
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         setting = make_setting(request, par.tp, par.pp, par.dp, par.micro_batches, budgets)
         bounds, recompute = plan_partition(plan)
-        part = setting.problem(float("inf")).evaluate(bounds, recompute)
+        part = replace(setting.problem(float("inf")).evaluate(bounds, recompute), vpp=par.vpp)
         features, kind = setting.balanced, "plan, balanced batches"
         result = setting.predict(part, features)
     print(
@@ -150,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
         r = int(result.replica_ms.argmax())
         fwd, bwd = setting.stage_times(part, features[r])
-        line = simulate(fwd, bwd, setting.pp, 1, setting.stage_p2p(part, features[r]))
+        line = simulate(fwd, bwd, setting.pp, part.vpp, setting.stage_p2p(part, features[r]))
         save_gantt(
             line,
             args.png,

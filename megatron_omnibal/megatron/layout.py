@@ -116,6 +116,11 @@ def layout_from_plan(
 
     Model layer counts default to the plan's model_spec.
     """
+    if plan.parallel.vpp > 1:
+        raise LayoutError(
+            f"plan has vpp {plan.parallel.vpp} (interleaved 1F1B, {len(plan.stages)} virtual "
+            "stages): the VLM stage module builds one chunk per rank; re-plan with --vpp 1"
+        )
     if len(plan.stages) != pp_size:
         raise LayoutError(
             f"plan is for pipeline size {len(plan.stages)}, this run has "

@@ -1,8 +1,10 @@
-"""Certified-optimal partition search under the exact 1F1B simulation (branch and bound).
+"""Certified-optimal partition search under the exact pipeline simulation (branch and bound).
 
-With identical micro-batches, a 1F1B step is the longest path through a fixed graph of
-operations (Megatron's per-rank order plus the cross-stage dependencies); only the durations
-depend on the partition. Any path through that graph visits each stage some number of times
+With identical micro-batches, a 1F1B or interleaved 1F1B step is the longest path through a
+fixed graph of operations (Megatron's per-rank order plus the cross-stage dependencies); only
+the durations depend on the partition. Stages here are virtual stages (chunk c of rank r is
+stage c x pp + r; with vpp 1 the ranks). Any path through that graph visits each stage some
+number of times
 (nF forwards, nB backwards, nC transfers across the boundary after it), so its length is a sum
 over stages of nF f_s + nB b_s + nC p2p_s: additive in the partition, and a lower bound on the
 step of EVERY partition. A set of such path "signatures" gives a lower bound per partition
@@ -25,18 +27,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_omnibal.planner.simulate import order_1f1b
+from megatron_omnibal.planner.simulate import order_1f1b, order_interleaved
 
 
 @dataclass(frozen=True)
-class Graph1F1B:
-    """The 1F1B operation graph of (pp, m) in a topological order.
+class PipelineGraph:
+    """The operation graph of (pp, vpp, m) in a topological order, over `stages` = pp x vpp
+    virtual stages.
 
-    Per operation: its stage, kind (0 forward, 1 backward), the previous operation on its rank
-    (-1: none), its cross-stage input (-1: none) and the boundary that input crosses (-1: none).
+    Per operation: its virtual stage, kind (0 forward, 1 backward), the previous operation on
+    its rank (-1: none), its cross-stage input (-1: none) and the boundary that input crosses
+    (-1: none).
     """
 
-    pp: int
+    stages: int
     m: int
     stage: np.ndarray
     kind: np.ndarray
@@ -46,9 +50,12 @@ class Graph1F1B:
 
 
 @functools.lru_cache(maxsize=64)
-def graph_1f1b(pp: int, m: int) -> Graph1F1B:
+def pipeline_graph(pp: int, m: int, vpp: int = 1) -> PipelineGraph:
     """Build the graph by replaying Megatron's order until every operation is placed."""
-    orders = [order_1f1b(r, pp, m) for r in range(pp)]
+    nv = pp * vpp
+    orders = [
+        order_1f1b(r, pp, m) if vpp == 1 else order_interleaved(r, pp, vpp, m) for r in range(pp)
+    ]
     index: dict[tuple[int, str, int], int] = {}
     stage, kind, prev, dep, cross = [], [], [], [], []
     pos = [0] * pp
@@ -58,29 +65,30 @@ def graph_1f1b(pp: int, m: int) -> Graph1F1B:
         progressed = False
         for r in range(pp):
             while pos[r] < len(orders[r]):
-                k, _, j = orders[r][pos[r]]
+                k, chunk, j = orders[r][pos[r]]
+                v = chunk * pp + r
                 if k == "F":
-                    src, bnd = ((r - 1, "F", j), r - 1) if r > 0 else (None, -1)
-                elif r == pp - 1:
+                    src, bnd = ((v - 1, "F", j), v - 1) if v > 0 else (None, -1)
+                elif v == nv - 1:
                     src, bnd = None, -1  # its own forward, earlier on the same rank
                 else:
-                    src, bnd = (r + 1, "B", j), r
+                    src, bnd = (v + 1, "B", j), v
                 if src is not None and src not in index:
                     break
-                index[(r, k, j)] = len(stage)
-                stage.append(r)
+                index[(v, k, j)] = len(stage)
+                stage.append(v)
                 kind.append(0 if k == "F" else 1)
                 prev.append(last[r])
                 dep.append(index[src] if src is not None else -1)
                 cross.append(bnd)
-                last[r] = index[(r, k, j)]
+                last[r] = index[(v, k, j)]
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise RuntimeError("1F1B order deadlocked")
+            raise RuntimeError("pipeline order deadlocked")
     arr = functools.partial(np.asarray, dtype=np.int64)
-    return Graph1F1B(pp, m, arr(stage), arr(kind), arr(prev), arr(dep), arr(cross))
+    return PipelineGraph(nv, m, arr(stage), arr(kind), arr(prev), arr(dep), arr(cross))
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,7 @@ class Signature:
 
 
 def longest_paths(
-    graph: Graph1F1B,
+    graph: PipelineGraph,
     forward_ms: np.ndarray,
     backward_ms: np.ndarray,
     p2p_ms: np.ndarray,
@@ -142,18 +150,20 @@ def partition_steps(
     m: int,
     parts: list[tuple[int, ...]],
     paths: bool = False,
+    vpp: int = 1,
 ) -> tuple[np.ndarray, list[Signature]]:
-    """Exact 1F1B steps of many partitions (boundary tuples) from the segment tables of
-    `certify` (inf where a stage cannot fit)."""
+    """Exact steps of many partitions (boundary tuples over pp x vpp virtual stages) from the
+    segment tables of `certify` (inf where a stage cannot fit)."""
     b = np.array(parts)
-    pp = b.shape[1] - 1
-    f = np.stack([forward[b[:, s], b[:, s + 1]] for s in range(pp)], axis=1)
-    bw = np.stack([backward[s][b[:, s], b[:, s + 1]] for s in range(pp)], axis=1)
-    return longest_paths(graph_1f1b(pp, m), f, bw, np.asarray(p2p)[b[:, 1:-1]], paths=paths)
+    nv = b.shape[1] - 1
+    f = np.stack([forward[b[:, s], b[:, s + 1]] for s in range(nv)], axis=1)
+    bw = np.stack([backward[s][b[:, s], b[:, s + 1]] for s in range(nv)], axis=1)
+    graph = pipeline_graph(nv // vpp, m, vpp)
+    return longest_paths(graph, f, bw, np.asarray(p2p)[b[:, 1:-1]], paths=paths)
 
 
-def _backtrack(graph: Graph1F1B, via_dep: np.ndarray, op: int) -> Signature:
-    pp = graph.pp
+def _backtrack(graph: PipelineGraph, via_dep: np.ndarray, op: int) -> Signature:
+    pp = graph.stages
     nf, nb, nc = [0] * pp, [0] * pp, [0] * pp
     while op >= 0:
         s = int(graph.stage[op])
@@ -166,6 +176,22 @@ def _backtrack(graph: Graph1F1B, via_dep: np.ndarray, op: int) -> Signature:
         else:
             op = int(graph.prev[op])
     return Signature(tuple(nf), tuple(nb), tuple(nc))
+
+
+def single_path_signature(stages: int) -> Signature:
+    """Micro-batch 0 forward through every stage and its gradient back: a path of every
+    schedule, whose value over the first s stages is the work before stage s."""
+    return Signature((1,) * stages, (1,) * stages, (2,) * (stages - 1) + (0,))
+
+
+def rank_signatures(graph: PipelineGraph, pp: int) -> list[Signature]:
+    """Per rank, a critical path through all of its operations (the interleaved schedule's
+    bottleneck paths): the longest path when only that rank's stages take time."""
+    nv = graph.stages
+    rank = np.arange(nv) % pp
+    times = (rank[None, :] == np.arange(pp)[:, None]) + 1e-6
+    _, sigs = longest_paths(graph, times, times, np.zeros((pp, nv - 1)), paths=True)
+    return list(dict.fromkeys(sigs))
 
 
 def bottleneck_signatures(pp: int, m: int) -> list[Signature]:
@@ -197,7 +223,7 @@ def fill_drain_signatures(pp: int, m: int) -> list[Signature]:
 
 
 def sampled_signatures(
-    graph: Graph1F1B,
+    graph: PipelineGraph,
     forward_ms: np.ndarray,
     backward_ms: np.ndarray,
     p2p_ms: np.ndarray,
@@ -211,7 +237,7 @@ def sampled_signatures(
     that bind near the optimum before the search has to simulate its way to them.
     """
     rng = np.random.default_rng(seed)
-    noise = np.exp(rng.normal(0.0, 0.3, (2, samples, graph.pp)))
+    noise = np.exp(rng.normal(0.0, 0.3, (2, samples, graph.stages)))
     _, sigs = longest_paths(
         graph,
         forward_ms[None, :] * noise[0],
@@ -242,7 +268,13 @@ class _Bound:
     transfer after it, so a signature's stage value is one dot product with its 3 counts.
     """
 
-    def __init__(self, forward: np.ndarray, backward: list[np.ndarray], p2p: np.ndarray, m: int):
+    def __init__(
+        self,
+        forward: np.ndarray,
+        backward: list[np.ndarray],
+        p2p: np.ndarray,
+        seeds: list[Signature],
+    ):
         self.pp = pp = len(backward)
         self.units = u = forward.shape[0] - 1
         self.feasible = np.stack([np.isfinite(b) for b in backward])  # (pp, U+1, U+1)
@@ -261,7 +293,7 @@ class _Bound:
         # on, with stage s on [lo, hi); joint[s][lo]: least over completions from (s, lo) of
         # the max over signatures pivoting at s or later (see `_joint`)
         self.head = np.full((pp, u + 1, u + 1), -np.inf)
-        self.add(bottleneck_signatures(pp, m))  # signatures 0..pp-1: v[s] is the work before s
+        self.add([single_path_signature(pp), *seeds])  # v[0]: the work before the next stage
 
     def _joint(self) -> np.ndarray:
         """(pp + 1, U + 1) lower bound on every completion from stage s at unit lo of the max
@@ -288,7 +320,7 @@ class _Bound:
         sep = np.max(v + self.suffix[:, s, lo], axis=0)
         if s == self.pp:
             return sep
-        return np.maximum(sep, v[s] + self.joint[s, lo])
+        return np.maximum(sep, v[0] + self.joint[s, lo])
 
     def children(self, s: int, lo: int, his: np.ndarray) -> np.ndarray:
         """(K, len(his)) values of every signature for stage s on [lo, hi), inf if no fit."""
@@ -296,7 +328,7 @@ class _Bound:
         return np.where(self.feasible[s, lo, his], val, np.inf)
 
     def add(self, sigs: list[Signature]) -> int:
-        new = [g for g in sigs if g not in self.keys]
+        new = [g for g in dict.fromkeys(sigs) if g not in self.keys]
         if not new:
             return 0
         self.keys.update(new)
@@ -338,27 +370,37 @@ def certify(
     batch: int = 32,
     improve=None,
     dive_every: int = 500,
+    vpp: int = 1,
+    evaluate=None,
 ) -> Certificate:
-    """Best partition under the exact 1F1B step, provably within `tolerance` of the optimum.
+    """Best partition under the exact pipeline step, provably within `tolerance` of the optimum.
 
     `forward` (U+1, U+1): forward ms of segment [lo, hi); `backward[s]`: backward (with the
-    stage's cheapest fitting recompute) of that segment as stage s, inf where it cannot fit;
-    `p2p[b]`: one transfer across the boundary before unit b. `incumbent`: a good partition
-    (from the fast DPs) whose step seeds the pruning threshold. `improve(bounds, step) ->
-    (bounds, step)`, if given, is a local search run on every new best split (a lower
+    stage's cheapest fitting recompute) of that segment as (virtual) stage s, inf where it
+    cannot fit; `p2p[b]`: one transfer across the boundary before unit b. `incumbent`: a good
+    partition (from the fast DPs) whose step seeds the pruning threshold. `improve(bounds,
+    step) -> (bounds, step)`, if given, is a local search run on every new best split (a lower
     threshold sooner prunes more). Every `dive_every` expansions, a greedy dive from the
     current node (least-bound child down to a full split) looks for a better split.
+    `evaluate(parts) -> (steps, signatures)`, if given, times full splits instead of the tables
+    (the tables then only need to bound every split's stage times from below, as the
+    interleaved search's do: a rank's chunks share its memory).
     """
-    pp, units = len(backward), forward.shape[0] - 1
-    bound = _Bound(forward, backward, p2p, m)
+    nv, units = len(backward), forward.shape[0] - 1
+    pp = nv // vpp
+    graph = pipeline_graph(pp, m, vpp)
+    seeds = bottleneck_signatures(pp, m) if vpp == 1 else rank_signatures(graph, pp)
+    bound = _Bound(forward, backward, p2p, seeds)
 
     def run(parts: list[tuple[int, ...]]) -> tuple[np.ndarray, list[Signature]]:
-        return partition_steps(forward, backward, p2p, m, parts, paths=True)
+        if evaluate is not None:
+            return evaluate(parts)
+        return partition_steps(forward, backward, p2p, m, parts, paths=True, vpp=vpp)
 
     def around(part: tuple[int, ...]) -> list[Signature]:
-        rows = range(pp)
+        rows = range(nv)
         return sampled_signatures(
-            graph_1f1b(pp, m),
+            graph,
             np.array([forward[part[s], part[s + 1]] for s in rows]),
             np.array([backward[s][part[s], part[s + 1]] for s in rows]),
             np.asarray(p2p, np.float64)[list(part[1:-1])],
@@ -367,7 +409,7 @@ def certify(
     spans, sigs = run([incumbent])
     best, best_step = incumbent, float(spans[0])
     sigs += around(incumbent)
-    bound.add(fill_drain_signatures(pp, m) + sigs)
+    bound.add((fill_drain_signatures(pp, m) if vpp == 1 else []) + sigs)
     simulated, expanded = {incumbent}, 0
     counter = itertools.count()
     heap: list = [(0.0, next(counter), (0,), np.zeros(bound.coef.shape[1]))]
@@ -407,9 +449,9 @@ def certify(
                 else:
                     floor = min(floor, fresh)
                 continue
-        if s == pp:  # a full partition: simulate it (with any other full ones on top)
+        if s == nv:  # a full partition: simulate it (with any other full ones on top)
             leaves = [prefix]
-            while heap and len(leaves) < batch and len(heap[0][2]) == pp + 1:
+            while heap and len(leaves) < batch and len(heap[0][2]) == nv + 1:
                 if heap[0][0] >= threshold():
                     break
                 leaves.append(heapq.heappop(heap)[2])
@@ -423,8 +465,8 @@ def certify(
             if leaf is not None and leaf not in simulated:
                 simulate([leaf])
                 v = np.concatenate([v, bound.prefix(prefix, len(v))])
-        last_stage = s == pp - 1
-        his = np.arange(units, units + 1) if last_stage else np.arange(lo + 1, units - pp + s + 2)
+        last_stage = s == nv - 1
+        his = np.arange(units, units + 1) if last_stage else np.arange(lo + 1, units - nv + s + 2)
         child = v[:, None] + bound.children(s, lo, his)
         lbs = bound.node_bound(child, s + 1, his)
         keep = lbs < threshold()

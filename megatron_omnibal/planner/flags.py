@@ -92,10 +92,12 @@ def baseline_flags(
     llm_layers: tuple[int, ...],
     recompute_vision: bool,
     recompute_num_layers: int,
+    vpp: int = 1,
 ) -> list[str]:
     """Megatron-LM flags of a hand-chosen baseline (LLaVA layout: the vision encoder on the
     first stage). Uneven LLM splits use --decoder-first/last-pipeline-num-layers;
-    `--recompute-vision` is Megatron-LM's examples/multimodal flag (every ViT layer)."""
+    `--recompute-vision` is Megatron-LM's examples/multimodal flag (every ViT layer); `vpp` > 1
+    model chunks per rank select the interleaved schedule."""
     flags = [
         "--tensor-model-parallel-size", str(tp),
         "--pipeline-model-parallel-size", str(pp),
@@ -110,6 +112,8 @@ def baseline_flags(
             "--decoder-first-pipeline-num-layers", str(llm_layers[0]),
             "--decoder-last-pipeline-num-layers", str(llm_layers[-1]),
         ]  # fmt: skip
+    if vpp > 1:
+        flags += ["--num-virtual-stages-per-pipeline-rank", str(vpp)]
     if recompute_num_layers:
         flags += [
             "--recompute-granularity", "full",

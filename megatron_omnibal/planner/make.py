@@ -41,7 +41,8 @@ def _ms(value: float) -> float:
 
 
 def stage_plans(model: ModelSpec, part: Partition) -> tuple[StagePlan, ...]:
-    """A partition's unit ranges mapped back to per-tower layer ranges."""
+    """A partition's unit ranges (one per virtual stage) mapped back to per-tower layer
+    ranges."""
     nv, nl = model.vit.num_layers, model.llm.num_layers
     out = []
     for s, (lo, hi) in enumerate(part.stages):
@@ -66,7 +67,8 @@ def stage_plans(model: ModelSpec, part: Partition) -> tuple[StagePlan, ...]:
 
 
 def plan_partition(plan: Plan) -> tuple[tuple[int, ...], list[dict[int, int]]]:
-    """The unit boundaries and recompute counts of a plan's stages (inverse of stage_plans)."""
+    """The unit boundaries and recompute counts of a plan's (virtual) stages (inverse of
+    stage_plans)."""
     bounds, recompute = [0], []
     for st in plan.stages:
         bounds.append(bounds[-1] + st.num_vit_layers + int(st.projector) + st.num_llm_layers)
@@ -95,7 +97,7 @@ def baseline_plan(request: PlanRequest, search: BaselineSearch) -> BaselinePlan 
         recompute_num_layers=c.recompute_num_layers,
         step_ms=_ms(result.step_ms),
         bubble_fraction=round(result.bubble_fraction, 4),
-        peak_memory_gib=tuple(round(float(x) / GIB_MIB, 3) for x in part.memory_mib),
+        peak_memory_gib=tuple(round(float(x) / GIB_MIB, 3) for x in part.memory_mib[: c.pp]),
         configurations_searched=search.searched,
         configurations_fitting=search.fitting,
         megatron_flags=tuple(
@@ -108,8 +110,10 @@ def baseline_plan(request: PlanRequest, search: BaselineSearch) -> BaselinePlan 
                 c.llm_layers,
                 c.recompute_vision,
                 c.recompute_num_layers,
+                c.vpp,
             )
         ),  # fmt: skip
+        vpp=c.vpp,
     )
 
 
@@ -150,7 +154,7 @@ def make_plan(request: PlanRequest, progress: bool = False) -> Plan:
         model_spec=model,
         hardware_spec=request.hardware,
         parallel=ParallelSizes(
-            tp=st.tp, pp=st.pp, dp=st.dp, micro_batches=st.m, gpus=request.gpus
+            tp=st.tp, pp=st.pp, dp=st.dp, vpp=best.part.vpp, micro_batches=st.m, gpus=request.gpus
         ),  # fmt: skip
         stages=stage_plans(model, best.part),
         data=DataPlan(

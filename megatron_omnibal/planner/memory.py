@@ -7,9 +7,12 @@ asymmetry is why recomputation should differ per stage.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from megatron_omnibal.planner.simulate import order_1f1b, order_interleaved
 
 if TYPE_CHECKING:  # costs.py prices static memory with static_bytes_per_param
     from megatron_omnibal.planner.costs import LayerCosts
@@ -26,6 +29,41 @@ def static_bytes_per_param(dp: int = 1) -> float:
 def inflight_1f1b(stage: int, pp: int, micro_batches: int) -> int:
     """Micro-batches whose activations stage `stage` holds at its peak under 1F1B."""
     return min(pp - stage, micro_batches)
+
+
+@functools.lru_cache(maxsize=1024)
+def inflight_states(
+    rank: int, pp: int, vpp: int, micro_batches: int
+) -> tuple[tuple[int, ...], ...]:
+    """Per-chunk micro-batches whose activations `rank` holds, at each possible peak.
+
+    Replays Megatron's order for the rank (1F1B, or interleaved with `vpp` chunks): a forward
+    of chunk c stores one more micro-batch of chunk c, its backward frees it. The peaks are the
+    states right after a forward; only those no other state holds at least as much of every
+    chunk are kept. The rank's peak memory is its chunks' static state plus the largest, over
+    these states, of the sum of live micro-batches x stored activations per chunk. Under 1F1B
+    that is the one state (min(pp - rank, m),); interleaved, rank 0 of pp 4, vpp 2, m 8 peaks
+    at (7, 4) and (8, 3): the sum, 11, is Megatron's warm-up of (pp - rank - 1) x 2 +
+    (vpp - 1) x pp forwards plus one, and the chunks' split of it moves during the steady state.
+    """
+    order = (
+        order_1f1b(rank, pp, micro_batches)
+        if vpp == 1
+        else order_interleaved(rank, pp, vpp, micro_batches)
+    )
+    live = [0] * vpp
+    states = set()
+    for kind, chunk, _ in order:
+        live[chunk] += 1 if kind == "F" else -1
+        if kind == "F":
+            states.add(tuple(live))
+    return tuple(
+        sorted(
+            s
+            for s in states
+            if not any(o != s and all(a >= b for a, b in zip(o, s, strict=True)) for o in states)
+        )
+    )
 
 
 def inflight_interleaved(rank: int, pp: int, vpp: int, micro_batches: int) -> int:

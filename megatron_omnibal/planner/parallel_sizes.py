@@ -2,7 +2,8 @@
 
 Shared by the planner's own search and the baseline search, so both choose from the same
 configurations: TP within one node and dividing every head count (Megatron splits heads and KV
-groups over TP ranks), PP up to the number of partition units, DP = GPUs / (TP x PP).
+groups over TP ranks), PP up to the number of partition units, DP = GPUs / (TP x PP), and model
+chunks per rank (virtual pipeline size) 1 to 4 where interleaved 1F1B runs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.hardware import Hardware
 
 TP_SIZES = (1, 2, 4, 8)
+VPP_SIZES = (1, 2, 3, 4)
 
 
 def partition_units(model: ModelSpec) -> int:
@@ -55,6 +57,19 @@ def micro_batch_candidates(pp: int, samples_per_replica: int) -> list[int]:
     """Balanced micro-batch counts worth trying: 2 and 4 per stage (fewer if samples run out)."""
     cands = sorted({min(k * pp, samples_per_replica) for k in (2, 4)})
     return [m for m in cands if m >= 1]
+
+
+def vpp_candidates(model: ModelSpec, pp: int, m: int, vpp: int | None = None) -> list[int]:
+    """Model chunks per rank: a given `vpp` (checked where it is searched), or those of 1-4
+    where interleaved 1F1B runs (pp >= 2, micro-batches divisible by pp) and every virtual
+    stage gets a unit."""
+    if vpp is not None:
+        return [vpp]
+    return [
+        v
+        for v in VPP_SIZES
+        if v == 1 or (pp >= 2 and m % pp == 0 and pp * v <= partition_units(model))
+    ]
 
 
 def divisors(n: int) -> list[int]:

@@ -46,11 +46,16 @@ class Partition:
     memory_mib: np.ndarray
     objective_ms: float
     step_ms: float = field(default=float("nan"))
-    lower_bound_ms: float = field(default=float("nan"))  # no partition's 1F1B step is below it
+    lower_bound_ms: float = field(default=float("nan"))  # no partition's step is below it
+    vpp: int = 1  # > 1: the stages are virtual, chunk c of rank r is stage c x pp + r
 
     @property
     def stages(self) -> list[tuple[int, int]]:
         return list(itertools.pairwise(self.bounds))
+
+    @property
+    def pp(self) -> int:
+        return (len(self.bounds) - 1) // self.vpp
 
 
 class Problem:
@@ -143,7 +148,7 @@ def _check_pp(problem: Problem, pp: int) -> None:
         )
 
 
-def _min_max(tables: list[np.ndarray]) -> tuple[float, list[int]]:
+def min_max_bounds(tables: list[np.ndarray]) -> tuple[float, list[int]]:
     """Least achievable maximum over stages, with boundaries."""
     u = tables[0].shape[0] - 1
     best = np.full(u + 1, np.inf)
@@ -183,7 +188,7 @@ def _infeasible(problem: Problem, pp: int) -> NoFeasiblePartition:
         problem.frontier.min_memory_mib(inflight_1f1b(s, pp, problem.m)) - problem.budget
         for s in range(pp)
     ]
-    _, bounds = _min_max(over)
+    _, bounds = min_max_bounds(over)
     worst = max(range(pp), key=lambda s: over[s][bounds[s], bounds[s + 1]])
     lo, hi = bounds[worst], bounds[worst + 1]
     short = over[worst][lo, hi] / GIB_MIB
@@ -204,7 +209,7 @@ def objective_candidates(problem: Problem, pp: int) -> dict[tuple[int, ...], flo
     """
     _check_pp(problem, pp)
     tables = problem.tables(pp)
-    b_star, _ = _min_max(tables)
+    b_star, _ = min_max_bounds(tables)
     if not np.isfinite(b_star):
         raise _infeasible(problem, pp)
     s_min, _ = _min_sum(tables, np.inf, problem.p2p)
@@ -262,7 +267,7 @@ def search(
     with contextlib.suppress(NoFeasiblePartition):
         ranked.append(bmp(problem, pp).bounds)
     spans = steps(ranked)
-    best, best_step = _polish(
+    best, best_step = polish(
         ranked[int(np.argmin(spans))], float(spans.min()), steps, max_evaluations
     )
     if tolerance is not None and best_step > lower * (1 + tolerance):
@@ -274,7 +279,7 @@ def search(
             best,
             tolerance=tolerance,
             max_nodes=max_nodes,
-            improve=lambda b, t: _polish(b, t, steps, max_evaluations),
+            improve=lambda b, t: polish(b, t, steps, max_evaluations),
         )
         best, best_step = cert.bounds, cert.step_ms
         lower = max(lower, cert.lower_bound_ms)
@@ -331,7 +336,7 @@ def _min_lower_bound(
     return hi, feasible(hi)
 
 
-def _polish(
+def polish(
     bounds: tuple[int, ...], step: float, steps, max_evaluations: int
 ) -> tuple[tuple[int, ...], float]:
     """Hill-climb on the simulated step: shift any run of consecutive boundaries by one unit.

@@ -67,7 +67,8 @@ def _non_negative(obj: object, *names: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelSizes:
-    """tp x pp x dp = gpus; `micro_batches` per replica and step; 1F1B only (vpp 1)."""
+    """tp x pp x dp = gpus; `micro_batches` per replica and step; `vpp` model chunks per rank
+    (1: 1F1B; more: Megatron's interleaved 1F1B, micro-batches divisible by pp)."""
 
     tp: int
     pp: int
@@ -78,7 +79,11 @@ class ParallelSizes:
 
     def __post_init__(self) -> None:
         _positive(self, "tp", "pp", "dp", "vpp", "micro_batches", "gpus")
-        need(self.vpp == 1, f"vpp must be 1 (plans are 1F1B), got {self.vpp}")
+        need(
+            self.vpp == 1 or (self.pp >= 2 and self.micro_batches % self.pp == 0),
+            f"vpp {self.vpp} (interleaved 1F1B) needs pp >= 2 and micro_batches divisible by "
+            f"pp, got pp={self.pp}, micro_batches={self.micro_batches}",
+        )
         need(
             self.tp * self.pp * self.dp == self.gpus,
             f"tp x pp x dp = {self.tp * self.pp * self.dp} != gpus {self.gpus}",
@@ -88,7 +93,10 @@ class ParallelSizes:
 @dataclass(frozen=True, kw_only=True)
 class StagePlan(StageLayout):
     """One pipeline stage: its layout (the slice of [patch embed, ViT, projector + LLM embed,
-    LLM, head] the training stage builds) and what the plan predicts for it."""
+    LLM, head] the training stage builds) and what the plan predicts for it.
+
+    With vpp > 1 a virtual stage: `stage` v is model chunk v // pp of pipeline rank v % pp, and
+    `peak_memory_gib` is that rank's peak (all its chunks)."""
 
     stage: int
     forward_ms: float  # per micro-batch, at the mean balanced micro-batch
@@ -149,7 +157,9 @@ class BaselinePlan:
     LLaVA layout); LLM layers per stage as Megatron's flags allow (even, or uneven first/last
     stage); `micro_batch_size` samples per micro-batch, each padded to the longest of its
     micro-batch; `--recompute-vision` (every ViT layer) and `--recompute-num-layers` (block
-    method: the first k LLM layers of every stage).
+    method: the first k LLM layers of every stage, or of every model chunk); `vpp` model
+    chunks per rank (1: 1F1B; more: interleaved 1F1B, each rank's LLM layers split evenly over
+    its chunks). `peak_memory_gib`: one per rank.
     """
 
     tp: int
@@ -166,9 +176,20 @@ class BaselinePlan:
     configurations_searched: int
     configurations_fitting: int
     megatron_flags: tuple[str, ...]
+    vpp: int = 1
 
     def __post_init__(self) -> None:
-        _positive(self, "tp", "pp", "dp", "micro_batch_size", "micro_batches")
+        _positive(self, "tp", "pp", "dp", "micro_batch_size", "micro_batches", "vpp")
+        need(
+            self.vpp == 1
+            or (
+                self.pp >= 2
+                and self.micro_batches % self.pp == 0
+                and all(n % self.vpp == 0 for n in self.llm_layers_per_stage)
+            ),
+            f"vpp {self.vpp}: Megatron's interleaved 1F1B needs pp >= 2, micro_batches "
+            "divisible by pp and every stage's LLM layers divisible by vpp",
+        )
         need(
             len(self.llm_layers_per_stage) == self.pp == len(self.peak_memory_gib),
             f"llm_layers_per_stage and peak_memory_gib need pp={self.pp} entries",
@@ -281,8 +302,13 @@ class Plan:
             self.version == PLAN_VERSION,
             f"version {self.version!r}: this omnibal reads plan version {PLAN_VERSION}; re-plan",
         )
-        pp, stages = self.parallel.pp, self.stages
-        need(len(stages) == pp, f"stages: {len(stages)} stages for parallel.pp={pp}")
+        pp, stages = len(self.stages), self.stages
+        par = self.parallel
+        need(
+            pp == par.pp * par.vpp,
+            f"stages: {pp} stages for parallel.pp={par.pp} x vpp={par.vpp} (one per virtual "
+            "stage)",
+        )
         nv, nl = self.model_spec.vit.num_layers, self.model_spec.llm.num_layers
         vit_at = llm_at = 0
         for s, st in enumerate(stages):
@@ -347,18 +373,22 @@ class Plan:
         self._check_levels(budget)
         ranges = self.predicted.same_parallel.unit_ranges
         need(
-            len(ranges) == pp and ranges[0][0] == 0 and ranges[-1][1] == nv + 1 + nl,
-            f"predicted.same_parallel.unit_ranges must cover the {nv + 1 + nl} units in {pp} "
-            "stages",
+            len(ranges) == par.pp and ranges[0][0] == 0 and ranges[-1][1] == nv + 1 + nl,
+            f"predicted.same_parallel.unit_ranges must cover the {nv + 1 + nl} units in "
+            f"{par.pp} stages",
         )
 
     def _check_levels(self, budget_gib: float) -> None:
         """Levels end at the budgets and micro-batches, recompute within each stage's layers,
         every level within the memory budget, one prediction per level; pack cost per stage."""
-        data, pp = self.data, self.parallel.pp
+        data, pp = self.data, len(self.stages)
         cost = data.pack_cost
         need(cost is None or cost.stages == pp, f"data.pack_cost needs {pp} stages")
         levels = data.levels
+        need(
+            not levels or self.parallel.vpp == 1,
+            "data.levels: packing levels are planned for 1F1B only (parallel.vpp 1)",
+        )
         need(
             len(self.predicted.levels) == len(levels),
             f"predicted.levels: {len(self.predicted.levels)} entries for {len(levels)} levels",

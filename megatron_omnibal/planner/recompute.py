@@ -68,6 +68,16 @@ def _frontier(prefixes: list) -> tuple[np.ndarray, np.ndarray, list[tuple[int, .
     return saved[keep], cost[keep], combos
 
 
+def pareto_front(
+    costs: LayerCosts, lo: int, hi: int
+) -> tuple[np.ndarray, np.ndarray, list[tuple[int, ...]], list[int]]:
+    """Segment [lo, hi)'s recompute options on the Pareto front (saved MiB per micro-batch
+    ascending, recompute ms), their counts per group and the groups."""
+    prefixes = _group_prefixes(costs, lo, hi)
+    saved, cost, combos = _frontier(prefixes)
+    return saved, cost, combos, [g for g, _, _ in prefixes]
+
+
 class SegmentFrontier:
     """Cheapest recompute for every segment [lo, hi) of the units, for any in-flight count."""
 
@@ -117,9 +127,8 @@ class SegmentFrontier:
         self.fronts: dict[tuple[int, int], tuple] = {}
         lengths, saved_rows, cost_rows = [], [], []
         for lo, hi in zip(self.lo.tolist(), self.hi.tolist(), strict=True):
-            prefixes = _group_prefixes(self.costs, lo, hi)
-            saved, cost, combos = _frontier(prefixes)
-            self.fronts[(lo, hi)] = (saved, cost, combos, [g for g, _, _ in prefixes])
+            saved, cost, combos, groups = pareto_front(self.costs, lo, hi)
+            self.fronts[(lo, hi)] = (saved, cost, combos, groups)
             lengths.append(len(saved))
             saved_rows.append(saved)
             cost_rows.append(cost)

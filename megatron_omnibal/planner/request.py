@@ -20,11 +20,13 @@ from megatron_omnibal.planner.plan import MODES
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class PlanRequest:
-    """`tp` / `pp` / `micro_batches` None: searched. `profile`: a measured layer profile (from
-    `omnibal profile`, TP 1) replacing the FLOPs model; `lengths_path` / `profile_path` are
-    recorded in the plan (None: in-memory data). `levels`: packing levels (hierarchical balance
-    packing): 'auto' (the planner chooses), 'V/T[xM],..' (levels below the plan's budgets,
-    which form the last level), None (one level)."""
+    """`tp` / `pp` / `vpp` / `micro_batches` None: searched (`vpp` > 1: interleaved 1F1B with
+    vpp chunks per rank; 1, the default: plain 1F1B, the schedule pretrain_vlm builds).
+    `profile`: a measured layer profile (from `omnibal profile`, TP 1) replacing the FLOPs
+    model; `lengths_path` / `profile_path` are recorded in the plan (None: in-memory data).
+    `levels`: packing levels (hierarchical balance packing): 'auto' (the planner chooses),
+    'V/T[xM],..' (levels below the plan's budgets, which form the last level), None (one
+    level)."""
 
     model: ModelSpec
     hardware: Hardware
@@ -33,6 +35,7 @@ class PlanRequest:
     gpus: int
     tp: int | None = None
     pp: int | None = None
+    vpp: int | None = 1
     micro_batches: int | None = None
     global_batch: int = 1024
     mode: str = "exact"
@@ -83,6 +86,16 @@ class PlanRequest:
                 f"{model.name} ({model.vit.num_layers} ViT layers, projector, "
                 f"{model.llm.num_layers} LLM layers)"
             )
+        vpp, shown = self.vpp, "auto" if self.vpp is None else self.vpp
+        if vpp is not None and (vpp < 1 or (vpp > 1 and pp == 1) or (pp or 2) * vpp > units):
+            raise ValueError(
+                f"--vpp {shown}: virtual stages need pp >= 2 and pp x vpp at most the {units} "
+                f"partition units of {model.name}"
+            )
+        if vpp != 1 and self.mode != "exact":
+            raise ValueError(f"--vpp {shown}: virtual stages are searched in --mode exact only")
+        if vpp != 1 and self.levels is not None:
+            raise ValueError(f"--vpp {shown}: packing levels are planned for 1F1B only (vpp 1)")
         both = (tp or 1) * (pp or 1)
         if both > self.gpus or self.gpus % both:
             raise ValueError(f"--gpus {self.gpus} is not a multiple of tp x pp = {both}")

@@ -23,6 +23,7 @@ from megatron_omnibal.planner.costs import (
     profile_cost_model,
 )
 from megatron_omnibal.planner.hardware import Hardware
+from megatron_omnibal.planner.interleaved import search_interleaved
 from megatron_omnibal.planner.memory import GIB_MIB, static_bytes_per_param
 from megatron_omnibal.planner.parallel_sizes import partition_units
 from megatron_omnibal.planner.partition import (
@@ -100,13 +101,14 @@ class Setting:
         before = np.concatenate([np.zeros((1, *out.shape[1:])), out], axis=0)
         return self.hw.p2p_latency_ms + before * MIB / (self.link_gbs() * 1e9) * 1e3
 
-    def sync_ms(self, stages: list[tuple[int, int]]) -> float:
+    def sync_ms(self, stages: list[tuple[int, int]], vpp: int = 1) -> float:
         """The step's work outside the pipeline: distributed-optimizer gradient reduce-scatter +
-        parameter all-gather of the slowest stage (`stages`: [first, end) unit ranges), plus the
-        cost model's measured per-step overhead (a calibrated profile's; 0 otherwise)."""
-        return self._gradient_sync_ms(stages) + self.model.step_overhead_ms
+        parameter all-gather of the slowest rank (`stages`: [first, end) unit ranges of the
+        virtual stages, chunk c of rank r at c x pp + r), plus the cost model's measured
+        per-step overhead (a calibrated profile's; 0 otherwise)."""
+        return self._gradient_sync_ms(stages, vpp) + self.model.step_overhead_ms
 
-    def _gradient_sync_ms(self, stages: list[tuple[int, int]]) -> float:
+    def _gradient_sync_ms(self, stages: list[tuple[int, int]], vpp: int) -> float:
         if self.dp == 1:
             return 0.0
         bw = (
@@ -114,17 +116,19 @@ class Setting:
         )
         per_param = static_bytes_per_param(self.dp)
         cm, units = self.model, len(self.model.names)
-        worst = 0.0
-        for lo, hi in stages:
+        pp = len(stages) // vpp
+        rank_static = np.zeros(pp)
+        for v, (lo, hi) in enumerate(stages):
             static = float(np.sum(cm.static_mib[lo:hi]))
             static += cm.first_static_mib if lo == 0 else 0.0
             static += cm.last_static_mib if hi == units else 0.0
-            params = static * MIB / per_param
-            worst = max(worst, (self.dp - 1) / self.dp * params * 6 / (bw * 1e9) * 1e3)
-        return worst
+            rank_static[v % pp] += static
+        params = float(rank_static.max()) * MIB / per_param
+        return (self.dp - 1) / self.dp * params * 6 / (bw * 1e9) * 1e3
 
     def stage_times(self, part: Partition, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(pp, m) forward and backward (+ recompute) ms per stage for one replica's batches."""
+        """(stages, m) forward and backward (+ recompute) ms per (virtual) stage for one
+        replica's batches."""
         costs = self.model.at(features)  # arrays (U, m)
         fwd, bwd = [], []
         for s, (lo, hi) in enumerate(part.stages):
@@ -143,7 +147,7 @@ class Setting:
         return np.array(fwd), np.array(bwd)
 
     def stage_p2p(self, part: Partition, features: np.ndarray) -> np.ndarray | float:
-        """(pp - 1, m) transfer ms across each stage boundary for one replica's batches."""
+        """(stages - 1, m) transfer ms across each stage boundary for one replica's batches."""
         if self.pp == 1:
             return 0.0
         return self.p2p_ms(self.model.at(features).output_mib)[list(part.bounds[1:-1])]
@@ -171,7 +175,9 @@ class Setting:
         """Simulate every replica's own micro-batches (features (dp, m, 4)) through `part`."""
         replicas = [self.stage_times(part, features[r]) for r in range(self.dp)]
         p2ps = [self.stage_p2p(part, features[r]) for r in range(self.dp)]
-        return simulate_step(replicas, self.pp, 1, p2ps, self.sync_ms(part.stages))
+        return simulate_step(
+            replicas, self.pp, part.vpp, p2ps, self.sync_ms(part.stages, part.vpp)
+        )
 
 
 def draw_batch(request: PlanRequest) -> np.ndarray:
@@ -236,17 +242,25 @@ def choose_partition(
     features: np.ndarray | None = None,
     recompute: bool = True,
     quick: bool = False,
+    vpp: int = 1,
 ) -> tuple[Partition, Problem]:
     """Partition by `mode`; without `recompute`, every layer is recomputed (Megatron's way).
 
     `quick` (screening many parallel sizes) simulates only the exact objective's best split.
+    With `vpp` > 1 (exact mode only), the split is into pp x vpp virtual stages for
+    interleaved 1F1B (`interleaved.search_interleaved`).
     """
     problem = setting.problem(budget_mib(setting.hw), features)
     if not recompute and mode != "megatron":
         problem = Problem(
             full_recompute_costs(problem.costs), problem.m, problem.budget, problem.p2p
         )
-    if mode == "megatron":
+    if vpp > 1 and mode != "exact":
+        raise ValueError(f"virtual stages (vpp {vpp}) are searched in exact mode only")
+    if vpp > 1:
+        tolerance, evaluations = (None, 0) if quick else (1e-3, 2048)
+        part = search_interleaved(problem, setting.pp, vpp, tolerance, max_evaluations=evaluations)
+    elif mode == "megatron":
         part = megatron_default(problem, setting.pp, full_recompute=True)
     elif mode == "bmp":
         part = bmp(problem, setting.pp)
