@@ -90,8 +90,8 @@ def _edited(src: Path, dst: Path, edit) -> Path:
     [
         (lambda d: d.update(model_type="qwen2_vl"), "model_type 'qwen2_vl' is not supported"),
         (lambda d: d.update(vision_feature_layer=[-2, -1]), "features from several layers"),
-        (lambda d: d.update(model_type="qwen2_5_vl"),
-         "model_type 'qwen2_5_vl' is not supported yet: Qwen2.5-VL's native-resolution"),
+        (lambda d: d.update(model_type="qwen2_vl"),
+         "model_type 'qwen2_vl' is not supported yet: Qwen2-VL's native-resolution"),
         (lambda d: d["text_config"].update(rope_parameters={
             "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 128}),
@@ -178,8 +178,8 @@ def test_stats_reads_each_new_family_from_its_checkpoint(tmp_path: Path, capsys)
     assert model_data_side(read_hf(llava).spec, llava).template == "hf"
     qwen = tmp_path / "qwen"
     qwen.mkdir()
-    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
     (tmp_path / "d.json").write_text("[]")
     code = cli_main(["stats", str(tmp_path / "d.json"), "--model", str(qwen), "--out",
                      str(tmp_path / "o.npz"), "--no-progress"])  # fmt: skip
-    assert code == 2 and "'qwen2_5_vl' is not supported yet" in capsys.readouterr().err
+    assert code == 2 and "'qwen2_vl' is not supported yet" in capsys.readouterr().err

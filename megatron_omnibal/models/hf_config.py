@@ -10,6 +10,10 @@ itself, never from a guess. Families:
   renamed fields and RoPE parameters as transformers applies them).
 - OpenGVLab's remote-code `internvl_chat` (what most InternVL checkpoints on disk are): its
   JSON is read directly (no remote code runs); its LLM is InternLM2, Qwen2/2.5, Qwen3 or Llama.
+- transformers' `qwen2_5_vl` (Qwen2_5_VLForConditionalGeneration): the native-resolution
+  vision tower, the patch merger and a Qwen2 LLM with M-RoPE; the hub's flat config.json (text
+  keys at the top level, `rope_scaling` of type mrope) and the nested `text_config` that
+  transformers re-saves both read through transformers' own config class.
 
 LLMs: Llama 2/3.x (Llama-3 RoPE scaling with megatron-core's fixed frequency bands), Mistral,
 Qwen2/2.5 (qkv bias), Qwen3 (per-head QK-norm, its own head size, no biases), InternLM2.
@@ -21,13 +25,13 @@ names the field, never an approximation.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from megatron_omnibal.models.spec import LanguageSpec, ModelSpec, ProjectorSpec, VisionSpec
 
-FAMILIES = ("internvl", "internvl_chat", "llava")
+FAMILIES = ("internvl", "internvl_chat", "llava", "qwen2_5_vl")
 LLM_ARCHS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -45,8 +49,6 @@ MOE_LLMS = {
 }
 # Model types recognised but not built yet: read_hf refuses them with the reason.
 NOT_YET = {
-    "qwen2_5_vl": "Qwen2.5-VL's native-resolution vision tower (windowed attention, 2D RoPE, "
-    "patch merger) and M-RoPE have no stage module yet",
     "qwen2_vl": "Qwen2-VL's native-resolution vision tower and M-RoPE have no stage module yet",
 }
 # megatron-core 0.19's Llama-3 RoPE scaling fixes everything but the factor.
@@ -128,6 +130,7 @@ def _rope(text: Any, path: Path) -> tuple[float, float]:
     scaling = _get(text, "rope_scaling")
     scaling = scaling if isinstance(scaling, dict) else params
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = "default" if kind == "mrope" else kind  # M-RoPE's sections: see _mrope_section
     _need(
         kind in ("default", "llama3"),
         path,
@@ -377,6 +380,68 @@ def _internvl_chat(path: Path, doc: dict) -> HFModel:
     return HFModel(path, spec, "internvl_chat", arch, total)
 
 
+def _mrope_section(text: Any, path: Path) -> tuple[int, ...]:
+    """M-RoPE's (time, height, width) frequency sections of a Qwen2.5-VL text config."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = _get(text, key)
+        if isinstance(params, dict) and params.get("mrope_section"):
+            return tuple(int(x) for x in params["mrope_section"])
+    raise HFConfigError(f"{path / 'config.json'}: no mrope_section in rope_parameters/rope_scaling")
+
+
+def _qwen2_5_vl(path: Path, doc: dict) -> HFModel:
+    cfg = _transformers_config(path)
+    vc, tc = cfg.vision_config, cfg.text_config
+    _need(vc.hidden_act == "silu", path, f"vision hidden_act {vc.hidden_act!r}: expected silu")
+    _need(
+        int(vc.out_hidden_size) == int(tc.hidden_size),
+        path,
+        f"vision_config.out_hidden_size {vc.out_hidden_size} differs from the LLM's hidden size "
+        f"{tc.hidden_size}",
+    )
+    merge, patch = int(vc.spatial_merge_size), int(vc.patch_size)
+    vit = VisionSpec(
+        num_layers=int(vc.depth),
+        hidden_size=int(vc.hidden_size),
+        ffn_hidden_size=int(vc.intermediate_size),
+        num_attention_heads=int(vc.num_heads),
+        image_size=patch * merge,
+        patch_size=patch,
+        norm="rmsnorm",
+        norm_eps=1e-6,  # Qwen2_5_VLRMSNorm's fixed epsilon in the vision blocks
+        activation="silu",
+        qkv_bias=True,
+        class_token=False,
+        patch_bias=False,
+        native_resolution=True,
+        temporal_patch_size=int(vc.temporal_patch_size),
+        spatial_merge_size=merge,
+        window_size=int(vc.window_size),
+        fullatt_block_indexes=tuple(int(i) for i in vc.fullatt_block_indexes),
+        gated_mlp=True,
+        rope_theta=float((vc.rope_parameters or {}).get("rope_theta", 10000.0)),
+    )
+    llm = replace(_language(tc, "qwen2", path), mrope_section=_mrope_section(tc, path))
+    spec = ModelSpec(
+        name=path.name,
+        vit=vit,
+        projector=ProjectorSpec(
+            type="patch_merger",
+            downsample=1.0 / merge,
+            hidden_size=int(vc.hidden_size) * merge * merge,
+            norm_eps=1e-6,
+            activation="gelu",
+            bias=True,
+        ),
+        llm=_with_tie(llm, cfg.tie_word_embeddings),
+        image_token_id=int(cfg.image_token_id),
+        image_start_id=int(cfg.vision_start_token_id),
+        image_end_id=int(cfg.vision_end_token_id),
+        source=str(path),
+    )
+    return HFModel(path, spec, "qwen2_5_vl", "qwen2", int(vc.depth))
+
+
 def _text_arch(model_type: str, path: Path) -> str:
     """The LLM kind of a transformers text config; mixture-of-experts LLMs named as such."""
     _need(
@@ -402,8 +467,6 @@ def _vision_act(name: str, path: Path) -> str:
 
 
 def _with_tie(llm: LanguageSpec, tie: bool) -> LanguageSpec:
-    from dataclasses import replace
-
     return replace(llm, tie_embeddings=bool(tie))
 
 
@@ -413,7 +476,8 @@ def read_hf(path: str | Path) -> HFModel:
     path = Path(path)
     doc = _load_json(path / "config.json")
     kind = doc.get("model_type")
-    readers = {"internvl": _internvl, "llava": _llava, "internvl_chat": _internvl_chat}
+    readers = {"internvl": _internvl, "llava": _llava, "internvl_chat": _internvl_chat,
+               "qwen2_5_vl": _qwen2_5_vl}  # fmt: skip
     if kind in NOT_YET:
         raise HFConfigError(
             f"{path / 'config.json'}: model_type {kind!r} is not supported yet: {NOT_YET[kind]} "

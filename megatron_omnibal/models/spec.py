@@ -20,7 +20,7 @@ from typing import Any
 
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu")
-PROJECTORS = ("pixel_shuffle_mlp", "mlp")
+PROJECTORS = ("pixel_shuffle_mlp", "mlp", "patch_merger")
 
 
 class SpecError(ValueError):
@@ -60,6 +60,13 @@ class VisionSpec:
 
     Covers InternViT (RMSNorm or LayerNorm, optional qkv bias, layer scale, QK-norm over all
     heads at once) and CLIP (pre-LayerNorm, quick_gelu, no patch-embedding bias).
+
+    A native-resolution tower (Qwen2.5-VL, `native_resolution`) sees each image whole as its
+    own grid of patches of `temporal_patch_size` frames (a still image repeated), with 2-D
+    rotary positions instead of a learned table, windows of `window_size` pixels except in the
+    `fullatt_block_indexes` layers, and a SwiGLU MLP (`gated_mlp`). Its "tile" is one merged
+    unit: `spatial_merge_size`^2 patches (image_size = patch_size x spatial_merge_size), which
+    become one LLM token.
     """
 
     num_layers: int
@@ -82,9 +89,37 @@ class VisionSpec:
     pre_norm: bool = False  # LayerNorm after the embeddings, before layer 0 (CLIP)
     post_norm: bool = False  # LayerNorm after the last used layer (InternVL, no mean pooling)
     drop_class_token: bool = True  # the projector sees patches only ("default" feature select)
+    native_resolution: bool = False  # whole images as patch grids (Qwen2.5-VL), see above
+    temporal_patch_size: int = 1  # frames per patch (the Conv3d kernel's depth)
+    spatial_merge_size: int = 1  # patches merged per side into one LLM token
+    window_size: int = 0  # windowed attention's window side in pixels (0: no windows)
+    fullatt_block_indexes: tuple[int, ...] = ()  # layers attending over the whole image
+    gated_mlp: bool = False  # SwiGLU MLP (gate and up projections)
+    rope_theta: float = 10000.0  # base of the native tower's 2-D rotary embedding
 
     def __post_init__(self) -> None:
         w = "model_spec.vit"
+        object.__setattr__(self, "fullatt_block_indexes", tuple(self.fullatt_block_indexes))
+        _check_positive(self, w, ("temporal_patch_size", "spatial_merge_size"))
+        _need(
+            all(isinstance(i, int) and 0 <= i < self.num_layers
+                for i in self.fullatt_block_indexes),
+            f"{w}.fullatt_block_indexes",
+            f"{list(self.fullatt_block_indexes)} are not layer indices below {self.num_layers}",
+        )  # fmt: skip
+        if self.native_resolution:
+            unit = self.patch_size * self.spatial_merge_size
+            _need(
+                self.window_size % unit == 0 and self.window_size >= 0,
+                f"{w}.window_size",
+                f"{self.window_size} is not a multiple of patch_size x spatial_merge_size = {unit}",
+            )
+            _need(
+                self.image_size == unit,
+                f"{w}.image_size",
+                f"a native-resolution tower's unit is one merged patch group: expected {unit}, "
+                f"got {self.image_size}",
+            )
         _check_positive(
             self,
             w,
@@ -136,12 +171,26 @@ class VisionSpec:
         biases = (3 * h if self.qkv_bias else 0) + h + f + h
         norms = (2 if self.norm == "rmsnorm" else 4) * h  # two norms: weight (and bias)
         norms += (2 * h if self.qk_norm else 0) + (2 * h if self.layer_scale else 0)
+        if self.gated_mlp:
+            return 4 * h * h + 3 * h * f + biases + f + norms
         return 4 * h * h + 2 * h * f + biases + norms
+
+    @property
+    def window_units(self) -> int:
+        """Merged units per window side (0: no windowed attention)."""
+        return self.window_size // (self.patch_size * self.spatial_merge_size)
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch a native-resolution tower reads: channels x frames x pixels."""
+        return 3 * self.temporal_patch_size * self.patch_size**2
 
 
 @dataclass(frozen=True, kw_only=True)
 class ProjectorSpec:
-    """Vision-to-language bridge: optional pixel shuffle + LayerNorm, then a two-layer MLP."""
+    """Vision-to-language bridge: optional pixel shuffle + LayerNorm, then a two-layer MLP;
+    or Qwen2.5-VL's patch merger (`patch_merger`: RMSNorm of each patch, the patches of one
+    1/downsample x 1/downsample group concatenated, then the MLP)."""
 
     type: str = "pixel_shuffle_mlp"
     downsample: float = 0.5  # pixel shuffle keeps 1/downsample^2 of the tokens, 4x channels
@@ -168,7 +217,7 @@ class ProjectorSpec:
             f"{w}.hidden_size",
             f"expected an integer >= 0, got {self.hidden_size!r}",
         )
-        if self.type == "pixel_shuffle_mlp":
+        if self.type in ("pixel_shuffle_mlp", "patch_merger"):
             factor = round(1 / self.downsample) if self.downsample > 0 else 0
             _need(
                 factor >= 1 and abs(factor * self.downsample - 1) < 1e-6,
@@ -179,7 +228,8 @@ class ProjectorSpec:
     @property
     def factor(self) -> int:
         """Patches folded per side by the pixel shuffle (1: none)."""
-        return round(1 / self.downsample) if self.type == "pixel_shuffle_mlp" else 1
+        merging = self.type in ("pixel_shuffle_mlp", "patch_merger")
+        return round(1 / self.downsample) if merging else 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,6 +257,9 @@ class LanguageSpec:
     rope_scaling_factor: float = 0.0
     max_position_embeddings: int = 32768
     tie_embeddings: bool = False  # the output head reuses the input embedding
+    # M-RoPE (Qwen2.5-VL): rotary frequency pairs given to the (time, height, width) position
+    # axes in turn; empty: plain 1-D RoPE.
+    mrope_section: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         w = "model_spec.llm"
@@ -237,6 +290,14 @@ class LanguageSpec:
             f"{self.num_query_groups} does not divide the {self.num_attention_heads} heads",
         )
         _need(self.rotary_base > 0, f"{w}.rotary_base", f"must be > 0, got {self.rotary_base}")
+        object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
+        _need(
+            not self.mrope_section
+            or (len(self.mrope_section) == 3 and sum(self.mrope_section) * 2 == self.kv_channels),
+            f"{w}.mrope_section",
+            f"{list(self.mrope_section)} must be 3 sections summing to half the head size "
+            f"{self.kv_channels}",
+        )
         _need(
             self.rope_scaling_factor == 0 or self.rope_scaling_factor >= 1,
             f"{w}.rope_scaling_factor",
@@ -329,13 +390,17 @@ class ModelSpec:
     @property
     def projector_params(self) -> int:
         i, m, o = self.projector_in, self.projector_hidden, self.llm.hidden_size
-        norm = 2 * i if self.projector.type == "pixel_shuffle_mlp" else 0
+        norm = {"pixel_shuffle_mlp": 2 * i, "patch_merger": self.vit.hidden_size}.get(
+            self.projector.type, 0
+        )
         return i * m + m * o + (m + o if self.projector.bias else 0) + norm
 
     @property
     def patch_embed_params(self) -> int:
         v = self.vit
-        conv = 3 * v.patch_size**2 * v.hidden_size + (v.hidden_size if v.patch_bias else 0)
+        conv = v.patch_dim * v.hidden_size + (v.hidden_size if v.patch_bias else 0)
+        if v.native_resolution:  # rotary positions: no table
+            return conv
         return conv + (v.seq_per_tile + int(v.class_token)) * v.hidden_size
 
     @property
@@ -395,6 +460,14 @@ def _fields(cls: type, doc: Any, where: str, skip: tuple[str, ...] = ()) -> dict
             value = float(value)
         elif kind == "str":
             _need(isinstance(value, str), f"{where}.{key}", f"expected a string, got {value!r}")
+        elif kind == "tuple[int, ...]":
+            _need(
+                isinstance(value, (list, tuple))
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in value),
+                f"{where}.{key}",
+                f"expected a list of integers, got {value!r}",
+            )
+            value = tuple(value)
         out[key] = value
     missing = [
         n
