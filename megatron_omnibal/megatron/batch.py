@@ -33,12 +33,18 @@ class Sample:
     `labels[i]` is the target of position i (IGNORE_INDEX: no loss). `images` has one row per tile
     the ViT sees; `image_flags[j]` is 1 for a real tile, 0 for a dummy (text-only) tile whose
     embeddings are dropped. The sequence holds tokens_per_tile placeholders per real tile.
+
+    A native-resolution tower (Qwen2.5-VL) reads whole images instead: `images` holds their
+    patches [patches, 3 x frames x pixels] (block-major, as its image processor emits them),
+    `image_grid` each image's (t, h, w) in patches, `image_flags` a 1 per image; the sequence
+    holds t h w / merge^2 placeholders per image.
     """
 
     tokens: torch.Tensor  # int64 [L]
     labels: torch.Tensor  # int64 [L]
-    images: torch.Tensor  # float32 [n, 3, H, W]
+    images: torch.Tensor  # float32 [n, 3, H, W] (tiles) or [patches, patch values] (native)
     image_flags: torch.Tensor  # int64 [n]
+    image_grid: torch.Tensor | None = None  # int64 [images, 3]: native-resolution towers only
 
 
 @dataclass
@@ -55,9 +61,10 @@ class MicroBatch:
     loss_mask: torch.Tensor  # float32 [1, S]
     position_ids: torch.Tensor  # int64 [1, S]; restart at 0 in every sample
     cu_seqlens: torch.Tensor  # int32 [k + 1]; sample i is tokens[0, cu[i]:cu[i+1]]
-    images: torch.Tensor  # float32 [n_tiles, 3, H, W]; n_tiles may be 0
+    images: torch.Tensor  # float32 [n_tiles, 3, H, W]; n_tiles may be 0 (native: patches)
     image_flags: torch.Tensor  # int64 [n_tiles]
     level: int = 0
+    image_grid: torch.Tensor | None = None  # int64 [images, 3]: native-resolution towers only
 
     @property
     def num_samples(self) -> int:
@@ -92,6 +99,7 @@ def validate_batch(
     images: torch.Tensor,
     image_flags: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    image_grid: torch.Tensor | None = None,
 ) -> None:
     """Raise ValueError unless the micro-batch fits the model (shapes, placeholders, bounds).
 
@@ -105,6 +113,9 @@ def validate_batch(
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != seq or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
         raise ValueError(f"micro-batch cu_seqlens {cu} do not span 0..{seq}")
+    if spec.vit.native_resolution:
+        _validate_native(spec, tokens, images, image_flags, image_grid)
+        return
     size = spec.vit.image_size
     if images.dim() != 4 or tuple(images.shape[1:]) != (3, size, size):
         raise ValueError(
@@ -121,6 +132,42 @@ def validate_batch(
             f"micro-batch has {slots} image placeholder tokens (id {spec.image_token_id}) but "
             f"{real} real tiles x {spec.tokens_per_tile} tokens per tile = "
             f"{real * spec.tokens_per_tile}"
+        )
+
+
+def _validate_native(
+    spec: ModelSpec,
+    tokens: torch.Tensor,
+    images: torch.Tensor,
+    image_flags: torch.Tensor,
+    image_grid: torch.Tensor | None,
+) -> None:
+    """The native-resolution part of validate_batch: patches, grids and placeholders agree."""
+    v = spec.vit
+    if image_grid is None or image_grid.dim() != 2 or image_grid.shape[1] != 3:
+        got = None if image_grid is None else tuple(image_grid.shape)
+        raise ValueError(f"micro-batch image_grid has shape {got}, expected [images, 3]")
+    grids = image_grid.tolist()
+    merge = v.spatial_merge_size
+    for i, (_, h, w) in enumerate(grids):
+        if h % merge or w % merge:
+            raise ValueError(f"micro-batch image {i} of {h}x{w} patches: not divisible by the "
+                             f"merge size {merge}")  # fmt: skip
+    patches = sum(t * h * w for t, h, w in grids)
+    if images.dim() != 2 or tuple(images.shape) != (patches, v.patch_dim):
+        raise ValueError(
+            f"micro-batch images have shape {tuple(images.shape)}, expected [{patches}, "
+            f"{v.patch_dim}] (the patches of its {len(grids)} image grids)"
+        )
+    if image_flags.shape != (len(grids),):
+        raise ValueError(
+            f"micro-batch has {len(grids)} image grids but {image_flags.numel()} image_flags"
+        )
+    slots = int((tokens == spec.image_token_id).sum())
+    if slots * merge * merge != patches:
+        raise ValueError(
+            f"micro-batch has {slots} image placeholder tokens (id {spec.image_token_id}) but "
+            f"its images have {patches} patches = {patches // (merge * merge)} merged tokens"
         )
 
 
@@ -191,6 +238,8 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
     """Pack samples into one micro-batch (order kept; every sample appears exactly once)."""
     if not samples:
         raise ValueError("collate: no samples (a micro-batch needs at least one)")
+    if any(s.image_grid is not None for s in samples):
+        return _collate_native(samples)
     for i, s in enumerate(samples):
         if s.tokens.shape != s.labels.shape or s.tokens.dim() != 1 or len(s.tokens) == 0:
             raise ValueError(
@@ -229,6 +278,31 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
         cu_seqlens=cu,
         images=images if images.dtype == torch.float32 else images.float(),
         image_flags=flags,
+    )
+
+
+def _collate_native(samples: Sequence[Sample]) -> MicroBatch:
+    """collate for native-resolution samples: patches and image grids concatenated."""
+    for i, s in enumerate(samples):
+        if s.image_grid is None or s.tokens.shape != s.labels.shape or s.tokens.dim() != 1:
+            raise ValueError(
+                f"collate: sample {i} has tokens {tuple(s.tokens.shape)}, labels "
+                f"{tuple(s.labels.shape)} and image_grid {s.image_grid!r}: native-resolution "
+                "samples need equal 1-D tokens and labels and an image grid each"
+            )
+    lengths = torch.tensor([len(s.tokens) for s in samples], dtype=torch.int64)
+    cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
+    labels = torch.cat([s.labels for s in samples])[None]
+    return MicroBatch(
+        tokens=torch.cat([s.tokens for s in samples])[None],
+        labels=labels,
+        loss_mask=(labels != IGNORE_INDEX).float(),
+        position_ids=torch.cat([torch.arange(int(n)) for n in lengths])[None],
+        cu_seqlens=cu,
+        images=torch.cat([s.images for s in samples]).float(),
+        image_flags=torch.cat([s.image_flags for s in samples]).to(torch.int64),
+        image_grid=torch.cat([s.image_grid.reshape(-1, 3) for s in samples]).to(torch.int64),
     )
 
 
