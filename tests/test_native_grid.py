@@ -1,4 +1,5 @@
-"""Qwen2.5-VL positions and windows (models.native_grid) against transformers' own code.
+"""Qwen2.5-VL positions and windows (models.native_grid) against transformers' own code, and
+its micro-batches (megatron.batch).
 
 - the vision tower's 2-D rotary positions, full-attention segments and window order with its
   window bounds, for images of odd grid sizes (windows cut short at the right and bottom);
@@ -94,3 +95,51 @@ def test_bad_grids_name_the_problem() -> None:
         mrope_position_ids(tokens, np.array([0, 4]), np.array([[1, 4, 4]]), IMAGE, 2)
     with pytest.raises(ValueError, match="video M-RoPE"):
         mrope_position_ids(tokens, np.array([0, 4]), np.array([[2, 2, 2]]), IMAGE, 2)
+
+
+def _spec():  # noqa: ANN202 - a tiny Qwen2.5-VL-shaped spec
+    from megatron_omnibal.models.spec import LanguageSpec, ModelSpec, ProjectorSpec, VisionSpec
+
+    vit = VisionSpec(num_layers=2, hidden_size=32, ffn_hidden_size=40, num_attention_heads=2,
+                     image_size=28, patch_size=14, norm="rmsnorm", activation="silu",
+                     class_token=False, patch_bias=False, native_resolution=True,
+                     temporal_patch_size=2, spatial_merge_size=2, window_size=56,
+                     fullatt_block_indexes=(1,), gated_mlp=True)  # fmt: skip
+    llm = LanguageSpec(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+                       vocab_size=160, mrope_section=(1, 1, 2))  # fmt: skip
+    proj = ProjectorSpec(type="patch_merger", downsample=0.5, hidden_size=128)
+    return ModelSpec(name="qwen", vit=vit, projector=proj, llm=llm, image_token_id=IMAGE)
+
+
+def test_native_micro_batches_collate_validate_and_drop_samples() -> None:
+    """Synthetic samples of a native-resolution model carry one image of the record's merged
+    units; a packed micro-batch passes the checks, and dropping samples keeps exactly the
+    others' tokens, patches and grids (as collating them alone would); mismatches are named."""
+    from megatron_omnibal.data.lengths import from_arrays
+    from megatron_omnibal.megatron.batch import (
+        collate,
+        drop_samples,
+        is_shape_only,
+        synthetic_sample,
+        validate_batch,
+    )
+
+    spec = _spec()
+    lengths = from_arrays(np.array([3, 0, 4, 6]), np.array([20, 12, 30, 25]),
+                          np.array([3, 0, 4, 6]))  # fmt: skip
+    samples = [synthetic_sample(i, lengths, spec) for i in range(4)]
+    assert [s.image_grid.tolist() for s in samples] == [[[1, 2, 6]], [], [[1, 4, 4]], [[1, 4, 6]]]
+    batch = collate(samples)
+    args = (batch.tokens, batch.labels, batch.images, batch.image_flags, batch.cu_seqlens)
+    validate_batch(spec, *args, batch.image_grid)
+    dropped = drop_samples(batch, [0, 3], [len(s.images) for s in samples])
+    alone = collate(samples[1:3])
+    for key in ("tokens", "labels", "images", "image_grid", "image_flags", "cu_seqlens"):
+        assert torch.equal(getattr(dropped, key), getattr(alone, key)), key
+    shape_only = collate([synthetic_sample(i, lengths, spec, pixels=False) for i in range(4)])
+    assert is_shape_only(shape_only.images) and shape_only.images.shape == batch.images.shape
+    with pytest.raises(ValueError, match="12 patches = 3 merged tokens"):
+        validate_batch(spec, *args[:2], batch.images[:12], batch.image_flags[:1], args[4],
+                       batch.image_grid[:1])  # fmt: skip
+    with pytest.raises(ValueError, match="image_grid has shape None"):
+        validate_batch(spec, *args)
