@@ -12,8 +12,9 @@ tensor to the HF tensors it is made of and converts both ways:
 - class token and position embeddings lose their leading batch dimensions.
 
 Key styles: transformers 5 saves `language_model.model.*` / `vision_tower.*`, checkpoints made by
-transformers 4.5x say `model.language_model.*` / `lm_head.*`; the reader maps the file's own
-style onto one and the exporter writes the style of the checkpoint it mirrors.
+transformers 4.5x say `model.language_model.*` / `lm_head.*`, Qwen2.5-VL's hub checkpoints
+`model.layers.*` / `visual.*`; the reader maps the file's own style onto one and the exporter
+writes the style of the checkpoint it mirrors.
 """
 
 from __future__ import annotations
