@@ -86,7 +86,10 @@ def native_inputs(
     v = spec.vit
     merge, unit = v.spatial_merge_size, v.spatial_merge_size**2
     grids = image_grid.numpy()
-    order, windows = window_index(grids, merge, v.window_units)
+    if v.window_units:
+        order, windows = window_index(grids, merge, v.window_units)
+    else:  # no windows: every layer sees whole image frames
+        order, windows = np.arange(int(grids.prod(axis=1).sum()) // unit), frame_seqlens(grids)
     rows_cols = patch_rows_cols(grids, merge).reshape(-1, unit, 2)[order].reshape(-1, 2)
     ids = mrope_position_ids(
         tokens.numpy()[0], cu_seqlens.numpy(), grids, spec.image_token_id, merge
