@@ -58,6 +58,9 @@ def test_planner_flags_are_accepted_by_megatron_parser(tmp_path):
     flag_lists.append(baseline_flags(get_preset("internvl3.5-38b"), 8, 4, 1, 64, (16,) * 4,
                                      True, 0))  # fmt: skip
     flag_lists[-1].remove("--recompute-vision")
+    # Qwen2.5-VL-7B: M-RoPE sections (results[13]).
+    flag_lists.append(baseline_flags(get_preset("qwen2.5-vl-7b"), 2, 2, 1, 64, (14, 14),
+                                     False, 0))  # fmt: skip
     uneven = baseline_flags(get_preset("internvl2-8b"), 2, 4, 2, 64, (5, 9, 9, 9), True, 3)
     flag_lists.append(uneven)
     assert "--decoder-first-pipeline-num-layers" in flag_lists[-1]
@@ -79,4 +82,6 @@ def test_planner_flags_are_accepted_by_megatron_parser(tmp_path):
             llama31["position_embedding_type"]) == (True, 8.0, 500000, "rope")
     assert results[7]["args"] == qwen3
     assert (results[12]["args"]["kv_channels"], results[12]["args"]["qk_layernorm"]) == (128, True)
+    qwen_vl = results[13]["args"]
+    assert (qwen_vl["position_embedding_type"], qwen_vl["mrope_section"]) == ("mrope", [16, 24, 24])
     assert not results[-1]["ok"] and "--variable-seq-lengths" in results[-1]["error"]

@@ -35,13 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="length file: .npz (one file), or .json (a meta file naming one "
                              "length file per dataset, in --format); the configuration of this "
                              "run is stored in it")
-    parser.add_argument("--template", choices=["internvl2_5", "vicuna_v1", "hf"],
+    parser.add_argument("--template", choices=["internvl2_5", "vicuna_v1", "qwen2_vl", "hf"],
                         help="chat template (default: the model's); 'hf' uses the tokenizer's "
                              "own chat template")
     parser.add_argument("--system-prompt", default=None,
                         help="system message (default: the template's own)")
-    parser.add_argument("--tiling", choices=["dynamic", "fixed", "anyres"],
-                        help="image tiling (default: the model's; anyres = LLaVA-NeXT)")
+    parser.add_argument("--tiling", choices=["dynamic", "fixed", "anyres", "native"],
+                        help="image tiling (default: the model's; anyres = LLaVA-NeXT; native "
+                             "= Qwen2.5-VL's resize, the only one for its native-resolution "
+                             "tower)")
     parser.add_argument("--min-tiles", type=positive_int, help="InternVL min_dynamic_patch")
     parser.add_argument("--max-tiles", type=positive_int,
                         help="InternVL max_dynamic_patch (default: the model's, else 12; a meta "
@@ -50,8 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="InternVL without the thumbnail tile (use_thumbnail=False)")
     parser.add_argument("--pinpoints", default=None,
                         help="LLaVA-NeXT grid resolutions as HxW list, e.g. 336x672,672x336")
+    parser.add_argument("--min-pixels", type=positive_int,
+                        help="Qwen2.5-VL: fewest pixels of a resized image (default: the "
+                             "checkpoint's preprocessor_config.json, else 3136)")
+    parser.add_argument("--max-pixels", type=positive_int,
+                        help="Qwen2.5-VL: most pixels of a resized image (default: the "
+                             "checkpoint's preprocessor_config.json, else 12845056 = "
+                             "28 x 28 x 16384)")
     parser.add_argument("--no-dummy-tile", action="store_true",
-                        help="text-only samples get vit_num 0 instead of one blank tile")
+                        help="text-only samples get vit_num 0 instead of one blank tile "
+                             "(Qwen2.5-VL never runs one)")
     parser.add_argument("--max-tokens", type=positive_int, default=None,
                         help="samples with more tokens are errors (or skipped)")
     parser.add_argument("--verify-images", action="store_true",
@@ -118,11 +128,19 @@ def build_config(args: argparse.Namespace):
     spec = resolve_model(args.model)
     side = model_data_side(spec, args.model if Path(args.model).is_dir() else None)
     tiling = side.tiling
+    if args.tiling and (args.tiling == "native") != spec.vit.native_resolution:
+        raise ValueError(f"--tiling {args.tiling}: model {spec.name} takes "
+                         + ("native-resolution images (--tiling native)"
+                            if spec.vit.native_resolution else "tiles, not native resolution"))
+    if (args.min_pixels or args.max_pixels) and not spec.vit.native_resolution:
+        raise ValueError(f"--min-pixels / --max-pixels: model {spec.name} takes tiles, not "
+                         "native-resolution images")
     if args.tiling and args.tiling != tiling.mode:
         tiling = replace(tiling, mode=args.tiling, max_tiles=12 if args.tiling == "dynamic"
                          else 1, features_per_side=spec.vit.image_size // spec.vit.patch_size)
     overrides = {"min_tiles": args.min_tiles, "max_tiles": args.max_tiles,
-                 "pinpoints": _pinpoints(args.pinpoints) if args.pinpoints else None}
+                 "pinpoints": _pinpoints(args.pinpoints) if args.pinpoints else None,
+                 "min_pixels": args.min_pixels, "max_pixels": args.max_pixels}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     low, high = overrides.get("min_tiles", tiling.min_tiles), overrides.get("max_tiles",
                                                                          tiling.max_tiles)
@@ -141,7 +159,8 @@ def build_config(args: argparse.Namespace):
         raise ValueError(f"--model {args.model} holds no tokenizer: give --tokenizer")
     return StatsConfig(tokenizer=tokenizer, tiling=tiling, template=template,
                        image_style=side.image_style, system=args.system_prompt,
-                       dummy_tile=not args.no_dummy_tile, max_tokens=args.max_tokens,
+                       dummy_tile=side.dummy_tile and not args.no_dummy_tile,
+                       max_tokens=args.max_tokens,
                        trust_remote_code=args.trust_remote_code,
                        verify_images=args.verify_images,
                        extra_keys=tuple(k for k in args.extra_keys.split(",") if k),

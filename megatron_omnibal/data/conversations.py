@@ -26,7 +26,8 @@ INTERNVL_SYSTEM = ("你是书生·万象，英文名是InternVL，是由上海�
 VICUNA_SYSTEM = ("A chat between a curious human and an artificial intelligence assistant. "
                  "The assistant gives helpful, detailed, and polite answers to the human's "
                  "questions.")
-TEMPLATES = ("internvl2_5", "vicuna_v1", "hf")
+QWEN_SYSTEM = "You are a helpful assistant."
+TEMPLATES = ("internvl2_5", "vicuna_v1", "qwen2_vl", "hf")
 
 
 class SampleError(ValueError):
@@ -48,6 +49,7 @@ class ImageStyle:
 
 INTERNVL_IMAGE = ImageStyle("<img>", "<IMG_CONTEXT>", "</img>")
 LLAVA_IMAGE = ImageStyle("", "<image>", "")
+QWEN_VL_IMAGE = ImageStyle("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 
 
 def frame_label(k: int) -> str:
@@ -81,7 +83,9 @@ def render(turns: list[tuple[str, str]], template: str, system: str | None) -> l
     """The text pieces the tokenizer encodes separately, for the built-in templates.
 
     internvl2_5 tokenizes every turn on its own (as InternVL's training loader does), so it
-    returns one piece per turn; vicuna_v1 (LLaVA-1.5) returns the whole prompt as one piece.
+    returns one piece per turn; vicuna_v1 (LLaVA-1.5) and qwen2_vl (the ChatML of Qwen2-VL and
+    Qwen2.5-VL's chat template, system "You are a helpful assistant.") return the whole prompt as
+    one piece, as their processors tokenize it.
     The `hf` template is rendered by the tokenizer itself (tokenization.py).
     """
     if template == "internvl2_5":
@@ -95,6 +99,13 @@ def render(turns: list[tuple[str, str]], template: str, system: str | None) -> l
         for role, text in turns:
             pieces.append(f"<|im_start|>{ROLES[role]}\n{text}<|im_end|>\n")
         return pieces
+    if template == "qwen2_vl":
+        if turns[0][0] == "system":
+            system, turns = turns[0][1], turns[1:]
+        elif system is None:
+            system = QWEN_SYSTEM
+        return ["".join(f"<|im_start|>{ROLES[role]}\n{text}<|im_end|>\n"
+                        for role, text in [("system", system), *turns])]
     if template == "vicuna_v1":
         if turns[0][0] == "system":
             system, turns = turns[0][1], turns[1:]

@@ -14,6 +14,14 @@ Hugging Face checkpoint directory, from its own files:
 - transformers `llava` / `llava_next`: preprocessor_config.json crop_size; llava_next's
   config.json image_grid_pinpoints (AnyRes); the checkpoint's own chat template ("hf") when it
   ships one (a LLaVA on Llama-3.x is not trained with Vicuna's), else vicuna_v1;
+- transformers `qwen2_5_vl`: native-resolution tiling (one 28 px merge group per tile, one
+  token each) between preprocessor_config.json's min_pixels and max_pixels (or its `size`
+  shortest_edge / longest_edge, the newer spelling; min/max_pixels win, as in transformers),
+  whose patch_size x merge_size must be the model's 28 px; `<|vision_start|>` +
+  `<|image_pad|>` x n + `<|vision_end|>`; the checkpoint's own chat template ("hf") when it
+  ships one, else the built-in qwen2_vl (ChatML); no blank tile for text-only samples (the
+  model runs none). Without a checkpoint directory the released processor's limits apply
+  (3,136 to 12,845,056 pixels);
 - the tokenizer in the directory (unless another is given).
 """
 
@@ -25,10 +33,18 @@ from pathlib import Path
 from typing import Any
 
 from megatron_omnibal.data import conversations as conv
-from megatron_omnibal.data.tiling import DEFAULT_PINPOINTS, TilingConfig
+from megatron_omnibal.data.tiling import (
+    DEFAULT_PINPOINTS,
+    QWEN_MAX_PIXELS,
+    QWEN_MIN_PIXELS,
+    TilingConfig,
+)
 
 FAMILIES = {"internvl_chat": "internvl", "internvl": "internvl", "llava": "llava",
-            "llava_next": "llava"}
+            "llava_next": "llava", "qwen2_5_vl": "qwen2_5_vl"}
+STYLES = {"internvl": conv.INTERNVL_IMAGE, "llava": conv.LLAVA_IMAGE,
+          "qwen2_5_vl": conv.QWEN_VL_IMAGE}
+DEFAULT_TEMPLATES = {"internvl": "internvl2_5", "llava": "vicuna_v1", "qwen2_5_vl": "qwen2_vl"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
@@ -37,12 +53,13 @@ CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 class ModelDataSide:
     """The model's defaults for `omnibal stats` (flags may override tiling and template)."""
 
-    family: str  # internvl | llava
+    family: str  # internvl | llava | qwen2_5_vl
     tiling: TilingConfig
     template: str | None  # None: the checkpoint names a template that is not built in
     template_note: str  # why there is no template, for the error message
     image_style: conv.ImageStyle
     tokenizer: str | None  # the checkpoint directory, when it holds a tokenizer
+    dummy_tile: bool = True  # a text-only sample runs one blank tile (not Qwen2.5-VL)
 
 
 def model_data_side(spec: Any, hf_dir: str | Path | None = None) -> ModelDataSide:
@@ -52,12 +69,15 @@ def model_data_side(spec: Any, hf_dir: str | Path | None = None) -> ModelDataSid
     if hf is not None and kind not in FAMILIES:
         raise ValueError(f"{hf_dir}: model_type {kind!r} is not one this tool counts "
                          f"({', '.join(FAMILIES)})")
-    family = FAMILIES[kind] if kind else (
-        "internvl" if spec.projector.type == "pixel_shuffle_mlp" else "llava")
+    family = FAMILIES[kind] if kind else _family_of(spec)
     size, tpt = spec.vit.image_size, spec.tokens_per_tile
     grid = spec.vit.image_size // spec.vit.patch_size
-    template, note = ("internvl2_5", "") if family == "internvl" else ("vicuna_v1", "")
-    if kind == "internvl_chat":
+    template, note = DEFAULT_TEMPLATES[family], ""
+    if family == "qwen2_5_vl":
+        tiling = _native_tiling(hf["preprocessor"] if hf else {}, size, tpt, hf_dir)
+        if hf and hf["chat_template"]:
+            template = "hf"
+    elif kind == "internvl_chat":
         cfg = hf["config"]
         tile = int(cfg.get("force_image_size") or size)
         dynamic = bool(cfg.get("dynamic_image_size", True))
@@ -93,10 +113,34 @@ def model_data_side(spec: Any, hf_dir: str | Path | None = None) -> ModelDataSid
     if tiling.tile != size:
         raise ValueError(f"{hf_dir}: images are tiled at {tiling.tile} pixels, the model's "
                          f"vision encoder takes {size}")
-    style = conv.INTERNVL_IMAGE if family == "internvl" else conv.LLAVA_IMAGE
     tokenizer = str(hf_dir) if hf and hf["has_tokenizer"] else None
     return ModelDataSide(family=family, tiling=tiling, template=template, template_note=note,
-                         image_style=style, tokenizer=tokenizer)
+                         image_style=STYLES[family], tokenizer=tokenizer,
+                         dummy_tile=family != "qwen2_5_vl")
+
+
+def _family_of(spec: Any) -> str:
+    if spec.vit.native_resolution:
+        return "qwen2_5_vl"
+    return "internvl" if spec.projector.type == "pixel_shuffle_mlp" else "llava"
+
+
+def _native_tiling(pre: dict[str, Any], tile: int, tokens_per_tile: int,
+                   hf_dir: str | Path | None) -> TilingConfig:
+    """Qwen2.5-VL's resize limits from its preprocessor_config.json (released defaults when
+    there is none); its patch x merge size must be the model's tile."""
+    size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+    low = pre.get("min_pixels", size.get("shortest_edge", QWEN_MIN_PIXELS))
+    high = pre.get("max_pixels", size.get("longest_edge", QWEN_MAX_PIXELS))
+    factor = int(pre.get("patch_size", 14)) * int(pre.get("merge_size", 2))
+    if pre and factor != tile:
+        raise ValueError(f"{hf_dir}/preprocessor_config.json: patch_size x merge_size = "
+                         f"{factor} px, the model's merge group is {tile} px")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)):
+        raise ValueError(f"{hf_dir}/preprocessor_config.json: min/max pixels {low!r}, {high!r} "
+                         "are not integers")
+    return TilingConfig(mode="native", tile=tile, tokens_per_tile=tokens_per_tile, max_tiles=1,
+                        min_pixels=low, max_pixels=high)
 
 
 def _read_hf(path: Path) -> dict[str, Any]:

@@ -57,7 +57,7 @@ from megatron_omnibal.data.lengths import (
 )
 from megatron_omnibal.data.records import Video, read_sample
 from megatron_omnibal.data.stats_config import StatsConfig, config_to_dict
-from megatron_omnibal.data.tiling import TilingConfig, image_tiles
+from megatron_omnibal.data.tiling import TilingConfig, TilingError, image_tiles
 from megatron_omnibal.data.tokenization import TokenCounter
 from megatron_omnibal.data.video import VideoError, decode_frames, read_header
 from megatron_omnibal.data.video_lengths import VideoPlan, with_frame_counts
@@ -357,6 +357,9 @@ def _measure(record: dict, root: str, tiling: TilingConfig, config: StatsConfig,
     each video) of a sample; each video is rendered with one frame."""
     images, videos, turns = read_sample(record, config.extra_keys)
     style = config.image_style
+    if videos and tiling.mode == "native":
+        raise conv.SampleError("video samples of a native-resolution model (Qwen2.5-VL) are "
+                               "not supported yet: its frames are not InternVL's")
     found = [video_frames(os.path.join(root, v.path), v, config) for v in videos]
     if videos:
         if not (style.start and style.end):
@@ -374,7 +377,10 @@ def _measure(record: dict, root: str, tiling: TilingConfig, config: StatsConfig,
             if decoded != (width, height):
                 raise ImageDecodeError(f"image {path}: the header says {width}x{height}, "
                                        f"the decoded image is {decoded[0]}x{decoded[1]}")
-        n_tiles, n_tokens = image_tiles(width, height, tiling, len(images))
+        try:
+            n_tiles, n_tokens = image_tiles(width, height, tiling, len(images))
+        except TilingError as exc:
+            raise conv.SampleError(f"image {path}: {exc}") from None
         per_image.append(n_tiles)
         extra += n_tokens - 1
     if images:

@@ -126,7 +126,11 @@ def check_model(config: StatsConfig, run: dict[str, Any], spec: Any, where: str)
     """Stop unless the measured configuration is what `spec` (a ModelSpec) trains on."""
     tiling, layout = config.tiling, ModelLayout.from_spec(spec)
     problems = []
-    if tiling.mode not in ("dynamic", "fixed"):
+    native = spec.vit.native_resolution
+    if native and tiling.mode != "native":
+        problems.append(f"tiling mode {tiling.mode!r} (the model sees images at their own "
+                        "resolution: native tiling)")
+    elif not native and tiling.mode not in ("dynamic", "fixed"):
         problems.append(f"tiling mode {tiling.mode!r} (the model takes tokens_per_tile tokens "
                         "per tile, which only dynamic and fixed tiling give)")
     if tiling.tile != layout.image_size:

@@ -1,6 +1,6 @@
 """How many tiles the vision encoder sees for an image, and how many LLM tokens they become.
 
-Three schemes, each computed from the image size alone, the way the models' preprocessors do it:
+Four schemes, each computed from the image size alone, the way the models' preprocessors do it:
 
 - InternVL dynamic resolution: the image is resized to the grid of `tile` squares whose aspect
   ratio is closest to the image's, among grids of `min_tiles..max_tiles` tiles; on an exact tie
@@ -12,22 +12,41 @@ Three schemes, each computed from the image size alone, the way the models' prep
   then the least waste; tiles = the grid's tiles + one base tile. Tokens as LLaVA-NeXT feeds the
   LLM: the base tile's features, the grid's features with the padding rows (or columns) removed,
   and one newline token per remaining feature row.
+- Qwen2.5-VL native resolution: the image is resized by the processor's `smart_resize` to a
+  multiple of `tile` (28 px: 14 px patches merged 2x2) per side, with between `min_pixels` and
+  `max_pixels` pixels; a tile is one 28 px merge group, 4 patches, one LLM token, so an image
+  of H' x W' pixels after the resize is (H'/28)(W'/28) tiles and tokens.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 # LLaVA-NeXT (v1.6) grid resolutions, (height, width) as in its `image_grid_pinpoints`.
 DEFAULT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
+# Qwen2.5-VL's released preprocessor_config.json: 56 x 56 to 28 x 28 x 16384 pixels (4 to
+# 16,384 tokens per image).
+QWEN_MIN_PIXELS = 56 * 56
+QWEN_MAX_PIXELS = 28 * 28 * 16384
+MAX_ASPECT_RATIO = 200  # smart_resize refuses longer sides
+
+
+class TilingError(ValueError):
+    """An image the model's preprocessing refuses (Qwen2.5-VL: aspect ratio above 200)."""
+
+
+MODES = ("dynamic", "fixed", "anyres", "native")
 
 
 @dataclass(frozen=True)
 class TilingConfig:
     """The vision side of a model: how images become tiles and tiles become tokens.
 
-    `mode` is "dynamic" (InternVL), "fixed" (LLaVA-1.5) or "anyres" (LLaVA-NeXT). `pinpoints`
+    `mode` is "dynamic" (InternVL), "fixed" (LLaVA-1.5), "anyres" (LLaVA-NeXT) or "native"
+    (Qwen2.5-VL: tiles of `tile` px from an image resized to between `min_pixels` and
+    `max_pixels` pixels). `pinpoints`
     are (height, width) grid resolutions for anyres, in the order of the Hugging Face config's
     `image_grid_pinpoints` (the first of equal candidates wins); `features_per_side` is the
     per-tile feature grid side of anyres (tile // patch size: 24 for CLIP-L/336).
@@ -41,10 +60,12 @@ class TilingConfig:
     tokens_per_tile: int = 256
     pinpoints: tuple[tuple[int, int], ...] = DEFAULT_PINPOINTS
     features_per_side: int = 24
+    min_pixels: int = QWEN_MIN_PIXELS
+    max_pixels: int = QWEN_MAX_PIXELS
 
     def __post_init__(self) -> None:
-        if self.mode not in ("dynamic", "fixed", "anyres"):
-            raise ValueError(f"tiling mode must be dynamic, fixed or anyres, got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"tiling mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.tile <= 0 or self.tokens_per_tile <= 0:
             raise ValueError("tile size and tokens per tile must be positive")
         if not 1 <= self.min_tiles <= self.max_tiles:
@@ -57,6 +78,9 @@ class TilingConfig:
                 if w <= 0 or h <= 0 or w % self.tile or h % self.tile:
                     raise ValueError(f"anyres pinpoint {h}x{w} (height x width) is not a "
                                      f"multiple of the tile size {self.tile}")
+        if self.mode == "native" and not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError(f"native tiling needs 0 < min_pixels <= max_pixels, got "
+                             f"{self.min_pixels}, {self.max_pixels}")
 
 
 def image_tiles(width: int, height: int, config: TilingConfig,
@@ -73,11 +97,37 @@ def image_tiles(width: int, height: int, config: TilingConfig,
         return tiles, tiles * config.tokens_per_tile
     if config.mode == "fixed":
         return 1, config.tokens_per_tile
+    if config.mode == "native":
+        h, w = smart_resize(height, width, config.tile, config.min_pixels, config.max_pixels)
+        tiles = (h // config.tile) * (w // config.tile)
+        return tiles, tiles * config.tokens_per_tile
     grid_h, grid_w = anyres_resolution(width, height, config.pinpoints)
     tiles = (grid_w // config.tile) * (grid_h // config.tile) + 1
     tokens = anyres_tokens(width, height, grid_w // config.tile, grid_h // config.tile,
                            config.features_per_side)
     return tiles, tokens
+
+
+@lru_cache(maxsize=1 << 16)
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = QWEN_MIN_PIXELS,
+                 max_pixels: int = QWEN_MAX_PIXELS) -> tuple[int, int]:
+    """(height, width) Qwen2.5-VL's image processor resizes an image to: each side rounded to
+    a multiple of `factor` (Python's round, halves to even), then scaled down (sides floored,
+    at least `factor`) to at most `max_pixels` or up (sides ceiled) to at least `min_pixels`,
+    keeping the aspect ratio as well as the multiples allow."""
+    if max(height, width) > MAX_ASPECT_RATIO * min(height, width):
+        raise TilingError(f"{width}x{height} pixels: aspect ratio above {MAX_ASPECT_RATIO}, "
+                          "which Qwen2.5-VL's image processor refuses")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
 
 
 @lru_cache(maxsize=64)

@@ -12,8 +12,8 @@ itself, never from a guess. Families:
   JSON is read directly (no remote code runs); its LLM is InternLM2, Qwen2/2.5, Qwen3 or Llama.
 - transformers' `qwen2_5_vl` (Qwen2_5_VLForConditionalGeneration): the native-resolution
   vision tower, the patch merger and a Qwen2 LLM with M-RoPE; the hub's flat config.json (text
-  keys at the top level, `rope_scaling` of type mrope) and the nested `text_config` that
-  transformers re-saves both read through transformers' own config class.
+  keys at the top level, `rope_scaling` of type mrope) and the re-saved one (`text_config`)
+  both, through transformers' own Qwen2_5_VLConfig.
 
 LLMs: Llama 2/3.x (Llama-3 RoPE scaling with megatron-core's fixed frequency bands), Mistral,
 Qwen2/2.5 (qkv bias), Qwen3 (per-head QK-norm, its own head size, no biases), InternLM2.
@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from megatron_omnibal.models.presets import QWEN25_MERGER, QWEN25_VIT
 from megatron_omnibal.models.spec import LanguageSpec, ModelSpec, ProjectorSpec, VisionSpec
 
 FAMILIES = ("internvl", "internvl_chat", "llava", "qwen2_5_vl")
@@ -49,7 +50,12 @@ MOE_LLMS = {
 }
 # Model types recognised but not built yet: read_hf refuses them with the reason.
 NOT_YET = {
-    "qwen2_vl": "Qwen2-VL's native-resolution vision tower and M-RoPE have no stage module yet",
+    "qwen2_vl": "Qwen2-VL's vision tower (full attention in every block, LayerNorm, a plain "
+    "MLP) is not the Qwen2.5-VL tower the stage module builds",
+    "qwen3_vl": "Qwen3-VL's vision tower (DeepStack features, learned positions) and "
+    "interleaved M-RoPE have no stage module",
+    "qwen3_vl_moe": "Qwen3-VL-MoE is a mixture-of-experts LLM with Qwen3-VL's vision tower, "
+    "neither built by the stage module",
 }
 # megatron-core 0.19's Llama-3 RoPE scaling fixes everything but the factor.
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -392,48 +398,52 @@ def _mrope_section(text: Any, path: Path) -> tuple[int, ...]:
 def _qwen2_5_vl(path: Path, doc: dict) -> HFModel:
     cfg = _transformers_config(path)
     vc, tc = cfg.vision_config, cfg.text_config
-    _need(vc.hidden_act == "silu", path, f"vision hidden_act {vc.hidden_act!r}: expected silu")
+    _need(
+        tc.model_type == "qwen2_5_vl_text",
+        path,
+        f"text_config.model_type {tc.model_type!r}: expected qwen2_5_vl_text",
+    )
+    sides = {name: getattr(vc, name) for name in ("patch_size", "temporal_patch_size")}
+    _need(
+        all(isinstance(v, int) for v in sides.values()),
+        path,
+        f"vision_config {sides}: only square patches of one size are supported",
+    )
     _need(
         int(vc.out_hidden_size) == int(tc.hidden_size),
         path,
-        f"vision_config.out_hidden_size {vc.out_hidden_size} differs from the LLM's hidden size "
-        f"{tc.hidden_size}",
+        f"vision_config.out_hidden_size {vc.out_hidden_size} differs from the LLM's hidden "
+        f"size {tc.hidden_size}",
     )
+    _need(vc.hidden_act == "silu", path, f"vision hidden_act {vc.hidden_act!r}: only silu")
     merge, patch = int(vc.spatial_merge_size), int(vc.patch_size)
-    vit = VisionSpec(
+    # The architecture's fixed facts (norms, biases, SwiGLU, 2D RoPE) are the presets' tower.
+    vit = replace(
+        QWEN25_VIT,
         num_layers=int(vc.depth),
         hidden_size=int(vc.hidden_size),
         ffn_hidden_size=int(vc.intermediate_size),
         num_attention_heads=int(vc.num_heads),
         image_size=patch * merge,
         patch_size=patch,
-        norm="rmsnorm",
-        norm_eps=1e-6,  # Qwen2_5_VLRMSNorm's fixed epsilon in the vision blocks
-        activation="silu",
-        qkv_bias=True,
-        class_token=False,
-        patch_bias=False,
-        native_resolution=True,
         temporal_patch_size=int(vc.temporal_patch_size),
         spatial_merge_size=merge,
         window_size=int(vc.window_size),
         fullatt_block_indexes=tuple(int(i) for i in vc.fullatt_block_indexes),
-        gated_mlp=True,
-        rope_theta=float((vc.rope_parameters or {}).get("rope_theta", 10000.0)),
+        rope_theta=float((getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 1e4)),
     )
-    llm = replace(_language(tc, "qwen2", path), mrope_section=_mrope_section(tc, path))
+    llm = _language(tc, "qwen2", path)
     spec = ModelSpec(
         name=path.name,
         vit=vit,
-        projector=ProjectorSpec(
-            type="patch_merger",
-            downsample=1.0 / merge,
-            hidden_size=int(vc.hidden_size) * merge * merge,
-            norm_eps=1e-6,
-            activation="gelu",
-            bias=True,
+        projector=replace(
+            QWEN25_MERGER, downsample=1 / merge, hidden_size=int(vc.hidden_size) * merge**2
         ),
-        llm=_with_tie(llm, cfg.tie_word_embeddings),
+        llm=replace(
+            llm,
+            mrope_section=_mrope_section(tc, path),
+            tie_embeddings=bool(cfg.tie_word_embeddings),
+        ),
         image_token_id=int(cfg.image_token_id),
         image_start_id=int(cfg.vision_start_token_id),
         image_end_id=int(cfg.vision_end_token_id),
@@ -476,8 +486,12 @@ def read_hf(path: str | Path) -> HFModel:
     path = Path(path)
     doc = _load_json(path / "config.json")
     kind = doc.get("model_type")
-    readers = {"internvl": _internvl, "llava": _llava, "internvl_chat": _internvl_chat,
-               "qwen2_5_vl": _qwen2_5_vl}  # fmt: skip
+    readers = {
+        "internvl": _internvl,
+        "llava": _llava,
+        "internvl_chat": _internvl_chat,
+        "qwen2_5_vl": _qwen2_5_vl,
+    }
     if kind in NOT_YET:
         raise HFConfigError(
             f"{path / 'config.json'}: model_type {kind!r} is not supported yet: {NOT_YET[kind]} "

@@ -46,6 +46,55 @@ CLIP_L_336 = VisionSpec(
     pre_norm=True,
 )
 _PIXEL_SHUFFLE = ProjectorSpec(type="pixel_shuffle_mlp", downsample=0.5)
+# Qwen/Qwen2.5-VL-{3B,7B,32B,72B}-Instruct vision_config (the same tower in all four): 32 blocks,
+# hidden 1280, SwiGLU MLP 3420 with biases, 16 heads of 80, RMSNorm eps 1e-6, qkv bias, Conv3d
+# patch embedding (14 px, 2 frames, no bias), 2D RoPE; windows of 112 px (8x8 patches) except
+# the full-attention blocks 7, 15, 23, 31; a tile here is one 2x2 merge group (28 px).
+QWEN25_VIT = VisionSpec(
+    num_layers=32,
+    hidden_size=1280,
+    ffn_hidden_size=3420,
+    num_attention_heads=16,
+    image_size=28,
+    patch_size=14,
+    norm="rmsnorm",
+    activation="silu",
+    class_token=False,
+    patch_bias=False,
+    gated_mlp=True,
+    native_resolution=True,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    window_size=112,
+    fullatt_block_indexes=(7, 15, 23, 31),
+)
+# Its merger: RMSNorm(1280) per patch, 2x2 patches concatenated, Linear(5120, 5120), exact GELU,
+# Linear(5120, out_hidden_size = the LLM's hidden size).
+QWEN25_MERGER = ProjectorSpec(type="patch_merger", downsample=0.5, hidden_size=5120, norm_eps=1e-6)
+
+
+def _qwen25_vl(name: str, source: str, **shape: int) -> ModelSpec:
+    """A Qwen2.5-VL (its -Instruct config.json): the Qwen2.5 LLM with qkv bias, vocab
+    152064, RMSNorm eps 1e-6, rope_theta 1e6, 128000 positions and M-RoPE sections
+    [16, 24, 24]; image tokens <|image_pad|> 151655 between <|vision_start|> 151652 and
+    <|vision_end|> 151653."""
+    return ModelSpec(
+        name=name,
+        vit=QWEN25_VIT,
+        projector=QWEN25_MERGER,
+        llm=LanguageSpec(
+            **shape,
+            vocab_size=152064,
+            qkv_bias=True,
+            rotary_base=1e6,
+            max_position_embeddings=128000,
+            mrope_section=(16, 24, 24),
+        ),
+        image_token_id=151655,
+        image_start_id=151652,
+        image_end_id=151653,
+        source=source,
+    )
 
 
 def _qwen3(**shape: int) -> LanguageSpec:
@@ -213,6 +262,27 @@ PRESETS: dict[str, ModelSpec] = {
         ),
         image_token_id=128256,
         source="meta-llama/Llama-3.1-8B-Instruct in LLaVA-1.5 (CLIP-L/336, MLP projector)",
+    ),
+    # Qwen/Qwen2.5-VL-7B-Instruct text part: 28 layers, 3584, 18944, 28 heads, 4 KV heads.
+    "qwen2.5-vl-7b": _qwen25_vl(
+        "qwen2.5-vl-7b",
+        "Qwen/Qwen2.5-VL-7B-Instruct",
+        num_layers=28,
+        hidden_size=3584,
+        ffn_hidden_size=18944,
+        num_attention_heads=28,
+        num_query_groups=4,
+    ),
+    # Qwen/Qwen2.5-VL-72B-Instruct text part (transformers' Qwen2_5_VLTextConfig defaults are
+    # this shape): 80 layers, 8192, 29568, 64 heads, 8 KV heads.
+    "qwen2.5-vl-72b": _qwen25_vl(
+        "qwen2.5-vl-72b",
+        "Qwen/Qwen2.5-VL-72B-Instruct",
+        num_layers=80,
+        hidden_size=8192,
+        ffn_hidden_size=29568,
+        num_attention_heads=64,
+        num_query_groups=8,
     ),
     # Tests and the demo's training: a few layers, tiny widths, 16px tiles of 4px patches -> 4
     # tokens per tile.

@@ -21,6 +21,7 @@ from typing import Any
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu")
 PROJECTORS = ("pixel_shuffle_mlp", "mlp", "patch_merger")
+FOLDING_PROJECTORS = ("pixel_shuffle_mlp", "patch_merger")  # fold factor^2 patches into one
 
 
 class SpecError(ValueError):
@@ -59,14 +60,14 @@ class VisionSpec:
     """The ViT: each layer sees one tile as `patches (+ class token)` tokens; tiles are the batch.
 
     Covers InternViT (RMSNorm or LayerNorm, optional qkv bias, layer scale, QK-norm over all
-    heads at once) and CLIP (pre-LayerNorm, quick_gelu, no patch-embedding bias).
-
-    A native-resolution tower (Qwen2.5-VL, `native_resolution`) sees each image whole as its
-    own grid of patches of `temporal_patch_size` frames (a still image repeated), with 2-D
-    rotary positions instead of a learned table, windows of `window_size` pixels except in the
-    `fullatt_block_indexes` layers, and a SwiGLU MLP (`gated_mlp`). Its "tile" is one merged
-    unit: `spatial_merge_size`^2 patches (image_size = patch_size x spatial_merge_size), which
-    become one LLM token.
+    heads at once), CLIP (pre-LayerNorm, quick_gelu, no patch-embedding bias) and Qwen2.5-VL's
+    native-resolution tower (`native_resolution`): images keep their own size (a multiple of
+    `patch_size x spatial_merge_size` pixels per side), so the unit of vision work, the "tile",
+    is one merge group of `spatial_merge_size`^2 patches (`image_size` = 28 px, one LLM token);
+    attention runs within windows of `window_size` pixels except in the layers
+    `fullatt_block_indexes`, which attend over the whole image; 2D rotary positions (base
+    `rope_theta`) instead of a learned table; a SwiGLU MLP (`gated_mlp`) with biases; each patch
+    is `temporal_patch_size` frames deep (a still image repeated), `patch_dim` values.
     """
 
     num_layers: int
@@ -89,37 +90,17 @@ class VisionSpec:
     pre_norm: bool = False  # LayerNorm after the embeddings, before layer 0 (CLIP)
     post_norm: bool = False  # LayerNorm after the last used layer (InternVL, no mean pooling)
     drop_class_token: bool = True  # the projector sees patches only ("default" feature select)
-    native_resolution: bool = False  # whole images as patch grids (Qwen2.5-VL), see above
-    temporal_patch_size: int = 1  # frames per patch (the Conv3d kernel's depth)
+    gated_mlp: bool = False  # SwiGLU MLP (gate, up, down; biased), Qwen2.5-VL
+    native_resolution: bool = False  # images at their own size; a tile is one merge group
+    temporal_patch_size: int = 1  # frames per patch (Qwen2.5-VL: 2, a still image doubled)
     spatial_merge_size: int = 1  # patches merged per side into one LLM token
-    window_size: int = 0  # windowed attention's window side in pixels (0: no windows)
+    window_size: int = 0  # pixels per window side of the windowed layers (0: no windows)
     fullatt_block_indexes: tuple[int, ...] = ()  # layers attending over the whole image
-    gated_mlp: bool = False  # SwiGLU MLP (gate and up projections)
-    rope_theta: float = 10000.0  # base of the native tower's 2-D rotary embedding
+    rope_theta: float = 10000.0  # base of a native-resolution tower's 2D rotary positions
 
     def __post_init__(self) -> None:
         w = "model_spec.vit"
         object.__setattr__(self, "fullatt_block_indexes", tuple(self.fullatt_block_indexes))
-        _check_positive(self, w, ("temporal_patch_size", "spatial_merge_size"))
-        _need(
-            all(isinstance(i, int) and 0 <= i < self.num_layers
-                for i in self.fullatt_block_indexes),
-            f"{w}.fullatt_block_indexes",
-            f"{list(self.fullatt_block_indexes)} are not layer indices below {self.num_layers}",
-        )  # fmt: skip
-        if self.native_resolution:
-            unit = self.patch_size * self.spatial_merge_size
-            _need(
-                self.window_size % unit == 0 and self.window_size >= 0,
-                f"{w}.window_size",
-                f"{self.window_size} is not a multiple of patch_size x spatial_merge_size = {unit}",
-            )
-            _need(
-                self.image_size == unit,
-                f"{w}.image_size",
-                f"a native-resolution tower's unit is one merged patch group: expected {unit}, "
-                f"got {self.image_size}",
-            )
         _check_positive(
             self,
             w,
@@ -146,6 +127,50 @@ class VisionSpec:
             f"{w}.image_size",
             f"{self.image_size} is not a multiple of patch_size {self.patch_size}",
         )
+        _check_positive(self, w, ("temporal_patch_size", "spatial_merge_size"))
+        full = self.fullatt_block_indexes
+        _need(
+            all(isinstance(i, int) and 0 <= i < self.num_layers for i in full)
+            and list(full) == sorted(set(full)),
+            f"{w}.fullatt_block_indexes",
+            f"{list(full)} must be ascending layer indexes below num_layers {self.num_layers}",
+        )
+        cell = self.patch_size * self.spatial_merge_size
+        _need(
+            isinstance(self.window_size, int) and self.window_size >= 0
+            and self.window_size % cell == 0,
+            f"{w}.window_size",
+            f"{self.window_size} is not 0 or a multiple of patch_size x spatial_merge_size "
+            f"= {cell}",
+        )
+        if self.native_resolution:
+            _need(
+                self.image_size == cell,
+                f"{w}.image_size",
+                f"{self.image_size}: a native-resolution tile is one merge group of {cell} px",
+            )
+            _need(not self.class_token, f"{w}.class_token", "a native-resolution ViT has none")
+            _need(self.rope_theta > 0, f"{w}.rope_theta", f"must be > 0, got {self.rope_theta}")
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the layers outside `fullatt_block_indexes` attend within windows."""
+        return self.window_size > 0
+
+    @property
+    def window_patches(self) -> int:
+        """Patches per side of a full window (Qwen2.5-VL: 112 px / 14 = 8)."""
+        return self.window_size // self.patch_size
+
+    @property
+    def window_units(self) -> int:
+        """Merge groups per side of a full window (Qwen2.5-VL: 112 px / 28 = 4; 0: none)."""
+        return self.window_size // (self.patch_size * self.spatial_merge_size)
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch the patch embedding reads: channels x frames x pixels."""
+        return 3 * self.temporal_patch_size * self.patch_size**2
 
     @property
     def grid(self) -> int:
@@ -168,29 +193,20 @@ class VisionSpec:
     @property
     def layer_params(self) -> int:
         h, f = self.hidden_size, self.ffn_hidden_size
-        biases = (3 * h if self.qkv_bias else 0) + h + f + h
+        mlp = (3 if self.gated_mlp else 2) * h * f + (2 if self.gated_mlp else 1) * f + h
+        biases = (3 * h if self.qkv_bias else 0) + h
         norms = (2 if self.norm == "rmsnorm" else 4) * h  # two norms: weight (and bias)
         norms += (2 * h if self.qk_norm else 0) + (2 * h if self.layer_scale else 0)
-        if self.gated_mlp:
-            return 4 * h * h + 3 * h * f + biases + f + norms
-        return 4 * h * h + 2 * h * f + biases + norms
-
-    @property
-    def window_units(self) -> int:
-        """Merged units per window side (0: no windowed attention)."""
-        return self.window_size // (self.patch_size * self.spatial_merge_size)
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per patch a native-resolution tower reads: channels x frames x pixels."""
-        return 3 * self.temporal_patch_size * self.patch_size**2
+        return 4 * h * h + mlp + biases + norms
 
 
 @dataclass(frozen=True, kw_only=True)
 class ProjectorSpec:
-    """Vision-to-language bridge: optional pixel shuffle + LayerNorm, then a two-layer MLP;
-    or Qwen2.5-VL's patch merger (`patch_merger`: RMSNorm of each patch, the patches of one
-    1/downsample x 1/downsample group concatenated, then the MLP)."""
+    """Vision-to-language bridge: optional pixel shuffle + LayerNorm, then a two-layer MLP.
+
+    `patch_merger` (Qwen2.5-VL): RMSNorm of each patch, the patches of each merge group
+    concatenated (the same fold as the pixel shuffle, by `factor` per side), then the MLP.
+    """
 
     type: str = "pixel_shuffle_mlp"
     downsample: float = 0.5  # pixel shuffle keeps 1/downsample^2 of the tokens, 4x channels
@@ -217,7 +233,7 @@ class ProjectorSpec:
             f"{w}.hidden_size",
             f"expected an integer >= 0, got {self.hidden_size!r}",
         )
-        if self.type in ("pixel_shuffle_mlp", "patch_merger"):
+        if self.type in FOLDING_PROJECTORS:
             factor = round(1 / self.downsample) if self.downsample > 0 else 0
             _need(
                 factor >= 1 and abs(factor * self.downsample - 1) < 1e-6,
@@ -228,8 +244,7 @@ class ProjectorSpec:
     @property
     def factor(self) -> int:
         """Patches folded per side by the pixel shuffle (1: none)."""
-        merging = self.type in ("pixel_shuffle_mlp", "patch_merger")
-        return round(1 / self.downsample) if merging else 1
+        return round(1 / self.downsample) if self.type in FOLDING_PROJECTORS else 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,12 +272,13 @@ class LanguageSpec:
     rope_scaling_factor: float = 0.0
     max_position_embeddings: int = 32768
     tie_embeddings: bool = False  # the output head reuses the input embedding
-    # M-RoPE (Qwen2.5-VL): rotary frequency pairs given to the (time, height, width) position
-    # axes in turn; empty: plain 1-D RoPE.
+    # Multimodal RoPE (Qwen2.5-VL): rotary frequency pairs given to the (t, h, w) position axes,
+    # summing to half the head dimension; () is plain 1D RoPE.
     mrope_section: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         w = "model_spec.llm"
+        object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
         if self.num_query_groups == 0:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         if self.kv_channels == 0 and self.num_attention_heads > 0:
@@ -290,18 +306,20 @@ class LanguageSpec:
             f"{self.num_query_groups} does not divide the {self.num_attention_heads} heads",
         )
         _need(self.rotary_base > 0, f"{w}.rotary_base", f"must be > 0, got {self.rotary_base}")
-        object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
-        _need(
-            not self.mrope_section
-            or (len(self.mrope_section) == 3 and sum(self.mrope_section) * 2 == self.kv_channels),
-            f"{w}.mrope_section",
-            f"{list(self.mrope_section)} must be 3 sections summing to half the head size "
-            f"{self.kv_channels}",
-        )
         _need(
             self.rope_scaling_factor == 0 or self.rope_scaling_factor >= 1,
             f"{w}.rope_scaling_factor",
             f"must be 0 (no scaling) or >= 1, got {self.rope_scaling_factor}",
+        )
+        section = self.mrope_section
+        _need(
+            not section or (
+                len(section) == 3 and all(isinstance(x, int) and x > 0 for x in section)
+                and 2 * sum(section) == self.kv_channels
+            ),
+            f"{w}.mrope_section",
+            f"{list(section)} must be 3 positive integers summing to half the head dimension "
+            f"{self.kv_channels}",
         )
 
     @property
@@ -344,6 +362,14 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         v, p = self.vit, self.projector
+        _need(
+            not v.native_resolution or (
+                p.type == "patch_merger" and p.factor == v.spatial_merge_size
+            ),
+            "model_spec.projector",
+            f"a native-resolution ViT needs a patch_merger projector folding "
+            f"{v.spatial_merge_size} patches per side, got {p.type} by {p.factor}",
+        )
         _need(
             v.grid % p.factor == 0,
             "model_spec.projector.downsample",
@@ -399,7 +425,7 @@ class ModelSpec:
     def patch_embed_params(self) -> int:
         v = self.vit
         conv = v.patch_dim * v.hidden_size + (v.hidden_size if v.patch_bias else 0)
-        if v.native_resolution:  # rotary positions: no table
+        if v.native_resolution:  # 2D rotary positions: no table
             return conv
         return conv + (v.seq_per_tile + int(v.class_token)) * v.hidden_size
 
@@ -463,7 +489,7 @@ def _fields(cls: type, doc: Any, where: str, skip: tuple[str, ...] = ()) -> dict
         elif kind == "tuple[int, ...]":
             _need(
                 isinstance(value, (list, tuple))
-                and all(isinstance(i, int) and not isinstance(i, bool) for i in value),
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in value),
                 f"{where}.{key}",
                 f"expected a list of integers, got {value!r}",
             )

@@ -112,9 +112,18 @@ class CostModel:
 
 
 def analytic_costs(
-    model: ModelSpec, hw: Hardware, tp: int = 1, dp: int = 1, distributed_optimizer: bool = True
+    model: ModelSpec,
+    hw: Hardware,
+    tp: int = 1,
+    dp: int = 1,
+    distributed_optimizer: bool = True,
+    image_tiles: np.ndarray | None = None,
 ) -> CostModel:
     """FLOPs-based costs of every unit on `hw` with tensor parallel `tp` (sequence parallel on).
+
+    `image_tiles`, the tiles of each image of the data, prices a native-resolution ViT's
+    attention (planner.flops.native_spans); its full-attention layers cost more than its
+    windowed ones, so they are units of their own price.
 
     Time = FLOPs / (peak x efficiency x tp) + TP collectives + a per-layer launch overhead;
     backward is twice the forward FLOPs, recompute one more forward. Memory is BF16 weights,
@@ -130,10 +139,11 @@ def analytic_costs(
     def row(tiles: float = 0.0, tokens: float = 0.0, sumsq: float = 0.0, one: float = 0.0):
         return np.array([tiles, tokens, sumsq, one], np.float64)
 
-    flops = ModelFlops.of(model)
+    flops = ModelFlops.of(model, image_tiles)
     s = v.seq_per_tile
-    vit_fwd = row(tiles=flops.vit_layer_per_tile / rate + s * 2 * v.hidden_size * tp_comm, one=over)
-    vit_act = row(tiles=s * 2 * (8 * v.hidden_size + 2 * v.ffn_hidden_size) / tp / MIB)
+    vit_comm = s * 2 * v.hidden_size * tp_comm
+    mlp_stored = (3 if v.gated_mlp else 2) * v.ffn_hidden_size
+    vit_act = row(tiles=s * 2 * (8 * v.hidden_size + mlp_stored) / tp / MIB)
     vit_ckpt = row(tiles=s * 2 * v.hidden_size / tp / MIB)
     vit_out = row(tiles=s * 2 * v.hidden_size / tp / MIB)
 
@@ -171,6 +181,7 @@ def analytic_costs(
         group.append(g)
 
     for i in range(v.num_layers):
+        vit_fwd = row(tiles=flops.vit_layer(i, v.fullatt_block_indexes) / rate + vit_comm, one=over)
         add(f"vit.{i}", vit_fwd, vit_act, vit_ckpt, vit_out, v.layer_params, GROUP_VIT)
     embed_params = llm.vocab_size * h
     add(
@@ -192,7 +203,7 @@ def analytic_costs(
         [
             row(tiles=flops.patch_per_tile / rate, one=over),
             row(tiles=2 * flops.patch_per_tile / rate),
-            row(tiles=(s - 1) * 3 * v.patch_size**2 * 2 / MIB),
+            row(tiles=v.num_patches * v.patch_dim * 2 / MIB),
         ]
     )
     head_fwd = row(tokens=flops.head_per_token / rate, one=over)

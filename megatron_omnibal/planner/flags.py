@@ -12,7 +12,8 @@ from megatron_omnibal.models.spec import ModelSpec
 
 def model_flags(model: ModelSpec) -> list[str]:
     """The LLM's shape, as megatron.training spells it (its FLOPs figure reads these; RoPE base
-    and Llama-3 scaling, head size and QK-norm included: megatron.training's defaults differ)."""
+    and Llama-3 scaling or M-RoPE sections, head size and QK-norm included: megatron.training's
+    defaults differ)."""
     llm = model.llm
     flags = [
         "--num-layers", str(llm.num_layers),
@@ -33,7 +34,11 @@ def model_flags(model: ModelSpec) -> list[str]:
     flags += ["--norm-epsilon", str(llm.norm_eps)]
     if llm.gated_mlp:
         flags += ["--swiglu"]
-    flags += ["--position-embedding-type", "rope"]
+    if llm.mrope_section:  # Qwen2.5-VL's multimodal RoPE
+        flags += ["--position-embedding-type", "mrope",
+                  "--mrope-section", *(str(x) for x in llm.mrope_section)]
+    else:
+        flags += ["--position-embedding-type", "rope"]
     if float(llm.rotary_base).is_integer():  # Megatron's flag takes an integer
         flags += ["--rotary-base", str(int(llm.rotary_base))]
     flags += ["--disable-bias-linear"]

@@ -53,6 +53,9 @@ def pack_cost(cost_model: CostModel, bounds: tuple[int, ...] | None = None,
 
 def model_pack_cost(model: ModelSpec, hw: Hardware, tp: int = 1, dp: int = 1,
                     bounds: tuple[int, ...] | None = None,
-                    recompute: list[dict[int, int]] | None = None) -> PackCost:
-    """pack_cost of the analytic (FLOPs) cost model of `model` on `hw`."""
-    return pack_cost(analytic_costs(model, hw, tp, dp), bounds, recompute)
+                    recompute: list[dict[int, int]] | None = None,
+                    image_tiles: np.ndarray | None = None) -> PackCost:
+    """pack_cost of the analytic (FLOPs) cost model of `model` on `hw` (`image_tiles`: the
+    data's tiles per image, for a native-resolution ViT's attention)."""
+    return pack_cost(analytic_costs(model, hw, tp, dp, image_tiles=image_tiles), bounds,
+                     recompute)

@@ -213,7 +213,8 @@ def cost_model(request: PlanRequest, tp: int, dp: int) -> CostModel:
     """The FLOPs model at (tp, dp), or the request's measured profile (TP 1) re-sharded for dp."""
     model = request.model
     if request.profile is None:
-        return analytic_costs(model, request.hardware, tp, dp)
+        return analytic_costs(model, request.hardware, tp, dp,
+                              image_tiles=request.lengths.image_flags)
     units = partition_units(model)
     cm = profile_cost_model(request.profile, request.profile_path or "profile", dp)
     if len(cm.names) != units:

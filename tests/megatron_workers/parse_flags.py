@@ -36,7 +36,7 @@ def parse(flags: list[str]) -> dict:
 
 
 PARSED = ("kv_channels", "qk_layernorm", "add_qkv_bias", "add_bias_linear", "rotary_base",
-          "position_embedding_type", "use_rope_scaling", "rope_scaling_factor")
+          "position_embedding_type", "use_rope_scaling", "rope_scaling_factor", "mrope_section")
 
 
 if __name__ == "__main__":
