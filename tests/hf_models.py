@@ -280,3 +280,56 @@ def llava(path: Path, seed: int = 0, text: str = "llama", llm_layers: int = 4) -
     _perturb(model, seed + 1)
     model.save_pretrained(path)
     return Built(path, model, "llava", LLAVA_IMAGE, 16, 16)
+
+
+QWEN_IMAGE, QWEN_VIDEO, QWEN_START, QWEN_END = 150, 151, 152, 153
+
+
+def qwen2_5_vl(path: Path, seed: int = 0, flat: bool = False, llm_layers: int = 4,
+               tie: bool = False) -> Built:  # fmt: skip
+    """Qwen2.5-VL: 4 vision blocks (2 heads of 16, window 56 px = 2x2 merged units of 2x2
+    patches of 14 px, full attention in blocks 1 and 3), the merger, a Qwen2 LLM with M-RoPE
+    (head size 8: mrope_section [1, 1, 2]). `flat`: config.json with the text keys at the top
+    level and the hub's tensor names (`visual.*`, `model.layers.*`), as the released
+    checkpoints; otherwise transformers' nested `text_config` and its own names."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vision = {
+        "depth": 4, "hidden_size": 32, "intermediate_size": 40, "num_heads": 2,
+        "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 56,
+        "fullatt_block_indexes": [1, 3], "out_hidden_size": 32, "hidden_act": "silu",
+        "in_channels": 3,
+    }  # fmt: skip
+    text = _text_config("qwen2", 160, tie=tie, layers=llm_layers)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0,
+                               "mrope_section": [1, 1, 2]}  # fmt: skip
+    text.pop("rope_theta", None)
+    cfg = Qwen2_5_VLConfig(
+        vision_config=vision, text_config={**text, "model_type": "qwen2_5_vl_text"},
+        image_token_id=QWEN_IMAGE, video_token_id=QWEN_VIDEO, vision_start_token_id=QWEN_START,
+        vision_end_token_id=QWEN_END, tie_word_embeddings=tie,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    _perturb(model, seed + 1)
+    model.save_pretrained(path)
+    # transformers 5 saves the hub's tensor names (`visual.*`, `model.layers.*`)
+    if flat:  # the hub's config.json: text keys at the top level, mrope in rope_scaling
+        doc = json.loads((path / "config.json").read_text())
+        text_doc = doc.pop("text_config")
+        rope = text_doc.pop("rope_parameters")
+        text_doc.pop("model_type", None)
+        doc.update({k: v for k, v in text_doc.items() if k not in doc})
+        doc["rope_theta"] = rope["rope_theta"]
+        doc["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+        (path / "config.json").write_text(json.dumps(doc, indent=2))
+    else:  # transformers 4.5x's re-saved names: `model.visual.*`, `model.language_model.*`
+        renamed = {}
+        for k, v in model.state_dict().items():
+            if not (tie and k == "lm_head.weight"):
+                renamed[k] = v.detach().clone().contiguous()
+        for f in path.glob("*.safetensors"):
+            f.unlink()
+        save_file(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return Built(path, model, "qwen2_5_vl", QWEN_IMAGE, 1, 28)

@@ -3,8 +3,10 @@
 - Round trip: HF -> Megatron (torch format at TP=2 x PP=2, and torch_dist) -> HF gives the
   original tensors bit for bit, under the original names, and transformers loads the result
   with no missing or unexpected keys; for every family, InternVL3/3.5 (Qwen2.5, Qwen3) in both
-  layouts and LLaVA on Llama-3.x included.
-- One SGD step of InternVL3.5 (Qwen3) at TP=2 and at PP=3 equals TP=1's.
+  layouts, LLaVA on Llama-3.x and Qwen2.5-VL (hub and transformers layouts) included.
+- One SGD step of InternVL3.5 (Qwen3) at TP=2 and at PP=3 equals TP=1's; so does one of
+  Qwen2.5-VL (its vision tower over two stages at PP=3), whose exports transformers' forward
+  equals (compare-hf).
 - Fine-tuning: pretrain_vlm starts from the converted checkpoint (--pretrained-checkpoint),
   trains, saves; the export's transformers forward equals the Megatron stages' forward of the
   trained checkpoint (compare-hf), frozen parts are bit for bit the original and hold no
@@ -79,12 +81,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, hf_models.Buil
         "internvl3_chat": hf_models.internvl_chat(root / "internvl3_chat", text="qwen2",
                                                   six_b=False),  # fmt: skip
         "llava_llama3": hf_models.llava(root / "llava_llama3", text="llama3"),
+        "qwen2_5_vl": hf_models.qwen2_5_vl(root / "qwen2_5_vl"),
+        "qwen2_5_vl_flat": hf_models.qwen2_5_vl(root / "qwen2_5_vl_flat", flat=True),
     }
 
 
 @pytest.mark.parametrize("family", ["internvl_6b", "internvl_300m", "internvl_chat", "llava",
                                     "internvl3_5", "internvl3_5_chat", "internvl3_chat",
-                                    "llava_llama3"])  # fmt: skip
+                                    "llava_llama3", "qwen2_5_vl", "qwen2_5_vl_flat"])  # fmt: skip
 def test_round_trip_is_bit_identical(models, family: str, tmp_path: Path) -> None:
     built = models[family]
     ckpt, back = tmp_path / "megatron", tmp_path / "hf"
@@ -205,14 +209,24 @@ def test_uneven_layouts_convert_train_export_and_compare(tmp_path: Path) -> None
     assert max(report[k]["max_rel"] for k in ("logits", "vit", "llm")) <= 1e-4
 
 
-def test_qwen3_step_at_tp2_and_pp3_equals_tp1_and_exports(tmp_path: Path) -> None:
-    """InternVL3.5 (Qwen3, tied head), without dropout: one SGD step at TP=2 with sequence
-    parallelism (the per-head QK-norm's gradient summed over the TP ranks' heads) and at PP=3
-    (the ViT over two stages, the tied head on another stage than the embedding) moves every
-    tensor as at TP=1 from the same weights and data; each export loads in transformers and its
-    forward equals the trained stages' (compare-hf)."""
-    built = hf_models.internvl(tmp_path / "internvl3_5", six_b=False, text="qwen3", tie=True,
-                               llm_layers=3)  # fmt: skip
+# A tensor each family's step must move.
+STEPPED = {"internvl3_5": "language_model.model.layers.0.self_attn.q_norm.weight",
+           "qwen2_5_vl": "visual.blocks.0.attn.qkv.weight"}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(STEPPED))
+def test_step_at_tp2_and_pp3_equals_tp1_and_exports(tmp_path: Path, family: str) -> None:
+    """InternVL3.5 (Qwen3, tied head) and Qwen2.5-VL (hub layout, tied head: windowed and
+    full attention, gated ViT MLP, merger, M-RoPE over packed samples), without dropout: one
+    SGD step at TP=2 with sequence parallelism (the per-head QK-norm's gradient summed over the
+    TP ranks' heads) and at PP=3 (the ViT over two stages, the tied head on another stage than
+    the embedding) moves every tensor as at TP=1 from the same weights and data; each export
+    loads in transformers and its forward equals the trained stages' (compare-hf)."""
+    if family == "qwen2_5_vl":
+        built = hf_models.qwen2_5_vl(tmp_path / family, flat=True, tie=True, llm_layers=3)
+    else:
+        built = hf_models.internvl(tmp_path / family, six_b=False, text="qwen3", tie=True,
+                                   llm_layers=3)  # fmt: skip
     lengths = _lengths(tmp_path / "lengths.npz")
     one_stage = ["--omnibal-vit-pp-layers", "4", "--omnibal-llm-pp-layers", "3"]
     layouts = {
@@ -237,8 +251,8 @@ def test_qwen3_step_at_tp2_and_pp3_equals_tp1_and_exports(tmp_path: Path) -> Non
         report = json.loads(omnibal("compare-hf", str(back), str(trained)).stdout)
         assert report["ok"] and report["logits"]["max_rel"] <= 1e-4, report
     original = tensors(built.path)
-    q_norm = "language_model.model.layers.0.self_attn.q_norm.weight"
-    assert not torch.equal(exported["tp1"][q_norm], original[q_norm]), "no step"
+    stepped = STEPPED[family]
+    assert not torch.equal(exported["tp1"][stepped], original[stepped]), "no step"
     off = []
     for n, t in original.items():
         step = exported["tp1"][n] - t

@@ -6,7 +6,9 @@ InternVL with a 300M-like tower (LayerNorm, qkv bias; Llama), the OpenGVLab Inte
 (fused qkv, InternLM2 wqkv) and LLaVA-1.5 (CLIP, feature layer -2); and the newer LLMs:
 InternVL3.5 (Qwen3: per-head QK-norm, head size 16 on width 32, tied head) in transformers'
 layout, InternVL3.5 and InternVL3 (Qwen3 / Qwen2) in OpenGVLab's, and LLaVA on Llama-3.x (llama3
-RoPE scaling). The first four are loaded through the package's own mapping and sharding at
+RoPE scaling), and Qwen2.5-VL (native-resolution tower with windowed and full attention, patch
+merger, M-RoPE over packed samples) from the hub's flat config.json and from transformers'
+nested one. The first four are loaded through the package's own mapping and sharding at
 PP=1, 2 and 4 (the ViT split over two stages, one stage holding the ViT tail and the LLM's first
 layers), TP=2 with and without sequence parallelism, and TP=2 x PP=2; the newer ones at PP=1,
 TP=2 and TP=2 x PP=2; all at PP=3 with the ViT over the first two stages (a launch of its own).
@@ -42,7 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "megatron_workers" / "hf_worker.py"
 RTOL = 1e-4
 FAMILIES = ("internvl_6b", "internvl_300m", "internvl_chat", "llava")
-NEW_FAMILIES = ("internvl3_5", "internvl3_5_chat", "internvl3_chat", "llava_llama3")
+NEW_FAMILIES = ("internvl3_5", "internvl3_5_chat", "internvl3_chat", "llava_llama3",
+                "qwen2_5_vl", "qwen2_5_vl_flat")  # fmt: skip
 NEW_CASES = ("pp1", "tp2", "tp2pp2_sp")
 PP3_CASES = [{"name": "pp3_split", "tp": 1, "pp": 3, "vit": [2, 2, 0], "llm": [0, 2, 2]}]
 CASES = [
@@ -66,6 +69,8 @@ def build(family: str, root: Path) -> hf_models.Built:
         return hf_models.internvl_chat(path, text="qwen2", six_b=False)
     if family == "llava_llama3":
         return hf_models.llava(path, text="llama3")
+    if family.startswith("qwen2_5_vl"):
+        return hf_models.qwen2_5_vl(path, flat=family.endswith("_flat"))
     if family == "internvl_6b":
         return hf_models.internvl(path, six_b=True)
     if family == "internvl_300m":
@@ -133,5 +138,8 @@ def test_logits_and_tower_outputs_equal_transformers(results, family: str, case:
     assert relative(got["rope_inv_freq"], ref["rope_inv_freq"]) <= 1e-6, "RoPE frequencies"
     assert relative(got["logits"], ref["logits"]) <= RTOL, "logits"
     assert relative(got["llm"], ref["llm"]) <= RTOL, "LLM final hidden states"
+    if family.startswith("qwen2_5_vl"):  # the last block's output, patches in window order
+        assert relative(got["vit"], ref["vit"]) <= RTOL, "ViT features"
+        return
     flags = torch.cat([s.image_flags for s in batch]).bool()
     assert relative(got["vit"][flags], ref["vit"]) <= RTOL, "ViT features"

@@ -88,6 +88,11 @@ def test_full_attention_blocks_are_priced_as_their_own_units() -> None:
     assert np.ptp(fwd[windowed]) == pytest.approx(0.0, abs=1e-9)
     gap = 1000 * (flops.vit_full_layer_per_tile - flops.vit_layer_per_tile) / rate
     assert fwd[7] - fwd[6] == pytest.approx(gap, rel=1e-9) and gap > 0
+    # The patch embedding's input, counted by hand: 4 patches per merge group, each 3 channels
+    # x 2 frames x 14 x 14 pixels in bf16; its Conv3d weight 1280 x 1176 (no bias, no table).
+    pixels_mib = 4 * 3 * 2 * 14 * 14 * 2 / 2**20
+    assert cm.first[2] @ workload_features(1, 0, 0) == pytest.approx(pixels_mib)
+    assert model.patch_embed_params == 1280 * 3 * 2 * 14 * 14
     # Bigger images cost more per patch in the full-attention blocks only.
     small = analytic_costs(model, hw, tp=2, image_tiles=np.array([64])).at(
         workload_features(1000, 0, 0)).forward_ms  # fmt: skip

@@ -27,7 +27,7 @@ IDS = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_i
 def test_presets_match_hand_counts() -> None:
     seven, big = get_preset("qwen2.5-vl-7b"), get_preset("qwen2.5-vl-72b")
     v = seven.vit
-    assert big.vit == v and v.native_resolution and v.rotary_2d and v.gated_mlp
+    assert big.vit == v and v.native_resolution and v.rope_theta == 1e4 and v.gated_mlp
     assert (v.num_layers, v.hidden_size, v.ffn_hidden_size, v.num_attention_heads) == (
         32, 1280, 3420, 16)  # fmt: skip
     assert (v.patch_size, v.temporal_patch_size, v.spatial_merge_size) == (14, 2, 2)
@@ -102,6 +102,28 @@ def test_flat_and_nested_configs_read_alike(tmp_path: Path) -> None:
     assert (spec.image_token_id, spec.image_start_id, spec.image_end_id) == (
         151655, 151652, 151653)  # fmt: skip
     assert ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_released_config_reads_as_the_preset(tmp_path: Path) -> None:
+    """Qwen2.5-VL-7B-Instruct's hub config.json (flat, rope_scaling of type mrope) reads to the
+    preset itself: the tower and merger the stage module builds from either are the same."""
+    vision = {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+              "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+              "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+              "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+              "temporal_patch_size": 2}  # fmt: skip
+    path = _write(tmp_path / "Qwen2.5-VL-7B-Instruct", {
+        "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "hidden_act": "silu", "hidden_size": 3584, "intermediate_size": 18944,
+        "max_position_embeddings": 128000, "max_window_layers": 28, "num_attention_heads": 28,
+        "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6, "sliding_window": 32768, "use_sliding_window": False,
+        "tie_word_embeddings": False, "vocab_size": 152064, **IDS, "vision_config": vision,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}})  # fmt: skip
+    read, preset = read_hf(path).spec, get_preset("qwen2.5-vl-7b")
+    assert (read.vit, read.projector, read.llm) == (preset.vit, preset.projector, preset.llm)
+    assert (read.image_token_id, read.image_start_id, read.image_end_id) == (
+        preset.image_token_id, preset.image_start_id, preset.image_end_id)  # fmt: skip
 
 
 @pytest.mark.parametrize(

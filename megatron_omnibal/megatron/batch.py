@@ -33,12 +33,18 @@ class Sample:
     `labels[i]` is the target of position i (IGNORE_INDEX: no loss). `images` has one row per tile
     the ViT sees; `image_flags[j]` is 1 for a real tile, 0 for a dummy (text-only) tile whose
     embeddings are dropped. The sequence holds tokens_per_tile placeholders per real tile.
+
+    A native-resolution tower (Qwen2.5-VL) reads whole images instead: `images` holds their
+    patches [patches, 3 x frames x pixels] (block-major, as its image processor emits them),
+    `image_grid` each image's (t, h, w) in patches, `image_flags` a 1 per image; the sequence
+    holds t h w / merge^2 placeholders per image.
     """
 
     tokens: torch.Tensor  # int64 [L]
     labels: torch.Tensor  # int64 [L]
-    images: torch.Tensor  # float32 [n, 3, H, W]
+    images: torch.Tensor  # float32 [n, 3, H, W] (tiles) or [patches, patch values] (native)
     image_flags: torch.Tensor  # int64 [n]
+    image_grid: torch.Tensor | None = None  # int64 [images, 3]: native-resolution towers only
 
 
 @dataclass
@@ -55,9 +61,10 @@ class MicroBatch:
     loss_mask: torch.Tensor  # float32 [1, S]
     position_ids: torch.Tensor  # int64 [1, S]; restart at 0 in every sample
     cu_seqlens: torch.Tensor  # int32 [k + 1]; sample i is tokens[0, cu[i]:cu[i+1]]
-    images: torch.Tensor  # float32 [n_tiles, 3, H, W]; n_tiles may be 0
+    images: torch.Tensor  # float32 [n_tiles, 3, H, W]; n_tiles may be 0 (native: patches)
     image_flags: torch.Tensor  # int64 [n_tiles]
     level: int = 0
+    image_grid: torch.Tensor | None = None  # int64 [images, 3]: native-resolution towers only
 
     @property
     def num_samples(self) -> int:
@@ -92,6 +99,7 @@ def validate_batch(
     images: torch.Tensor,
     image_flags: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    image_grid: torch.Tensor | None = None,
 ) -> None:
     """Raise ValueError unless the micro-batch fits the model (shapes, placeholders, bounds).
 
@@ -105,6 +113,9 @@ def validate_batch(
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != seq or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
         raise ValueError(f"micro-batch cu_seqlens {cu} do not span 0..{seq}")
+    if spec.vit.native_resolution:
+        _validate_native(spec, tokens, images, image_flags, image_grid)
+        return
     size = spec.vit.image_size
     if images.dim() != 4 or tuple(images.shape[1:]) != (3, size, size):
         raise ValueError(
@@ -124,6 +135,42 @@ def validate_batch(
         )
 
 
+def _validate_native(
+    spec: ModelSpec,
+    tokens: torch.Tensor,
+    images: torch.Tensor,
+    image_flags: torch.Tensor,
+    image_grid: torch.Tensor | None,
+) -> None:
+    """The native-resolution part of validate_batch: patches, grids and placeholders agree."""
+    v = spec.vit
+    if image_grid is None or image_grid.dim() != 2 or image_grid.shape[1] != 3:
+        got = None if image_grid is None else tuple(image_grid.shape)
+        raise ValueError(f"micro-batch image_grid has shape {got}, expected [images, 3]")
+    grids = image_grid.tolist()
+    merge = v.spatial_merge_size
+    for i, (_, h, w) in enumerate(grids):
+        if h % merge or w % merge:
+            raise ValueError(f"micro-batch image {i} of {h}x{w} patches: not divisible by the "
+                             f"merge size {merge}")  # fmt: skip
+    patches = sum(t * h * w for t, h, w in grids)
+    if images.dim() != 2 or tuple(images.shape) != (patches, v.patch_dim):
+        raise ValueError(
+            f"micro-batch images have shape {tuple(images.shape)}, expected [{patches}, "
+            f"{v.patch_dim}] (the patches of its {len(grids)} image grids)"
+        )
+    if image_flags.shape != (len(grids),):
+        raise ValueError(
+            f"micro-batch has {len(grids)} image grids but {image_flags.numel()} image_flags"
+        )
+    slots = int((tokens == spec.image_token_id).sum())
+    if slots * merge * merge != patches:
+        raise ValueError(
+            f"micro-batch has {slots} image placeholder tokens (id {spec.image_token_id}) but "
+            f"its images have {patches} patches = {patches // (merge * merge)} merged tokens"
+        )
+
+
 def shape_only_images(tiles: int, size: int) -> torch.Tensor:
     """A float32 [tiles, 3, size, size] tensor that holds no pixels (one zero, broadcast).
 
@@ -134,8 +181,8 @@ def shape_only_images(tiles: int, size: int) -> torch.Tensor:
 
 
 def is_shape_only(t: torch.Tensor) -> bool:
-    """Whether `t` is a shape-only (broadcast, pixel-free) image tensor."""
-    return t.dim() == 4 and t.numel() > 1 and all(s == 0 for s in t.stride())
+    """Whether `t` is a shape-only (broadcast, pixel-free) image tensor (tiles or patches)."""
+    return t.dim() in (2, 4) and t.numel() > 1 and all(s == 0 for s in t.stride())
 
 
 def _move(t: torch.Tensor, device: torch.device | str | int) -> torch.Tensor:
@@ -162,7 +209,18 @@ def drop_samples(batch: MicroBatch, drop: Sequence[int], tiles: Sequence[int]) -
     new_cu = torch.zeros(len(keep) + 1, dtype=torch.int32)
     new_cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
     images = batch.images
-    images = shape_only_images(len(img), images.shape[-1]) if is_shape_only(images) else images[img]
+    grid = None
+    if batch.image_grid is not None:  # native: `tiles` counts patches; grids follow them
+        bounds = [0, *batch.image_grid.prod(dim=1).cumsum(0).tolist()]
+        first = [bounds.index(e) for e in starts]  # sample k: grids first[k]..first[k + 1]
+        grid = torch.cat([batch.image_grid[first[k] : first[k + 1]] for k in keep])
+        flags = torch.ones(len(grid), dtype=torch.int64)
+        images = images[img] if not is_shape_only(images) else (
+            torch.zeros((), dtype=images.dtype).expand(len(img), images.shape[1]))  # fmt: skip
+    elif is_shape_only(images):
+        images = shape_only_images(len(img), images.shape[-1])
+    else:
+        images = images[img]
     return MicroBatch(
         tokens=batch.tokens[:, tok],
         labels=batch.labels[:, tok],
@@ -170,8 +228,9 @@ def drop_samples(batch: MicroBatch, drop: Sequence[int], tiles: Sequence[int]) -
         position_ids=batch.position_ids[:, tok],
         cu_seqlens=new_cu,
         images=images,
-        image_flags=batch.image_flags[img],
+        image_flags=flags if grid is not None else batch.image_flags[img],
         level=batch.level,
+        image_grid=grid,
     )
 
 
@@ -191,6 +250,8 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
     """Pack samples into one micro-batch (order kept; every sample appears exactly once)."""
     if not samples:
         raise ValueError("collate: no samples (a micro-batch needs at least one)")
+    if any(s.image_grid is not None for s in samples):
+        return _collate_native(samples)
     for i, s in enumerate(samples):
         if s.tokens.shape != s.labels.shape or s.tokens.dim() != 1 or len(s.tokens) == 0:
             raise ValueError(
@@ -232,6 +293,36 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
     )
 
 
+def _collate_native(samples: Sequence[Sample]) -> MicroBatch:
+    """collate for native-resolution samples: patches and image grids concatenated."""
+    for i, s in enumerate(samples):
+        if s.image_grid is None or s.tokens.shape != s.labels.shape or s.tokens.dim() != 1:
+            raise ValueError(
+                f"collate: sample {i} has tokens {tuple(s.tokens.shape)}, labels "
+                f"{tuple(s.labels.shape)} and image_grid {s.image_grid!r}: native-resolution "
+                "samples need equal 1-D tokens and labels and an image grid each"
+            )
+    lengths = torch.tensor([len(s.tokens) for s in samples], dtype=torch.int64)
+    cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
+    labels = torch.cat([s.labels for s in samples])[None]
+    if all(is_shape_only(s.images) or not len(s.images) for s in samples):
+        patches = sum(len(s.images) for s in samples)
+        images = torch.zeros((), dtype=torch.float32).expand(patches, samples[0].images.shape[1])
+    else:
+        images = torch.cat([s.images for s in samples]).float()
+    return MicroBatch(
+        tokens=torch.cat([s.tokens for s in samples])[None],
+        labels=labels,
+        loss_mask=(labels != IGNORE_INDEX).float(),
+        position_ids=torch.cat([torch.arange(int(n)) for n in lengths])[None],
+        cu_seqlens=cu,
+        images=images,
+        image_flags=torch.cat([s.image_flags for s in samples]).to(torch.int64),
+        image_grid=torch.cat([s.image_grid.reshape(-1, 3) for s in samples]).to(torch.int64),
+    )
+
+
 @dataclass(frozen=True)
 class SyntheticSamples:
     """`make_sample(i, epoch)`: synthetic samples shaped like the length records of each
@@ -255,7 +346,9 @@ def synthetic_sample(
     dummy tiles), `token_num` tokens of which tokens_per_tile per real tile are image
     placeholders right after a BOS token; the loss covers the second half of the text (the
     "answer"). Same (index, seed) -> same sample, on every rank and every run. Without
-    `pixels` the tiles are shape-only (ranks that do not embed patches).
+    `pixels` the tiles are shape-only (ranks that do not embed patches). A native-resolution
+    model's tile is one merged patch group: the sample holds one image of the `image_flags`
+    real units (a grid as square as they allow), its placeholders after the BOS token.
     """
     image_size, tokens_per_tile = spec.vit.image_size, spec.tokens_per_tile
     vocab_size, image_token_id = spec.llm.vocab_size, spec.image_token_id
@@ -277,14 +370,9 @@ def synthetic_sample(
     if not 1 <= image_token_id < vocab_size:
         raise ValueError(f"synthetic_sample: image_token_id {image_token_id} outside the vocab")
     rng = np.random.default_rng([seed, index])
-    text = rng.integers(1, vocab_size - 1, size=n_tok - n_img)
-    text[text >= image_token_id] += 1  # never draw the placeholder id as text
-    text[0] = 0  # BOS
-    ids = np.concatenate([text[:1], np.full(n_img, image_token_id), text[1:]])
-    targets = np.full(n_tok, IGNORE_INDEX, dtype=np.int64)
-    n_text = n_tok - n_img
-    answer_start = 1 + n_img + (n_text - 1) // 2
-    targets[answer_start - 1 : n_tok - 1] = ids[answer_start:]
+    if spec.vit.native_resolution:
+        return _native_synthetic(rng, n_real, n_tok, spec, pixels)
+    ids, targets = _text_and_targets(rng, n_tok, n_img, spec)
     if pixels:
         images = torch.from_numpy(
             rng.standard_normal((n_tiles, 3, image_size, image_size), dtype=np.float32)
@@ -298,4 +386,41 @@ def synthetic_sample(
         labels=torch.from_numpy(targets),
         images=images,
         image_flags=torch.from_numpy(flags),
+    )
+
+
+def _text_and_targets(
+    rng: np.random.Generator, n_tok: int, n_img: int, spec: ModelSpec
+) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (BOS, n_img placeholders, random text) and their targets (the second half of
+    the text)."""
+    vocab_size, image_token_id = spec.llm.vocab_size, spec.image_token_id
+    text = rng.integers(1, vocab_size - 1, size=n_tok - n_img)
+    text[text >= image_token_id] += 1  # never draw the placeholder id as text
+    text[0] = 0  # BOS
+    ids = np.concatenate([text[:1], np.full(n_img, image_token_id), text[1:]])
+    targets = np.full(n_tok, IGNORE_INDEX, dtype=np.int64)
+    answer_start = 1 + n_img + (n_tok - n_img - 1) // 2
+    targets[answer_start - 1 : n_tok - 1] = ids[answer_start:]
+    return ids, targets
+
+
+def _native_synthetic(
+    rng: np.random.Generator, units: int, n_tok: int, spec: ModelSpec, pixels: bool
+) -> Sample:
+    merge = spec.vit.spatial_merge_size
+    rows = max((d for d in range(1, int(units**0.5) + 1) if units % d == 0), default=0)
+    grid = [[1, rows * merge, units // rows * merge]] if units else []
+    ids, targets = _text_and_targets(rng, n_tok, units, spec)
+    shape = (units * merge * merge, spec.vit.patch_dim)
+    if pixels:
+        images = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+    else:
+        images = torch.zeros((), dtype=torch.float32).expand(shape)
+    return Sample(
+        tokens=torch.from_numpy(ids.astype(np.int64)),
+        labels=torch.from_numpy(targets),
+        images=images,
+        image_flags=torch.ones(len(grid), dtype=torch.int64),
+        image_grid=torch.tensor(grid, dtype=torch.int64).reshape(-1, 3),
     )

@@ -152,7 +152,7 @@ def stage_configs(
             "add_bias_linear": True,
             "add_qkv_bias": v.qkv_bias,
             "qk_layernorm": v.qk_norm,
-            "gated_linear_unit": False,
+            "gated_linear_unit": v.gated_mlp,
             "activation_func": ACTIVATIONS[v.activation],
             **_recompute(st.vit_recompute),
             **layout("vit"),

@@ -9,7 +9,9 @@ keeps megatron-core's attention, recompute, tensor parallelism and checkpoint sh
 Transformer Engine or Apex, megatron-core's torch norm refuses sequence parallelism (it does
 not mark its parameters for the TP gradient all-reduce); TorchNorm does. Qwen3's per-head
 QK-norm (megatron-core's qk_layernorm) has no local module in megatron-core: HeadRMSNorm is one,
-for both backends.
+for both backends. A native-resolution tower (Qwen2.5-VL) attends within windows in most layers
+and over the whole image in a few: its layers use native_vision.WindowedAttention, megatron-core's
+local attention picking its mask by layer.
 """
 
 from __future__ import annotations
@@ -200,10 +202,12 @@ def layer_spec(
     real_heads: int = 0,
     qk_norm_eps: float = 1e-6,
     head_qk_norm: bool = False,
+    full_attention_layers: tuple[int, ...] | None = None,
 ) -> ModuleSpec:
     """A transformer layer spec: megatron-core's GPT layer (TE when `use_te`, else local torch
     modules) with this tower's attention mask, and optionally InternViT's layer scale,
-    cross-head QK-norm and a qkv projection without bias, or Qwen3's per-head QK-norm."""
+    cross-head QK-norm and a qkv projection without bias, or Qwen3's per-head QK-norm; with
+    `full_attention_layers` (local modules only), windowed attention except in those layers."""
     spec = copy.deepcopy(_base_spec(config, use_te))
     sub = spec.submodules
     if not use_te:
@@ -218,6 +222,14 @@ def layer_spec(
         attn.submodules.k_layernorm = norm
     if head_qk_norm:
         attn.submodules.q_layernorm = attn.submodules.k_layernorm = HeadRMSNorm
+    if full_attention_layers is not None:
+        from megatron_omnibal.megatron.native_vision import WindowedAttention
+
+        if use_te:
+            raise ValueError("windowed attention is built with local (torch) modules only")
+        attn.submodules.core_attention = partial(
+            WindowedAttention, full_layers=tuple(full_attention_layers)
+        )
     if layer_scale:
         sub.self_attn_bda = ModuleSpec(
             module=LayerScaleBiasDropoutAdd, params={"hidden_size": config.hidden_size}

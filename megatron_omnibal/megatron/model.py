@@ -5,7 +5,10 @@ embeddings into the text sequence), LLM embedding, LLM layers, final norm + outp
 Pipeline rank r builds only what its StageLayout names, with megatron-core TransformerBlocks whose
 layers carry GLOBAL layer numbers (checkpoints and the RNG depend on them) and the stage's own
 recompute counts. The architecture is the spec's (models.spec): InternViT or CLIP, pixel-shuffle
-or MLP projector, a Llama(-3)/Qwen2/Qwen3/InternLM2-style LLM, tied or separate output head.
+or MLP projector, a Llama(-3)/Qwen2/Qwen3/InternLM2-style LLM, tied or separate output head; or
+Qwen2.5-VL's native-resolution tower (megatron.native_vision: whole images in window order,
+windowed and full attention, 2-D RoPE), its patch merger and an LLM with M-RoPE, whose positions
+every stage derives from the micro-batch (`native`, restarting in every packed sample).
 
 Exactly one tensor flows between stages: the ViT hidden states [patches, tiles, Cv] before the
 projector's stage, the LLM hidden states [S, 1, H] (S / TP under sequence parallelism) after
@@ -29,7 +32,10 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+    MultimodalRotaryEmbedding,
+    RotaryEmbedding,
+)
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
@@ -41,6 +47,11 @@ from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 from megatron_omnibal.megatron.configs import StageConfigs, _recompute
 from megatron_omnibal.megatron.layer_specs import HAVE_TE, block_spec
 from megatron_omnibal.megatron.layout import StageLayout
+from megatron_omnibal.megatron.native_vision import (
+    NativeInputs,
+    NativePatchEmbedding,
+    vision_attention_inputs,
+)
 from megatron_omnibal.megatron.projector import Projector
 from megatron_omnibal.megatron.vision import PatchEmbedding
 from megatron_omnibal.models.spec import ModelSpec
@@ -117,22 +128,29 @@ class VLMStage(MegatronModule):
 
         # The stage before (or at) the projector carries ViT hidden states.
         self.vision_stage = stage <= next(r for r, s in enumerate(layouts) if s.projector)
-        self.patch_embed = PatchEmbedding(configs.vit, v) if lay.patch_embed else None
+        self.patch_embed = None
+        if lay.patch_embed:
+            embed = NativePatchEmbedding if v.native_resolution else PatchEmbedding
+            self.patch_embed = embed(configs.vit, v)
         self.vit = None
         if lay.num_vit_layers:
+            # Every patch of a tile sees every other one; a native-resolution tower's masks
+            # (windows, whole images) come with each micro-batch.
+            native = {"full_attention_layers": v.fullatt_block_indexes} if (
+                v.native_resolution) else {}  # fmt: skip
             self.vit = TransformerBlock(
                 configs.vit,
-                # Every patch of a tile sees every other one.
                 block_spec(
                     configs.vit,
                     lay.num_vit_layers,
-                    self.use_te,
-                    AttnMaskType.no_mask,
+                    self.use_te and not v.native_resolution,
+                    AttnMaskType.arbitrary if v.native_resolution else AttnMaskType.no_mask,
                     qkv_bias=v.qkv_bias,
                     layer_scale=v.layer_scale,
                     qk_norm=v.qk_norm,
                     real_heads=configs.vit_real_heads,
                     qk_norm_eps=v.qk_norm_eps,
+                    **native,
                 ),
                 post_layer_norm=False,
                 pre_process=True,
@@ -179,13 +197,18 @@ class VLMStage(MegatronModule):
             # Llama-3 scaling, passed here (megatron-core 0.19's own VLM scripts drop it), and
             # a factor only with scaling on.
             scaling = {"rope_scaling": True, "rope_scaling_factor": factor} if factor else {}
-            self.rotary = RotaryEmbedding(
-                configs.llm.kv_channels,
-                rotary_percent=1.0,
-                rotary_base=spec.llm.rotary_base,
-                use_cpu_initialization=not torch.cuda.is_available(),
-                **scaling,
-            )
+            if spec.llm.mrope_section:
+                self.rotary = MultimodalRotaryEmbedding(
+                    configs.llm.kv_channels, rotary_percent=1.0, rotary_base=spec.llm.rotary_base
+                )
+            else:
+                self.rotary = RotaryEmbedding(
+                    configs.llm.kv_channels,
+                    rotary_percent=1.0,
+                    rotary_base=spec.llm.rotary_base,
+                    use_cpu_initialization=not torch.cuda.is_available(),
+                    **scaling,
+                )
         self.output_layer = None
         if lay.head:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
@@ -275,6 +298,7 @@ class VLMStage(MegatronModule):
         cu_seqlens: torch.Tensor,
         max_seqlen: int,
         level: int = 0,
+        native: NativeInputs | None = None,
         **_: Any,
     ) -> torch.Tensor:
         # Only computes: the micro-batch was checked on the CPU and its host-side facts
@@ -288,9 +312,10 @@ class VLMStage(MegatronModule):
         x = None if self.stage == 0 else self.input_tensor
         if self.vision_stage:
             if self.patch_embed is not None:
-                x = self.patch_embed(images)
-            if self.vit is not None and x.shape[1] > 0:
-                x = self.vit(hidden_states=x, attention_mask=None)
+                x = self.patch_embed(images, native.unit_order) if native else (
+                    self.patch_embed(images))  # fmt: skip
+            if self.vit is not None and x.numel() > 0:
+                x = self._vit(x, native)
             elif x is self.input_tensor:
                 # A micro-batch without tiles: [P, 0, C] passes through (attention cannot
                 # reshape 0 elements); cloned (no data) so the schedule's backward reaches the
@@ -300,11 +325,12 @@ class VLMStage(MegatronModule):
                 return x
             if self.vit_final_norm is not None:
                 x = self.vit_final_norm(x)
-            if self.capture is not None:
-                self.capture["vit"] = x.detach().transpose(0, 1)
-            x = self._merge(tokens, position_ids[:, :seq], self.projector(x, real_tiles))
+            if self.capture is not None:  # [tiles, tokens, C]; native: [patches, C]
+                self.capture["vit"] = x.detach()[:, 0] if native else x.detach().transpose(0, 1)
+            embeds = self.projector(x, native.unit_restore if native else real_tiles)
+            x = self._merge(tokens, position_ids[:, :seq], embeds)
         if self.llm is not None:
-            x = self._llm(x, position_ids, cu_seqlens, max(max_seqlen, seq_pad))
+            x = self._llm(x, position_ids, cu_seqlens, max(max_seqlen, seq_pad), native)
         if self.output_layer is None:
             return x
         if self.capture is not None:
@@ -323,6 +349,12 @@ class VLMStage(MegatronModule):
         target = labels.transpose(0, 1).contiguous().clamp(min=0)
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target)
         return loss.transpose(0, 1).contiguous()  # [1, S]
+
+    def _vit(self, x: torch.Tensor, native: NativeInputs | None) -> torch.Tensor:
+        if native is None:
+            return self.vit(hidden_states=x, attention_mask=None)
+        masks, rope = vision_attention_inputs(native, self.spec.vit)
+        return self.vit(hidden_states=x, attention_mask=masks, rotary_pos_emb=rope)
 
     def _recompute(self, vit_layers: int, llm_layers: int) -> None:
         """Recompute the first layers of each block in this micro-batch. megatron-core's
@@ -366,13 +398,27 @@ class VLMStage(MegatronModule):
             x = tensor_parallel.scatter_to_sequence_parallel_region(x)
         return x
 
+    def _mrope(self, position_ids: torch.Tensor, native: NativeInputs) -> torch.Tensor:
+        """[S, 1, 1, d] M-RoPE angles of every token (a sequence-parallel pad segment counts on
+        all three axes)."""
+        ids = native.mrope_ids
+        pad = position_ids[:, ids.shape[1] :].expand(3, -1)
+        ids = torch.cat([ids, pad], dim=1)[:, None, :]
+        return self.rotary(ids, list(self.spec.llm.mrope_section))
+
     def _llm(
-        self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_len: int,
+        native: NativeInputs | None = None,
     ) -> torch.Tensor:
         seq = position_ids.shape[1]
         if self.use_te:
-            # With THD packing megatron-core applies RoPE per sample from cu_seqlens.
-            rope = self.rotary(max_len)
+            # With THD packing megatron-core applies RoPE per sample from cu_seqlens (M-RoPE:
+            # per token, on its unfused path).
+            rope = self._mrope(position_ids, native) if native else self.rotary(max_len)
             cu = cu_seqlens.to(torch.int32).to(x.device)
             packed = PackedSeqParams(
                 qkv_format="thd",
@@ -384,7 +430,10 @@ class VLMStage(MegatronModule):
             return self.llm(
                 hidden_states=x, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=packed
             )
-        rope = self.rotary(max_len)[position_ids[0]]  # [S, 1, 1, d]: restarts per sample
+        if native is not None:
+            rope = self._mrope(position_ids, native)
+        else:
+            rope = self.rotary(max_len)[position_ids[0]]  # [S, 1, 1, d]: restarts per sample
         mask = packed_causal_mask(cu_seqlens, seq).to(x.device)
         return self.llm(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
 

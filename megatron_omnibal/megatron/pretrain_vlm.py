@@ -627,12 +627,21 @@ def _report_skipped(policy: Any) -> None:
 
 def filler_sample(spec: Any) -> Any:
     """A sample that trains nothing: a BOS token without loss, one dummy (image_flags 0) tile,
-    like InternVL's text-only samples. It stands in for an empty balanced pack."""
+    like InternVL's text-only samples (native-resolution models: no image). It stands in for an
+    empty balanced pack."""
     import torch
 
     from megatron_omnibal.megatron.batch import IGNORE_INDEX, Sample
 
     size = spec.vit.image_size
+    if spec.vit.native_resolution:  # no image at all (a native tower has no dummy tiles)
+        return Sample(
+            tokens=torch.zeros(1, dtype=torch.int64),
+            labels=torch.full((1,), IGNORE_INDEX, dtype=torch.int64),
+            images=torch.zeros(0, spec.vit.patch_dim),
+            image_flags=torch.zeros(0, dtype=torch.int64),
+            image_grid=torch.zeros(0, 3, dtype=torch.int64),
+        )
     return Sample(
         tokens=torch.zeros(1, dtype=torch.int64),
         labels=torch.full((1,), IGNORE_INDEX, dtype=torch.int64),

@@ -1,7 +1,9 @@
 """The projector: ViT patch tokens -> LLM embeddings for the real image tiles.
 
 Why: InternVL (pixel shuffle: each 2x2 patch neighbourhood becomes one token with 4x the
-channels, then LayerNorm + MLP) and LLaVA (plain MLP) differ only here. The MLP is megatron-core's
+channels, then LayerNorm + MLP), LLaVA (plain MLP) and Qwen2.5-VL (patch merger: RMSNorm of each
+patch, each 2x2 group of a window-ordered image concatenated, MLP, then back in image order)
+differ only here. The MLP is megatron-core's
 (column/row parallel), so it works under tensor parallelism.
 """
 
@@ -48,11 +50,11 @@ class Projector(MegatronModule):
         self.factor = p.factor
         self.version = p.shuffle_version
         self.skip_tokens = int(v.class_token and v.drop_class_token)
-        self.norm = (
-            torch.nn.LayerNorm(spec.projector_in, eps=p.norm_eps)
-            if p.type == "pixel_shuffle_mlp"
-            else None
-        )
+        self.norm: torch.nn.Module | None = None
+        if p.type == "pixel_shuffle_mlp":
+            self.norm = torch.nn.LayerNorm(spec.projector_in, eps=p.norm_eps)
+        elif p.type == "patch_merger":
+            self.norm = torch.nn.RMSNorm(v.hidden_size, eps=p.norm_eps)
         self.mlp = MLP(
             config=config,
             submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
@@ -61,7 +63,10 @@ class Projector(MegatronModule):
 
     def forward(self, vit_hidden: torch.Tensor, real_tiles: torch.Tensor) -> torch.Tensor:
         """Embeddings of the tiles at indices `real_tiles` (int64, found on the CPU: a boolean
-        mask here would read the device back)."""
+        mask here would read the device back). For the patch merger, `vit_hidden` is
+        [patches, 1, C] in window order and `real_tiles` the merged units' image order."""
+        if self.kind == "patch_merger":
+            return self._merge_patches(vit_hidden, real_tiles)
         x = vit_hidden[self.skip_tokens :].permute(1, 0, 2)  # [n, tokens, C]
         if self.kind == "pixel_shuffle_mlp":
             x = self.norm(pixel_shuffle(x, self.grid, self.factor, self.version))
@@ -70,3 +75,11 @@ class Projector(MegatronModule):
             out = out + bias
         out = out.permute(1, 0, 2)  # [n, t, H]
         return out.index_select(0, real_tiles).reshape(-1, out.shape[-1])
+
+    def _merge_patches(self, vit_hidden: torch.Tensor, unit_restore: torch.Tensor) -> torch.Tensor:
+        x = self.norm(vit_hidden[:, 0])
+        x = x.reshape(-1, 1, self.mlp.input_size)  # [units, 1, C merge^2]
+        out, bias = self.mlp(x)
+        if bias is not None:
+            out = out + bias
+        return out[:, 0].index_select(0, unit_restore)

@@ -4,8 +4,8 @@ Why a table by name instead of reading the modules: the checkpoint converter wri
 Megatron checkpoints without building the model, and tests check the result against the
 modules megatron-core really builds. Layouts:
 
-- column-parallel weights (qkv, fc1, projector fc1) split along rows; a gated fc1 is
-  [gate; up] and each rank holds [gate_r; up_r];
+- column-parallel weights (qkv, fc1, projector fc1) split along rows; a gated fc1 (the LLM's,
+  a native-resolution ViT's, weight and bias) is [gate; up] and each rank holds [gate_r; up_r];
 - row-parallel weights (attention output, fc2) split along columns, their biases replicated;
 - the word embedding and output head split along the (padded) vocabulary;
 - the ViT's heads are padded to a multiple of TP with zero dummy heads (qkv rows, attention
@@ -48,6 +48,11 @@ def _kind(name: str) -> tuple[str, str]:
     if rest == "mlp.linear_fc2.weight" or name == "projector.mlp.linear_fc2.weight":
         return tower, "row"
     return tower, "replicated"
+
+
+def _gated(tower: str, spec: ModelSpec) -> bool:
+    """Whether the tower's fc1 is a gated [gate; up] pair."""
+    return (tower == "llm" and spec.llm.gated_mlp) or (tower == "vit" and spec.vit.gated_mlp)
 
 
 def _pad_heads(full: torch.Tensor, spec: ModelSpec, tp: int, role: str) -> torch.Tensor:
@@ -94,7 +99,7 @@ def shard(name: str, full: torch.Tensor, spec: ModelSpec, tp: int, rank: int) ->
         return full
     if role in ("row", "proj"):
         return full.chunk(tp, dim=1)[rank].contiguous()
-    if role == "column" and tower == "llm" and spec.llm.gated_mlp:
+    if role == "column" and _gated(tower, spec):
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]]).contiguous()
     return full.chunk(tp, dim=0)[rank].contiguous()
@@ -112,7 +117,7 @@ def unshard(name: str, parts: list[torch.Tensor], spec: ModelSpec) -> torch.Tens
                     raise ShardError(f"{name}: replicated tensor differs on TP rank {r}")
     elif role in ("row", "proj"):
         full = torch.cat(parts, dim=1)
-    elif role == "column" and tower == "llm" and spec.llm.gated_mlp:
+    elif role == "column" and _gated(tower, spec):
         halves = [p.chunk(2, dim=0) for p in parts]
         full = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
     else:

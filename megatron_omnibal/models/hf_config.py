@@ -10,9 +10,10 @@ itself, never from a guess. Families:
   renamed fields and RoPE parameters as transformers applies them).
 - OpenGVLab's remote-code `internvl_chat` (what most InternVL checkpoints on disk are): its
   JSON is read directly (no remote code runs); its LLM is InternLM2, Qwen2/2.5, Qwen3 or Llama.
-- transformers' `qwen2_5_vl` (Qwen2_5_VLForConditionalGeneration): the hub's flat config.json
-  (text keys at the top level) and the re-saved one (`text_config`) both, through transformers'
-  own Qwen2_5_VLConfig; the native-resolution vision tower and the M-RoPE sections.
+- transformers' `qwen2_5_vl` (Qwen2_5_VLForConditionalGeneration): the native-resolution
+  vision tower, the patch merger and a Qwen2 LLM with M-RoPE; the hub's flat config.json (text
+  keys at the top level, `rope_scaling` of type mrope) and the re-saved one (`text_config`)
+  both, through transformers' own Qwen2_5_VLConfig.
 
 LLMs: Llama 2/3.x (Llama-3 RoPE scaling with megatron-core's fixed frequency bands), Mistral,
 Qwen2/2.5 (qkv bias), Qwen3 (per-head QK-norm, its own head size, no biases), InternLM2.
@@ -135,6 +136,7 @@ def _rope(text: Any, path: Path) -> tuple[float, float]:
     scaling = _get(text, "rope_scaling")
     scaling = scaling if isinstance(scaling, dict) else params
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = "default" if kind == "mrope" else kind  # M-RoPE's sections: see _mrope_section
     _need(
         kind in ("default", "llama3"),
         path,
@@ -384,6 +386,15 @@ def _internvl_chat(path: Path, doc: dict) -> HFModel:
     return HFModel(path, spec, "internvl_chat", arch, total)
 
 
+def _mrope_section(text: Any, path: Path) -> tuple[int, ...]:
+    """M-RoPE's (time, height, width) frequency sections of a Qwen2.5-VL text config."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = _get(text, key)
+        if isinstance(params, dict) and params.get("mrope_section"):
+            return tuple(int(x) for x in params["mrope_section"])
+    raise HFConfigError(f"{path / 'config.json'}: no mrope_section in rope_parameters/rope_scaling")
+
+
 def _qwen2_5_vl(path: Path, doc: dict) -> HFModel:
     cfg = _transformers_config(path)
     vc, tc = cfg.vision_config, cfg.text_config
@@ -419,10 +430,8 @@ def _qwen2_5_vl(path: Path, doc: dict) -> HFModel:
         spatial_merge_size=merge,
         window_size=int(vc.window_size),
         fullatt_block_indexes=tuple(int(i) for i in vc.fullatt_block_indexes),
+        rope_theta=float((getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 1e4)),
     )
-    params = _get(tc, "rope_parameters") or {}
-    section = tuple(int(x) for x in params.get("mrope_section") or ())
-    _need(bool(section), path, "rope_parameters / rope_scaling has no mrope_section")
     llm = _language(tc, "qwen2", path)
     spec = ModelSpec(
         name=path.name,
@@ -430,7 +439,11 @@ def _qwen2_5_vl(path: Path, doc: dict) -> HFModel:
         projector=replace(
             QWEN25_MERGER, downsample=1 / merge, hidden_size=int(vc.hidden_size) * merge**2
         ),
-        llm=replace(llm, mrope_section=section, tie_embeddings=bool(cfg.tie_word_embeddings)),
+        llm=replace(
+            llm,
+            mrope_section=_mrope_section(tc, path),
+            tie_embeddings=bool(cfg.tie_word_embeddings),
+        ),
         image_token_id=int(cfg.image_token_id),
         image_start_id=int(cfg.vision_start_token_id),
         image_end_id=int(cfg.vision_end_token_id),

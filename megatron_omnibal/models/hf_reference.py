@@ -3,7 +3,9 @@
 Why per sample: transformers runs one sample per sequence (no packing), so the packed Megatron
 micro-batch is compared with the concatenation of each sample's own forward. The ViT features
 are what transformers' model feeds its projector (`vision_feature_layer`, a final LayerNorm where
-the config has one), before the class token is dropped.
+the config has one), before the class token is dropped; for Qwen2.5-VL the last block's output
+[patches, C] in its window order, with transformers computing its own M-RoPE positions of each
+sample (`get_rope_index`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from megatron_omnibal.models.hf_config import HFConfigError, HFModel
 
-NATIVE = ("internvl", "llava")  # families with transformers' own classes
+NATIVE = ("internvl", "llava", "qwen2_5_vl")  # families with transformers' own classes
 
 
 def load_model(hf: HFModel) -> torch.nn.Module:
@@ -47,6 +49,8 @@ def reference(
 ) -> dict[str, torch.Tensor]:
     """{"logits" [S, V], "llm" [S, H] (final hidden states), "vit" [real tiles, tokens, C]}
     for samples with `tokens`, `images`, `image_flags` (megatron.batch.Sample)."""
+    if hf.family == "qwen2_5_vl":
+        return _reference_native(model, hf, samples)
     logits, hidden, feats = [], [], []
     with torch.no_grad():
         for s in samples:
@@ -58,4 +62,23 @@ def reference(
             hidden.append(base.last_hidden_state[0])
             if pixels is not None:
                 feats.append(vision_features(model, hf, pixels))
+    return {"logits": torch.cat(logits), "llm": torch.cat(hidden), "vit": torch.cat(feats)}
+
+
+def _reference_native(
+    model: torch.nn.Module, hf: HFModel, samples: Sequence[object]
+) -> dict[str, torch.Tensor]:
+    """reference() for Qwen2.5-VL samples (`images`: patches, `image_grid`: (t, h, w) each)."""
+    logits, hidden, feats = [], [], []
+    with torch.no_grad():
+        for s in samples:
+            ids = s.tokens[None]
+            kw = {}
+            if len(s.image_grid):
+                kw = {"pixel_values": s.images, "image_grid_thw": s.image_grid,
+                      "mm_token_type_ids": (ids == hf.spec.image_token_id).int()}  # fmt: skip
+                feats.append(model.model.visual(s.images, grid_thw=s.image_grid).last_hidden_state)
+            base = model.model(input_ids=ids, **kw)
+            logits.append(model.lm_head(base.last_hidden_state)[0])
+            hidden.append(base.last_hidden_state[0])
     return {"logits": torch.cat(logits), "llm": torch.cat(hidden), "vit": torch.cat(feats)}

@@ -12,8 +12,9 @@ tensor to the HF tensors it is made of and converts both ways:
 - class token and position embeddings lose their leading batch dimensions.
 
 Key styles: transformers 5 saves `language_model.model.*` / `vision_tower.*`, checkpoints made by
-transformers 4.5x say `model.language_model.*` / `lm_head.*`; the reader maps the file's own
-style onto one and the exporter writes the style of the checkpoint it mirrors.
+transformers 4.5x say `model.language_model.*` / `lm_head.*`, Qwen2.5-VL's hub checkpoints
+`model.layers.*` / `visual.*`; the reader maps the file's own style onto one and the exporter
+writes the style of the checkpoint it mirrors.
 """
 
 from __future__ import annotations
@@ -123,8 +124,30 @@ def _linear(prefix: str, hf: tuple[str, ...], bias: bool) -> dict[str, tuple[str
     return out
 
 
+def _qwen_vision_rules(model: HFModel) -> list[Rule]:
+    """Qwen2.5-VL's tower: Conv3d patch embedding, fused qkv [Q_all; K_all; V_all] with bias,
+    SwiGLU with biases, RMSNorms, and its merger as the projector."""
+    v = model.spec.vit
+    heads, layer = v.num_attention_heads, "visual.blocks.{i}"
+    fuse, split = _qkv_fuse(heads, heads, v.head_dim), _qkv_split(heads, heads, v.head_dim)
+    names = {
+        **_norm("input_layernorm", f"{layer}.norm1", False),
+        **_linear("self_attention.linear_qkv", (f"{layer}.attn.qkv",), True),
+        **_linear("self_attention.linear_proj", (f"{layer}.attn.proj",), True),
+        **_norm("pre_mlp_layernorm", f"{layer}.norm2", False),
+        **_linear("mlp.linear_fc1", (f"{layer}.mlp.gate_proj", f"{layer}.mlp.up_proj"), True),
+        **_linear("mlp.linear_fc2", (f"{layer}.mlp.down_proj",), True),
+    }
+    rules = [Rule("patch_embed.conv.weight", ("visual.patch_embed.proj.weight",))]
+    for i in range(v.num_layers):
+        rules += _layer_rules("vit", i, names, (_chunks_fuse(fuse), _chunks_split(split)))
+    return rules
+
+
 def _vision_rules(model: HFModel) -> list[Rule]:
     spec, fam = model.spec, model.family
+    if fam == "qwen2_5_vl":
+        return _qwen_vision_rules(model)
     v = spec.vit
     ln = v.norm == "layernorm"
     h = v.hidden_size
@@ -226,6 +249,9 @@ def _projector_rules(model: HFModel) -> list[Rule]:
     p = model.spec.projector
     if model.family == "internvl_chat":
         hf = {"norm": "mlp1.0", "fc1": "mlp1.1", "fc2": "mlp1.3"}
+    elif model.family == "qwen2_5_vl":
+        hf = {"norm": "visual.merger.ln_q", "fc1": "visual.merger.mlp.0",
+              "fc2": "visual.merger.mlp.2"}  # fmt: skip
     else:
         hf = {
             "norm": "multi_modal_projector.layer_norm",
@@ -236,8 +262,8 @@ def _projector_rules(model: HFModel) -> list[Rule]:
         **_linear("projector.mlp.linear_fc1", (hf["fc1"],), p.bias),
         **_linear("projector.mlp.linear_fc2", (hf["fc2"],), p.bias),
     }
-    if p.type == "pixel_shuffle_mlp":
-        names.update(_norm("projector.norm", hf["norm"], True))
+    if p.type in ("pixel_shuffle_mlp", "patch_merger"):
+        names.update(_norm("projector.norm", hf["norm"], p.type == "pixel_shuffle_mlp"))
     return [Rule(c, h) for c, h in names.items()]
 
 
@@ -329,15 +355,19 @@ KeyStyle = tuple[tuple[str, str], ...]  # (file prefix, rule prefix), applied in
 def detect_style(names: set[str], family: str) -> KeyStyle:
     """How a checkpoint's names differ from `rules_for`'s: transformers 4.5x-made checkpoints
     say `model.language_model.*` and `lm_head.*`; transformers 5 saves LLaVA's CLIP tower
-    without its inner `vision_model.`."""
+    without its inner `vision_model.`; Qwen2.5-VL's hub checkpoints (and transformers 5's)
+    say `model.layers.*`, `visual.*` and `lm_head.*`."""
     style: list[tuple[str, str]] = []
     if any(n.startswith("model.language_model.") for n in names):
         style += [
             ("model.language_model.", "language_model.model."),
             ("model.vision_tower.", "vision_tower."),
             ("model.multi_modal_projector.", "multi_modal_projector."),
+            ("model.visual.", "visual."),
             ("lm_head.", "language_model.lm_head."),
         ]
+    elif family == "qwen2_5_vl":
+        style += [("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")]
     if family == "llava" and not any(".vision_model." in f".{n}" for n in names):
         style.append(("vision_tower.", "vision_tower.vision_model."))
     return tuple(style)
@@ -459,10 +489,14 @@ def canonical_shapes(model: HFModel) -> dict[str, tuple[int, ...]]:
     s = model.spec
     v, p, llm = s.vit, s.projector, s.llm
     h = v.hidden_size
-    out: dict[str, tuple[int, ...]] = {
-        "patch_embed.conv.weight": (h, 3, v.patch_size, v.patch_size),
-        "patch_embed.position_embeddings": (v.seq_per_tile, h),
-    }
+    if v.native_resolution:
+        kernel = (v.temporal_patch_size, v.patch_size, v.patch_size)
+        out: dict[str, tuple[int, ...]] = {"patch_embed.conv.weight": (h, 3, *kernel)}
+    else:
+        out = {
+            "patch_embed.conv.weight": (h, 3, v.patch_size, v.patch_size),
+            "patch_embed.position_embeddings": (v.seq_per_tile, h),
+        }
     if v.patch_bias:
         out["patch_embed.conv.bias"] = (h,)
     if v.class_token:
@@ -478,8 +512,8 @@ def canonical_shapes(model: HFModel) -> dict[str, tuple[int, ...]]:
             "self_attention.linear_proj.weight": (h, h),
             "self_attention.linear_proj.bias": (h,),
             "pre_mlp_layernorm.weight": (h,),
-            "mlp.linear_fc1.weight": (v.ffn_hidden_size, h),
-            "mlp.linear_fc1.bias": (v.ffn_hidden_size,),
+            "mlp.linear_fc1.weight": ((2 if v.gated_mlp else 1) * v.ffn_hidden_size, h),
+            "mlp.linear_fc1.bias": ((2 if v.gated_mlp else 1) * v.ffn_hidden_size,),
             "mlp.linear_fc2.weight": (h, v.ffn_hidden_size),
             "mlp.linear_fc2.bias": (h,),
         }
@@ -497,6 +531,8 @@ def canonical_shapes(model: HFModel) -> dict[str, tuple[int, ...]]:
         out["vit_final_norm.weight"] = out["vit_final_norm.bias"] = (h,)
     if p.type == "pixel_shuffle_mlp":
         out["projector.norm.weight"] = out["projector.norm.bias"] = (s.projector_in,)
+    if p.type == "patch_merger":
+        out["projector.norm.weight"] = (h,)
     out["projector.mlp.linear_fc1.weight"] = (p.hidden_size, s.projector_in)
     out["projector.mlp.linear_fc2.weight"] = (llm.hidden_size, p.hidden_size)
     if p.bias:

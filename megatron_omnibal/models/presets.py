@@ -67,7 +67,6 @@ QWEN25_VIT = VisionSpec(
     spatial_merge_size=2,
     window_size=112,
     fullatt_block_indexes=(7, 15, 23, 31),
-    rotary_2d=True,
 )
 # Its merger: RMSNorm(1280) per patch, 2x2 patches concatenated, Linear(5120, 5120), exact GELU,
 # Linear(5120, out_hidden_size = the LLM's hidden size).

@@ -65,8 +65,9 @@ class VisionSpec:
     `patch_size x spatial_merge_size` pixels per side), so the unit of vision work, the "tile",
     is one merge group of `spatial_merge_size`^2 patches (`image_size` = 28 px, one LLM token);
     attention runs within windows of `window_size` pixels except in the layers
-    `fullatt_block_indexes`, which attend over the whole image; 2D rotary positions
-    (`rotary_2d`) instead of learned ones; a SwiGLU MLP (`gated_mlp`) with biases.
+    `fullatt_block_indexes`, which attend over the whole image; 2D rotary positions (base
+    `rope_theta`) instead of a learned table; a SwiGLU MLP (`gated_mlp`) with biases; each patch
+    is `temporal_patch_size` frames deep (a still image repeated), `patch_dim` values.
     """
 
     num_layers: int
@@ -95,7 +96,7 @@ class VisionSpec:
     spatial_merge_size: int = 1  # patches merged per side into one LLM token
     window_size: int = 0  # pixels per window side of the windowed layers (0: no windows)
     fullatt_block_indexes: tuple[int, ...] = ()  # layers attending over the whole image
-    rotary_2d: bool = False  # 2D rotary positions in attention, no position embedding
+    rope_theta: float = 10000.0  # base of a native-resolution tower's 2D rotary positions
 
     def __post_init__(self) -> None:
         w = "model_spec.vit"
@@ -149,6 +150,7 @@ class VisionSpec:
                 f"{self.image_size}: a native-resolution tile is one merge group of {cell} px",
             )
             _need(not self.class_token, f"{w}.class_token", "a native-resolution ViT has none")
+            _need(self.rope_theta > 0, f"{w}.rope_theta", f"must be > 0, got {self.rope_theta}")
 
     @property
     def windowed(self) -> bool:
@@ -159,6 +161,16 @@ class VisionSpec:
     def window_patches(self) -> int:
         """Patches per side of a full window (Qwen2.5-VL: 112 px / 14 = 8)."""
         return self.window_size // self.patch_size
+
+    @property
+    def window_units(self) -> int:
+        """Merge groups per side of a full window (Qwen2.5-VL: 112 px / 28 = 4; 0: none)."""
+        return self.window_size // (self.patch_size * self.spatial_merge_size)
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch the patch embedding reads: channels x frames x pixels."""
+        return 3 * self.temporal_patch_size * self.patch_size**2
 
     @property
     def grid(self) -> int:
@@ -412,9 +424,8 @@ class ModelSpec:
     @property
     def patch_embed_params(self) -> int:
         v = self.vit
-        pixels = 3 * v.temporal_patch_size * v.patch_size**2
-        conv = pixels * v.hidden_size + (v.hidden_size if v.patch_bias else 0)
-        if v.rotary_2d:
+        conv = v.patch_dim * v.hidden_size + (v.hidden_size if v.patch_bias else 0)
+        if v.native_resolution:  # 2D rotary positions: no table
             return conv
         return conv + (v.seq_per_tile + int(v.class_token)) * v.hidden_size
 

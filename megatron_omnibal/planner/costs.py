@@ -203,7 +203,7 @@ def analytic_costs(
         [
             row(tiles=flops.patch_per_tile / rate, one=over),
             row(tiles=2 * flops.patch_per_tile / rate),
-            row(tiles=v.num_patches * 3 * v.temporal_patch_size * v.patch_size**2 * 2 / MIB),
+            row(tiles=v.num_patches * v.patch_dim * 2 / MIB),
         ]
     )
     head_fwd = row(tokens=flops.head_per_token / rate, one=over)

@@ -115,8 +115,7 @@ class ModelFlops:
         mlp = (3 if llm.gated_mlp else 2) * h * llm.ffn_hidden_size
         window, full = native_spans(v, image_tiles) if v.native_resolution else (s, s)
         return cls(
-            patch_per_tile=2.0 * v.num_patches * 3 * v.temporal_patch_size * v.patch_size**2
-            * hv,
+            patch_per_tile=2.0 * v.num_patches * v.patch_dim * hv,
             vit_layer_per_tile=s * vit_layer_linear_per_patch(v) + 4.0 * s * window * hv,
             vit_full_layer_per_tile=s * vit_layer_linear_per_patch(v) + 4.0 * s * full * hv,
             vit_full_layers=len(v.fullatt_block_indexes) if v.native_resolution else 0,
