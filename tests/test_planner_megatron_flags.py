@@ -68,6 +68,7 @@ def test_planner_flags_are_accepted_by_megatron_parser(tmp_path):
     flag_lists[-1].remove("--recompute-vision")
     interleaved = baseline_flags(get_preset("internvl2-8b"), 1, 4, 1, 64, (2, 10, 10, 10), False,
                                  1, vpp=2)  # fmt: skip
+    interleaved_at = len(flag_lists)
     flag_lists.append(interleaved)
     emitted = {f for flags in flag_lists for f in flags if f.startswith("--")}
     assert {"--sequence-parallel", "--swiglu", "--group-query-attention", "--kv-channels",
@@ -77,7 +78,7 @@ def test_planner_flags_are_accepted_by_megatron_parser(tmp_path):
     for flags, got in zip(flag_lists, results, strict=False):
         assert got["ok"], (flags, got["error"])
     chunks = [r["args"].pop("num_virtual_stages_per_pipeline_rank") for r in results[:-1]]
-    assert chunks[14] == 2  # the interleaved baseline's chunks per rank
+    assert chunks[interleaved_at] == 2  # the interleaved baseline's chunks per rank
     # The LLM as the checkpoints define it (the plan's and the baseline's flags alike).
     qwen3, qwen25, llama31 = results[6]["args"], results[8]["args"], results[10]["args"]
     assert (qwen3["kv_channels"], qwen3["qk_layernorm"], qwen3["add_qkv_bias"],
