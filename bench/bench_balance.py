@@ -80,11 +80,11 @@ from megatron_omnibal.data.video_lengths import (  # noqa: E402
     with_frame_counts,
 )
 from megatron_omnibal.models.presets import get_preset  # noqa: E402
-from megatron_omnibal.planner import levels as hbp  # noqa: E402
-from megatron_omnibal.planner.costs import MIB, analytic_costs, workload_features  # noqa: E402
-from megatron_omnibal.planner.hardware import get_hardware  # noqa: E402
-from megatron_omnibal.planner.pack_cost import pack_cost  # noqa: E402
-from megatron_omnibal.planner.partition import Problem, search  # noqa: E402
+from megatron_omnibal.planner.cost_model.costs import MIB, analytic_costs, workload_features  # noqa: E402
+from megatron_omnibal.planner.cost_model.hardware import get_hardware  # noqa: E402
+from megatron_omnibal.planner.packing import levels as hbp  # noqa: E402
+from megatron_omnibal.planner.packing.pack_cost import pack_cost  # noqa: E402
+from megatron_omnibal.planner.search.partition import Problem, search  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "data" / "internvl_subset.npz"
 REFERENCE_CYTHON_S = {(18, 6016): 7.7, (9, 4096): 146.5}  # 50 rounds, threshold budget - 128,

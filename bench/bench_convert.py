@@ -27,8 +27,8 @@ from pathlib import Path
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
 IMPORTS = (
     "import torch, transformers, safetensors, tqdm; "
-    "import megatron_omnibal.models.hf_weights, megatron_omnibal.megatron.hf_checkpoint, "
-    "megatron_omnibal.megatron.checkpoint_reader, megatron_omnibal.models.hf_export"
+    "import megatron_omnibal.models.hf_weights, megatron_omnibal.megatron.checkpoint.hf_checkpoint, "
+    "megatron_omnibal.megatron.checkpoint.checkpoint_reader, megatron_omnibal.models.hf_export"
 )
 
 
@@ -70,7 +70,7 @@ def peak_rss_mib(cmd: list[str]) -> tuple[float, float]:
 
 def sizes(hf_dir: Path, layouts) -> tuple[float, float]:
     """(whole model MiB, largest stage MiB) of the canonical tensors, from the spec's shapes."""
-    from megatron_omnibal.megatron.stage_weights import owns
+    from megatron_omnibal.megatron.checkpoint.stage_weights import owns
     from megatron_omnibal.models.hf_config import read_hf
     from megatron_omnibal.models.hf_weights import canonical_shapes
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llm-layers", type=int, default=12)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
-    from megatron_omnibal.megatron.layout import layout_from_counts
+    from megatron_omnibal.megatron.stages.layout import layout_from_counts
 
     vit, llm = [8, 0, 0, 0], [0] + [args.llm_layers // 3] * 2
     llm.append(args.llm_layers - sum(llm))

@@ -136,11 +136,11 @@ def measure(root: Path, layout: str, pixels: bool, workers: int, micro: int) -> 
     from megatron_omnibal.balance.sampler import BalancedBatchSampler
     from megatron_omnibal.data.lengths import load_lengths
     from megatron_omnibal.data.video_lengths import run_lengths
-    from megatron_omnibal.megatron.args import SourceSettings
-    from megatron_omnibal.megatron.data import BalancedDataIterator
-    from megatron_omnibal.megatron.dataset import open_source
-    from megatron_omnibal.megatron.loader import MicroBatchDataset
-    from megatron_omnibal.megatron.pretrain_vlm import filler_sample
+    from megatron_omnibal.megatron.flags.args import SourceSettings
+    from megatron_omnibal.megatron.stream.data import BalancedDataIterator
+    from megatron_omnibal.megatron.stream.dataset import open_source
+    from megatron_omnibal.megatron.stream.loader import MicroBatchDataset
+    from megatron_omnibal.megatron.training.pretrain_vlm import filler_sample
     from megatron_omnibal.models.presets import get_preset
 
     preset, _, vit_budget, token_budget = LAYOUTS[layout]
@@ -242,7 +242,7 @@ class _SameDecoding:
 
     @staticmethod
     def batch(samples):
-        from megatron_omnibal.megatron.batch import collate
+        from megatron_omnibal.megatron.stream.batch import collate
 
         return collate(samples)
 
@@ -255,11 +255,11 @@ def measure_energon(root: Path, own_loader: bool, workers: int, samples: int,
     from megatron_omnibal.balance.config import BalanceConfig
     from megatron_omnibal.balance.sampler import BalancedBatchSampler
     from megatron_omnibal.data.lengths import load_identities, load_lengths
-    from megatron_omnibal.megatron.args import SourceSettings
-    from megatron_omnibal.megatron.data import BalancedDataIterator
-    from megatron_omnibal.megatron.dataset import open_source
-    from megatron_omnibal.megatron.loader import MicroBatchDataset
-    from megatron_omnibal.megatron.pretrain_vlm import filler_sample
+    from megatron_omnibal.megatron.flags.args import SourceSettings
+    from megatron_omnibal.megatron.stream.data import BalancedDataIterator
+    from megatron_omnibal.megatron.stream.dataset import open_source
+    from megatron_omnibal.megatron.stream.loader import MicroBatchDataset
+    from megatron_omnibal.megatron.training.pretrain_vlm import filler_sample
     from megatron_omnibal.models.presets import get_preset
 
     preset, _, vit_budget, token_budget = LAYOUTS["internvl"]

@@ -107,7 +107,7 @@ def omnibal(*args: str) -> str:
 def cpu_hardware(memory_mib: float):
     """The planner's view of this machine: two gloo ranks on one host (a measured profile
     replaces the FLOPs numbers); `memory_mib` is the modeled per-rank budget."""
-    from megatron_omnibal.planner.hardware import Hardware
+    from megatron_omnibal.planner.cost_model.hardware import Hardware
 
     return Hardware(name="cpu-gloo", peak_tflops=1.0, memory_gib=memory_mib / 1024,
                     nvlink_gbs=1.0, network_gbs=1.0, gpus_per_node=PP, efficiency=1.0,
@@ -116,7 +116,7 @@ def cpu_hardware(memory_mib: float):
 
 def layout_flags(part, nv: int) -> list[str]:
     """--omnibal-*-pp-layers and recompute flags of a planner Partition."""
-    from megatron_omnibal.planner.costs import GROUP_LLM, GROUP_VIT
+    from megatron_omnibal.planner.cost_model.costs import GROUP_LLM, GROUP_VIT
 
     vit, llm, vrc, lrc = [], [], [], []
     for (lo, hi), rec in zip(part.stages, part.recompute, strict=True):
@@ -153,7 +153,7 @@ def step_features(lengths, micro_indices: list[list[int]], padded: bool) -> np.n
     """(m, 4) features of one step's micro-batches as the CPU run computes them: tiles, packed
     tokens (fixed-size: every sample padded to the longest), packed tokens squared (the local
     attention's masked [S, S] scores), 1."""
-    from megatron_omnibal.planner.costs import workload_features
+    from megatron_omnibal.planner.cost_model.costs import workload_features
 
     tiles, tokens = [], []
     for idx in micro_indices:
@@ -183,7 +183,7 @@ def fit_costs(model, docs: list[dict]):
     """The profile cost model of docs[0] with its times refitted from two profiles at
     different sizes: ViT/projector a x tiles + c, LLM a x tokens + q x tokens^2 (the third
     feature column then carries the packed length squared)."""
-    from megatron_omnibal.planner.costs import GROUP_LLM, profile_from_dict
+    from megatron_omnibal.planner.cost_model.costs import GROUP_LLM, profile_from_dict
 
     points = [(profile_from_dict(d)[0], d["measured"]["tiles"], d["measured"]["tokens"])
               for d in docs]  # fmt: skip
@@ -223,15 +223,15 @@ def measure(mode: str, out: Path, flags: list[str], warmup: int) -> dict:
 
 def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
     from megatron_omnibal.data.lengths import load_lengths, save_lengths
-    from megatron_omnibal.megatron.data import model_lengths
+    from megatron_omnibal.megatron.stream.data import model_lengths
     from megatron_omnibal.models.spec import ModelSpec
-    from megatron_omnibal.planner.baseline import same_parallel_baseline
+    from megatron_omnibal.planner.cost_model.memory import GIB_MIB
     from megatron_omnibal.planner.make import make_plan, plan_partition
-    from megatron_omnibal.planner.memory import GIB_MIB
-    from megatron_omnibal.planner.partition import NoFeasiblePartition
-    from megatron_omnibal.planner.plan import save_plan
-    from megatron_omnibal.planner.request import PlanRequest
-    from megatron_omnibal.planner.setting import choose_partition, make_setting
+    from megatron_omnibal.planner.plan_file.plan import save_plan
+    from megatron_omnibal.planner.search.baseline import same_parallel_baseline
+    from megatron_omnibal.planner.search.partition import NoFeasiblePartition
+    from megatron_omnibal.planner.search.request import PlanRequest
+    from megatron_omnibal.planner.search.setting import choose_partition, make_setting
 
     tmp.mkdir(parents=True, exist_ok=True)
     spec = ModelSpec.from_dict(SHAPES[shape])
@@ -467,7 +467,7 @@ class FixedBatches:
 
 def padded_dataset(make_sample, filler):
     """The loader's dataset with every sample padded to the longest of its micro-batch."""
-    from megatron_omnibal.megatron.loader import Loaded, MicroBatchDataset
+    from megatron_omnibal.megatron.stream.loader import Loaded, MicroBatchDataset
 
     class Padded(MicroBatchDataset):
         def load(self, draw):
@@ -482,7 +482,7 @@ def padded_collate(samples):
     """Pad every sample to the longest of the micro-batch (pad tokens carry no loss)."""
     import torch
 
-    from megatron_omnibal.megatron.batch import IGNORE_INDEX, Sample, collate
+    from megatron_omnibal.megatron.stream.batch import IGNORE_INDEX, Sample, collate
 
     longest = max(len(s.tokens) for s in samples)
     padded = []
@@ -502,8 +502,8 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
         baseline_batch = int(flags[i + 1])
         flags = flags[:i] + flags[i + 2 :]
 
-    from megatron_omnibal.megatron.pretrain_vlm import main as pretrain_main
-    from megatron_omnibal.megatron.step import forward_step
+    from megatron_omnibal.megatron.stages.step import forward_step
+    from megatron_omnibal.megatron.training.pretrain_vlm import main as pretrain_main
 
     micro = int(flags[flags.index("--global-batch-size") + 1])  # DP = 1
     record: dict = {"step_starts": [], "micro_indices": []}
@@ -525,9 +525,9 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
         from megatron.core import parallel_state
         from megatron.training import get_args
 
-        from megatron_omnibal.megatron.batch import SyntheticSamples
-        from megatron_omnibal.megatron.data import BalancedDataIterator
-        from megatron_omnibal.megatron.pretrain_vlm import filler_sample
+        from megatron_omnibal.megatron.stream.batch import SyntheticSamples
+        from megatron_omnibal.megatron.stream.data import BalancedDataIterator
+        from megatron_omnibal.megatron.training.pretrain_vlm import filler_sample
 
         args = get_args()
         sampler = FixedBatches(len(settings.lengths), baseline_batch,

@@ -40,12 +40,12 @@ import numpy as np  # noqa: E402
 
 from megatron_omnibal.data.lengths import load_lengths  # noqa: E402
 from megatron_omnibal.models.presets import get_preset  # noqa: E402
-from megatron_omnibal.planner.hardware import get_hardware  # noqa: E402
+from megatron_omnibal.planner.cost_model.hardware import get_hardware  # noqa: E402
 from megatron_omnibal.planner.make import make_plan  # noqa: E402
-from megatron_omnibal.planner.parallel_search import plan_candidates  # noqa: E402
-from megatron_omnibal.planner.partition import search  # noqa: E402
-from megatron_omnibal.planner.request import PlanRequest  # noqa: E402
-from megatron_omnibal.planner.setting import (  # noqa: E402
+from megatron_omnibal.planner.search.parallel_search import plan_candidates  # noqa: E402
+from megatron_omnibal.planner.search.partition import search  # noqa: E402
+from megatron_omnibal.planner.search.request import PlanRequest  # noqa: E402
+from megatron_omnibal.planner.search.setting import (  # noqa: E402
     budget_mib,
     choose_partition,
     make_setting,
@@ -283,8 +283,8 @@ def choices_worth(
     recomputed, split searched again). A value is the step without the choice over the step
     with all of them: what the choice is worth.
     """
-    from megatron_omnibal.planner.baseline import best_megatron_baseline
-    from megatron_omnibal.planner.partition import megatron_default
+    from megatron_omnibal.planner.search.baseline import best_megatron_baseline
+    from megatron_omnibal.planner.search.partition import megatron_default
 
     hw = get_hardware(hw_name)
     out = []
@@ -361,7 +361,7 @@ def print_worth(rows: list[dict]) -> None:
 def plan_times(stats, gpus: int, hw_name: str) -> list[dict]:
     """Time of `make_plan` for 6+20B at fixed PP (tp=1), the issue's < 2 s target, and of the
     baseline search inside it (the same for every PP: it searches all sizes)."""
-    from megatron_omnibal.planner.baseline import best_megatron_baseline
+    from megatron_omnibal.planner.search.baseline import best_megatron_baseline
 
     out = []
     for pp in (2, 4, 8, 16):

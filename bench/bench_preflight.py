@@ -56,11 +56,11 @@ def torchrun(pp: int, argv: list[str]) -> None:
 def prepare(shape: str, pp: int, args: argparse.Namespace, tmp: Path) -> dict:
     """Lengths, a plan at `pp`, and its preflight with --calibrate."""
     from megatron_omnibal.data.lengths import load_lengths, save_lengths
-    from megatron_omnibal.megatron.data import model_lengths
+    from megatron_omnibal.megatron.stream.data import model_lengths
     from megatron_omnibal.models.spec import ModelSpec
     from megatron_omnibal.planner.make import make_plan
-    from megatron_omnibal.planner.plan import save_plan
-    from megatron_omnibal.planner.request import PlanRequest
+    from megatron_omnibal.planner.plan_file.plan import save_plan
+    from megatron_omnibal.planner.search.request import PlanRequest
 
     tmp.mkdir(parents=True, exist_ok=True)
     spec = ModelSpec.from_dict(bm.SHAPES[shape])
@@ -97,7 +97,7 @@ def layout_run(prep: dict, batching: str, args: argparse.Namespace, tmp: Path):
     from dataclasses import replace
 
     from megatron_omnibal.planner.make import plan_partition
-    from megatron_omnibal.planner.setting import make_setting
+    from megatron_omnibal.planner.search.setting import make_setting
 
     plan, pp = prep["plan"], prep["plan"].parallel.pp
     request = replace(prep["request"], profile=prep["profile"],

@@ -12,7 +12,7 @@ datasets, as bench_balance's scaling builds them), InternVL-6B+20B shapes, budge
 holds its first step's micro-batches (no model is built). Side by side:
 
   node    the product: the node's local rank 0 reads the lengths and balances the epoch and
-          writes both, the other ranks map them read-only (megatron/node_plans.py)
+          writes both, the other ranks map them read-only (megatron/stream/node_plans.py)
   today   the code path before: every rank reads the lengths and balances the epoch itself,
           through the same public functions (each rank told it is its node's only one, the
           sampler without node plans), reachable only from this benchmark
@@ -81,10 +81,10 @@ def training_flags(lengths: Path, ranks: int) -> list[str]:
 
 def worker(mode: str, out: Path, flags: list[str]) -> None:
     """One rank: the real start-up up to its first step's data, then its peak RSS."""
-    from megatron_omnibal.megatron import pretrain_vlm
-    from megatron_omnibal.megatron.compat import ensure_typing_override
-    from megatron_omnibal.megatron.cpu import enable_cpu_megatron
-    from megatron_omnibal.megatron.notes import quiet_fallback_warnings
+    from megatron_omnibal.megatron.runtime.compat import ensure_typing_override
+    from megatron_omnibal.megatron.runtime.cpu import enable_cpu_megatron
+    from megatron_omnibal.megatron.runtime.notes import quiet_fallback_warnings
+    from megatron_omnibal.megatron.training import pretrain_vlm
 
     quiet_fallback_warnings()  # as pretrain_vlm.main starts
     enable_cpu_megatron()

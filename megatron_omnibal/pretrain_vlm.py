@@ -2,7 +2,7 @@
 
 import sys
 
-from megatron_omnibal.megatron.pretrain_vlm import main
+from megatron_omnibal.megatron.training.pretrain_vlm import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -130,7 +130,7 @@ launch_check_handover() {
     ((omnibal)) || return 0
     local dir
     dir=$(cd "$(dirname "$script")" && pwd)
-    grep -q "from megatron_omnibal.megatron import handover" "$script" && return 0
+    grep -q "from megatron_omnibal.megatron.training import handover" "$script" && return 0
     grep -q "megatron_omnibal" "$script" &&
         launch_die "$script carries an older megatron-omnibal patch: restore it (git -C $dir checkout -- pretrain_vlm.py) and run scripts/apply_megatron_patch.sh $dir"
     launch_die "$script is not patched for --omnibal (its Megatron-LM would fail on the --omnibal* flags): run scripts/apply_megatron_patch.sh $dir"

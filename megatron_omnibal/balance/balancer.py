@@ -38,7 +38,7 @@ from megatron_omnibal.data.lengths import LengthStats
 
 # The packers' output version: raised whenever balance() gives other packs or another layout
 # for the same lengths and config, so that a checkpoint trained on an older stream is not
-# resumed into a newer one at the same iteration (megatron/data_identity.py records it).
+# resumed into a newer one at the same iteration (megatron/stream/data_identity.py records it).
 # 3: knapsack-composed tile slots, token-bound levels by LPT, the modeled time repaired.
 # 4: video frame counts and frames drawn from their own streams (data/frames.py): other
 #    per-epoch lengths, so other packs, and other frames trained.

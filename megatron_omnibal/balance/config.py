@@ -1,7 +1,7 @@
 """BalanceConfig: everything that decides a balance plan, validated once, passed whole.
 
 Both command lines build one (`omnibal balance`, pretrain_vlm's --omnibal-* flags through
-megatron/args.py) and hand it to `balance()`, the sampler and, as a parameter struct, the C++
+megatron/flags/args.py) and hand it to `balance()`, the sampler and, as a parameter struct, the C++
 core. A plan is a pure function of (lengths, config): every data-parallel rank computing it gets
 the same plan. The config goes into the plan file's meta, so a plan records how it was made.
 """

@@ -16,7 +16,7 @@ level's budgets and recompute counts.
 The last epoch plan computed is kept per process (`shared_plan`): the samplers of one process
 (the training log's, the data iterator's) ask for the same epoch at start-up, and balance it
 once between them. A training run passes `plan_of_epoch` instead, which balances once per node
-(megatron/node_plans.py).
+(megatron/stream/node_plans.py).
 """
 
 from __future__ import annotations

@@ -218,7 +218,7 @@ def _cost(args: argparse.Namespace):
     if args.cost:
         return PackCost.parse(args.cost)
     if args.plan:
-        from megatron_omnibal.planner.plan import load_plan
+        from megatron_omnibal.planner.plan_file.plan import load_plan
 
         plan = load_plan(args.plan)
         if plan.data.pack_cost is None:
@@ -228,8 +228,8 @@ def _cost(args: argparse.Namespace):
         if not args.hardware:
             raise ValueError("--model needs --hardware")
         from megatron_omnibal.models.resolve import resolve_model
-        from megatron_omnibal.planner.hardware import get_hardware
-        from megatron_omnibal.planner.pack_cost import model_pack_cost
+        from megatron_omnibal.planner.cost_model.hardware import get_hardware
+        from megatron_omnibal.planner.packing.pack_cost import model_pack_cost
 
         return model_pack_cost(resolve_model(args.model), get_hardware(args.hardware), args.tp,
                                args.dp)

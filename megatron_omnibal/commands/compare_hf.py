@@ -42,8 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _layout(args: argparse.Namespace, ckpt) -> tuple[list, int]:
-    from megatron_omnibal.megatron.configs import check_tensor_parallel, padded_heads
-    from megatron_omnibal.megatron.layout import layout_from_counts
+    from megatron_omnibal.megatron.stages.configs import check_tensor_parallel, padded_heads
+    from megatron_omnibal.megatron.stages.layout import layout_from_counts
 
     spec = ckpt.spec
     counts = (args.omnibal_vit_pp_layers, args.omnibal_llm_pp_layers)
@@ -86,8 +86,8 @@ def _difference(got, want) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from megatron_omnibal.megatron.checkpoint_reader import open_checkpoint
-    from megatron_omnibal.megatron.probe import probe_samples
+    from megatron_omnibal.megatron.checkpoint.checkpoint_reader import open_checkpoint
+    from megatron_omnibal.megatron.compare.probe import probe_samples
     from megatron_omnibal.models.hf_config import read_hf
     from megatron_omnibal.models.hf_reference import load_model, reference
 
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={tp * len(layouts)}", "-m",
-            "megatron_omnibal.megatron.compare_worker", "--ckpt", str(ckpt.path),
+            "megatron_omnibal.megatron.compare.compare_worker", "--ckpt", str(ckpt.path),
             "--format", ckpt.format, "--spec", json.dumps(hf.spec.to_dict()), "--tp", str(tp),
             "--stages", json.dumps([st.to_dict() for st in layouts]),
             "--samples", str(work / "samples.pt"), "--out", str(work),

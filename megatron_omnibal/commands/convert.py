@@ -98,9 +98,9 @@ def _dtype(name: str | None):
 
 
 def _layouts(args: argparse.Namespace, spec) -> tuple[list, int]:
-    from megatron_omnibal.megatron.configs import check_tensor_parallel
-    from megatron_omnibal.megatron.layout import layout_from_counts, layout_from_plan
-    from megatron_omnibal.planner.plan import load_plan
+    from megatron_omnibal.megatron.stages.configs import check_tensor_parallel
+    from megatron_omnibal.megatron.stages.layout import layout_from_counts, layout_from_plan
+    from megatron_omnibal.planner.plan_file.plan import load_plan
 
     flags = (args.tp, args.pp, args.omnibal_vit_pp_layers, args.omnibal_llm_pp_layers)
     if args.plan is not None:
@@ -150,13 +150,13 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
     total = len(canonical_shapes(hf)) + int(hf.spec.llm.tie_embeddings)
     with _bar(total, "convert", args.no_progress) as bar:
         if args.ckpt_format == "torch":
-            from megatron_omnibal.megatron.hf_checkpoint import write_torch_checkpoint
+            from megatron_omnibal.megatron.checkpoint.hf_checkpoint import write_torch_checkpoint
 
             written = write_torch_checkpoint(
                 hf, layouts, tp, args.out, _dtype(args.dtype), bar.update
             )
         else:
-            from megatron_omnibal.megatron.dist_convert import write_dist_checkpoint
+            from megatron_omnibal.megatron.checkpoint.dist_convert import write_dist_checkpoint
 
             written = write_dist_checkpoint(hf, layouts, tp, args.out, args.dtype)
             bar.update(total)
@@ -172,7 +172,10 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
 
 
 def _megatron_to_hf(args: argparse.Namespace) -> int:
-    from megatron_omnibal.megatron.checkpoint_reader import canonical_groups, open_checkpoint
+    from megatron_omnibal.megatron.checkpoint.checkpoint_reader import (
+        canonical_groups,
+        open_checkpoint,
+    )
     from megatron_omnibal.models.hf_config import read_hf
     from megatron_omnibal.models.hf_export import export_hf
     from megatron_omnibal.models.hf_weights import canonical_shapes

@@ -25,9 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from megatron_omnibal.planner.costs import load_profile
-    from megatron_omnibal.planner.memory import GIB_MIB
-    from megatron_omnibal.planner.partition import Problem, bmp, megatron_default, search
+    from megatron_omnibal.planner.cost_model.costs import load_profile
+    from megatron_omnibal.planner.cost_model.memory import GIB_MIB
+    from megatron_omnibal.planner.search.partition import Problem, bmp, megatron_default, search
 
     costs, options = load_profile(args.profile)
     budget = args.memory_gib if args.memory_gib is not None else options.get("memory_budget_gib")

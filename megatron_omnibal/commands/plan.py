@@ -199,11 +199,11 @@ def _vpp(text: str) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_omnibal.models.resolve import read_mapping, resolve_model
-    from megatron_omnibal.planner.config_files import resolve_hardware
+    from megatron_omnibal.planner.cost_model.config_files import resolve_hardware
     from megatron_omnibal.planner.make import make_plan
-    from megatron_omnibal.planner.plan import save_plan
-    from megatron_omnibal.planner.provenance import load_named_lengths
-    from megatron_omnibal.planner.request import PlanRequest
+    from megatron_omnibal.planner.plan_file.plan import save_plan
+    from megatron_omnibal.planner.plan_file.provenance import load_named_lengths
+    from megatron_omnibal.planner.search.request import PlanRequest
 
     stats, lengths_path = load_named_lengths(args.lengths)
     request = PlanRequest(

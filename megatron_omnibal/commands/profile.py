@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_omnibal.megatron.profile import profile_model
+    from megatron_omnibal.megatron.profiling.profile import profile_model
     from megatron_omnibal.models.resolve import resolve_model
 
     doc = profile_model(

@@ -41,8 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _request(plan, args: argparse.Namespace):
     """The plan's request, on the data (and profile) it was made from."""
-    from megatron_omnibal.planner.provenance import load_recorded_lengths, load_recorded_profile
-    from megatron_omnibal.planner.request import PlanRequest
+    from megatron_omnibal.planner.plan_file.provenance import (
+        load_recorded_lengths,
+        load_recorded_profile,
+    )
+    from megatron_omnibal.planner.search.request import PlanRequest
 
     where = f"plan {args.plan}"
     lengths = args.lengths or plan.data.lengths_path
@@ -77,7 +80,7 @@ def _request(plan, args: argparse.Namespace):
 def print_epochs(plan, setting, bounds, lengths) -> None:
     """The plan's epoch balanced with its packing levels and with its budgets alone, every
     step simulated with its level's recompute, per level."""
-    from megatron_omnibal.planner.level_plan import pipeline, simulate_plan_epoch
+    from megatron_omnibal.planner.packing.level_plan import pipeline, simulate_plan_epoch
 
     pipe = pipeline(setting, bounds)
     epochs = [simulate_plan_epoch(plan, pipe, lengths, levels) for levels in (True, False)]
@@ -99,15 +102,15 @@ def print_epochs(plan, setting, bounds, lengths) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from megatron_omnibal.planner.baseline import (
+    from megatron_omnibal.planner.make import plan_partition
+    from megatron_omnibal.planner.plan_file.plan import load_plan
+    from megatron_omnibal.planner.search.baseline import (
         BaselineConfig,
         baseline_from_config,
         same_parallel_baseline,
     )
-    from megatron_omnibal.planner.make import plan_partition
-    from megatron_omnibal.planner.plan import load_plan
-    from megatron_omnibal.planner.setting import make_setting
-    from megatron_omnibal.planner.simulate import simulate
+    from megatron_omnibal.planner.search.setting import make_setting
+    from megatron_omnibal.planner.simulator.simulate import simulate
 
     plan = load_plan(args.plan)
     request = _request(plan, args)
@@ -148,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     if plan.data.levels and args.baseline is None:
         print_epochs(plan, setting, part.bounds, request.lengths)
     if args.png:
-        from megatron_omnibal.planner.gantt import save_gantt
+        from megatron_omnibal.planner.simulator.gantt import save_gantt
 
         r = int(result.replica_ms.argmax())
         fwd, bwd = setting.stage_times(part, features[r])

@@ -11,19 +11,12 @@ from __future__ import annotations
 
 from megatron_omnibal.balance.config import Level
 from megatron_omnibal.models.spec import ModelSpec
-from megatron_omnibal.planner.baseline import (
-    BaselineSearch,
-    best_megatron_baseline,
-    same_parallel_baseline,
-)
-from megatron_omnibal.planner.costs import GROUP_LLM, GROUP_VIT
-from megatron_omnibal.planner.flags import baseline_flags, plan_flags
-from megatron_omnibal.planner.level_plan import pipeline, plan_levels
-from megatron_omnibal.planner.memory import GIB_MIB
-from megatron_omnibal.planner.pack_cost import pack_cost
-from megatron_omnibal.planner.parallel_search import plan_candidates
-from megatron_omnibal.planner.partition import Partition
-from megatron_omnibal.planner.plan import (
+from megatron_omnibal.planner.cost_model.costs import GROUP_LLM, GROUP_VIT
+from megatron_omnibal.planner.cost_model.memory import GIB_MIB
+from megatron_omnibal.planner.packing.level_plan import pipeline, plan_levels
+from megatron_omnibal.planner.packing.pack_cost import pack_cost
+from megatron_omnibal.planner.plan_file.flags import baseline_flags, plan_flags
+from megatron_omnibal.planner.plan_file.plan import (
     BaselinePlan,
     DataPlan,
     ParallelSizes,
@@ -32,8 +25,15 @@ from megatron_omnibal.planner.plan import (
     SameParallelBaseline,
     StagePlan,
 )
-from megatron_omnibal.planner.provenance import lengths_sha256, profile_sha256
-from megatron_omnibal.planner.request import PlanRequest
+from megatron_omnibal.planner.plan_file.provenance import lengths_sha256, profile_sha256
+from megatron_omnibal.planner.search.baseline import (
+    BaselineSearch,
+    best_megatron_baseline,
+    same_parallel_baseline,
+)
+from megatron_omnibal.planner.search.parallel_search import plan_candidates
+from megatron_omnibal.planner.search.partition import Partition
+from megatron_omnibal.planner.search.request import PlanRequest
 
 
 def _ms(value: float) -> float:

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_omnibal.models.spec import ModelSpec
-from megatron_omnibal.planner.memory import static_bytes_per_param
+from megatron_omnibal.planner.cost_model.memory import static_bytes_per_param
 
 if TYPE_CHECKING:
-    from megatron_omnibal.planner.plan import Plan
+    from megatron_omnibal.planner.plan_file.plan import Plan
 
 MIB_PER_GIB = 1024.0
 
@@ -162,9 +162,9 @@ def replan(plan: Plan, profile: dict[str, Any], profile_path: Path, out: Path) -
     """`plan` made again from the calibrated profile: the same model, GPUs, pipeline size,
     micro-batches, global batch, length file and search, written to `out`."""
     from megatron_omnibal.planner.make import make_plan
-    from megatron_omnibal.planner.plan import save_plan
-    from megatron_omnibal.planner.provenance import load_recorded_lengths
-    from megatron_omnibal.planner.request import PlanRequest
+    from megatron_omnibal.planner.plan_file.plan import save_plan
+    from megatron_omnibal.planner.plan_file.provenance import load_recorded_lengths
+    from megatron_omnibal.planner.search.request import PlanRequest
 
     if plan.data.lengths_path is None:
         raise ValueError("--calibrate: the plan records no length file to plan again from")

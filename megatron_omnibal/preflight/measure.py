@@ -283,7 +283,7 @@ class StepMeter:
         except torch.OutOfMemoryError:
             from megatron.core import parallel_state
 
-            from megatron_omnibal.megatron.stderr import write_line
+            from megatron_omnibal.megatron.runtime.stderr import write_line
 
             write_line(f"preflight: FAIL: pipeline stage "
                        f"{parallel_state.get_pipeline_model_parallel_rank()} ran out of device "

@@ -73,8 +73,8 @@ def build_stream(meter: StepMeter, opts: PreflightOptions, settings: Any, spec: 
     from megatron.core import parallel_state
     from megatron.training import get_args
 
-    from megatron_omnibal.megatron.batch import collate, synthetic_sample
-    from megatron_omnibal.megatron.pretrain_vlm import build_data_iterators
+    from megatron_omnibal.megatron.stream.batch import collate, synthetic_sample
+    from megatron_omnibal.megatron.training.pretrain_vlm import build_data_iterators
 
     args = get_args()
     typical, _, _ = build_data_iterators(settings, spec)
@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fits, 1 when one would run out of memory, 2 on bad flags."""
     import torch
 
-    from megatron_omnibal.megatron import pretrain_vlm
+    from megatron_omnibal.megatron.training import pretrain_vlm
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -115,8 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.calibrate is not None and not any(a.split("=")[0] == "--omnibal-plan" for a in rest):
         print("preflight: --calibrate re-plans an --omnibal-plan: give the plan", file=sys.stderr)
         return 2
-    from megatron_omnibal.megatron.compat import ensure_typing_override
-    from megatron_omnibal.megatron.cpu import enable_cpu_megatron
+    from megatron_omnibal.megatron.runtime.compat import ensure_typing_override
+    from megatron_omnibal.megatron.runtime.cpu import enable_cpu_megatron
 
     cpu = enable_cpu_megatron()  # as the entry point does, before Megatron is imported
     ensure_typing_override()

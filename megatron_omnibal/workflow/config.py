@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_omnibal.megatron.finetune import PARTS
+from megatron_omnibal.megatron.stages.finetune import PARTS
 
 DEVICES = ("cuda", "cpu")
 PATH_KEYS = ("model", "data", "output", "image_root", "tokenizer")

@@ -9,7 +9,7 @@ from pathlib import Path
 from megatron_omnibal.balance.balancer import balance
 from megatron_omnibal.balance.config import BalanceConfig
 from megatron_omnibal.data.lengths import load_lengths
-from megatron_omnibal.planner.plan import load_plan
+from megatron_omnibal.planner.plan_file.plan import load_plan
 
 
 def epoch_iterations(plan_path: Path, lengths_path: Path, epochs: int, seed: int) -> int:

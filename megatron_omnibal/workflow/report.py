@@ -21,7 +21,7 @@ def build_report(config: FinetuneConfig, paths: OutputPaths) -> dict[str, Any]:
     """The report's figures, from the files the steps wrote (None where a step has not run)."""
     report: dict[str, Any] = {"output": str(paths.root), "device": config.device}
     if paths.plan.is_file():
-        from megatron_omnibal.planner.plan import load_plan
+        from megatron_omnibal.planner.plan_file.plan import load_plan
 
         plan = load_plan(paths.plan)
         par = plan.parallel

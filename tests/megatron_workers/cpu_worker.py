@@ -1,6 +1,6 @@
-"""torchrun worker (2 processes) for megatron_omnibal.megatron.cpu: checks that need a process
+"""torchrun worker (2 processes) for megatron_omnibal.megatron.runtime.cpu: checks that need a process
 group or that must not patch the pytest process itself. Saves its observations to OUT/rank{r}.pt;
-tests/test_megatron_cpu.py asserts on them.
+tests/megatron/runtime/test_megatron_cpu.py asserts on them.
 
 Usage: torchrun --nproc-per-node 2 cpu_worker.py OUT_DIR
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_omnibal.megatron.cpu import cpu_megatron_enabled, enable_cpu_megatron
+from megatron_omnibal.megatron.runtime.cpu import cpu_megatron_enabled, enable_cpu_megatron
 
 obs: dict = {"enabled_before": cpu_megatron_enabled(), "enable": enable_cpu_megatron()}
 obs["enable_again"] = enable_cpu_megatron()

@@ -20,21 +20,21 @@ from pathlib import Path
 
 import torch
 
-from megatron_omnibal.megatron.cpu import enable_cpu_megatron
+from megatron_omnibal.megatron.runtime.cpu import enable_cpu_megatron
 
 enable_cpu_megatron()
 
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 
-from megatron_omnibal.megatron.batch import Sample, collate  # noqa: E402
-from megatron_omnibal.megatron.layout import layout_from_counts  # noqa: E402
-from megatron_omnibal.megatron.stage_runtime import (  # noqa: E402
+from megatron_omnibal.megatron.checkpoint.stage_runtime import (  # noqa: E402
     build_stage,
     forward_outputs,
     init_parallel,
 )
-from megatron_omnibal.megatron.stage_weights import load_into  # noqa: E402
+from megatron_omnibal.megatron.checkpoint.stage_weights import load_into  # noqa: E402
+from megatron_omnibal.megatron.stages.layout import layout_from_counts  # noqa: E402
+from megatron_omnibal.megatron.stream.batch import Sample, collate  # noqa: E402
 from megatron_omnibal.models.hf_config import read_hf  # noqa: E402
 from megatron_omnibal.models.hf_weights import SafetensorsReader, canonical_tensors  # noqa: E402
 

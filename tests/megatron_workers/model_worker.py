@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_omnibal.megatron.cpu import enable_cpu_megatron
+from megatron_omnibal.megatron.runtime.cpu import enable_cpu_megatron
 
 enable_cpu_megatron()
 
@@ -31,12 +31,12 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noq
 from schedule import run_schedule  # noqa: E402
 
 from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
-from megatron_omnibal.megatron.batch import collate, synthetic_sample  # noqa: E402
-from megatron_omnibal.megatron.layout import layout_from_counts  # noqa: E402
-from megatron_omnibal.megatron.model import global_named_parameters  # noqa: E402
-from megatron_omnibal.megatron.provider import vlm_model_provider  # noqa: E402
-from megatron_omnibal.megatron.step import forward_step  # noqa: E402
-from megatron_omnibal.megatron.tp_shard import shard, unshard  # noqa: E402
+from megatron_omnibal.megatron.checkpoint.tp_shard import shard, unshard  # noqa: E402
+from megatron_omnibal.megatron.stages.layout import layout_from_counts  # noqa: E402
+from megatron_omnibal.megatron.stages.model import global_named_parameters  # noqa: E402
+from megatron_omnibal.megatron.stages.provider import vlm_model_provider  # noqa: E402
+from megatron_omnibal.megatron.stages.step import forward_step  # noqa: E402
+from megatron_omnibal.megatron.stream.batch import collate, synthetic_sample  # noqa: E402
 from megatron_omnibal.models.spec import ModelSpec  # noqa: E402
 
 

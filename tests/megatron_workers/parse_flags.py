@@ -14,13 +14,13 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_omnibal.megatron.cpu import enable_cpu_megatron
+from megatron_omnibal.megatron.runtime.cpu import enable_cpu_megatron
 
 enable_cpu_megatron()  # on CPU-only torch: before megatron.training imports (Python 3.11)
 
 from megatron.training.arguments import parse_args  # noqa: E402
 
-from megatron_omnibal.megatron.args import add_omnibal_args  # noqa: E402
+from megatron_omnibal.megatron.flags.args import add_omnibal_args  # noqa: E402
 
 
 def parse(flags: list[str]) -> dict:

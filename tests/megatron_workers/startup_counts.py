@@ -20,9 +20,9 @@ from pathlib import Path
 
 COUNTED = {  # counter: (module, function)
     "epoch_plans_balanced": ("megatron_omnibal.balance.balancer", "balance"),
-    "plan_json_reads": ("megatron_omnibal.planner.plan", "load_plan"),
-    "layout_validations": ("megatron_omnibal.megatron.layout", "validate_layout"),
-    "data_sources_opened": ("megatron_omnibal.megatron.dataset", "open_source"),
+    "plan_json_reads": ("megatron_omnibal.planner.plan_file.plan", "load_plan"),
+    "layout_validations": ("megatron_omnibal.megatron.stages.layout", "validate_layout"),
+    "data_sources_opened": ("megatron_omnibal.megatron.stream.dataset", "open_source"),
     "length_file_reads": ("megatron_omnibal.data.lengths", "load_lengths"),
 }
 COUNTS: Counter = Counter({name: 0 for name in COUNTED})
@@ -37,7 +37,7 @@ def _counting(name, fn):
 
 
 def install_counters() -> None:
-    importlib.import_module("megatron_omnibal.megatron.pretrain_vlm")
+    importlib.import_module("megatron_omnibal.megatron.training.pretrain_vlm")
     for name, (module, attr) in COUNTED.items():
         original = getattr(importlib.import_module(module), attr)
         wrapper = _counting(name, original)
@@ -64,7 +64,7 @@ def main() -> int:
 
     atexit.register(write)
     install_counters()
-    from megatron_omnibal.megatron.pretrain_vlm import main as train
+    from megatron_omnibal.megatron.training.pretrain_vlm import main as train
 
     return train(sys.argv[2:])
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_omnibal.megatron.cpu import enable_cpu_megatron
+from megatron_omnibal.megatron.runtime.cpu import enable_cpu_megatron
 
 enable_cpu_megatron()
 
@@ -30,10 +30,10 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noq
 from schedule import run_schedule  # noqa: E402
 
 from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
-from megatron_omnibal.megatron.batch import collate, synthetic_sample, validate_batch  # noqa: E402
-from megatron_omnibal.megatron.layout import layout_from_counts  # noqa: E402
-from megatron_omnibal.megatron.provider import vlm_model_provider  # noqa: E402
-from megatron_omnibal.megatron.step import forward_step, loss_func  # noqa: E402
+from megatron_omnibal.megatron.stages.layout import layout_from_counts  # noqa: E402
+from megatron_omnibal.megatron.stages.provider import vlm_model_provider  # noqa: E402
+from megatron_omnibal.megatron.stages.step import forward_step, loss_func  # noqa: E402
+from megatron_omnibal.megatron.stream.batch import collate, synthetic_sample, validate_batch  # noqa: E402
 from megatron_omnibal.models.spec import ModelSpec  # noqa: E402
 
 READ_BACK = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__",

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from megatron_omnibal.megatron.pretrain_vlm import main
-from megatron_omnibal.megatron.step import forward_step
+from megatron_omnibal.megatron.stages.step import forward_step
+from megatron_omnibal.megatron.training.pretrain_vlm import main
 
 RECORDS: list[dict] = []
 STATE: dict = {"in_forward_step": False, "checkpointed": [], "recomputed": Counter()}
@@ -44,7 +44,7 @@ PARAMS_AT = os.environ.get("RECORD_PARAMS_AT_STEP")
 
 
 def _stage(model):
-    from megatron_omnibal.megatron.model import VLMStage
+    from megatron_omnibal.megatron.stages.model import VLMStage
 
     while not isinstance(model, VLMStage):  # DDP / Float16Module wrappers
         model = model.module
@@ -89,7 +89,7 @@ def _record_grads(names: dict) -> None:
 
 
 def _first_call(source, model) -> None:
-    from megatron_omnibal.megatron.model import global_named_parameters
+    from megatron_omnibal.megatron.stages.model import global_named_parameters
 
     stage = _stage(model)
     names = global_named_parameters(stage)
@@ -111,7 +111,7 @@ def recording_forward_step(data_iterator, model):
     finally:
         STATE["in_forward_step"] = False
     if PARAMS_AT is not None and source.step == int(PARAMS_AT) and "params" not in STATE:
-        from megatron_omnibal.megatron.model import global_named_parameters
+        from megatron_omnibal.megatron.stages.model import global_named_parameters
 
         # Drawn and run forward, not yet updated: the parameters step S starts from.
         STATE["params"] = {n: p.detach().clone()

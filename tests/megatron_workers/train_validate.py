@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_omnibal.megatron.cpu import enable_cpu_megatron
-from megatron_omnibal.megatron.pretrain_vlm import main
+from megatron_omnibal.megatron.runtime.cpu import enable_cpu_megatron
+from megatron_omnibal.megatron.training.pretrain_vlm import main
 
 enable_cpu_megatron()  # on CPU-only torch: before megatron.training imports (Python 3.11)
 

@@ -1,0 +1,83 @@
+"""Hugging Face checkpoint -> Megatron checkpoint of the VLM stages, one pipeline stage at a time.
+
+Why streaming: a 26B checkpoint does not fit the converting machine's memory twice over. The
+HF tensors of one stage are read (models.hf_weights, tensor by tensor), turned into canonical
+tensors, cut into each TP rank's piece (megatron.tp_shard) and written as that rank's file of
+Megatron's `torch` format (`release/mp_rank_TT[_PPP]/model_optim_rng.pt`, the layout
+megatron.training's load_checkpoint reads, `_extra_state` entries included); then the next
+stage. Peak memory is one stage's tensors.
+
+The checkpoint records the model spec and the layout it was written for (`omnibal_model.json`),
+so the export and the training entry point can check they read it with the same ones.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from megatron_omnibal.megatron.checkpoint.stage_weights import source, stage_names, stage_state_dict
+from megatron_omnibal.megatron.stages.layout import StageLayout
+from megatron_omnibal.models.hf_config import HFModel
+from megatron_omnibal.models.hf_weights import SafetensorsReader, canonical_tensors, rules_for
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MODEL_FILE = "omnibal_model.json"
+CHECKPOINT_VERSION = 3.0  # megatron.training's current torch-format version
+
+
+def rank_dir(root: Path, tp_rank: int, pp_rank: int, pp_size: int) -> Path:
+    """megatron.training's directory of one model-parallel rank's file."""
+    name = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return root / name
+
+
+def write_torch_checkpoint(
+    hf: HFModel,
+    layouts: Sequence[StageLayout],
+    tp: int,
+    out: Path,
+    dtype: torch.dtype | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[Path]:
+    """Write `hf` as a `torch`-format Megatron checkpoint for `layouts` at TP `tp` (iteration
+    'release', as Megatron-LM's converters do). Returns the files written. `progress` is called
+    with the number of canonical tensors done after each stage."""
+    spec = hf.spec
+    reader = SafetensorsReader(hf)
+    order = [r.canonical for r in rules_for(hf)]
+    release = out / "release"
+    written = []
+    for pp, layout in enumerate(layouts):
+        names = stage_names(spec, layout, order)
+        wanted = {source(n, spec) for n in names}
+        tensors = dict(canonical_tensors(hf, reader, wanted.__contains__))
+        stage = {n: tensors[source(n, spec)] for n in names}
+        for r in range(tp):
+            state = stage_state_dict(spec, layout, stage, tp, r)
+            if dtype is not None:
+                state = {k: v if v is None else v.to(dtype) for k, v in state.items()}
+            path = rank_dir(release, r, pp, len(layouts)) / "model_optim_rng.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(
+                {"model": state, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}, path
+            )
+            written.append(path)
+            del state
+        if progress is not None:
+            progress(len(names))
+        del tensors, stage
+    (out / TRACKER).write_text("release")
+    record = {
+        "model_spec": spec.to_dict(),
+        "tensor_parallel": tp,
+        "stages": [st.to_dict() for st in layouts],
+        "hf_source": str(hf.path),
+        "family": hf.family,
+        "llm_arch": hf.llm_arch,
+    }
+    (out / MODEL_FILE).write_text(json.dumps(record, indent=2))
+    return written

@@ -1,0 +1,104 @@
+"""Build the VLM stages of a layout in a running torch.distributed job, fill them, run them.
+
+Why one module: the torch_dist converter, `omnibal compare-hf` and the tests all need "this rank's
+stage at layout L, TP t, with these weights", and a forward pass through megatron-core's real
+pipeline schedule that returns logits and per-tower outputs instead of a loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from megatron_omnibal.megatron.stages.layout import StageLayout, embedding_ranks
+from megatron_omnibal.megatron.stream.batch import MicroBatch
+from megatron_omnibal.models.spec import ModelSpec
+
+
+def init_parallel(layouts: Sequence[StageLayout], tp: int) -> None:
+    """Model-parallel groups for TP `tp` and the layout's PP size, with the embedding group
+    between the embedding's stage and the head's (tied heads)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tp, len(layouts), get_embedding_ranks=embedding_ranks(layouts))
+    model_parallel_cuda_manual_seed(0)
+
+
+def build_stage(
+    spec: ModelSpec, layouts: Sequence[StageLayout], sequence_parallel: bool = False
+) -> torch.nn.Module:
+    """This rank's VLMStage (after init_parallel)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_omnibal.megatron.stages.provider import vlm_model_provider
+
+    rank, pp = ps.get_pipeline_model_parallel_rank(), len(layouts)
+    return vlm_model_provider(
+        spec,
+        list(layouts),
+        rank == 0,
+        rank == pp - 1,
+        config_overrides={"sequence_parallel": sequence_parallel},
+    )
+
+
+def load_megatron_checkpoint(model: torch.nn.Module, path: Path, fmt: str, pp: int) -> None:
+    """Fill `model` from an iteration directory of a Megatron checkpoint: a torch-format file
+    of this very (TP, PP) rank, or a torch_dist checkpoint at any layout."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_omnibal.megatron.checkpoint.hf_checkpoint import rank_dir
+
+    if fmt == "torch":
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        f = rank_dir(path, tp_rank, ps.get_pipeline_model_parallel_rank(), pp)
+        state = torch.load(f / "model_optim_rng.pt", map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"], strict=True)
+        return
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    model.load_state_dict(loaded["model"], strict=False)
+
+
+def forward_outputs(
+    model: torch.nn.Module, batch: MicroBatch, vocab_size: int
+) -> dict[str, torch.Tensor]:
+    """One forward pass of `batch` through megatron-core's pipeline schedule: this stage's
+    share of {"logits" [S, vocab] (head stage), "vit" [tiles, tokens, C] (projector stage),
+    "llm" [S, H] (head stage)}."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_omnibal.megatron.stages.step import stage_inputs
+
+    kept: dict[str, torch.Tensor] = {}
+
+    def forward_step(data_iterator, stage):
+        _, inputs = stage_inputs(next(data_iterator), stage.spec, with_labels=False)
+        output = stage(**inputs)
+
+        def keep(output_tensor: torch.Tensor):
+            kept["logits"] = output_tensor.detach()[0, :, :vocab_size]
+            return output_tensor.sum() * 0, torch.tensor(1), {}
+
+        return output, keep
+
+    model.eval()
+    model.capture = {}
+    with torch.no_grad():
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter([batch]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=batch.tokens.shape[1],
+            micro_batch_size=1,
+            forward_only=True,
+        )
+    kept.update(model.capture)
+    model.capture = None
+    return kept

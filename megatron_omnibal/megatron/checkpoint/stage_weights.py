@@ -1,0 +1,114 @@
+"""Which canonical (model-wide, whole) tensors a pipeline stage holds, under which local names.
+
+Why: a Megatron checkpoint stores each (TP, PP) rank's own state dict with LOCAL layer indices,
+while conversion and comparison work on canonical tensors with GLOBAL layer indices. This module
+is the one place that maps between the two for a layout, with pure arithmetic (no model built),
+so the converter can stream a stage at a time and tests can check it against real modules.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from megatron_omnibal.megatron.checkpoint.tp_shard import shard
+from megatron_omnibal.megatron.stages.layout import StageLayout
+from megatron_omnibal.models.spec import ModelSpec
+
+_LAYER = re.compile(r"^(vit|llm)\.layers\.(\d+)\.(.*)$")
+TIED_HEAD = "output_layer.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
+# megatron-core linear layers that put an `_extra_state` entry into their state dict.
+_LINEARS = re.compile(r"(linear_qkv|linear_proj|linear_fc1|linear_fc2|output_layer)\.weight$")
+
+
+def owns(name: str, layout: StageLayout) -> bool:
+    """Whether the stage holds canonical tensor `name` (a tied head's copy included)."""
+    m = _LAYER.match(name)
+    if m:
+        first, end = getattr(layout, f"{m.group(1)}_layers")
+        return first <= int(m.group(2)) < end
+    if name.startswith("patch_embed."):
+        return layout.patch_embed
+    if name.startswith(("vit_final_norm.", "projector.")):
+        return layout.projector
+    if name.startswith("embedding."):
+        return layout.llm_embed
+    if name.startswith(("llm.final_layernorm.", "output_layer.")):
+        return layout.head
+    raise ValueError(f"'{name}' is not a tensor of the VLM stage module")
+
+
+def to_local(name: str, layout: StageLayout) -> str:
+    """Global layer index -> the stage's own (0-based) index."""
+    m = _LAYER.match(name)
+    if not m:
+        return name
+    first = getattr(layout, f"{m.group(1)}_layers")[0]
+    return f"{m.group(1)}.layers.{int(m.group(2)) - first}.{m.group(3)}"
+
+
+def to_global(name: str, layout: StageLayout) -> str:
+    """The stage's own layer index -> the global one (inverse of to_local)."""
+    m = _LAYER.match(name)
+    if not m:
+        return name
+    first = getattr(layout, f"{m.group(1)}_layers")[0]
+    return f"{m.group(1)}.layers.{int(m.group(2)) + first}.{m.group(3)}"
+
+
+def stage_names(spec: ModelSpec, layout: StageLayout, canonical: Iterable[str]) -> list[str]:
+    """The canonical tensors of this stage's parameters, in `canonical`'s order. A tied head on
+    another stage than the embedding holds its own copy of the embedding (`output_layer.weight`)."""
+    names = [n for n in canonical if owns(n, layout)]
+    if spec.llm.tie_embeddings and layout.head and not layout.llm_embed:
+        names.append(TIED_HEAD)
+    return names
+
+
+def source(name: str, spec: ModelSpec) -> str:
+    """The canonical tensor a stage parameter is made from (a tied head copies the embedding)."""
+    return EMBEDDING if name == TIED_HEAD and spec.llm.tie_embeddings else name
+
+
+def stage_state_dict(
+    spec: ModelSpec,
+    layout: StageLayout,
+    tensors: Mapping[str, torch.Tensor],
+    tp: int,
+    rank: int,
+) -> dict[str, torch.Tensor | None]:
+    """TP rank `rank`'s state dict of the stage (local names), as megatron-core's modules save
+    it: parameters, and an empty `_extra_state` for each linear layer. `tensors` maps every
+    canonical name of the stage (stage_names) to its tensor."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name in tensors:
+        local = to_local(name, layout)
+        out[local] = shard(name, tensors[name], spec, tp, rank)
+        m = _LINEARS.search(local)
+        if m:
+            out[local[: m.start() + len(m.group(1))] + "._extra_state"] = None
+    return out
+
+
+def load_into(model: torch.nn.Module, spec: ModelSpec, tensors: Mapping[str, torch.Tensor],
+              tp: int, rank: int) -> None:  # fmt: skip
+    """Copy canonical tensors into a built stage (`model`: megatron.model.VLMStage) at TP rank
+    `rank`; every parameter must be given, with the shape the module has."""
+    from megatron_omnibal.megatron.stages.model import global_named_parameters
+
+    params = global_named_parameters(model)
+    for name, param in params.items():
+        src = source(name, spec)
+        if src not in tensors:
+            raise KeyError(f"no tensor for parameter {name} (canonical {src})")
+        piece = shard(name, tensors[src], spec, tp, rank)
+        if piece.shape != param.shape:
+            raise ValueError(
+                f"{name}: the checkpoint gives {tuple(piece.shape)} on TP rank {rank}, the "
+                f"module has {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(piece)

@@ -1,0 +1,66 @@
+"""torchrun worker of `omnibal compare-hf`: this rank's stage of a Megatron checkpoint at a
+layout, one forward pass of the probe samples, its outputs saved for the comparison.
+
+python -m torch.distributed.run --nproc-per-node N -m megatron_omnibal.megatron.compare.compare_worker
+--ckpt ITERATION_DIR --format torch|torch_dist --spec JSON --tp T --stages JSON
+[--sequence-parallel] --samples FILE --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def main(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(prog="compare_worker")
+    parser.add_argument("--ckpt", type=Path, required=True)
+    parser.add_argument("--format", choices=("torch", "torch_dist"), required=True)
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--stages", required=True)
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--samples", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    from megatron_omnibal.megatron.runtime.cpu import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_omnibal.megatron.checkpoint.stage_runtime import (
+        build_stage,
+        forward_outputs,
+        init_parallel,
+        load_megatron_checkpoint,
+    )
+    from megatron_omnibal.megatron.stages.layout import layout_from_dicts
+    from megatron_omnibal.megatron.stream.batch import Sample, collate
+    from megatron_omnibal.models.spec import ModelSpec
+
+    dist.init_process_group("gloo")
+    spec = ModelSpec.from_dict(json.loads(args.spec))
+    layouts = layout_from_dicts(
+        json.loads(args.stages), spec.vit.num_layers, spec.llm.num_layers, "--stages"
+    )
+    init_parallel(layouts, args.tp)
+    model = build_stage(spec, layouts, args.sequence_parallel)
+    load_megatron_checkpoint(model, args.ckpt, args.format, len(layouts))
+    model.float()
+    samples = [Sample(**s) for s in torch.load(args.samples)]
+    outputs = forward_outputs(model, collate(samples), spec.llm.vocab_size)
+    if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0:
+        torch.save(outputs, args.out / f"stage{ps.get_pipeline_model_parallel_rank()}.pt")
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,464 @@
+"""The VLM pipeline-stage module: one rank's contiguous slice of the model.
+
+Model order: [patch embedding, ViT layers, (ViT final norm), projector (+ merge of image
+embeddings into the text sequence), LLM embedding, LLM layers, final norm + output head].
+Pipeline rank r builds only what its StageLayout names, with megatron-core TransformerBlocks whose
+layers carry GLOBAL layer numbers (checkpoints and the RNG depend on them) and the stage's own
+recompute counts. The architecture is the spec's (models.spec): InternViT or CLIP, pixel-shuffle
+or MLP projector, a Llama(-3)/Qwen2/Qwen3/InternLM2-style LLM, tied or separate output head; or
+Qwen2.5-VL's native-resolution tower (megatron.native_vision: whole images in window order,
+windowed and full attention, 2-D RoPE), its patch merger and an LLM with M-RoPE, whose positions
+every stage derives from the micro-batch (`native`, restarting in every packed sample).
+
+Exactly one tensor flows between stages: the ViT hidden states [patches, tiles, Cv] before the
+projector's stage, the LLM hidden states [S, 1, H] (S / TP under sequence parallelism) after
+it. Shapes vary per micro-batch (variable_seq_lengths). The projector stage embeds the token ids
+itself (every PP rank reads the same micro-batch). Packed samples: with the local (torch) layer
+specs, attention gets a block-diagonal causal mask built from cu_seqlens (DotProductAttention
+does not take PackedSeqParams); with Transformer Engine specs, PackedSeqParams (THD) do the same
+job. Under sequence parallelism the sequence is padded to a multiple of TP with a segment of its
+own, stripped again at the head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.enums import ModelType
+from megatron.core.models.common.embeddings.language_model_embedding import (
+    LanguageModelEmbedding,
+)
+from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+    MultimodalRotaryEmbedding,
+    RotaryEmbedding,
+)
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+
+from megatron_omnibal.megatron.stages.configs import StageConfigs, _recompute
+from megatron_omnibal.megatron.stages.layer_specs import HAVE_TE, block_spec
+from megatron_omnibal.megatron.stages.layout import StageLayout
+from megatron_omnibal.megatron.stages.native_vision import (
+    NativeInputs,
+    NativePatchEmbedding,
+    vision_attention_inputs,
+)
+from megatron_omnibal.megatron.stages.projector import Projector
+from megatron_omnibal.megatron.stages.vision import PatchEmbedding
+from megatron_omnibal.models.spec import ModelSpec
+
+
+def packed_causal_mask(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[1, 1, S, S] bool, True = masked: causal within each packed sample, nothing across.
+
+    Built where `cu_seqlens` lives without reading it back to the host: the segment ids get
+    their size from `seq_len` (the batch check on the CPU made sure cu_seqlens span it)."""
+    dev = cu_seqlens.device
+    seg = torch.repeat_interleave(
+        torch.arange(len(cu_seqlens) - 1, device=dev),
+        (cu_seqlens[1:] - cu_seqlens[:-1]).long(),
+        output_size=seq_len,
+    )
+    pos = torch.arange(seq_len, device=dev)
+    allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+    return ~allowed[None, None]
+
+
+class VLMStage(MegatronModule):
+    """Pipeline rank `stage`'s slice of the VLM (see the module docstring).
+
+    forward(...) returns the tensor for the next stage, or on the head stage the per-token
+    cross-entropy [1, S] (unmasked; step.loss_func applies the loss mask), or with labels=None
+    the logits [1, S, padded vocab] gathered over TP. Set `capture` to a dict to also get the
+    ViT features entering the projector ("vit", [tiles, tokens, Cv]) and the LLM's final hidden
+    states ("llm", [S, H]) of the last forward on the stages that hold them.
+
+    `level_recompute[l]` is the (ViT, LLM) layers this stage recomputes in a micro-batch of
+    packing level l (forward's `level`); empty: the layout's counts for every micro-batch.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layouts: list[StageLayout],
+        stage: int,
+        configs: StageConfigs,
+        use_te: bool | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        level_recompute: Sequence[tuple[int, int]] = (),
+    ) -> None:
+        # The model-wide config (Megatron's schedules and finalize_model_grads read it) is the
+        # LLM's, without qk_layernorm: HeadRMSNorm sums its own TP gradient (see layer_specs).
+        super().__init__(config=dataclasses.replace(configs.llm, qk_layernorm=False))
+        # Megatron's schedules read model_type; the VLM pipeline is one decoder-style chain.
+        self.model_type = ModelType.encoder_or_decoder
+        # megatron.training's train() reads the model's process groups (GPTModel keeps them
+        # the same way); default: parallel_state's groups, which the submodules use.
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self.pg_collection = pg_collection
+        self.spec = spec
+        self.layout = layouts[stage]
+        self.stage = stage
+        self.num_stages = len(layouts)
+        self.configs = configs
+        # finalize_model_grads finds the model by `pre_process` and reduces the gradient of a
+        # tied embedding between the embedding's stage and the head's.
+        self.pre_process = stage == 0
+        self.post_process = stage == self.num_stages - 1
+        self.share_embeddings_and_output_weights = spec.llm.tie_embeddings
+        self.capture: dict[str, torch.Tensor] | None = None
+        self.level_recompute = tuple(level_recompute)
+        if use_te is None:  # TE when importable, unless the config asks for local modules
+            use_te = HAVE_TE and configs.llm.transformer_impl == "transformer_engine"
+        if use_te and not HAVE_TE:
+            raise ValueError("use_te=True but transformer_engine does not import")
+        self.use_te = use_te
+        self.input_tensor: torch.Tensor | None = None
+        lay, v = self.layout, spec.vit
+
+        # The stage before (or at) the projector carries ViT hidden states.
+        self.vision_stage = stage <= next(r for r, s in enumerate(layouts) if s.projector)
+        self.patch_embed = None
+        if lay.patch_embed:
+            embed = NativePatchEmbedding if v.native_resolution else PatchEmbedding
+            self.patch_embed = embed(configs.vit, v)
+        self.vit = None
+        if lay.num_vit_layers:
+            # Every patch of a tile sees every other one; a native-resolution tower's masks
+            # (windows, whole images) come with each micro-batch.
+            native = {"full_attention_layers": v.fullatt_block_indexes} if (
+                v.native_resolution) else {}  # fmt: skip
+            self.vit = TransformerBlock(
+                configs.vit,
+                block_spec(
+                    configs.vit,
+                    lay.num_vit_layers,
+                    self.use_te and not v.native_resolution,
+                    AttnMaskType.arbitrary if v.native_resolution else AttnMaskType.no_mask,
+                    qkv_bias=v.qkv_bias,
+                    layer_scale=v.layer_scale,
+                    qk_norm=v.qk_norm,
+                    real_heads=configs.vit_real_heads,
+                    qk_norm_eps=v.qk_norm_eps,
+                    **native,
+                ),
+                post_layer_norm=False,
+                pre_process=True,
+                post_process=False,
+                pg_collection=pg_collection,
+            )
+        self.vit_final_norm = None
+        self.projector = None
+        self.embedding = None
+        if lay.projector:
+            if v.post_norm:
+                self.vit_final_norm = torch.nn.LayerNorm(v.hidden_size, eps=v.norm_eps)
+            self.projector = Projector(configs.projector, spec)
+        if lay.llm_embed:
+            self.embedding = LanguageModelEmbedding(
+                configs.llm,
+                vocab_size=configs.padded_vocab_size,
+                max_sequence_length=spec.llm.max_position_embeddings,
+                position_embedding_type="rope",
+                # Image embeddings are merged into the full sequence first, then scattered.
+                scatter_to_sequence_parallel=False,
+            )
+        self.llm = None
+        self.rotary = None
+        if lay.num_llm_layers or lay.head:
+            self.llm = TransformerBlock(
+                configs.llm,
+                # Local specs: the block-diagonal causal mask from packed_causal_mask, applied
+                # as an "arbitrary" mask (fused softmax kernels would otherwise assume plain
+                # causal). TE: causal inside each sample via PackedSeqParams.
+                block_spec(
+                    configs.llm,
+                    lay.num_llm_layers,
+                    self.use_te,
+                    AttnMaskType.causal if self.use_te else AttnMaskType.arbitrary,
+                    head_qk_norm=spec.llm.qk_norm,
+                ),
+                post_layer_norm=True,
+                pre_process=True,
+                post_process=lay.head,
+                pg_collection=pg_collection,
+            )
+            factor = spec.llm.rope_scaling_factor
+            # Llama-3 scaling, passed here (megatron-core 0.19's own VLM scripts drop it), and
+            # a factor only with scaling on.
+            scaling = {"rope_scaling": True, "rope_scaling_factor": factor} if factor else {}
+            if spec.llm.mrope_section:
+                self.rotary = MultimodalRotaryEmbedding(
+                    configs.llm.kv_channels, rotary_percent=1.0, rotary_base=spec.llm.rotary_base
+                )
+            else:
+                self.rotary = RotaryEmbedding(
+                    configs.llm.kv_channels,
+                    rotary_percent=1.0,
+                    rotary_base=spec.llm.rotary_base,
+                    use_cpu_initialization=not torch.cuda.is_available(),
+                    **scaling,
+                )
+        self.output_layer = None
+        if lay.head:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                spec.llm.hidden_size,
+                configs.padded_vocab_size,
+                config=configs.llm,
+                init_method=configs.llm.init_method,
+                bias=False,
+                gather_output=False,
+                # A tied head on the embedding's own stage uses the embedding's weight.
+                skip_weight_param_allocation=self._tied_on_this_stage,
+            )
+        self._setup_tied_head()
+
+    @property
+    def _tied_on_this_stage(self) -> bool:
+        """A tied head on the embedding's own stage (it uses the embedding's weight)."""
+        lay = self.layout
+        return self.share_embeddings_and_output_weights and lay.llm_embed and lay.head
+
+    def shared_embedding_or_output_weight(self) -> torch.nn.Parameter | None:
+        """The tied word embedding (embedding stage) or its copy in the head (last stage)."""
+        if self.embedding is not None:
+            return self.embedding.word_embeddings.weight
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return None
+
+    def _setup_tied_head(self) -> None:
+        """Tied embeddings across stages, as megatron-core's LanguageModule: the head's copy
+        starts equal to the embedding (zero + all-reduce over the embedding group), and the
+        gradients are summed there by finalize_model_grads."""
+        if not self.share_embeddings_and_output_weights or self._tied_on_this_stage:
+            return
+        weight = self.shared_embedding_or_output_weight()
+        if weight is None:
+            return
+        weight.shared_embedding = True
+        if self.output_layer is not None:
+            weight.shared = True  # counted once in the gradient norm
+            with torch.no_grad():
+                weight.zero_()
+        if torch.distributed.is_initialized() and parallel_state.is_rank_in_embedding_group():
+            torch.distributed.all_reduce(weight.data, group=parallel_state.get_embedding_group())
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """megatron-core's default, with the output head as GPTModel saves it: vocabulary
+        padding may differ between layouts, and a tied head on another stage than the embedding
+        is a copy of the embedding (stored once, under the embedding's key), so a checkpoint
+        loads whichever stages hold the two."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        key = f"{prefix}output_layer.weight"
+        if key not in state:
+            return state
+        if self.share_embeddings_and_output_weights:
+            dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+            state[key] = make_tp_sharded_tensor_for_checkpoint(
+                tensor=self.output_layer.weight,
+                key=f"{prefix}embedding.word_embeddings.weight",
+                replica_id=(1, 0, dp_rank),  # a copy: the embedding's stage saves it
+                allow_shape_mismatch=True,
+                tp_group=self.pg_collection.tp,
+                dp_cp_group=metadata["dp_cp_group"],
+            )
+        else:
+            state[key].allow_shape_mismatch = True
+        return state
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
+        """Called by Megatron's pipeline schedules with the previous stage's output."""
+        if isinstance(input_tensor, list):
+            if len(input_tensor) != 1:
+                raise ValueError(f"VLMStage expects one input tensor, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        labels: torch.Tensor | None,
+        images: torch.Tensor,
+        real_tiles: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        level: int = 0,
+        native: NativeInputs | None = None,
+        **_: Any,
+    ) -> torch.Tensor:
+        # Only computes: the micro-batch was checked on the CPU and its host-side facts
+        # (real_tiles, max_seqlen) measured there (step.stage_inputs), so nothing here reads a
+        # device value back.
+        if self.level_recompute:
+            self._recompute(*self.level_recompute[level])
+        seq = tokens.shape[1]
+        position_ids, cu_seqlens = self._pad_for_sequence_parallel(position_ids, cu_seqlens)
+        seq_pad = position_ids.shape[1] - seq  # the pad segment's length
+        x = None if self.stage == 0 else self.input_tensor
+        if self.vision_stage:
+            if self.patch_embed is not None:
+                x = self.patch_embed(images, native.unit_order) if native else (
+                    self.patch_embed(images))  # fmt: skip
+            if self.vit is not None and x.numel() > 0:
+                x = self._vit(x, native)
+            elif x is self.input_tensor:
+                # A micro-batch without tiles: [P, 0, C] passes through (attention cannot
+                # reshape 0 elements); cloned (no data) so the schedule's backward reaches the
+                # input and deallocate_pipeline_outputs may free it (it refuses views).
+                x = x.clone()
+            if self.projector is None:
+                return x
+            if self.vit_final_norm is not None:
+                x = self.vit_final_norm(x)
+            if self.capture is not None:  # [tiles, tokens, C]; native: [patches, C]
+                self.capture["vit"] = x.detach()[:, 0] if native else x.detach().transpose(0, 1)
+            embeds = self.projector(x, native.unit_restore if native else real_tiles)
+            x = self._merge(tokens, position_ids[:, :seq], embeds)
+        if self.llm is not None:
+            x = self._llm(x, position_ids, cu_seqlens, max(max_seqlen, seq_pad), native)
+        if self.output_layer is None:
+            return x
+        if self.capture is not None:
+            hidden = x
+            if self.configs.llm.sequence_parallel:
+                hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                    x, tensor_parallel_output_grad=False
+                )
+            self.capture["llm"] = hidden.detach()[:seq, 0]
+        tied = self.shared_embedding_or_output_weight() if self._tied_on_this_stage else None
+        logits, _ = self.output_layer(x, weight=tied)  # [S_pad, 1, V/tp]
+        logits = logits[:seq]
+        if labels is None:
+            full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            return full.transpose(0, 1).contiguous()  # [1, S, V]
+        target = labels.transpose(0, 1).contiguous().clamp(min=0)
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target)
+        return loss.transpose(0, 1).contiguous()  # [1, S]
+
+    def _vit(self, x: torch.Tensor, native: NativeInputs | None) -> torch.Tensor:
+        if native is None:
+            return self.vit(hidden_states=x, attention_mask=None)
+        masks, rope = vision_attention_inputs(native, self.spec.vit)
+        return self.vit(hidden_states=x, attention_mask=masks, rotary_pos_emb=rope)
+
+    def _recompute(self, vit_layers: int, llm_layers: int) -> None:
+        """Recompute the first layers of each block in this micro-batch. megatron-core's
+        TransformerBlock reads these config fields in its forward and checkpoints there, so
+        the backward of each micro-batch follows its own forward's choice."""
+        for block, layers in ((self.vit, vit_layers), (self.llm, llm_layers)):
+            if block is not None:
+                for key, value in _recompute(layers).items():  # as the config was built
+                    setattr(block.config, key, value)
+
+    def _pad_for_sequence_parallel(
+        self, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under sequence parallelism the LLM sequence is padded to a multiple of TP: the pad
+        tokens form a segment of their own (no real token attends to them) and are dropped at
+        the head. Every stage derives the same padded length from the micro-batch."""
+        tp = self.configs.llm.tensor_model_parallel_size
+        seq = position_ids.shape[1]
+        pad = (-seq) % tp if self.configs.llm.sequence_parallel else 0
+        if pad == 0:
+            return position_ids, cu_seqlens
+        extra = torch.arange(pad, dtype=position_ids.dtype, device=position_ids.device)
+        position_ids = torch.cat([position_ids, extra[None]], dim=1)
+        end = cu_seqlens.new_tensor([seq + pad])
+        return position_ids, torch.cat([cu_seqlens, end])
+
+    def _merge(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        image_embeds: torch.Tensor,
+    ) -> torch.Tensor:
+        text = self.embedding(input_ids=tokens, position_ids=position_ids)  # [S, 1, H]
+        is_image = (tokens == self.spec.image_token_id).transpose(0, 1)[..., None]  # [S, 1, 1]
+        x = text.masked_scatter(is_image, image_embeds.to(text.dtype))
+        if self.configs.llm.sequence_parallel:
+            tp = self.configs.llm.tensor_model_parallel_size
+            pad = (-x.shape[0]) % tp
+            if pad:
+                x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+            x = tensor_parallel.scatter_to_sequence_parallel_region(x)
+        return x
+
+    def _mrope(self, position_ids: torch.Tensor, native: NativeInputs) -> torch.Tensor:
+        """[S, 1, 1, d] M-RoPE angles of every token (a sequence-parallel pad segment counts on
+        all three axes)."""
+        ids = native.mrope_ids
+        pad = position_ids[:, ids.shape[1] :].expand(3, -1)
+        ids = torch.cat([ids, pad], dim=1)[:, None, :]
+        return self.rotary(ids, list(self.spec.llm.mrope_section))
+
+    def _llm(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_len: int,
+        native: NativeInputs | None = None,
+    ) -> torch.Tensor:
+        seq = position_ids.shape[1]
+        if self.use_te:
+            # With THD packing megatron-core applies RoPE per sample from cu_seqlens (M-RoPE:
+            # per token, on its unfused path).
+            rope = self._mrope(position_ids, native) if native else self.rotary(max_len)
+            cu = cu_seqlens.to(torch.int32).to(x.device)
+            packed = PackedSeqParams(
+                qkv_format="thd",
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=max_len,
+                max_seqlen_kv=max_len,
+            )
+            return self.llm(
+                hidden_states=x, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=packed
+            )
+        if native is not None:
+            rope = self._mrope(position_ids, native)
+        else:
+            rope = self.rotary(max_len)[position_ids[0]]  # [S, 1, 1, d]: restarts per sample
+        mask = packed_causal_mask(cu_seqlens, seq).to(x.device)
+        return self.llm(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
+
+
+# TE's fused modules hold the layer norms inside the next linear layer; model-wide names use the
+# local modules' names so that a checkpoint reads the same with and without TE.
+_TE_NAMES = (
+    (".self_attention.linear_qkv.layer_norm_", ".input_layernorm."),
+    (".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."),
+)
+
+
+def global_name(stage: VLMStage, local_name: str) -> str:
+    """A parameter's model-wide name: `vit.layers.{i}` / `llm.layers.{i}` with i the 0-based
+    GLOBAL layer index, so the same parameter has the same name whatever the pipeline split."""
+    parts = local_name.split(".")
+    if parts[0] in ("vit", "llm") and len(parts) > 2 and parts[1] == "layers":
+        block = getattr(stage, parts[0])
+        parts[2] = str(block.layers[int(parts[2])].layer_number - 1)
+    name = ".".join(parts)
+    for te, local in _TE_NAMES:
+        name = name.replace(te, local)
+    return name
+
+
+def global_named_parameters(stage: VLMStage) -> dict[str, torch.nn.Parameter]:
+    """This stage's parameters under model-wide names (see global_name)."""
+    return {global_name(stage, n): p for n, p in stage.named_parameters()}

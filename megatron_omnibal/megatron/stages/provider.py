@@ -1,0 +1,62 @@
+"""Model provider: build this pipeline rank's VLM stage from a spec and a layout.
+
+Why: megatron.training.pretrain (and any driver using parallel_state) asks a provider for "the
+model of this rank"; the layout (from plan.json or --omnibal-*-pp-layers) says what that is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_omnibal.megatron.stages.configs import stage_configs
+from megatron_omnibal.megatron.stages.finetune import FinetuneSettings, apply_to_stage
+from megatron_omnibal.megatron.stages.layout import LayoutError, StageLayout
+from megatron_omnibal.megatron.stages.model import VLMStage
+from megatron_omnibal.models.spec import ModelSpec
+
+
+def vlm_model_provider(
+    spec: ModelSpec,
+    layouts: list[StageLayout],
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    config_overrides: dict[str, Any] | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
+    finetune: FinetuneSettings | None = None,
+    level_recompute: Sequence[Sequence[tuple[int, int]]] = (),
+) -> VLMStage:
+    """This rank's stage. pre_process/post_process are accepted for megatron.training's
+    signature and checked against the layout (the layout decides what the stage holds);
+    pg_collection is megatron.training's (None: parallel_state's groups); `finetune` freezes
+    parts and marks the ViT for its learning-rate multiplier; `level_recompute[stage]` the
+    stage's (ViT, LLM) recompute per packing level (layout.level_recompute; empty: the
+    layout's counts throughout)."""
+    if vp_stage is not None:
+        raise LayoutError("virtual pipeline stages are not supported by the VLM stage module")
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if len(layouts) != pp:
+        raise LayoutError(f"layout has {len(layouts)} stages, the pipeline has {pp}")
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    if pre_process != (rank == 0) or post_process != (rank == pp - 1):
+        raise LayoutError(
+            f"pipeline rank {rank}/{pp}: pre_process={pre_process}, post_process={post_process} "
+            "disagree with its position in the pipeline"
+        )
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    configs = stage_configs(spec, layouts, rank, tp, config_overrides)
+    stage = VLMStage(
+        spec,
+        layouts,
+        rank,
+        configs,
+        pg_collection=pg_collection,
+        level_recompute=level_recompute[rank] if level_recompute else (),
+    )
+    if finetune is not None:
+        apply_to_stage(stage, finetune)
+    return stage

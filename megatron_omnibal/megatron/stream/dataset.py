@@ -1,0 +1,472 @@
+"""Training samples from a real VLM dataset, exactly as `omnibal stats` measured them.
+
+The balancer plans micro-batches from the length file (vit_num, token_num, image_flags per
+sample); the samples it then draws must have exactly those lengths, or the balance (and the
+planned memory) is fiction. So this source rebuilds what `omnibal stats` used from the
+configuration stored in the length file: the record reader, the tiling, the chat template and
+the tokenizer (image tokens added the same way, checked by fingerprint). It renders each
+conversation, spells out tokens_per_tile image tokens per real tile, sets the loss on assistant
+answers only and compares every sample with its length record: a mismatch stops the run naming
+the sample and both counts.
+
+Only ranks that embed patches (`pixels=True`) open image files: they decode and tile them and
+check the tile count against the length file. The other ranks take each image's tile count from
+the length file (`image_tiles` for multi-image samples) and carry shape-only tiles.
+
+A video sample trains on the frames its epoch planned (data/video_lengths.py: the count per
+video follows from the balance seed and the epoch, the same on every rank); the prompt lists
+them as transformers' InternVL processor does, one image per frame. Ranks that embed patches
+decode exactly those frames (data/frames.py picks them, seeded by seed, epoch and sample),
+seeking to them; each frame is resized to one tile (bicubic, no tiling, no thumbnail).
+`open_source` checks the configuration, the sample count and a spread of records before
+training starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from megatron_omnibal.data import conversations as conv
+from megatron_omnibal.data.annotations import RawRecord, parse_record, read_inputs, read_records
+from megatron_omnibal.data.energon_source import (
+    EnergonOptions,
+    EnergonSpec,
+    MemberError,
+    changes,
+    fingerprint,
+)
+from megatron_omnibal.data.frames import clip_start, frame_indices
+from megatron_omnibal.data.image_tiles import ImageDecodeError, image_to_tiles, normalize
+from megatron_omnibal.data.lengths import (
+    ImageTiles,
+    LengthsError,
+    LengthStats,
+    VideoTable,
+    load_identities,
+    load_image_tiles,
+    read_stats_config,
+)
+from megatron_omnibal.data.records import Video, read_sample
+from megatron_omnibal.data.sample_files import LoadedSample
+from megatron_omnibal.data.stats_config import (
+    StatsConfig,
+    StatsConfigError,
+    check_model,
+    config_from_dict,
+)
+from megatron_omnibal.data.tokenization import TokenCounter
+from megatron_omnibal.data.video import VideoError, decode_frames
+from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan
+from megatron_omnibal.megatron.flags.args import SourceSettings
+
+if TYPE_CHECKING:
+    from megatron_omnibal.megatron.stream.batch import Sample
+
+IGNORE_INDEX = -100  # the same value as batch.IGNORE_INDEX (batch.py imports torch)
+# Where each turn's text sits in the rendered template: (before, after) the turn's value. The
+# loss covers an answer and what closes it (<|im_end|>\n, </s>), as InternVL and LLaVA train.
+TURN_MARKS = {
+    "internvl2_5": {"human": ("<|im_start|>user\n", "<|im_end|>\n"),
+                    "gpt": ("<|im_start|>assistant\n", "<|im_end|>\n")},
+    "vicuna_v1": {"human": ("USER: ", " "), "gpt": ("ASSISTANT: ", "</s>")},
+}
+
+
+class DatasetError(ValueError):
+    """The dataset, its length file and the model disagree; the message names the sample."""
+
+
+class RealSampleSource:
+    """`source(index) -> Sample` for length record `index` of a real dataset."""
+
+    def __init__(self, data: str | os.PathLike, config: StatsConfig, lengths: LengthStats,
+                 spec: Any, image_tiles: ImageTiles, image_root: str | os.PathLike | None = None,
+                 skipped: str | os.PathLike | None = None, pixels: bool = True,
+                 by_epoch: EpochLengths | None = None, energon: dict | None = None,
+                 identities: list[tuple[str, str]] | None = None) -> None:
+        tiling = config.tiling
+        if config.template not in TURN_MARKS:
+            raise DatasetError(f"template {config.template!r}: training samples are built for "
+                               f"the {' and '.join(TURN_MARKS)} templates only")
+        self.config = config
+        self.lengths = lengths
+        self.tokens_per_tile = spec.tokens_per_tile
+        self.vocab_size = spec.llm.vocab_size
+        self.image_token_id = spec.image_token_id
+        self.image_tiles = image_tiles
+        self.pixels = pixels
+        self.by_epoch = by_epoch or EpochLengths(lengths, VideoTable.empty(), None, 0)
+        self.frames_decoded = self.frames_trained = 0  # video frames, by this process
+        self.counter = TokenCounter(config.tokenizer, config.image_style,
+                                    config.trust_remote_code)
+        if self.counter.backend is None:
+            raise DatasetError(f"{config.tokenizer}: training samples need a fast tokenizer "
+                               "(token offsets locate the answers)")
+        self.context_id = self.counter.backend.token_to_id(config.image_style.context)
+        options = EnergonOptions(split=energon["split"], task_encoder=energon["task_encoder"]
+                                 ) if energon else None
+        self.specs, _ = read_inputs(data, image_root, options)
+        _check_unchanged(self.specs, energon)
+        self.files = [spec.files() for spec in self.specs]
+        self.identities = identities
+        self.tilings = [
+            tiling if s.max_tiles is None else
+            replace(tiling, max_tiles=s.max_tiles, min_tiles=min(tiling.min_tiles, s.max_tiles))
+            for s in self.specs
+        ]
+        self.skipped = skipped
+        self.entries = self._entries(_skipped_indices(skipped, self.specs))
+
+    def _entries(self, skipped: dict[str, set[int]]) -> list[tuple[int, RawRecord]]:
+        """(dataset, record) per length record, in the length file's order."""
+        entries: list[tuple[int, RawRecord]] = []
+        per_dataset = []
+        for d, spec in enumerate(self.specs):
+            records = [r for r in read_records(spec) if r.index not in skipped.get(spec.name, ())]
+            repeat = spec.repeats
+            entries.extend([(d, r) for r in records] * repeat)
+            per_dataset.append(len(records) * repeat)
+        if self.identities is not None and len(entries) == len(self.lengths):
+            now = [raw.data for _, raw in entries]
+            moved = next((i for i, (a, b) in enumerate(zip(now, self.identities, strict=True))
+                          if tuple(a) != tuple(b)), None)
+            if moved is not None:
+                raise DatasetError(
+                    f"length record {moved} is sample {'/'.join(self.identities[moved])} in the "
+                    f"length file, {'/'.join(now[moved])} in the dataset: the dataset changed "
+                    "since the length file was made; rerun `omnibal stats`")
+        if len(entries) != len(self.lengths):
+            detail = ", ".join(f"'{s.name}': {n}" for s, n in zip(self.specs, per_dataset,
+                                                                   strict=True))
+            report = (f"skipped report {self.skipped}" if skipped else
+                      f"no skipped report at {self.skipped}" if self.skipped else
+                      "no skipped report")
+            raise DatasetError(
+                f"the length file has {len(self.lengths)} samples, the dataset gives "
+                f"{len(entries)} ({detail}; {report}): the length file was made from other "
+                "data, or its skipped report is not next to it")
+        return entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def describe(self, index: int) -> str:
+        d, raw = self.entries[index]
+        if isinstance(self.specs[d], EnergonSpec):
+            shard, key = raw.data
+            return (f"{self.specs[d].annotation}/{shard}/{key} (sample {raw.index} of "
+                    f"'{self.specs[d].name}'), length record {index}")
+        record_id = _record_id(raw)
+        ident = f" (id {record_id})" if record_id is not None else ""
+        return (f"{self.specs[d].annotation}:{raw.line}: sample {raw.index}{ident}, length "
+                f"record {index}")
+
+    def check(self, index: int, vit: int, tokens: int, flags: int, epoch: int = 0) -> None:
+        """Stop with both counts when a sample is not what its length record (of `epoch`)
+        says."""
+        lengths = self.by_epoch(epoch)
+        want = (int(lengths.vit[index]), int(lengths.tokens[index]),
+                int(lengths.image_flags[index]))
+        if (vit, tokens, flags) != want:
+            raise DatasetError(
+                f"{self.describe(index)}: the length file says vit_num={want[0]}, "
+                f"token_num={want[1]}, image_flags={want[2]}; the dataset gives vit_num={vit}, "
+                f"token_num={tokens}, image_flags={flags} (the length file was made from other "
+                "data, tokenizer or `omnibal stats` flags)")
+
+    def render(self, index: int, epoch: int = 0, sample: LoadedSample | None = None) -> tuple[
+            np.ndarray, np.ndarray, list[str], list[int], list[Video], LoadedSample]:
+        """(token ids, loss flags per token, image names, tiles per image (per frame of a
+        video), videos, the loaded sample) of a sample as `epoch` trains it; `sample`: the
+        sample already read (by another loader), else it is read here.
+
+        Image placeholders are already expanded to the model's image token id. Tiles per image
+        and frames per video come from the length file: no image is decoded here.
+        """
+        from megatron_omnibal.megatron.stream.loader import SampleLoadError
+
+        if not 0 <= index < len(self.entries):
+            raise IndexError(f"sample index {index} outside 0..{len(self.entries) - 1}")
+        d, raw = self.entries[index]
+        try:
+            sample = sample or self.files[d].sample(raw)
+            images, videos, turns = read_sample(sample.record, self.config.extra_keys)
+        except MemberError as exc:
+            raise SampleLoadError(f"{self.describe(index)}: {exc}") from exc
+        except conv.SampleError as exc:
+            raise DatasetError(f"{self.describe(index)}: {exc}") from exc
+        tiles = self._tiles(index, len(images))
+        if images:
+            turns = conv.expand_images(turns, [self.config.image_style.compact()] * len(images))
+        if videos:
+            counts = self.frame_counts(index, epoch, len(videos))
+            tiles = [1] * int(counts.sum())
+            turns = conv.expand_images(
+                turns, [conv.video_text(int(n), self.config.image_style) for n in counts],
+                conv.VIDEO_PLACEHOLDER)
+        pieces = conv.render(turns, self.config.template, self.config.system)
+        ids, target = self._tokenize(index, pieces, turns)
+        return (*self._expand(index, ids, target, tiles), images, tiles, videos, sample)
+
+    def frame_counts(self, index: int, epoch: int, n_videos: int) -> np.ndarray:
+        """Frames each video of sample `index` trains on in `epoch` (from the epoch plan)."""
+        where = self.by_epoch.table.of_sample(index)
+        if len(where) != n_videos:
+            raise DatasetError(f"{self.describe(index)}: {n_videos} video(s), the length file "
+                               f"lists {len(where)} for it; rerun `omnibal stats`")
+        return self.by_epoch.frame_counts(epoch)[where]
+
+    def _tiles(self, index: int, n_images: int) -> list[int]:
+        """Each image's tiles as the length file counted them."""
+        if n_images > 1:
+            tiles = self.image_tiles.get(index)
+            if tiles is None or len(tiles) != n_images:
+                raise DatasetError(f"{self.describe(index)}: {n_images} images, but the length "
+                                   f"file has no tiles for each of them ({tiles}); rerun "
+                                   "`omnibal stats`")
+            return list(tiles)
+        return [int(self.lengths.image_flags[index])] if n_images else []
+
+    def _tokenize(self, index: int, pieces: list[str],
+                  turns: list[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+        """Ids as `omnibal stats` counted them (pieces apart, specials once) and answer flags."""
+        from tokenizers import Encoding
+
+        backend = self.counter.backend
+        spans = _answer_spans("".join(pieces), turns, self.config.template)
+        if spans is None:
+            raise DatasetError(f"{self.describe(index)}: cannot find the turns in the rendered "
+                               f"{self.config.template} text")
+        encodings = backend.encode_batch(pieces, add_special_tokens=False)
+        flags, start = [], 0
+        for piece, enc in zip(pieces, encodings, strict=True):
+            flags.extend(any(a < start + e and start + s < b for a, b in spans)
+                         for s, e in enc.offsets)
+            start += len(piece)
+        full = backend.post_process(Encoding.merge(encodings, growing_offsets=True))
+        target = np.zeros(len(full.ids), bool)
+        own = np.array([s is not None for s in full.sequence_ids], bool)
+        target[own] = flags
+        return np.asarray(full.ids, np.int64), target
+
+    def _expand(self, index: int, ids: np.ndarray, target: np.ndarray,
+                tiles: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        where = np.flatnonzero(ids == self.context_id)
+        if len(where) != len(tiles) or target[where].any():
+            raise DatasetError(f"{self.describe(index)}: {len(where)} image context tokens in "
+                               f"the text for {len(tiles)} image(s)")
+        bad = np.flatnonzero((ids >= self.vocab_size) | (ids < 0) | (ids == self.image_token_id))
+        bad = bad[ids[bad] != self.context_id]
+        if bad.size:
+            raise DatasetError(
+                f"{self.describe(index)}: token id {int(ids[bad[0]])} is the model's image "
+                f"token id or outside its vocabulary of {self.vocab_size} (tokenizer "
+                f"{self.config.tokenizer} does not fit the model)")
+        counts = np.ones(len(ids), np.int64)
+        counts[where] = np.asarray(tiles, np.int64) * self.tokens_per_tile
+        ids = np.where(ids == self.context_id, self.image_token_id, ids)
+        return np.repeat(ids, counts), np.repeat(target, counts)
+
+    def measure(self, index: int, epoch: int = 0) -> tuple[int, int, int]:
+        """(vit_num, token_num, image_flags) of a sample as built from its text."""
+        ids, _, images, tiles, videos, _ = self.render(index, epoch)
+        real = sum(tiles)
+        return (real if images or videos else int(self.config.dummy_tile)), len(ids), real
+
+    def __call__(self, index: int, epoch: int = 0, sample: LoadedSample | None = None
+                 ) -> Sample:
+        import torch
+
+        from megatron_omnibal.megatron.stream.batch import Sample, shape_only_images
+        from megatron_omnibal.megatron.stream.loader import SampleLoadError
+
+        ids, target, names, tiles, videos, sample = self.render(index, epoch, sample)
+        real = sum(tiles)
+        vit = real if names or videos else int(self.config.dummy_tile)
+        self.check(index, vit, len(ids), real, epoch)
+        size = self.config.tiling.tile
+        if not self.pixels:
+            images = shape_only_images(vit, size)
+        elif videos:
+            try:
+                images = torch.from_numpy(self.video_tiles(index, epoch, videos, sample))
+            except VideoError as exc:
+                raise SampleLoadError(f"{self.describe(index)}: {exc}") from exc
+        elif names:
+            tiling = self.tilings[self.entries[index][0]]
+            try:
+                images = torch.from_numpy(np.concatenate([
+                    image_to_tiles(sample.decode(n), tiling, len(names), t, sample.where(n))
+                    for n, t in zip(names, tiles, strict=True)]))
+            except ImageDecodeError as exc:
+                raise SampleLoadError(f"{self.describe(index)}: {exc}") from exc
+        else:
+            images = torch.zeros((vit, 3, size, size), dtype=torch.float32)
+        labels = np.full(len(ids), IGNORE_INDEX, np.int64)
+        labels[:-1] = np.where(target[1:], ids[1:], IGNORE_INDEX)
+        flags = np.zeros(vit, np.int64)
+        flags[:real] = 1
+        return Sample(tokens=torch.from_numpy(ids), labels=torch.from_numpy(labels),
+                      images=images, image_flags=torch.from_numpy(flags))
+
+    def video_tiles(self, index: int, epoch: int, videos: list[Video],
+                    sample: LoadedSample) -> np.ndarray:
+        """float32 [frames, 3, tile, tile]: the planned frames of each video of a sample,
+        decoded by seeking and resized to one tile each."""
+        from PIL import Image
+
+        table, size = self.by_epoch.table, self.config.tiling.tile
+        counts = self.frame_counts(index, epoch, len(videos))
+        out = []
+        for video, row, count in zip(videos, table.of_sample(index), counts, strict=True):
+            path = sample.video_path(video.path)
+            frames, fps = int(table.frames[row]), float(table.fps[row])
+            picked = clip_start(video.clip, fps) + frame_indices(
+                self.by_epoch.plan.frames, int(count), frames, fps, self.by_epoch.seed, epoch,
+                index, int(row))
+            decoded = decode_frames(path, picked)
+            self.frames_decoded += decoded.decoded
+            self.frames_trained += len(picked)
+            out.extend(np.asarray(Image.fromarray(f).resize((size, size),
+                                                            Image.Resampling.BICUBIC))
+                       for f in decoded.pixels)
+        return normalize(np.stack(out), self.config.tiling)
+
+    def check_spread(self, count: int) -> None:
+        """Build `count` records spread over the dataset (the first and last included) from
+        their text and compare them with the length file (no image is opened)."""
+        if count <= 0 or not len(self):
+            return
+        for index in np.unique(np.linspace(0, len(self) - 1, count).round().astype(np.int64)):
+            self.check(int(index), *self.measure(int(index)))
+
+
+def _answer_spans(text: str, turns: list[tuple[str, str]],
+                  template: str) -> list[tuple[int, int]] | None:
+    """Character spans of the answers (and their closing marks) in the rendered text."""
+    marks = TURN_MARKS[template]
+    spans, cursor = [], 0
+    for role, value in turns:
+        if role == "system":
+            continue
+        before, after = marks[role]
+        needle = before + value + after
+        pos = text.find(needle, cursor)
+        if pos < 0:
+            return None
+        if role == "gpt":
+            spans.append((pos + len(before), pos + len(needle)))
+        cursor = pos + len(needle)
+    return spans
+
+
+def _record_id(raw: RawRecord) -> str | None:
+    try:
+        value = parse_record(raw).get("id")
+    except conv.SampleError:
+        return None
+    return None if value is None else str(value)
+
+
+def _skipped_indices(path: str | os.PathLike | None, specs: list) -> dict[str, set[int]]:
+    """Annotation indices per dataset that `omnibal stats --on-error skip` left out."""
+    if path is None or not Path(path).is_file():
+        return {}
+    try:
+        report = json.loads(Path(path).read_text())
+        datasets = report["datasets"]
+        out = {name: {int(s["index"]) for s in entry["skipped"]}
+               for name, entry in datasets.items()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DatasetError(f"{path}: not a skipped report of `omnibal stats` ({exc})") from exc
+    unknown = set(out) - {s.name for s in specs}
+    if unknown:
+        raise DatasetError(f"{path}: skipped report names dataset(s) {sorted(unknown)} that "
+                           "the dataset does not have")
+    return out
+
+
+def _check_unchanged(specs: list, energon: dict | None) -> None:
+    """Refuse Energon datasets that changed since the length file was made, saying what."""
+    if not energon:
+        return
+    stored = energon["datasets"]
+    now = [s for s in specs if isinstance(s, EnergonSpec)]
+    if len(stored) != len(now):
+        raise DatasetError(f"the length file was made from {len(stored)} Energon dataset(s) "
+                           f"{[d['name'] for d in stored]}, the data names {len(now)}")
+    for spec, before in zip(now, stored, strict=True):  # in order: a moved folder is the same
+        found = changes(before, fingerprint(spec))
+        if found:
+            raise DatasetError(f"Energon dataset '{spec.name}' ({spec.annotation}) changed "
+                               f"since the length file was made: {'; '.join(found)}; rerun "
+                               "`omnibal stats`")
+
+
+def stored_config(lengths_path: str | os.PathLike) -> tuple[StatsConfig, dict]:
+    """The configuration `omnibal stats` stored in the length file, and its run facts."""
+    try:
+        doc = read_stats_config(lengths_path)
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"--omnibal-lengths {lengths_path}: {exc}") from exc
+    if doc is None:
+        raise DatasetError(
+            f"--omnibal-lengths {lengths_path} holds no stats configuration: a real dataset "
+            "trains only from a length file that `omnibal stats --model` wrote (.npz or its "
+            "meta .json), which says how the data was tiled, templated and tokenized")
+    try:
+        return config_from_dict(doc, f"--omnibal-lengths {lengths_path}")
+    except StatsConfigError as exc:
+        raise DatasetError(str(exc)) from exc
+
+
+def open_source(source: SourceSettings, lengths: LengthStats, spec: Any, pixels: bool = True,
+                check: int = 32, by_epoch: EpochLengths | None = None) -> RealSampleSource:
+    """The dataset of --omnibal-data PATH, checked against --omnibal-lengths and the model (no
+    process group). `check` records spread over the dataset are built now, every sample
+    again when drawn. `pixels`: this rank decodes images (its stage embeds patches; a source
+    opened without may be switched on later by setting its `pixels`).
+    `by_epoch`: the run's lengths per epoch (default: the epochs of the frame seed the length
+    file was counted with, whose epoch 0 is the file's own records)."""
+    where = f"--omnibal-lengths {source.lengths_path}"
+    if source.text_scale != 1:
+        raise DatasetError(f"--omnibal-text-scale {source.text_scale}: with a real "
+                           "dataset the length file is used as it is (the scale is for "
+                           "synthetic dry runs)")
+    config, run = stored_config(source.lengths_path)
+    try:
+        check_model(config, run, spec, where)
+    except StatsConfigError as exc:
+        raise DatasetError(str(exc)) from exc
+    if source.tokenizer:
+        config = replace(config, tokenizer=source.tokenizer)
+    config = replace(config, trust_remote_code=source.trust_remote_code)
+    report = Path(source.lengths_path)
+    try:
+        tiles = load_image_tiles(source.lengths_path)
+        if by_epoch is None:
+            table, plan = load_video_plan(source.lengths_path)
+            by_epoch = EpochLengths(lengths, table, plan, plan.seed if plan else 0)
+        opened = RealSampleSource(
+            source.data, config, lengths, spec, tiles, run.get("image_root"),
+            skipped=report.with_name(f"{report.stem}.skipped.json"), pixels=pixels,
+            by_epoch=by_epoch, energon=run.get("energon"),
+            identities=load_identities(source.lengths_path))
+    except (OSError, LengthsError) as exc:  # a missing dataset, annotation or tokenizer
+        raise DatasetError(f"--omnibal-data {source.data}: {exc}") from exc
+    except ValueError as exc:  # a tokenizer that cannot be loaded (the message says why)
+        raise DatasetError(f"{where}: {exc}") from exc
+    fingerprint = opened.counter.fingerprint()
+    if fingerprint != run.get("tokenizer_fingerprint"):
+        raise DatasetError(
+            f"tokenizer {config.tokenizer} is not the one {where} was counted with (fingerprint "
+            f"{fingerprint}, stored {run.get('tokenizer_fingerprint')}); give the same "
+            "tokenizer with --omnibal-tokenizer or rerun `omnibal stats`")
+    opened.check_spread(check)
+    return opened

@@ -1,0 +1,400 @@
+"""Per-layer time and memory: an analytic FLOPs model or a measured layer profile.
+
+The planner cuts [ViT layers, projector, LLM layers] into pipeline stages, so it needs, for each
+of these units and a micro-batch's content, forward/backward/recompute time and memory. A
+micro-batch is summarised by four features, `tiles`, `tokens`, `sumsq` (sum of squared sample
+lengths: causal attention over packed variable-length sequences costs sum L^2, not (sum L)^2)
+and 1; every analytic cost is linear in them, so one coefficient matrix serves any number of
+micro-batches. Patch embedding rides with the first stage, the output head and loss with the
+last (`first` / `last` extras); the LLM embedding and the merge of image embeddings ride with
+the projector unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from megatron_omnibal.models.spec import ModelSpec
+from megatron_omnibal.planner.cost_model.config_files import read_json
+from megatron_omnibal.planner.cost_model.flops import ModelFlops
+from megatron_omnibal.planner.cost_model.hardware import Hardware
+from megatron_omnibal.planner.cost_model.memory import static_bytes_per_param
+
+MIB = 2.0**20
+GROUP_NONE, GROUP_VIT, GROUP_LLM = -1, 0, 1
+
+
+@dataclass(frozen=True)
+class Extra:
+    """Work pinned to a stage (patch embedding on the first, head + loss on the last)."""
+
+    forward_ms: np.ndarray | float = 0.0
+    backward_ms: np.ndarray | float = 0.0
+    activation_mib: np.ndarray | float = 0.0
+    static_mib: float = 0.0
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Costs of each partition unit for one micro-batch (arrays (U,)) or many ((U, M)).
+
+    `checkpoint_mib` is what a fully recomputed layer still stores (its input); `group` says
+    which recompute block a unit belongs to (Megatron recomputes the first k layers of a
+    stage's block, per tower), -1 for units that are never recomputed.
+    """
+
+    names: tuple[str, ...]
+    forward_ms: np.ndarray
+    backward_ms: np.ndarray
+    recompute_ms: np.ndarray
+    activation_mib: np.ndarray
+    checkpoint_mib: np.ndarray
+    output_mib: np.ndarray
+    static_mib: np.ndarray
+    group: np.ndarray
+    first: Extra = Extra()
+    last: Extra = Extra()
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def workload_features(tiles: np.ndarray, tokens: np.ndarray, sumsq: np.ndarray) -> np.ndarray:
+    """Micro-batch features (M, 4): tiles, tokens, sum of squared sample lengths, 1."""
+    tiles = np.asarray(tiles, np.float64)
+    return np.stack(
+        [tiles, np.asarray(tokens, np.float64), np.asarray(sumsq, np.float64), np.ones_like(tiles)],
+        axis=-1,
+    )
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Linear cost coefficients per unit: value = coef @ features."""
+
+    names: tuple[str, ...]
+    group: np.ndarray
+    forward: np.ndarray  # (U, 4) ms
+    backward: np.ndarray
+    recompute: np.ndarray
+    activation: np.ndarray  # (U, 4) MiB
+    checkpoint: np.ndarray
+    output: np.ndarray
+    static_mib: np.ndarray  # (U,)
+    first: np.ndarray  # (3, 4): forward, backward ms, activation MiB of the pinned work
+    last: np.ndarray
+    first_static_mib: float
+    last_static_mib: float
+    # per-step work outside the pipeline (optimizer step, the framework's per-step work), as a
+    # calibrated profile measured it; the analytic model has none
+    step_overhead_ms: float = 0.0
+
+    def at(self, features: np.ndarray) -> LayerCosts:
+        """Costs at one micro-batch (features (4,)) or many ((M, 4) -> arrays (U, M))."""
+        f = np.asarray(features, np.float64).T
+        first, last = self.first @ f, self.last @ f
+        return LayerCosts(
+            self.names,
+            self.forward @ f,
+            self.backward @ f,
+            self.recompute @ f,
+            self.activation @ f,
+            self.checkpoint @ f,
+            self.output @ f,
+            self.static_mib,
+            self.group,
+            Extra(first[0], first[1], first[2], self.first_static_mib),
+            Extra(last[0], last[1], last[2], self.last_static_mib),
+        )
+
+
+def analytic_costs(
+    model: ModelSpec,
+    hw: Hardware,
+    tp: int = 1,
+    dp: int = 1,
+    distributed_optimizer: bool = True,
+    image_tiles: np.ndarray | None = None,
+) -> CostModel:
+    """FLOPs-based costs of every unit on `hw` with tensor parallel `tp` (sequence parallel on).
+
+    `image_tiles`, the tiles of each image of the data, prices a native-resolution ViT's
+    attention (planner.flops.native_spans); its full-attention layers cost more than its
+    windowed ones, so they are units of their own price.
+
+    Time = FLOPs / (peak x efficiency x tp) + TP collectives + a per-layer launch overhead;
+    backward is twice the forward FLOPs, recompute one more forward. Memory is BF16 weights,
+    FP32 main gradients and FP32 Adam state (12 bytes/param, sharded over DP by the distributed
+    optimizer), and per-micro-batch activations with flash attention, divided by tp.
+    """
+    v, llm = model.vit, model.llm
+    rate = hw.peak_tflops * 1e12 * hw.efficiency * tp / 1e3  # FLOPs per ms per TP group
+    tp_comm = 0.0 if tp == 1 else 4 * (tp - 1) / tp / (hw.nvlink_gbs * 1e9) * 1e3  # ms/byte
+    bytes_per_param = static_bytes_per_param(dp if distributed_optimizer else 1)
+    over = hw.op_overhead_ms
+
+    def row(tiles: float = 0.0, tokens: float = 0.0, sumsq: float = 0.0, one: float = 0.0):
+        return np.array([tiles, tokens, sumsq, one], np.float64)
+
+    flops = ModelFlops.of(model, image_tiles)
+    s = v.seq_per_tile
+    vit_comm = s * 2 * v.hidden_size * tp_comm
+    mlp_stored = (3 if v.gated_mlp else 2) * v.ffn_hidden_size
+    vit_act = row(tiles=s * 2 * (8 * v.hidden_size + mlp_stored) / tp / MIB)
+    vit_ckpt = row(tiles=s * 2 * v.hidden_size / tp / MIB)
+    vit_out = row(tiles=s * 2 * v.hidden_size / tp / MIB)
+
+    n, pin, pmid, h = (
+        model.tokens_per_tile,
+        model.projector_in,
+        model.projector_hidden,
+        llm.hidden_size,
+    )
+    proj_fwd = row(tiles=flops.projector_per_tile / rate, one=over)
+    proj_act = row(tiles=n * 2 * (2 * pin + 2 * pmid) / tp / MIB)
+    llm_out = row(tokens=2 * h / tp / MIB)
+
+    llm_fwd = row(
+        tokens=flops.llm_layer_per_token / rate + 2 * h * tp_comm,
+        sumsq=flops.llm_layer_per_sumsq / rate,
+        one=over,
+    )
+    # Per token: 4 h-wide tensors (the norms' inputs and outputs), q and the attention context
+    # (heads x head size each), k and v, and the MLP's.
+    q = llm.q_size
+    stored = 4 * h + 2 * q + 2 * llm.kv_size + (3 if llm.gated_mlp else 2) * llm.ffn_hidden_size
+    llm_act = row(tokens=2 * stored / tp / MIB)
+    llm_ckpt = row(tokens=2 * h / tp / MIB)
+
+    names, fwd, act, ckpt, out, static, group = [], [], [], [], [], [], []
+
+    def add(name, f, a, c, o, params, g):
+        names.append(name)
+        fwd.append(f)
+        act.append(a)
+        ckpt.append(c)
+        out.append(o)
+        static.append(params / tp * bytes_per_param / MIB)
+        group.append(g)
+
+    for i in range(v.num_layers):
+        vit_fwd = row(tiles=flops.vit_layer(i, v.fullatt_block_indexes) / rate + vit_comm, one=over)
+        add(f"vit.{i}", vit_fwd, vit_act, vit_ckpt, vit_out, v.layer_params, GROUP_VIT)
+    embed_params = llm.vocab_size * h
+    add(
+        "projector",
+        proj_fwd,
+        proj_act,
+        row(),
+        llm_out,
+        model.projector_params + embed_params,
+        GROUP_NONE,
+    )
+    for i in range(llm.num_layers):
+        add(f"llm.{i}", llm_fwd, llm_act, llm_ckpt, llm_out, llm.layer_params, GROUP_LLM)
+
+    fwd_a = np.array(fwd)
+    bwd_a = 2 * fwd_a
+    rec_a = np.where(np.array(group)[:, None] >= 0, fwd_a, 0.0)
+    first = np.array(
+        [
+            row(tiles=flops.patch_per_tile / rate, one=over),
+            row(tiles=2 * flops.patch_per_tile / rate),
+            row(tiles=v.num_patches * v.patch_dim * 2 / MIB),
+        ]
+    )
+    head_fwd = row(tokens=flops.head_per_token / rate, one=over)
+    last = np.array([head_fwd, 2 * head_fwd, row(tokens=(4 * h + 6 * llm.vocab_size) / tp / MIB)])
+    return CostModel(
+        tuple(names),
+        np.array(group),
+        fwd_a,
+        bwd_a,
+        rec_a,
+        np.array(act),
+        np.array(ckpt),
+        np.array(out),
+        np.array(static),
+        first,
+        last,
+        model.patch_embed_params / tp * bytes_per_param / MIB,
+        embed_params / tp * bytes_per_param / MIB,
+    )
+
+
+def profile_cost_model(doc: dict, where: str = "profile", dp: int = 1) -> CostModel:
+    """A CostModel from a measured profile of `omnibal profile`, scaled linearly.
+
+    ViT and projector numbers scale with tiles and LLM numbers with tokens, from the tiles and
+    tokens of the measured micro-batch (`measured`); attention's quadratic part is folded into
+    the linear rate of the measured sequence. Static memory is re-derived for `dp` from each
+    layer's `params` when present. Pinned work (patch embedding, head) is already folded
+    into the first and last layers.
+    """
+    costs, options = profile_from_dict(doc, where)
+    measured = doc.get("measured")
+    if not isinstance(measured, dict) or not all(
+        isinstance(measured.get(k), int) and measured[k] > 0 for k in ("tiles", "tokens")
+    ):
+        raise ValueError(
+            f"{where}: needs 'measured' with the positive integer 'tiles' and 'tokens' of the "
+            "profiled micro-batch (written by `omnibal profile`) to scale to other batches"
+        )
+    group = np.asarray(costs.group)
+    col = np.where(group == GROUP_LLM, 1, 0)
+    scale = np.where(group == GROUP_LLM, 1.0 / measured["tokens"], 1.0 / measured["tiles"])
+
+    def linear(values: np.ndarray) -> np.ndarray:
+        out = np.zeros((len(costs), 4))
+        out[np.arange(len(costs)), col] = np.asarray(values, np.float64) * scale
+        return out
+
+    params = [layer.get("params") for layer in doc["layers"]]
+    if all(isinstance(p, int) for p in params):
+        static = np.array(params, np.float64) * static_bytes_per_param(dp) / MIB
+    else:
+        static = np.asarray(costs.static_mib, np.float64)
+    zero = np.zeros((3, 4))
+    return CostModel(
+        costs.names,
+        group,
+        linear(costs.forward_ms),
+        linear(costs.backward_ms),
+        linear(costs.recompute_ms),
+        linear(costs.activation_mib),
+        linear(costs.checkpoint_mib),
+        linear(costs.output_mib),
+        static,
+        zero,
+        zero,
+        0.0,
+        0.0,
+        options.get("step_overhead_ms", 0.0),
+    )
+
+
+PROFILE_GROUPS = {"vit": GROUP_VIT, "llm": GROUP_LLM, "none": GROUP_NONE}
+
+
+def load_profile(path: str | Path) -> tuple[LayerCosts, dict]:
+    """Read a layer profile (format: docs/planner.md); returns the costs and top-level options.
+
+    Optional per-layer fields beyond the contract: `checkpoint_mib` (what a recomputed layer
+    still stores, default 0), `output_mib` (tensor sent to the next stage, default 0), `group`
+    ("vit"/"llm"/"none": recompute block, default one block for all layers).
+    """
+    return profile_from_dict(read_json(path, "profile"), str(path))
+
+
+def profile_from_dict(doc: dict, where: str = "profile") -> tuple[LayerCosts, dict]:
+    """Validate a profile mapping; errors name the layer index and field."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("layers"), list) or not doc["layers"]:
+        raise ValueError(f"{where}: expected an object with a non-empty 'layers' list")
+    m = doc.get("micro_batches")
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"{where}: 'micro_batches' must be a positive integer, got {m!r}")
+    cols: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "forward_ms",
+            "backward_ms",
+            "recompute_ms",
+            "activation_mib",
+            "weight_mib",
+            "checkpoint_mib",
+            "output_mib",
+        )
+    }
+    names, groups = [], []
+    for i, layer in enumerate(doc["layers"]):
+        if not isinstance(layer, dict):
+            raise ValueError(f"{where}: layer {i}: expected an object")
+        names.append(str(layer.get("name", f"layer{i}")))
+        for key in cols:
+            value = layer.get(key)
+            if value is None:
+                if key in ("forward_ms", "backward_ms", "activation_mib", "weight_mib"):
+                    raise ValueError(f"{where}: layer {i} ('{names[-1]}'): missing '{key}'")
+                value = layer["forward_ms"] if key == "recompute_ms" else 0.0
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or value < 0
+                or not np.isfinite(value)
+            ):
+                raise ValueError(
+                    f"{where}: layer {i} ('{names[-1]}'): '{key}' must be a "
+                    f"non-negative number, got {value!r}"
+                )
+            cols[key].append(float(value))
+        group = layer.get("group", "vit")
+        if group not in PROFILE_GROUPS:
+            raise ValueError(
+                f"{where}: layer {i}: 'group' must be one of "
+                f"{', '.join(PROFILE_GROUPS)}, got {group!r}"
+            )
+        groups.append(PROFILE_GROUPS[group])
+    options = {"micro_batches": m}
+    for key in ("memory_budget_gib", "p2p_ms", "step_overhead_ms"):
+        if key in doc:
+            value = doc[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{where}: '{key}' must be a non-negative number, got {value!r}")
+            options[key] = float(value)
+    a = {k: np.array(v, np.float64) for k, v in cols.items()}
+    costs = LayerCosts(
+        tuple(names),
+        a["forward_ms"],
+        a["backward_ms"],
+        # Recomputation re-runs the layer's forward, so it costs at least that; a measured
+        # difference (checkpointed minus plain fwd+bwd) can be ~0 in timing noise.
+        np.maximum(a["recompute_ms"], a["forward_ms"]),
+        a["activation_mib"],
+        a["checkpoint_mib"],
+        a["output_mib"],
+        a["weight_mib"],
+        np.array(groups),
+    )
+    return costs, options
+
+
+def costs_to_profile(
+    costs: LayerCosts,
+    micro_batches: int,
+    memory_budget_gib: float | None = None,
+    p2p_ms: float | None = None,
+) -> dict:
+    """A layer profile (docs/planner.md) of single-micro-batch costs, extras in end units."""
+    fwd = np.array(costs.forward_ms, np.float64)
+    bwd = np.array(costs.backward_ms, np.float64)
+    act = np.array(costs.activation_mib, np.float64)
+    static = np.array(costs.static_mib, np.float64)
+    for idx, extra in ((0, costs.first), (-1, costs.last)):
+        fwd[idx] += float(extra.forward_ms)
+        bwd[idx] += float(extra.backward_ms)
+        act[idx] += float(extra.activation_mib)
+        static[idx] += float(extra.static_mib)
+    inverse = {v: k for k, v in PROFILE_GROUPS.items()}
+    layers = [
+        {
+            "name": costs.names[i],
+            "forward_ms": float(fwd[i]),
+            "backward_ms": float(bwd[i]),
+            "recompute_ms": float(costs.recompute_ms[i]),
+            "activation_mib": float(act[i]),
+            "weight_mib": float(static[i]),
+            "checkpoint_mib": float(costs.checkpoint_mib[i]),
+            "output_mib": float(costs.output_mib[i]),
+            "group": inverse[int(costs.group[i])],
+        }
+        for i in range(len(costs))
+    ]
+    doc: dict = {"micro_batches": int(micro_batches), "layers": layers}
+    if memory_budget_gib is not None:
+        doc["memory_budget_gib"] = float(memory_budget_gib)
+    if p2p_ms is not None:
+        doc["p2p_ms"] = float(p2p_ms)
+    return doc

@@ -1,0 +1,270 @@
+"""balance(): every sample exactly once, budgets kept, oversize policies, layout, determinism,
+and that our default beats ISF on the real data."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_omnibal.balance import layout, metrics
+from megatron_omnibal.balance.balancer import balance
+from megatron_omnibal.balance.budgets import auto_budget
+from megatron_omnibal.balance.checks import check_plan
+from megatron_omnibal.balance.config import BalanceConfig, PackCost
+from megatron_omnibal.balance.mixes import long_tail_mix
+from megatron_omnibal.balance.plan_io import load_plan, save_plan
+from megatron_omnibal.data.lengths import from_arrays, load_lengths
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "data" / "internvl_subset.npz"
+
+
+@pytest.fixture(scope="module")
+def real():
+    return load_lengths(EXAMPLE)
+
+
+@pytest.fixture(scope="module")
+def subset(real):
+    return real.subset(np.random.default_rng(0).permutation(len(real))[:6000])
+
+
+def cfg(**kw):
+    return BalanceConfig(**{"vit_budget": 18, "token_budget": 6016, **kw})
+
+
+def _pack_sums(plan, values):
+    pid = np.repeat(np.arange(plan.num_packs), np.diff(plan.pack_ptr))
+    return np.bincount(pid, values[plan.samples], plan.num_packs)
+
+
+def _check_plan(plan, lengths, dp, micro, vb, tb):
+    """Independent of the balancer's own check: plain loops over the plan."""
+    trained = np.sort(plan.samples)
+    assert np.array_equal(np.sort(np.concatenate([trained, plan.skipped])),
+                          np.arange(len(lengths)))
+    assert plan.num_packs == plan.num_steps * dp * micro
+    assert _pack_sums(plan, lengths.vit).max() <= vb
+    assert _pack_sums(plan, lengths.tokens).max() <= tb
+    slots = (plan.pack_step * dp + plan.pack_rank) * micro + plan.pack_micro
+    assert np.array_equal(slots, np.arange(plan.num_packs))  # full grid, (step, rank, micro)
+
+
+@pytest.mark.parametrize("algorithm", ["default", "isf"])
+@pytest.mark.parametrize("mode", ["random", "grouped"])
+@pytest.mark.parametrize("micro", [1, 3])
+def test_every_sample_once_within_budgets(subset, algorithm, mode, micro):
+    plan = balance(subset, cfg(dp_size=8, micro_batches=micro, seed=3, mode=mode,
+                               algorithm=algorithm))
+    _check_plan(plan, subset, 8, micro, 18, 6016)
+    assert len(plan.skipped) == 0
+
+
+def test_deterministic_for_a_seed(subset):
+    kw = dict(dp_size=4, micro_batches=2)
+    a, b = balance(subset, cfg(seed=5, **kw)), balance(subset, cfg(seed=5, **kw))
+    c = balance(subset, cfg(seed=6, **kw))
+    for name in ("samples", "pack_ptr", "pack_step", "pack_rank", "pack_micro"):
+        assert np.array_equal(getattr(a, name), getattr(b, name))
+    assert not np.array_equal(a.samples, c.samples)
+
+
+def test_reference_backend_gives_the_same_plan(real):
+    small = real.subset(np.arange(0, len(real), 250))  # 283 samples, all four datasets
+    for algorithm, mode in (("default", "random"), ("default", "grouped"), ("isf", "random")):
+        config = cfg(dp_size=4, seed=2, algorithm=algorithm, mode=mode)
+        a = balance(small, config)
+        b = balance(small, config, use_reference=True)
+        assert np.array_equal(a.samples, b.samples) and np.array_equal(a.pack_ptr, b.pack_ptr)
+
+
+def _with_oversize():
+    rng = np.random.default_rng(1)
+    vit = rng.integers(1, 6, 400)
+    tokens = 256 * vit + rng.integers(50, 500, 400)
+    vit[[7, 100]] = 30            # too many tiles
+    tokens[[55]] = 9000           # too many tokens
+    return from_arrays(vit, tokens), {7, 55, 100}
+
+
+def test_oversize_error_names_the_sample():
+    lengths, _ = _with_oversize()
+    with pytest.raises(ValueError, match=r"sample 7 .*vit_num=30.*3 such sample"):
+        balance(lengths, cfg(dp_size=2))
+
+
+def test_oversize_solo_and_skip():
+    lengths, over = _with_oversize()
+    solo = balance(lengths, cfg(dp_size=2, oversize="solo"))
+    check_plan(solo, lengths)
+    packs = [set(solo.pack(p).tolist()) for p in range(solo.num_packs)]
+    for i in over:
+        assert {i} in packs  # a pack of its own
+    tiles, tokens = _pack_sums(solo, lengths.vit), _pack_sums(solo, lengths.tokens)
+    over_packs = {p for p in range(solo.num_packs) if tiles[p] > 18 or tokens[p] > 6016}
+    assert {frozenset(solo.pack(p).tolist()) for p in over_packs} == {frozenset({i}) for i in over}
+    skip = balance(lengths, cfg(dp_size=2, oversize="skip"))
+    assert set(skip.skipped.tolist()) == over
+    _check_plan(skip, lengths, 2, 1, 18, 6016)
+
+
+def test_tiny_inputs_fill_the_grid():
+    lengths = from_arrays([1, 2, 3], [300, 600, 900])
+    plan = balance(lengths, cfg(dp_size=4, micro_batches=2))
+    _check_plan(plan, lengths, 4, 2, 18, 6016)
+    assert plan.num_steps == 1  # 8 packs, 5 of them empty
+
+
+def test_bad_arguments_are_named(subset):
+    with pytest.raises(ValueError, match="dp_size"):
+        cfg(dp_size=0)
+    with pytest.raises(ValueError, match="mode"):
+        cfg(dp_size=2, mode="sorted")
+    with pytest.raises(ValueError, match="oversize"):
+        cfg(dp_size=2, oversize="drop")
+    with pytest.raises(TypeError, match="BalanceConfig"):
+        balance(subset, {"dp_size": 2})
+
+
+def test_default_beats_isf_and_random_on_real_data(real):
+    kw = dict(dp_size=64, micro_batches=1, seed=0)
+    ours = metrics.summarize(balance(real, cfg(**kw)), real)
+    isf = metrics.summarize(balance(real, cfg(algorithm="isf", **kw)), real)
+    rnd = metrics.summarize(metrics.random_batching(real, dp_size=64, micro_batches=1,
+                                                    samples_per_micro=4), real, packed=False)
+    assert ours["tokens_max_mean"] < isf["tokens_max_mean"] - 0.05
+    # issue 11's targets: tiles and tokens within 1%, modeled time within 1.5%, per step, with
+    # the mix no more skewed than a plain shuffle's
+    assert ours["tiles_max_mean"] <= 1.01 and ours["tokens_max_mean"] <= 1.01
+    assert ours["time_max_mean"] <= 1.015
+    assert ours["mix_skew_ratio"] <= 1.0
+    assert ours["empty_packs"] == 0
+    assert rnd["tokens_max_mean"] > 1.25
+    grouped = metrics.summarize(balance(real, cfg(mode="grouped", **kw)), real)
+    assert grouped["tokens_max_mean"] <= 1.005 and grouped["tiles_max_mean"] <= 1.005
+
+
+def test_long_tail_mix_grouped_meets_the_targets():
+    """Generated long-tail mix (text-only, multi-image, video-like) at 32 ranks: grouped steps
+    keep tiles and tokens within 2% and the modeled time within 3%, with no empty pack."""
+    mix = long_tail_mix(20_000, seed=0, long_share=0.0, max_frames=16)
+    vb, tb = auto_budget(mix)
+    for kw in (dict(vit_budget=vb, token_budget=tb),
+               dict(vit_budget=18, token_budget=6016, oversize="skip")):
+        plan = balance(mix, BalanceConfig(dp_size=32, mode="grouped", **kw))
+        figures = metrics.summarize(plan, mix)
+        assert figures["tiles_max_mean"] <= 1.02 and figures["tokens_max_mean"] <= 1.02
+        assert figures["time_max_mean"] <= 1.03 and figures["empty_packs"] == 0
+
+
+def test_tail_steps_hold_every_pack_over_the_tolerance():
+    """Random layout: every pack over the median tiles or the mean tokens or time by more than
+    the tolerance (times the micro-batches a rank sums) is in a step of its own kind (the tail),
+    never in a random step; the light tile packs follow while their lack exceeds it; steps are
+    whole and disjoint."""
+    rng = np.random.default_rng(5)
+    num, per_step, tol = 64 * 40, 64, 0.015
+    vit = np.where(rng.random(num) < 0.1, rng.integers(12, 18, num), 18).astype(float)
+    tok = vit * 280 + rng.normal(0, 30, num) + np.where(rng.random(num) < 0.05, 400, 0)
+    time = tok + rng.normal(0, 20, num)
+    sizes = layout.relative_sizes(vit, tok, time)
+    bands, rest = layout.tail_bands(sizes, per_step, tol, 4)
+    assert all(len(b) == per_step for b in bands)
+    everything = np.sort(np.concatenate([*bands, rest]))
+    assert np.array_equal(everything, np.arange(num))
+    over = np.flatnonzero(sizes.max(axis=1) - 1 > 4 * tol)
+    assert len(over) and set(over.tolist()) <= set(np.concatenate(bands).tolist())
+    top = vit[rest].max()
+    assert (top - vit[rest]).sum() <= tol * top * len(rest) + 18 * per_step
+    step, rank, micro = layout.layout(vit, tok, time, 16, 4, "random", 0, None, tol)
+    assert np.array_equal(np.bincount(step), np.full(40, per_step))
+    for band in bands:  # a tail band is one whole step
+        assert len(np.unique(step[band])) == 1
+
+
+def test_grouped_steps_are_alike():
+    """Grouped layout on two clusters of packs (small and large in every size): no step mixes
+    them."""
+    rng = np.random.default_rng(2)
+    big = np.repeat([0, 1], 640)
+    rng.shuffle(big)
+    vit = np.where(big, 18, 9).astype(float)
+    tok = vit * 300 + rng.normal(0, 20, len(vit))
+    step, _, _ = layout.layout(vit, tok, tok * 1.1, 32, 2, "grouped", 0)
+    for s in range(step.max() + 1):
+        assert len(np.unique(big[step == s])) == 1
+
+
+def test_cost_model_balances_attention(subset):
+    cost = PackCost(tile_ms=(0.0,), token_ms=(1.0,), attention_ms=(1.0 / 256,))
+    kw = dict(dp_size=8, seed=1)
+    by_tokens = metrics.summarize(balance(subset, cfg(**kw)), subset, cost)
+    by_cost = metrics.summarize(balance(subset, cfg(cost=cost, **kw)), subset, cost)
+    assert by_cost["time_max_mean"] < by_tokens["time_max_mean"]
+    with pytest.raises(ValueError, match="three numbers"):
+        PackCost.parse("1,2")
+
+
+def test_auto_budget(real):
+    vb, tb = auto_budget(real, samples_per_pack=4)
+    assert vb >= real.vit.max() and tb >= real.tokens.max()
+    assert abs(vb / real.vit.mean() - 4) < 0.5
+    assert tb % 64 == 0
+    per_tile = real.tokens.sum() / real.vit.sum()
+    assert vb * per_tile <= tb <= vb * per_tile * 1.1
+    vb2, tb2 = auto_budget(real, samples_per_pack=8, max_token_budget=4096)
+    assert tb2 <= 4096 and vb2 * per_tile <= 4096
+
+
+def test_plan_file_round_trip(subset, tmp_path):
+    plan = balance(subset, cfg(dp_size=4, micro_batches=2))
+    save_plan(plan, tmp_path / "plan.npz")
+    back = load_plan(tmp_path / "plan.npz")
+    for name in ("samples", "pack_ptr", "pack_step", "pack_rank", "pack_micro", "skipped",
+                 "pack_level"):
+        assert np.array_equal(getattr(back, name), getattr(plan, name))
+    assert back.meta["dp"] == 4 and back.meta["algorithm"] == "default"
+    assert BalanceConfig.from_dict(back.meta) == cfg(dp_size=4, micro_batches=2)
+    check_plan(back, subset)
+    with np.load(tmp_path / "plan.npz") as z:
+        assert z["samples"].dtype == np.int64 and z["meta"].shape == ()
+    np.savez(tmp_path / "bad.npz", samples=plan.samples)
+    with pytest.raises(ValueError, match="missing pack_ptr"):
+        load_plan(tmp_path / "bad.npz")
+
+
+def test_text_only_and_mixed_samples():
+    rng = np.random.default_rng(0)
+    text = from_arrays(np.zeros(2000, np.int64), rng.integers(100, 3000, 2000),
+                       image_flags=np.zeros(2000, np.int64))
+    plan = balance(text, BalanceConfig(dp_size=8, micro_batches=2, vit_budget=0,
+                                       token_budget=8192))
+    _check_plan(plan, text, 8, 2, 0, 8192)
+    assert metrics.summarize(plan, text)["tokens_max_mean"] < 1.02
+    vit = np.where(rng.random(2000) < 0.3, 0, rng.integers(1, 6, 2000))
+    mixed = from_arrays(vit, 256 * vit + rng.integers(100, 900, 2000))
+    plan = balance(mixed, cfg(dp_size=8))
+    _check_plan(plan, mixed, 8, 1, 18, 6016)
+    figures = metrics.summarize(plan, mixed)
+    # Token-bound data (12 tiles' worth of tokens per pack); random batching: 1.64 / 1.36.
+    assert figures["tokens_max_mean"] < 1.02 and figures["tiles_max_mean"] < 1.02
+
+
+@pytest.mark.parametrize("trial", range(24))
+def test_random_configurations_keep_every_invariant(trial):
+    rng = np.random.default_rng(1000 + trial)
+    n, vmax = int(rng.integers(1, 800)), int(rng.integers(0, 8))
+    vit = rng.integers(0, vmax + 1, n)
+    tokens = rng.integers(1, 3000, n) + 200 * vit
+    lengths = from_arrays(vit, tokens)
+    vb, tb = int(rng.integers(max(1, vmax), 30)), int(rng.integers(int(tokens.max()), 12000))
+    dp, micro = int(rng.integers(1, 70)), int(rng.integers(1, 9))
+    config = BalanceConfig(
+        dp_size=dp, micro_batches=micro, vit_budget=vb, token_budget=tb, seed=trial,
+        algorithm=("default", "isf")[trial % 2], mode=("random", "grouped")[trial // 2 % 2],
+        cost=PackCost.parse("1,1,0.001") if trial % 3 == 0 else None)
+    plan = balance(lengths, config)
+    _check_plan(plan, lengths, dp, micro, vb, tb)
+    if n <= 200:  # the pure-Python reference gives the same plan
+        ref = balance(lengths, config, use_reference=True)
+        assert np.array_equal(ref.samples, plan.samples)
+        assert np.array_equal(ref.pack_ptr, plan.pack_ptr)

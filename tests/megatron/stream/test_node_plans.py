@@ -1,0 +1,95 @@
+"""Epoch plans balanced (and lengths read) once per node: local rank 0 writes, the other ranks
+map the same arrays read-only; a rank that finds no plan waits, and says which file it waited
+for."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from megatron_omnibal.balance.balancer import balance
+from megatron_omnibal.balance.config import BalanceConfig
+from megatron_omnibal.data.lengths import from_arrays
+from megatron_omnibal.megatron.stream import node_plans
+from megatron_omnibal.megatron.stream.node_plans import NodePlans
+
+RNG = np.random.default_rng(0)
+LENGTHS = from_arrays(RNG.integers(1, 6, 300), RNG.integers(50, 400, 300))
+CONFIG = BalanceConfig(dp_size=4, micro_batches=2, vit_budget=12, token_budget=900, seed=3)
+IDENTITY = {"seed": 3, "lengths": "test"}
+ARRAYS = node_plans.ARRAYS
+
+
+def _same(a, b) -> None:
+    for name in ARRAYS:
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    assert a.meta == b.meta
+
+
+def test_the_writer_balances_once_and_readers_map_the_same_plan(tmp_path, monkeypatch) -> None:
+    """Oracle: balance() of each epoch's seed in this process. A reader started before the
+    writer waits for it; each epoch is balanced once on the node, the arrays readers get are
+    read-only maps, and the writer's files are gone when it is done."""
+    calls = []
+
+    def counted(lengths, config):
+        calls.append(config.seed)
+        return balance(lengths, config)
+
+    monkeypatch.setattr(node_plans, "balance", counted)
+    writer = NodePlans(lambda e: LENGTHS, CONFIG, IDENTITY, local_rank=0, folder=tmp_path)
+    readers = [NodePlans(lambda e: LENGTHS, CONFIG, IDENTITY, local_rank=r, folder=tmp_path,
+                         wait_s=60) for r in (1, 2)]  # fmt: skip
+    got = {}
+    threads = [threading.Thread(target=lambda r=r: got.__setitem__(r, [readers[r](e)
+                                                                       for e in (0, 1)]))
+               for r in (0, 1)]  # fmt: skip
+    for t in threads:
+        t.start()
+    mine = [writer(e) for e in (0, 1)]
+    for t in threads:
+        t.join()
+    assert calls == [3, 4]  # epoch e balances with seed + e, once
+    for e in (0, 1):
+        want = balance(LENGTHS, CONFIG.with_seed(3 + e))
+        _same(mine[e], want)
+        for r in (0, 1):
+            _same(got[r][e], want)
+            assert not got[r][e].samples.flags.writeable
+    assert writer(1) is mine[1] and calls == [3, 4]  # kept mapped, not balanced again
+    writer._remove(writer._used)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_reader_without_its_writer_stops_naming_the_file(tmp_path) -> None:
+    reader = NodePlans(lambda e: LENGTHS, CONFIG, IDENTITY, local_rank=1, folder=tmp_path,
+                       wait_s=0.1)  # fmt: skip
+    with pytest.raises(TimeoutError, match=r"omnibal-epoch-plan-.*-seed5-epoch2.*local rank 0"):
+        reader(2)
+
+
+def test_lengths_are_made_once_and_mapped_by_the_other_ranks(tmp_path) -> None:
+    """Oracle: the lengths themselves. The writer makes them once, a reader (started first)
+    maps an equal read-only copy; another key is another file."""
+    made = []
+
+    def make():
+        made.append(1)
+        return LENGTHS
+
+    got = {}
+    reader = threading.Thread(target=lambda: got.setdefault(
+        "r", node_plans.node_lengths(make, {"k": 1}, local_rank=1, folder=tmp_path)))
+    reader.start()
+    mine = node_plans.node_lengths(make, {"k": 1}, local_rank=0, folder=tmp_path)
+    reader.join()
+    assert made == [1]
+    for lengths in (mine, got["r"]):
+        for field in ("vit", "tokens", "image_flags", "dataset"):
+            np.testing.assert_array_equal(getattr(lengths, field), getattr(LENGTHS, field))
+            assert not getattr(lengths, field).flags.writeable
+        assert lengths.names == LENGTHS.names
+    node_plans.node_lengths(make, {"k": 2}, local_rank=0, folder=tmp_path)
+    assert made == [1, 1] and len(list(tmp_path.glob("omnibal-lengths-*"))) == 2
