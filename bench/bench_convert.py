@@ -27,7 +27,8 @@ from pathlib import Path
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
 IMPORTS = (
     "import torch, transformers, safetensors, tqdm; "
-    "import megatron_omnibal.models.hf_weights, megatron_omnibal.megatron.checkpoint.hf_checkpoint, "
+    "import megatron_omnibal.models.hf_weights, "
+    "megatron_omnibal.megatron.checkpoint.hf_checkpoint, "
     "megatron_omnibal.megatron.checkpoint.checkpoint_reader, megatron_omnibal.models.hf_export"
 )
 

@@ -1,6 +1,6 @@
-"""torchrun worker (2 processes) for megatron_omnibal.megatron.runtime.cpu: checks that need a process
-group or that must not patch the pytest process itself. Saves its observations to OUT/rank{r}.pt;
-tests/megatron/runtime/test_megatron_cpu.py asserts on them.
+"""torchrun worker (2 processes) for megatron_omnibal.megatron.runtime.cpu: checks that need a
+process group or that must not patch the pytest process itself. Saves its observations to
+OUT/rank{r}.pt; tests/megatron/runtime/test_megatron_cpu.py asserts on them.
 
 Usage: torchrun --nproc-per-node 2 cpu_worker.py OUT_DIR
 """

@@ -105,7 +105,10 @@ def test_cpu_mode_keeps_explicit_backend_and_options_anywhere(tmp_path: Path) ->
     ("content", "message"),
     [
         ("import megatron\n", "is not patched for --omnibal"),
-        ("from megatron_omnibal.megatron.training.pretrain_vlm import main\n", "an older megatron-omnibal"),
+        (
+            "from megatron_omnibal.megatron.training.pretrain_vlm import main\n",
+            "an older megatron-omnibal",
+        ),
     ],
 )
 def test_an_unpatched_megatron_lm_script_with_omnibal_flags_is_refused(

@@ -7,7 +7,8 @@ stage, fill it from the HF tensors of that stage alone and save with megatron-co
 dist_checkpointing, as megatron.training does. Each process holds one TP x PP shard.
 
 Run by `omnibal convert hf-to-megatron --ckpt-format torch_dist`; the module's main() is the
-worker: python -m torch.distributed.run --nproc-per-node N -m megatron_omnibal.megatron.checkpoint.dist_convert
+worker: python -m torch.distributed.run --nproc-per-node N
+-m megatron_omnibal.megatron.checkpoint.dist_convert
 --hf DIR --out DIR --tp T --stages JSON [--dtype bf16|fp16|fp32]
 """
 
@@ -34,7 +35,8 @@ def write_dist_checkpoint(
     stages = json.dumps([st.to_dict() for st in layouts])
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={tp * len(layouts)}", "-m", "megatron_omnibal.megatron.checkpoint.dist_convert",
+        f"--nproc-per-node={tp * len(layouts)}",
+        "-m", "megatron_omnibal.megatron.checkpoint.dist_convert",
         "--hf", str(hf.path), "--out", str(out), "--tp", str(tp), "--stages", stages,
     ]  # fmt: skip
     if dtype:

@@ -1,7 +1,8 @@
 """torchrun worker of `omnibal compare-hf`: this rank's stage of a Megatron checkpoint at a
 layout, one forward pass of the probe samples, its outputs saved for the comparison.
 
-python -m torch.distributed.run --nproc-per-node N -m megatron_omnibal.megatron.compare.compare_worker
+python -m torch.distributed.run --nproc-per-node N
+-m megatron_omnibal.megatron.compare.compare_worker
 --ckpt ITERATION_DIR --format torch|torch_dist --spec JSON --tp T --stages JSON
 [--sequence-parallel] --samples FILE --out DIR
 """

@@ -1,5 +1,5 @@
-"""Lines that several ranks write to one stderr at once stay whole (megatron/runtime/stderr.py); with
-print, whose newline is a second write, this test fails: lines run together."""
+"""Lines that several ranks write to one stderr at once stay whole (megatron/runtime/stderr.py);
+with print, whose newline is a second write, this test fails: lines run together."""
 
 from __future__ import annotations
 

@@ -154,7 +154,8 @@ def test_data_parallel_resume_with_dropout_continues_with_the_uninterrupted_loss
 def test_bad_layout_stops_both_torchrun_ranks_once_without_a_traceback(lengths_file, tmp_path):
     """Under torchrun every rank refuses the layout itself and exits non-zero; nobody waits in
     a collective. Rank 0 alone prints the error, once, with no traceback, before Megatron's
-    argument dump (tests/megatron/flags/test_megatron_training_args.py covers the other bad inputs)."""
+    argument dump (tests/megatron/flags/test_megatron_training_args.py covers the other bad
+    inputs)."""
     flags = _flags(lengths_file, "--pipeline-model-parallel-size", "2", "--global-batch-size",
                    "2", "--train-iters", "2", "--omnibal-vit-pp-layers", "4,0",
                    "--omnibal-llm-pp-layers", "1,2")  # fmt: skip

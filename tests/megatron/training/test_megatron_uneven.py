@@ -6,8 +6,8 @@ stages split 2 + 5.
 Oracle: the PP=1 run of the same weights (set from each parameter's model-wide name). The PP=3
 run's losses and every gradient each optimizer step applies equal PP=1's; the PP=2 run resumes
 with the PP=3 run's parameters and continues with PP=1's losses; Megatron's FLOPs figure is the
-same at every layout. (tests/megatron/stages/test_megatron_model.py checks 5 and 7 layers on 2 and 4 stages
-without megatron.training.)
+same at every layout. (tests/megatron/stages/test_megatron_model.py checks 5 and 7 layers on 2
+and 4 stages without megatron.training.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Model FLOPs and MFU (planner/cost_model/flops.py, megatron/training/throughput.py, the training log's figures),
-checked against FLOPs counted by hand matrix multiply by matrix multiply (tests/flops_by_hand.py).
+"""Model FLOPs and MFU (planner/cost_model/flops.py, megatron/training/throughput.py, the training
+log's figures), checked against FLOPs counted by hand matrix multiply by matrix multiply
+(tests/flops_by_hand.py).
 """
 
 from __future__ import annotations

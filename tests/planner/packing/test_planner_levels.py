@@ -1,5 +1,5 @@
-"""planner/packing/pack_cost.py and planner/packing/levels.py against the planner's own pieces as oracles:
-the cost model evaluated directly, brute-force recompute, the simulator step by step."""
+"""planner/packing/pack_cost.py and planner/packing/levels.py against the planner's own pieces as
+oracles: the cost model evaluated directly, brute-force recompute, the simulator step by step."""
 
 import numpy as np
 import pytest
