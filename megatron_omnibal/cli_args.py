@@ -34,40 +34,33 @@ def _number(text: str, kind: type) -> int | float:
     return value
 
 
-def positive_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+def _in_range(text: str, kind: type, accepts: Callable[[float], bool], rule: str) -> int | float:
+    """`text` as a number of `kind` that `accepts`; else an error: "`rule`, got `text`"."""
+    value = _number(text, kind)
+    if not accepts(value):
+        raise argparse.ArgumentTypeError(f"{rule}, got {text}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _in_range(text, int, lambda v: v >= 1, "must be a positive integer")
 
 
 def non_negative_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+    return _in_range(text, int, lambda v: v >= 0, "must be >= 0")
 
 
 def positive_float(text: str) -> float:
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+    return _in_range(text, float, lambda v: v > 0, "must be > 0")
 
 
 def non_negative_float(text: str) -> float:
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+    return _in_range(text, float, lambda v: v >= 0, "must be >= 0")
 
 
 def fraction(text: str) -> float:
     """A share in [0, 1]."""
-    value = _number(text, float)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
-    return value
+    return _in_range(text, float, lambda v: 0 <= v <= 1, "must lie in [0, 1]")
 
 
 def counts(text: str) -> list[int]:
