@@ -33,23 +33,21 @@ from megatron_omnibal.megatron.training.throughput import Throughput
 PREFIX = "omnibal"
 
 
+def _layers(tower: str, layers: tuple[int, int], recompute: int) -> str:
+    first, end = layers
+    return f"{tower} layers {first}-{end - 1} (recompute {recompute})"
+
+
 def _stage_line(rank: int, st: StageLayout) -> str:
-    parts = []
-    if st.patch_embed:
-        parts.append("patch embedding")
-    if st.num_vit_layers:
-        first, end = st.vit_layers
-        parts.append(f"ViT layers {first}-{end - 1} (recompute {st.vit_recompute})")
-    if st.projector:
-        parts.append("projector")
-    if st.llm_embed:
-        parts.append("LLM embedding")
-    if st.num_llm_layers:
-        first, end = st.llm_layers
-        parts.append(f"LLM layers {first}-{end - 1} (recompute {st.llm_recompute})")
-    if st.head:
-        parts.append("head")
-    return f"stage {rank}: " + (", ".join(parts) or "nothing")
+    pieces = (
+        (st.patch_embed, "patch embedding"),
+        (st.num_vit_layers, _layers("ViT", st.vit_layers, st.vit_recompute)),
+        (st.projector, "projector"),
+        (st.llm_embed, "LLM embedding"),
+        (st.num_llm_layers, _layers("LLM", st.llm_layers, st.llm_recompute)),
+        (st.head, "head"),
+    )
+    return f"stage {rank}: " + (", ".join(text for held, text in pieces if held) or "nothing")
 
 
 def startup_summary(
