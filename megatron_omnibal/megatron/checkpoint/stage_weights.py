@@ -41,22 +41,23 @@ def owns(name: str, layout: StageLayout) -> bool:
     raise ValueError(f"'{name}' is not a tensor of the VLM stage module")
 
 
-def to_local(name: str, layout: StageLayout) -> str:
-    """Global layer index -> the stage's own (0-based) index."""
+def _shift_layer(name: str, layout: StageLayout, sign: int) -> str:
+    """A layer tensor's index moved by `sign` times the stage's first layer of its tower."""
     m = _LAYER.match(name)
     if not m:
         return name
     first = getattr(layout, f"{m.group(1)}_layers")[0]
-    return f"{m.group(1)}.layers.{int(m.group(2)) - first}.{m.group(3)}"
+    return f"{m.group(1)}.layers.{int(m.group(2)) + sign * first}.{m.group(3)}"
+
+
+def to_local(name: str, layout: StageLayout) -> str:
+    """Global layer index -> the stage's own (0-based) index."""
+    return _shift_layer(name, layout, -1)
 
 
 def to_global(name: str, layout: StageLayout) -> str:
     """The stage's own layer index -> the global one (inverse of to_local)."""
-    m = _LAYER.match(name)
-    if not m:
-        return name
-    first = getattr(layout, f"{m.group(1)}_layers")[0]
-    return f"{m.group(1)}.layers.{int(m.group(2)) + first}.{m.group(3)}"
+    return _shift_layer(name, layout, 1)
 
 
 def stage_names(spec: ModelSpec, layout: StageLayout, canonical: Iterable[str]) -> list[str]:
