@@ -214,28 +214,28 @@ def check_layout(
                 "--ckpt-convert-format torch_dist --ckpt-convert-save DIR and resume from "
                 "DIR/torch_dist (a torch_dist checkpoint loads at any TP/PP layout)"
             )
-    if saved.tp != tp and saved.vocab_size == vocab_size:
-        from megatron_omnibal.megatron.stages.configs import padded_vocab
+    if saved.tp == tp:
+        return
+    from megatron_omnibal.megatron.stages.configs import padded_heads, padded_vocab
 
-        before, now = padded_vocab(vocab_size, saved.tp), padded_vocab(vocab_size, tp)
+    paddings = []
+    if saved.vocab_size == vocab_size:
+        paddings.append((padded_vocab, vocab_size, lambda before, now: (
+            f"the model pads its vocabulary of {vocab_size} to {before} rows; at TP={tp} it "
+            f"pads it to {now}, so the word embedding and output layer cannot be resharded. "
+            f"Resume at a TP size whose padding gives {before} rows (TP={saved.tp})")))
+    if vit_heads:
+        paddings.append((padded_heads, vit_heads, lambda before, now: (
+            f"the ViT's {vit_heads} attention heads are padded to {before}; at TP={tp} they "
+            f"are padded to {now}, so its attention weights cannot be resharded. Resume at "
+            f"a TP size that pads them to {before} heads, or export the checkpoint "
+            "(omnibal convert megatron-to-hf) and convert it again at the new TP")))
+    for padded, count, explain in paddings:
+        before, now = padded(count, saved.tp), padded(count, tp)
         if before != now:
             raise OmnibalArgsError(
                 f"--load {load}: iteration {saved.iteration} was saved at TP={saved.tp}, where "
-                f"the model pads its vocabulary of {vocab_size} to {before} rows; at TP={tp} it "
-                f"pads it to {now}, so the word embedding and output layer cannot be resharded. "
-                f"Resume at a TP size whose padding gives {before} rows (TP={saved.tp})"
-            )
-    if saved.tp != tp and vit_heads:
-        from megatron_omnibal.megatron.stages.configs import padded_heads
-
-        before, now = padded_heads(vit_heads, saved.tp), padded_heads(vit_heads, tp)
-        if before != now:
-            raise OmnibalArgsError(
-                f"--load {load}: iteration {saved.iteration} was saved at TP={saved.tp}, where "
-                f"the ViT's {vit_heads} attention heads are padded to {before}; at TP={tp} they "
-                f"are padded to {now}, so its attention weights cannot be resharded. Resume at "
-                f"a TP size that pads them to {before} heads, or export the checkpoint "
-                "(omnibal convert megatron-to-hf) and convert it again at the new TP"
+                + explain(before, now)
             )
 
 
