@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_omnibal.megatron.stages.layout import StageLayout, megatron_layout
-from megatron_omnibal.models.spec import ModelSpec
+from megatron_omnibal.models.spec import LanguageSpec, ModelSpec, VisionSpec
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -91,6 +91,20 @@ def _recompute(k: int) -> dict[str, Any]:
     return {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": k}
 
 
+def _tower_fields(tower: VisionSpec | LanguageSpec) -> dict[str, Any]:
+    """The TransformerConfig fields both towers take from their spec alike."""
+    return {
+        "num_layers": tower.num_layers,
+        "hidden_size": tower.hidden_size,
+        "ffn_hidden_size": tower.ffn_hidden_size,
+        "normalization": NORMS[tower.norm],
+        "layernorm_epsilon": tower.norm_eps,
+        "add_qkv_bias": tower.qkv_bias,
+        "qk_layernorm": tower.qk_norm,
+        "activation_func": ACTIVATIONS[tower.activation],
+    }
+
+
 def stage_configs(
     spec: ModelSpec,
     layouts: list[StageLayout],
@@ -140,20 +154,13 @@ def stage_configs(
     vit = TransformerConfig(
         **{
             **base,
+            **_tower_fields(v),
             "sequence_parallel": False,
-            "num_layers": v.num_layers,
-            "hidden_size": v.hidden_size,
-            "ffn_hidden_size": v.ffn_hidden_size,
             "num_attention_heads": vit_heads,
             "num_query_groups": vit_heads,
             "kv_channels": v.head_dim,
-            "normalization": NORMS[v.norm],
-            "layernorm_epsilon": v.norm_eps,
             "add_bias_linear": True,
-            "add_qkv_bias": v.qkv_bias,
-            "qk_layernorm": v.qk_norm,
             "gated_linear_unit": v.gated_mlp,
-            "activation_func": ACTIVATIONS[v.activation],
             **_recompute(st.vit_recompute),
             **layout("vit"),
         }
@@ -176,20 +183,13 @@ def stage_configs(
     language = TransformerConfig(
         **{
             **base,
+            **_tower_fields(llm),
             "sequence_parallel": sequence_parallel,
-            "num_layers": llm.num_layers,
-            "hidden_size": llm.hidden_size,
-            "ffn_hidden_size": llm.ffn_hidden_size,
             "num_attention_heads": llm.num_attention_heads,
             "num_query_groups": llm.num_query_groups,
             "kv_channels": llm.kv_channels,
-            "normalization": NORMS[llm.norm],
-            "layernorm_epsilon": llm.norm_eps,
             "add_bias_linear": False,
-            "add_qkv_bias": llm.qkv_bias,
-            "qk_layernorm": llm.qk_norm,
             "gated_linear_unit": llm.gated_mlp,
-            "activation_func": ACTIVATIONS[llm.activation],
             **_recompute(st.llm_recompute),
             **layout("llm"),
         }
