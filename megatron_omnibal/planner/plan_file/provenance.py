@@ -45,14 +45,20 @@ def load_named_lengths(name_or_path: str, flag: str = "--lengths") -> tuple[Leng
         raise ValueError(f"{flag} {name_or_path}: {exc}") from exc
 
 
-def load_recorded_lengths(path: str | Path, sha256: str, where: str) -> LengthStats:
-    """The length file a plan recorded, refused if missing or changed since (`where`: the plan)."""
+def _recorded(path: str | Path, where: str, what: str, flag: str) -> Path:
+    """A file a plan recorded; refused if it is gone, naming the flag that gives its new place."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(
-            f"{where} was made from the length file {path}, which does not exist (any more); "
-            "give its new location with --lengths"
+            f"{where} was made from the {what} {path}, which does not exist (any more); "
+            f"give its new location with {flag}"
         )
+    return path
+
+
+def load_recorded_lengths(path: str | Path, sha256: str, where: str) -> LengthStats:
+    """The length file a plan recorded, refused if missing or changed since (`where`: the plan)."""
+    path = _recorded(path, where, "length file", "--lengths")
     try:
         stats = load_lengths(path)
     except LengthsError as exc:
@@ -76,12 +82,7 @@ def load_recorded_profile(path: str | Path, sha256: str, where: str) -> dict:
     """The layer profile a plan recorded, refused if missing or changed since."""
     from megatron_omnibal.models.resolve import read_mapping
 
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(
-            f"{where} was made from the layer profile {path}, which does not exist (any more); "
-            "give its new location with --profile"
-        )
+    path = _recorded(path, where, "layer profile", "--profile")
     doc = read_mapping(path)
     if profile_sha256(doc) != sha256:
         raise ValueError(f"{where} was made from another layer profile than {path} now holds")
