@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,6 +54,30 @@ def _check_eps(value: float, where: str) -> None:
         where,
         f"expected a small positive number, got {value!r}",
     )
+
+
+def missing_fields(
+    fields: dict[str, dataclasses.Field], given: Iterable[str], optional: tuple[str, ...] = ()
+) -> list[str]:
+    """The dataclass fields without a default that `given` lacks (`optional` aside)."""
+    return [
+        n
+        for n, f in fields.items()
+        if n not in given
+        and n not in optional
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+
+
+def _check_tower(tower: Any, where: str, positive: tuple[str, ...]) -> None:
+    """What both towers check alike: their shape numbers (and `positive`) > 0, norm, activation
+    and norm epsilon."""
+    shape = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+    _check_positive(tower, where, shape + positive)
+    _check_choice(tower.norm, f"{where}.norm", NORMS)
+    _check_choice(tower.activation, f"{where}.activation", ACTIVATIONS)
+    _check_eps(tower.norm_eps, f"{where}.norm_eps")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,21 +126,7 @@ class VisionSpec:
     def __post_init__(self) -> None:
         w = "model_spec.vit"
         object.__setattr__(self, "fullatt_block_indexes", tuple(self.fullatt_block_indexes))
-        _check_positive(
-            self,
-            w,
-            (
-                "num_layers",
-                "hidden_size",
-                "ffn_hidden_size",
-                "num_attention_heads",
-                "image_size",
-                "patch_size",
-            ),
-        )
-        _check_choice(self.norm, f"{w}.norm", NORMS)
-        _check_choice(self.activation, f"{w}.activation", ACTIVATIONS)
-        _check_eps(self.norm_eps, f"{w}.norm_eps")
+        _check_tower(self, w, ("image_size", "patch_size"))
         _check_eps(self.qk_norm_eps, f"{w}.qk_norm_eps")
         _need(
             self.hidden_size % self.num_attention_heads == 0,
@@ -283,23 +294,9 @@ class LanguageSpec:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         if self.kv_channels == 0 and self.num_attention_heads > 0:
             object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
-        _check_positive(
-            self,
-            w,
-            (
-                "num_layers",
-                "hidden_size",
-                "ffn_hidden_size",
-                "num_attention_heads",
-                "vocab_size",
-                "num_query_groups",
-                "kv_channels",
-                "max_position_embeddings",
-            ),
+        _check_tower(
+            self, w, ("vocab_size", "num_query_groups", "kv_channels", "max_position_embeddings")
         )
-        _check_choice(self.norm, f"{w}.norm", NORMS)
-        _check_choice(self.activation, f"{w}.activation", ACTIVATIONS)
-        _check_eps(self.norm_eps, f"{w}.norm_eps")
         _need(
             self.num_attention_heads % self.num_query_groups == 0,
             f"{w}.num_query_groups",
@@ -495,14 +492,7 @@ def _fields(cls: type, doc: Any, where: str, skip: tuple[str, ...] = ()) -> dict
             )
             value = tuple(value)
         out[key] = value
-    missing = [
-        n
-        for n, f in known.items()
-        if n not in out
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-        and n != "name"
-    ]
+    missing = missing_fields(known, out, optional=("name",))
     if missing:
         raise SpecError(f"{where}: missing field(s) {', '.join(missing)}")
     return out

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_omnibal.models.resolve import read_mapping
+from megatron_omnibal.models.spec import missing_fields
 from megatron_omnibal.planner.cost_model.hardware import Hardware, get_hardware
 
 
@@ -51,13 +52,7 @@ def _build(cls: type, doc: Any, where: str, drop: tuple[str, ...] = ()) -> Any:
         elif kind in ("str", str) and not isinstance(value, str):
             raise ValueError(f"{where}.{key}: expected a string, got {value!r}")
         kwargs[key] = value
-    missing = [
-        n
-        for n, f in fields.items()
-        if n not in kwargs
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    ]
+    missing = missing_fields(fields, kwargs)
     if missing:
         raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
     return cls(**kwargs)
