@@ -5,7 +5,11 @@ tests, the demo and the CPU benchmarks. Each real preset names the config it was
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from megatron_omnibal.models.spec import LanguageSpec, ModelSpec, ProjectorSpec, VisionSpec
+
+T = TypeVar("T")
 
 # OpenGVLab/InternViT-6B-448px-V1-5 (and -V1-2, whose 48 layers were cut to the same 45):
 # hidden 3200, MLP 12800, 25 heads of 128, RMSNorm eps 1e-6, no qkv bias, QK-norm, layer scale.
@@ -334,11 +338,16 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
+def named_preset(table: dict[str, T], name: str, kind: str, otherwise: str) -> T:
+    """`table[name]`, or an error listing the known names and what else may be given."""
+    if name not in table:
+        raise ValueError(f"unknown {kind} preset '{name}' (known: {', '.join(table)}; {otherwise})")
+    return table[name]
+
+
 def get_preset(name: str) -> ModelSpec:
     """The preset `name`, or an error listing the known ones."""
-    if name not in PRESETS:
-        raise ValueError(
-            f"unknown model preset '{name}' (known: {', '.join(PRESETS)}; or give a JSON/YAML "
-            "model_spec file or a Hugging Face checkpoint directory)"
-        )
-    return PRESETS[name]
+    return named_preset(
+        PRESETS, name, "model",
+        "or give a JSON/YAML model_spec file or a Hugging Face checkpoint directory",
+    )  # fmt: skip

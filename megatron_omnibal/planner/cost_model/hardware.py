@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from megatron_omnibal.models.presets import named_preset
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -45,9 +47,4 @@ HARDWARE: dict[str, Hardware] = {
 
 def get_hardware(name: str) -> Hardware:
     """The preset `name`, or a clear error listing the known ones."""
-    if name not in HARDWARE:
-        raise ValueError(
-            f"unknown hardware preset '{name}' (known: {', '.join(HARDWARE)}; "
-            "or give a JSON/YAML file describing the GPU)"
-        )
-    return HARDWARE[name]
+    return named_preset(HARDWARE, name, "hardware", "or give a JSON/YAML file describing the GPU")
