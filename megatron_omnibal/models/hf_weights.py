@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from megatron_omnibal.models.hf_config import HFModel
+from megatron_omnibal.models.spec import VisionSpec
 
 Convert = Callable[[list[torch.Tensor]], torch.Tensor]
 Split = Callable[[torch.Tensor], list[torch.Tensor]]
@@ -144,6 +145,18 @@ def _qwen_vision_rules(model: HFModel) -> list[Rule]:
     return rules
 
 
+def _patch_embedding_rules(v: VisionSpec, cls: str, positions: str, conv: str) -> list[Rule]:
+    """An InternViT tower's patch embedding under its HF names: class token, position table,
+    convolution."""
+    h, seq = v.hidden_size, v.seq_per_tile
+    return [
+        Rule("patch_embed.class_token", (cls,), *_reshape((1, h), (1, 1, h))),
+        Rule("patch_embed.position_embeddings", (positions,), *_reshape((seq, h), (1, seq, h))),
+        Rule("patch_embed.conv.weight", (f"{conv}.weight",)),
+        Rule("patch_embed.conv.bias", (f"{conv}.bias",)),
+    ]
+
+
 def _vision_rules(model: HFModel) -> list[Rule]:
     spec, fam = model.spec, model.family
     if fam == "qwen2_5_vl":
@@ -157,16 +170,8 @@ def _vision_rules(model: HFModel) -> list[Rule]:
     if fam == "internvl":
         emb = "vision_tower.embeddings"
         layer = "vision_tower.encoder.layer.{i}"
-        rules += [
-            Rule("patch_embed.class_token", (f"{emb}.cls_token",), *_reshape((1, h), (1, 1, h))),
-            Rule(
-                "patch_embed.position_embeddings",
-                (f"{emb}.position_embeddings",),
-                *_reshape((v.seq_per_tile, h), (1, v.seq_per_tile, h)),
-            ),
-            Rule("patch_embed.conv.weight", (f"{emb}.patch_embeddings.projection.weight",)),
-            Rule("patch_embed.conv.bias", (f"{emb}.patch_embeddings.projection.bias",)),
-        ]
+        conv = f"{emb}.patch_embeddings.projection"
+        rules += _patch_embedding_rules(v, f"{emb}.cls_token", f"{emb}.position_embeddings", conv)
         a = f"{layer}.attention"
         names = {
             **_norm("input_layernorm", f"{layer}.layernorm_before", ln),
@@ -191,18 +196,9 @@ def _vision_rules(model: HFModel) -> list[Rule]:
     elif fam == "internvl_chat":
         emb = "vision_model.embeddings"
         layer = "vision_model.encoder.layers.{i}"
-        rules += [
-            Rule(
-                "patch_embed.class_token", (f"{emb}.class_embedding",), *_reshape((1, h), (1, 1, h))
-            ),
-            Rule(
-                "patch_embed.position_embeddings",
-                (f"{emb}.position_embedding",),
-                *_reshape((v.seq_per_tile, h), (1, v.seq_per_tile, h)),
-            ),
-            Rule("patch_embed.conv.weight", (f"{emb}.patch_embedding.weight",)),
-            Rule("patch_embed.conv.bias", (f"{emb}.patch_embedding.bias",)),
-        ]
+        rules += _patch_embedding_rules(
+            v, f"{emb}.class_embedding", f"{emb}.position_embedding", f"{emb}.patch_embedding"
+        )
         a = f"{layer}.attn"
         names = {
             **_norm("input_layernorm", f"{layer}.norm1", ln),
