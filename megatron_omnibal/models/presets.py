@@ -5,50 +5,37 @@ tests, the demo and the CPU benchmarks. Each real preset names the config it was
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from megatron_omnibal.models.spec import LanguageSpec, ModelSpec, ProjectorSpec, VisionSpec
 
 T = TypeVar("T")
 
+
+def _vit(
+    layers: int, hidden: int, ffn: int, heads: int, image: int, patch: int, **rest: Any
+) -> VisionSpec:
+    """A vision tower from its shape, in the order its config lists it; the rest by name."""
+    return VisionSpec(num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn,
+                      num_attention_heads=heads, image_size=image, patch_size=patch, **rest)
+
+
+def _llm(layers: int, hidden: int, ffn: int, heads: int, **rest: Any) -> LanguageSpec:
+    """An LLM from its shape (layers, width, MLP width, heads); the rest by name."""
+    return LanguageSpec(num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn,
+                        num_attention_heads=heads, **rest)
+
+
 # OpenGVLab/InternViT-6B-448px-V1-5 (and -V1-2, whose 48 layers were cut to the same 45):
 # hidden 3200, MLP 12800, 25 heads of 128, RMSNorm eps 1e-6, no qkv bias, QK-norm, layer scale.
-INTERNVIT_6B = VisionSpec(
-    num_layers=45,
-    hidden_size=3200,
-    ffn_hidden_size=12800,
-    num_attention_heads=25,
-    image_size=448,
-    patch_size=14,
-    norm="rmsnorm",
-    qkv_bias=False,
-    qk_norm=True,
-    layer_scale=True,
-)
+INTERNVIT_6B = _vit(45, 3200, 12800, 25, 448, 14, norm="rmsnorm", qkv_bias=False, qk_norm=True,
+                    layer_scale=True)
 # OpenGVLab/InternViT-300M-448px: 24 layers, 1024, 4096, 16 heads, LayerNorm, qkv bias.
-INTERNVIT_300M = VisionSpec(
-    num_layers=24,
-    hidden_size=1024,
-    ffn_hidden_size=4096,
-    num_attention_heads=16,
-    image_size=448,
-    patch_size=14,
-    layer_scale=True,
-)
+INTERNVIT_300M = _vit(24, 1024, 4096, 16, 448, 14, layer_scale=True)
 # openai/clip-vit-large-patch14-336 under LLaVA-1.5: vision_feature_layer -2 runs 23 of its 24
 # layers; pre-LayerNorm, quick_gelu, LayerNorm eps 1e-5, no patch-embedding bias.
-CLIP_L_336 = VisionSpec(
-    num_layers=23,
-    hidden_size=1024,
-    ffn_hidden_size=4096,
-    num_attention_heads=16,
-    image_size=336,
-    patch_size=14,
-    norm_eps=1e-5,
-    activation="quick_gelu",
-    patch_bias=False,
-    pre_norm=True,
-)
+CLIP_L_336 = _vit(23, 1024, 4096, 16, 336, 14, norm_eps=1e-5, activation="quick_gelu",
+                  patch_bias=False, pre_norm=True)
 _PIXEL_SHUFFLE = ProjectorSpec(type="pixel_shuffle_mlp", downsample=0.5)
 # Qwen/Qwen2.5-VL-{3B,7B,32B,72B}-Instruct vision_config (the same tower in all four): 32 blocks,
 # hidden 1280, SwiGLU MLP 3420 with biases, 16 heads of 80, RMSNorm eps 1e-6, qkv bias, Conv3d
@@ -101,18 +88,11 @@ def _qwen25_vl(name: str, source: str, **shape: int) -> ModelSpec:
     )
 
 
-def _qwen3(**shape: int) -> LanguageSpec:
+def _qwen3(layers: int, hidden: int, ffn: int, heads: int) -> LanguageSpec:
     """A Qwen3 dense LLM (Qwen/Qwen3-*B config.json): heads of 128, 8 KV heads, per-head QK-norm,
     no biases, RMSNorm eps 1e-6, vocab 151936, rope_theta 1e6, 40960 positions."""
-    return LanguageSpec(
-        **shape,
-        num_query_groups=8,
-        kv_channels=128,
-        vocab_size=151936,
-        qk_norm=True,
-        rotary_base=1e6,
-        max_position_embeddings=40960,
-    )
+    return _llm(layers, hidden, ffn, heads, num_query_groups=8, kv_channels=128,
+                vocab_size=151936, qk_norm=True, rotary_base=1e6, max_position_embeddings=40960)
 
 _MLP2X_GELU = ProjectorSpec(type="mlp", downsample=1.0)
 
@@ -123,16 +103,8 @@ PRESETS: dict[str, ModelSpec] = {
         projector=_PIXEL_SHUFFLE,
         # OpenGVLab/InternVL-Chat-V1-5 llm_config (InternLM2-chat-20B): 48 layers, 6144, 16384,
         # 48 heads, 8 KV heads, vocab 92553, RMSNorm eps 1e-5, rope_theta 1e6.
-        llm=LanguageSpec(
-            num_layers=48,
-            hidden_size=6144,
-            ffn_hidden_size=16384,
-            num_attention_heads=48,
-            num_query_groups=8,
-            vocab_size=92553,
-            norm_eps=1e-5,
-            rotary_base=1e6,
-        ),
+        llm=_llm(48, 6144, 16384, 48, num_query_groups=8, vocab_size=92553, norm_eps=1e-5,
+                 rotary_base=1e6),
         source="OpenGVLab/InternVL-Chat-V1-5 (the OmniBal paper's 6+20B)",
     ),
     "internvl-6b-34b": ModelSpec(
@@ -141,17 +113,8 @@ PRESETS: dict[str, ModelSpec] = {
         projector=_PIXEL_SHUFFLE,
         # NousResearch/Nous-Hermes-2-Yi-34B (InternVL-Chat-V1-2's LLM): 60 layers, 7168, 20480,
         # 56 heads, 8 KV heads, vocab 64000, RMSNorm eps 1e-5, rope_theta 5e6.
-        llm=LanguageSpec(
-            num_layers=60,
-            hidden_size=7168,
-            ffn_hidden_size=20480,
-            num_attention_heads=56,
-            num_query_groups=8,
-            vocab_size=64000,
-            norm_eps=1e-5,
-            rotary_base=5e6,
-            max_position_embeddings=4096,
-        ),
+        llm=_llm(60, 7168, 20480, 56, num_query_groups=8, vocab_size=64000, norm_eps=1e-5,
+                 rotary_base=5e6, max_position_embeddings=4096),
         source="OpenGVLab/InternVL-Chat-V1-2 (the OmniBal paper's 6+34B)",
     ),
     "internvl2-8b": ModelSpec(
@@ -160,16 +123,8 @@ PRESETS: dict[str, ModelSpec] = {
         projector=_PIXEL_SHUFFLE,
         # OpenGVLab/InternVL2-8B llm_config (InternLM2.5-7B-chat): 32 layers, 4096, 14336,
         # 32 heads, 8 KV heads, vocab 92553, RMSNorm eps 1e-5, rope_theta 1e6.
-        llm=LanguageSpec(
-            num_layers=32,
-            hidden_size=4096,
-            ffn_hidden_size=14336,
-            num_attention_heads=32,
-            num_query_groups=8,
-            vocab_size=92553,
-            norm_eps=1e-5,
-            rotary_base=1e6,
-        ),
+        llm=_llm(32, 4096, 14336, 32, num_query_groups=8, vocab_size=92553, norm_eps=1e-5,
+                 rotary_base=1e6),
         source="OpenGVLab/InternVL2-8B",
     ),
     "llava-1.5-7b": ModelSpec(
@@ -178,15 +133,8 @@ PRESETS: dict[str, ModelSpec] = {
         projector=_MLP2X_GELU,
         # llava-hf/llava-1.5-7b-hf text_config (Vicuna-7B v1.5): 32 layers, 4096, 11008,
         # 32 heads, vocab 32064 with <image> = 32000, RMSNorm eps 1e-5, 4096 positions.
-        llm=LanguageSpec(
-            num_layers=32,
-            hidden_size=4096,
-            ffn_hidden_size=11008,
-            num_attention_heads=32,
-            vocab_size=32064,
-            norm_eps=1e-5,
-            max_position_embeddings=4096,
-        ),
+        llm=_llm(32, 4096, 11008, 32, vocab_size=32064, norm_eps=1e-5,
+                 max_position_embeddings=4096),
         image_token_id=32000,
         source="llava-hf/llava-1.5-7b-hf",
     ),
@@ -196,15 +144,8 @@ PRESETS: dict[str, ModelSpec] = {
         projector=_MLP2X_GELU,
         # llava-hf/llava-1.5-13b-hf text_config (Vicuna-13B v1.5): 40 layers, 5120, 13824,
         # 40 heads, vocab 32064.
-        llm=LanguageSpec(
-            num_layers=40,
-            hidden_size=5120,
-            ffn_hidden_size=13824,
-            num_attention_heads=40,
-            vocab_size=32064,
-            norm_eps=1e-5,
-            max_position_embeddings=4096,
-        ),
+        llm=_llm(40, 5120, 13824, 40, vocab_size=32064, norm_eps=1e-5,
+                 max_position_embeddings=4096),
         image_token_id=32000,
         source="llava-hf/llava-1.5-13b-hf",
     ),
@@ -214,16 +155,8 @@ PRESETS: dict[str, ModelSpec] = {
         projector=_PIXEL_SHUFFLE,
         # OpenGVLab/InternVL3-8B llm_config (Qwen2.5-7B): 28 layers, 3584, 18944, 28 heads,
         # 4 KV heads, qkv bias, vocab 151674, RMSNorm eps 1e-6, rope_theta 1e6.
-        llm=LanguageSpec(
-            num_layers=28,
-            hidden_size=3584,
-            ffn_hidden_size=18944,
-            num_attention_heads=28,
-            num_query_groups=4,
-            vocab_size=151674,
-            qkv_bias=True,
-            rotary_base=1e6,
-        ),
+        llm=_llm(28, 3584, 18944, 28, num_query_groups=4, vocab_size=151674, qkv_bias=True,
+                 rotary_base=1e6),
         source="OpenGVLab/InternVL3-8B",
     ),
     "internvl3.5-8b": ModelSpec(
@@ -232,7 +165,7 @@ PRESETS: dict[str, ModelSpec] = {
         projector=_PIXEL_SHUFFLE,
         # OpenGVLab/InternVL3_5-8B llm_config (Qwen3-8B): 36 layers, 4096, 12288, 32 heads of
         # 128, 8 KV heads, per-head QK-norm, no biases, vocab 151936, rope_theta 1e6.
-        llm=_qwen3(num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32),
+        llm=_qwen3(36, 4096, 12288, 32),
         source="OpenGVLab/InternVL3_5-8B",
     ),
     "internvl3.5-38b": ModelSpec(
@@ -242,7 +175,7 @@ PRESETS: dict[str, ModelSpec] = {
         projector=_PIXEL_SHUFFLE,
         # OpenGVLab/InternVL3_5-38B llm_config (Qwen3-32B): 64 layers, 5120, 25600, 64 heads of
         # 128 (8192 wide, not 5120), 8 KV heads, per-head QK-norm, vocab 151936, rope_theta 1e6.
-        llm=_qwen3(num_layers=64, hidden_size=5120, ffn_hidden_size=25600, num_attention_heads=64),
+        llm=_qwen3(64, 5120, 25600, 64),
         source="OpenGVLab/InternVL3_5-38B",
     ),
     "llava-llama3.1-8b": ModelSpec(
@@ -252,18 +185,8 @@ PRESETS: dict[str, ModelSpec] = {
         # LLaVA-1.5's recipe on meta-llama/Llama-3.1-8B-Instruct: 32 layers, 4096, 14336,
         # 32 heads, 8 KV heads, vocab 128256 (+1 <image>), RMSNorm eps 1e-5, rope_theta 5e5
         # with llama3 scaling factor 8 (low 1, high 4, original 8192), 131072 positions.
-        llm=LanguageSpec(
-            num_layers=32,
-            hidden_size=4096,
-            ffn_hidden_size=14336,
-            num_attention_heads=32,
-            num_query_groups=8,
-            vocab_size=128257,
-            norm_eps=1e-5,
-            rotary_base=5e5,
-            rope_scaling_factor=8.0,
-            max_position_embeddings=131072,
-        ),
+        llm=_llm(32, 4096, 14336, 32, num_query_groups=8, vocab_size=128257, norm_eps=1e-5,
+                 rotary_base=5e5, rope_scaling_factor=8.0, max_position_embeddings=131072),
         image_token_id=128256,
         source="meta-llama/Llama-3.1-8B-Instruct in LLaVA-1.5 (CLIP-L/336, MLP projector)",
     ),
@@ -292,23 +215,9 @@ PRESETS: dict[str, ModelSpec] = {
     # tokens per tile.
     "tiny": ModelSpec(
         name="tiny",
-        vit=VisionSpec(
-            num_layers=4,
-            hidden_size=32,
-            ffn_hidden_size=64,
-            num_attention_heads=4,
-            image_size=16,
-            patch_size=4,
-        ),
+        vit=_vit(4, 32, 64, 4, 16, 4),
         projector=ProjectorSpec(type="pixel_shuffle_mlp", downsample=0.5, hidden_size=48),
-        llm=LanguageSpec(
-            num_layers=4,
-            hidden_size=32,
-            ffn_hidden_size=64,
-            num_attention_heads=4,
-            num_query_groups=2,
-            vocab_size=128,
-        ),
+        llm=_llm(4, 32, 64, 4, num_query_groups=2, vocab_size=128),
         source="test model",
     ),
     # The CPU demo and benchmark: on the shipped InternVL data (mean 3.95 tiles, 1135 tokens of
@@ -316,23 +225,9 @@ PRESETS: dict[str, ModelSpec] = {
     # as in InternVL-Chat-V1-2 6+20B (~1.04x): vision costs as much relative to the LLM.
     "small": ModelSpec(
         name="small",
-        vit=VisionSpec(
-            num_layers=12,
-            hidden_size=192,
-            ffn_hidden_size=768,
-            num_attention_heads=6,
-            image_size=64,
-            patch_size=8,
-        ),
+        vit=_vit(12, 192, 768, 6, 64, 8),
         projector=ProjectorSpec(type="pixel_shuffle_mlp", downsample=0.5, hidden_size=256),
-        llm=LanguageSpec(
-            num_layers=8,
-            hidden_size=256,
-            ffn_hidden_size=704,
-            num_attention_heads=8,
-            num_query_groups=4,
-            vocab_size=2048,
-        ),
+        llm=_llm(8, 256, 704, 8, num_query_groups=4, vocab_size=2048),
         source="CPU demo model",
     ),
 }
