@@ -136,10 +136,10 @@ def measure(root: Path, layout: str, pixels: bool, workers: int, micro: int) -> 
     from megatron_omnibal.balance.sampler import BalancedBatchSampler
     from megatron_omnibal.data.lengths import load_lengths
     from megatron_omnibal.data.video_lengths import run_lengths
-    from megatron_omnibal.megatron.flags.args import SourceSettings
     from megatron_omnibal.megatron.stream.data import BalancedDataIterator
     from megatron_omnibal.megatron.stream.dataset import open_source
     from megatron_omnibal.megatron.stream.loader import MicroBatchDataset
+    from megatron_omnibal.megatron.stream.source import SourceSettings
     from megatron_omnibal.megatron.training.pretrain_vlm import filler_sample
     from megatron_omnibal.models.presets import get_preset
 
@@ -255,10 +255,10 @@ def measure_energon(root: Path, own_loader: bool, workers: int, samples: int,
     from megatron_omnibal.balance.config import BalanceConfig
     from megatron_omnibal.balance.sampler import BalancedBatchSampler
     from megatron_omnibal.data.lengths import load_identities, load_lengths
-    from megatron_omnibal.megatron.flags.args import SourceSettings
     from megatron_omnibal.megatron.stream.data import BalancedDataIterator
     from megatron_omnibal.megatron.stream.dataset import open_source
     from megatron_omnibal.megatron.stream.loader import MicroBatchDataset
+    from megatron_omnibal.megatron.stream.source import SourceSettings
     from megatron_omnibal.megatron.training.pretrain_vlm import filler_sample
     from megatron_omnibal.models.presets import get_preset
 

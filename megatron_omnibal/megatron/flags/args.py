@@ -33,6 +33,7 @@ from megatron_omnibal.megatron.stages.layout import (
     level_recompute,
 )
 from megatron_omnibal.megatron.stream.node_plans import node_lengths
+from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.planner.plan_file.plan import Plan, PlanError
 from megatron_omnibal.planner.plan_file.plan import load_plan as read_plan
 from megatron_omnibal.planner.plan_file.provenance import lengths_sha256
@@ -53,22 +54,6 @@ MEGATRON_LAYOUT_FLAGS = (
 
 class OmnibalArgsError(ValueError):
     """A bad --omnibal* flag or a combination Megatron cannot run; the message names the flag."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SourceSettings:
-    """Where the samples come from and how their length file is read (--omnibal-data,
-    --omnibal-lengths, --omnibal-tokenizer, --omnibal-text-scale, --trust-remote-code)."""
-
-    data: str  # 'synthetic' or the dataset the length file was computed from
-    lengths_path: str
-    tokenizer: str | None = None
-    text_scale: int = 1
-    trust_remote_code: bool = False
-
-    def __post_init__(self) -> None:
-        if self.text_scale < 1:
-            raise OmnibalArgsError(f"--omnibal-text-scale must be >= 1, got {self.text_scale}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -63,7 +63,7 @@ from megatron_omnibal.data.stats_config import (
 from megatron_omnibal.data.tokenization import TokenCounter
 from megatron_omnibal.data.video import VideoError, decode_frames
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan
-from megatron_omnibal.megatron.flags.args import SourceSettings
+from megatron_omnibal.megatron.stream.source import SourceSettings
 
 if TYPE_CHECKING:
     from megatron_omnibal.megatron.stream.batch import Sample

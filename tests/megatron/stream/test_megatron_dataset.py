@@ -33,9 +33,9 @@ from megatron_omnibal.data.generate import (
     write_meta,
 )
 from megatron_omnibal.data.lengths import load_lengths, save_lengths
-from megatron_omnibal.megatron.flags.args import SourceSettings
 from megatron_omnibal.megatron.stream.dataset import DatasetError, open_source
 from megatron_omnibal.megatron.stream.loader import SampleLoadError
+from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.models.presets import PRESETS
 from megatron_omnibal.models.spec import ModelSpec
 

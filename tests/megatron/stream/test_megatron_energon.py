@@ -23,7 +23,7 @@ from megatron_omnibal.data.lengths import load_identities, load_lengths
 from megatron_omnibal.megatron.stream.dataset import DatasetError, open_source
 from megatron_omnibal.models.presets import PRESETS
 from tests.energon_data import prepare_vqa, write_vqa_dataset
-from tests.test_megatron_dataset import _entry_flags, _stats
+from tests.megatron.stream.test_megatron_dataset import _entry_flags, _stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
 from run_records import records as _records  # noqa: E402

@@ -27,7 +27,6 @@ from megatron_omnibal.data.frames import frame_indices
 from megatron_omnibal.data.generate import image_array, save_image, write_jsonl, write_meta
 from megatron_omnibal.data.lengths import load_lengths
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan, run_lengths
-from megatron_omnibal.megatron.flags.args import SourceSettings
 from megatron_omnibal.megatron.stream.data import BalancedDataIterator
 from megatron_omnibal.megatron.stream.dataset import open_source
 from megatron_omnibal.megatron.stream.loader import (
@@ -35,6 +34,7 @@ from megatron_omnibal.megatron.stream.loader import (
     MicroBatchDataset,
     SampleLoadError,
 )
+from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.megatron.training.pretrain_vlm import filler_sample
 from megatron_omnibal.models.presets import PRESETS
 from tests.megatron.stream.test_megatron_dataset import (
