@@ -101,7 +101,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         cfg = root / f"cases{ranks}.json"
         every = {k: {**m, "cases": [c["name"] for c in cases]} for k, m in models.items()}
         cfg.write_text(json.dumps({"models": models if ranks == 4 else every, "cases": cases}))
-        code, stdout, stderr = torchrun(WORKER, ranks, [str(cfg), str(out)], timeout=600)
+        code, stdout, stderr = torchrun(WORKER, ranks, [str(cfg), str(out)], timeout=1500)
         if code:
             pytest.fail(f"worker failed ({code}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
     return out, refs
