@@ -1,16 +1,19 @@
 """Run a worker under torchrun for the Megatron tests, and never leave processes behind.
 
-torchrun's workers outlive a killed torchrun; on a timeout the whole process group (torchrun and
-its workers) is killed before the error is raised.
+torchrun's workers outlive a killed torchrun; on a timeout torchrun's process group and every
+process it started are killed before the error is raised.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import psutil
 
 
 def torchrun(
@@ -26,7 +29,13 @@ def torchrun(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # torchrun's workers may run in sessions of their own: kill them by ancestry too, or one
+        # left alive keeps the pipes open and the test waits forever.
+        workers = psutil.Process(proc.pid).children(recursive=True)
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        for worker_proc in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker_proc.kill()
+        out, err = proc.communicate(timeout=60)
         return -9, out, f"timed out after {timeout} s\n{err}"
     return proc.returncode, out, err
