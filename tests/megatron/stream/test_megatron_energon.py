@@ -21,6 +21,7 @@ import pytest
 from megatron_omnibal.data.generate import train_tokenizer
 from megatron_omnibal.data.lengths import load_identities, load_lengths
 from megatron_omnibal.megatron.stream.dataset import DatasetError, open_source
+from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.models.presets import PRESETS
 from tests.energon_data import prepare_vqa, write_vqa_dataset
 from tests.megatron.stream.test_megatron_dataset import _entry_flags, _stats
@@ -60,9 +61,7 @@ def data(tmp_path_factory):
 
 
 def _args(data_path, lengths):
-    return SimpleNamespace(omnibal_data=str(data_path), omnibal_tokenizer=None,
-                           omnibal_lengths=str(lengths), omnibal_text_scale=1,
-                           trust_remote_code=False)
+    return SourceSettings(data=str(data_path), lengths_path=str(lengths))
 
 
 def test_energon_samples_equal_the_json_form(data):
