@@ -86,7 +86,7 @@ def native_inputs(
     v = spec.vit
     merge, unit = v.spatial_merge_size, v.spatial_merge_size**2
     grids = image_grid.numpy()
-    if v.window_units:
+    if v.windowed:
         order, windows = window_index(grids, merge, v.window_units)
     else:  # no windows: every layer sees whole image frames
         order, windows = np.arange(int(grids.prod(axis=1).sum()) // unit), frame_seqlens(grids)
