@@ -2,7 +2,7 @@
 
 import sys
 
-from megatron_omnibal.megatron.training.pretrain_vlm import main
+from megatron_omnibal.megatron.training.pretrain_vlm import run_entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_entry())

@@ -2,6 +2,9 @@
 
 import sys
 
+from megatron_omnibal.megatron.runtime.shutdown import end_process_group
 from megatron_omnibal.preflight.run import main
 
-sys.exit(main())
+status = main()
+end_process_group()
+sys.exit(status)

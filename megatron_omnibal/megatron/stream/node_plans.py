@@ -11,7 +11,10 @@ plan) and np.load the arrays with mmap_mode='r', so the node holds one copy in i
 
 The writer removes the folders it wrote when its process exits, not before: a rank that resumes
 walks the epochs from the stream's origin to count their steps and may ask for an
-early epoch after the writer moved on. The folder (in /dev/shm: memory) so holds one plan per
+early epoch after the writer moved on. A job killed before its exit handlers ran (torchrun ends
+the other ranks with SIGTERM when one fails) leaves its folders behind: every name carries the pid
+of the process that owns the job on this node, and the next writer removes the folders of pids
+no longer alive. The folder (in /dev/shm: memory) so holds one plan per
 epoch the run reached, about 20 bytes per sample each. The lengths (28 bytes per sample, read,
 checked and converted for the model) are shared the same way (`node_lengths`). Pure numpy: no
 torch, no Megatron.
@@ -23,6 +26,7 @@ import atexit
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -49,14 +53,39 @@ def default_folder() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
+OWNER = re.compile(r"^\.?omnibal-(?:epoch-plan|lengths)-(?:.+-)?pid(\d+)-")
+
+
 def job_id() -> str:
-    """The job's id on this node: torchrun's run id (a fresh one per --standalone job, the
-    rendezvous id of a multi-node job) and node rank (several "nodes" may share one host), else
-    this process's (a run without torchrun)."""
+    """The job's id on this node: torchrun's run id and node rank (several "nodes" may share one
+    host) and the pid of the torchrun agent that started this node's ranks (the run id of a static
+    rendezvous is "none" in every job), else this process's pid (a run without torchrun)."""
     run = os.environ.get("TORCHELASTIC_RUN_ID")
     if not run:
         return f"pid{os.getpid()}"
-    return f"{run}-node{os.environ.get('GROUP_RANK', '0')}"
+    return f"{run}-node{os.environ.get('GROUP_RANK', '0')}-pid{os.getppid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(folder: Path) -> list[Path]:
+    """Remove the plan and length folders in `folder` whose owning process is gone (a job killed
+    before its exit handlers ran); returns what was removed."""
+    removed = []
+    for entry in folder.iterdir():
+        owner = OWNER.match(entry.name)
+        if owner and not _alive(int(owner.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 def plan_name(identity: dict, epoch: int, job: str) -> str:
@@ -68,12 +97,16 @@ def plan_name(identity: dict, epoch: int, job: str) -> str:
 
 
 def write_arrays(arrays: dict[str, np.ndarray], meta: dict, folder: Path) -> None:
-    """Arrays as .npy files and `meta` as JSON, renamed into `folder` whole."""
+    """Arrays as .npy files and `meta` as JSON, renamed into `folder` whole. A folder already
+    there (an earlier process of this job wrote the same deterministic arrays) is replaced: a rank
+    that mapped its files keeps them until it unmaps them."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         for name, array in arrays.items():
             np.save(tmp / f"{name}.npy", np.ascontiguousarray(array))
         (tmp / META).write_text(json.dumps({"arrays": list(arrays), "meta": meta}))
+        if folder.exists():
+            shutil.rmtree(folder)
         os.rename(tmp, folder)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -122,6 +155,7 @@ def node_lengths(
         wait_for(path)
         arrays, meta = map_arrays(path)
         return LengthStats(**arrays, names=tuple(meta["names"]))
+    remove_stale(path.parent)
     lengths = make()
     fields = ("vit", "tokens", "image_flags", "dataset")
     write_arrays({f: getattr(lengths, f) for f in fields}, {"names": list(lengths.names)}, path)
@@ -158,6 +192,7 @@ class NodePlans:
         self._plans: dict[int, BalancePlan] = {}
         self._used: list[Path] = []
         if self.writer:
+            remove_stale(self.folder)
             atexit.register(self._remove, self._used)
 
     def __call__(self, epoch: int) -> BalancePlan:

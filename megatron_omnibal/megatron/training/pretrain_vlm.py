@@ -95,6 +95,16 @@ def main(
     return 0
 
 
+
+def run_entry() -> int:
+    """`python -m megatron_omnibal.pretrain_vlm`: main, then this rank's process group ended
+    before the interpreter's teardown (see runtime/shutdown.py)."""
+    from megatron_omnibal.megatron.runtime.shutdown import end_process_group
+
+    status = main()
+    end_process_group()
+    return status
+
 def prepare(argv: list[str]) -> tuple[list[str], OmnibalSettings, Any, ResumePlan, Any]:
     """Every check of the run, on Megatron's parse of the completed command line, before
     Megatron validates (and prints) its arguments or creates a process group: the command line

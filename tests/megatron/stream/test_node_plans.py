@@ -93,3 +93,48 @@ def test_lengths_are_made_once_and_mapped_by_the_other_ranks(tmp_path) -> None:
         assert lengths.names == LENGTHS.names
     node_plans.node_lengths(make, {"k": 2}, local_rank=0, folder=tmp_path)
     assert made == [1, 1] and len(list(tmp_path.glob("omnibal-lengths-*"))) == 2
+
+
+def test_jobs_of_a_static_rendezvous_get_their_own_names(monkeypatch) -> None:
+    """torchrun's run id is "none" in every static-rendezvous job: the agent's pid tells two such
+    jobs on one node apart (a preflight, then the training of the same plan)."""
+    import os
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    assert node_plans.job_id() == f"none-node1-pid{os.getppid()}"
+    assert node_plans.OWNER.match(node_plans.plan_name(IDENTITY, 0, node_plans.job_id()))
+
+
+def test_a_killed_jobs_folders_are_removed_and_a_live_ones_kept(tmp_path) -> None:
+    """The folders of a job killed before its exit handlers ran (its owner's pid is gone) are
+    removed when the next writer starts; a running job's, and files of other names, stay."""
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    names = {
+        f"omnibal-epoch-plan-none-node0-pid{dead}-abc-seed1-epoch0": False,
+        f"omnibal-lengths-run-node0-pid{dead}-abc": False,
+        f".omnibal-epoch-plan-pid{dead}-abc-seed1-epoch0.tmp1": False,
+        f"omnibal-epoch-plan-none-node0-pid{os.getpid()}-abc-seed1-epoch0": True,
+        "omnibal-notes": True,
+    }
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "meta.json").write_text("{}")
+    NodePlans(lambda e: LENGTHS, CONFIG, IDENTITY, local_rank=0, folder=tmp_path)
+    assert {n: (tmp_path / n).exists() for n in names} == names
+
+
+def test_a_folder_left_under_the_same_name_is_replaced(tmp_path) -> None:
+    """An epoch plan already under the writer's name (an earlier process of the job wrote it) is
+    replaced by the new one, not a crash in the rename."""
+    writer = NodePlans(lambda e: LENGTHS, CONFIG, IDENTITY, local_rank=0, folder=tmp_path)
+    folder = tmp_path / node_plans.plan_name(IDENTITY, 0, node_plans.job_id())
+    folder.mkdir()
+    (folder / "stale.npy").write_bytes(b"x")
+    _same(writer(0), balance(LENGTHS, CONFIG))
+    assert not (folder / "stale.npy").exists()
