@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_omnibal.megatron.flags.args import OmnibalArgsError, OmnibalSettings
-from megatron_omnibal.megatron.stages.layout import StageLayout
 from megatron_omnibal.megatron.stream.data_identity import (
     StreamIdentity,
     StreamOrigin,
     restarted_origin,
 )
+from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
 RUN_INFO = "omnibal_run"  # the attribute of Megatron's args that checkpoints carry
 RUN_INFO_VERSION = 1

@@ -29,8 +29,9 @@ import torch
 from megatron_omnibal.megatron.checkpoint.hf_checkpoint import MODEL_FILE, TRACKER, rank_dir
 from megatron_omnibal.megatron.checkpoint.stage_weights import TIED_HEAD, to_global
 from megatron_omnibal.megatron.checkpoint.tp_shard import unshard
-from megatron_omnibal.megatron.stages.layout import StageLayout, layout_from_dicts
+from megatron_omnibal.megatron.stages.layout import layout_from_dicts
 from megatron_omnibal.models.spec import ModelSpec
+from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
 _TE_TO_LOCAL = (
     ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),

@@ -22,8 +22,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_omnibal.megatron.stages.layout import StageLayout
 from megatron_omnibal.models.hf_config import HFModel
+from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
 CHECKPOINT_VERSION = 3.0
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from megatron_omnibal.megatron.checkpoint.stage_weights import source, stage_names, stage_state_dict
-from megatron_omnibal.megatron.stages.layout import StageLayout
 from megatron_omnibal.models.hf_config import HFModel
 from megatron_omnibal.models.hf_weights import SafetensorsReader, canonical_tensors, rules_for
+from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "omnibal_model.json"

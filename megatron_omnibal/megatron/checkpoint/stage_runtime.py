@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_omnibal.megatron.stages.layout import StageLayout, embedding_ranks
+from megatron_omnibal.megatron.stages.layout import embedding_ranks
 from megatron_omnibal.megatron.stream.batch import MicroBatch
 from megatron_omnibal.models.spec import ModelSpec
+from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
 
 def init_parallel(layouts: Sequence[StageLayout], tp: int) -> None:

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from megatron_omnibal.megatron.checkpoint.tp_shard import shard
-from megatron_omnibal.megatron.stages.layout import StageLayout
 from megatron_omnibal.models.spec import ModelSpec
+from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
 _LAYER = re.compile(r"^(vit|llm)\.layers\.(\d+)\.(.*)$")
 TIED_HEAD = "output_layer.weight"

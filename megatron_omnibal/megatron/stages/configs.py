@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_omnibal.megatron.stages.layout import StageLayout, megatron_layout
+from megatron_omnibal.megatron.stages.layout import megatron_layout
 from megatron_omnibal.models.spec import LanguageSpec, ModelSpec, VisionSpec
+from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ plan for another PP size or model, recompute above the layer count) must stop wi
 message BEFORE any process group exists, where a wrong layout would otherwise hang a pipeline.
 Pure Python: no torch, no Megatron.
 
-The stage type itself (StageLayout) is the planner's, shared with plan.json's stages.
+The stage type itself, StageLayout, lives in planner/plan_file/stage_layout.py (plan.json's
+stages are the same type): import it from there.
 """
 
 from __future__ import annotations

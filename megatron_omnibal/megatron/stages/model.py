@@ -46,7 +46,6 @@ from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from megatron_omnibal.megatron.stages.configs import StageConfigs, _recompute
 from megatron_omnibal.megatron.stages.layer_specs import HAVE_TE, block_spec
-from megatron_omnibal.megatron.stages.layout import StageLayout
 from megatron_omnibal.megatron.stages.native_vision import (
     NativeInputs,
     NativePatchEmbedding,
@@ -55,6 +54,7 @@ from megatron_omnibal.megatron.stages.native_vision import (
 from megatron_omnibal.megatron.stages.projector import Projector
 from megatron_omnibal.megatron.stages.vision import PatchEmbedding
 from megatron_omnibal.models.spec import ModelSpec
+from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
 
 def packed_causal_mask(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -14,9 +14,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_omnibal.megatron.stages.configs import stage_configs
 from megatron_omnibal.megatron.stages.finetune import FinetuneSettings, apply_to_stage
-from megatron_omnibal.megatron.stages.layout import LayoutError, StageLayout
+from megatron_omnibal.megatron.stages.layout import LayoutError
 from megatron_omnibal.megatron.stages.model import VLMStage
 from megatron_omnibal.models.spec import ModelSpec
+from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
 
 def vlm_model_provider(

@@ -26,9 +26,9 @@ import numpy as np
 
 from megatron_omnibal.balance.metrics import dist_ratio
 from megatron_omnibal.balance.metrics import max_over_mean as per_step_max_over_mean
-from megatron_omnibal.megatron.stages.layout import StageLayout
 from megatron_omnibal.megatron.stream.stream_steps import StepFigures, StreamSteps, max_over_mean
 from megatron_omnibal.megatron.training.throughput import Throughput
+from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
 PREFIX = "omnibal"
 
