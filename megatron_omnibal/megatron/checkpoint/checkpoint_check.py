@@ -87,6 +87,7 @@ def stream_identity(settings: OmnibalSettings) -> StreamIdentity:
         text_scale=settings.source.text_scale,
         data=settings.data,
         balance=settings.balance,
+        lengths_sha256=settings.lengths_sha256,
     )
 
 

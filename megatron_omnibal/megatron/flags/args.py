@@ -32,7 +32,8 @@ from megatron_omnibal.megatron.stages.layout import (
     layout_from_plan,
     level_recompute,
 )
-from megatron_omnibal.megatron.stream.node_plans import node_lengths
+from megatron_omnibal.megatron.stream.data_identity import lengths_digest
+from megatron_omnibal.megatron.stream.node_plans import NodeLengths, node_lengths
 from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.planner.plan_file.plan import Plan, PlanError
 from megatron_omnibal.planner.plan_file.plan import load_plan as read_plan
@@ -71,6 +72,7 @@ class OmnibalSettings:
     rank: int
     source: SourceSettings
     lengths: LengthStats  # as the model sees them (image tokens per tile, text scale)
+    lengths_sha256: str  # their data_identity.lengths_digest, taken once per node
     plan: Plan | None
     balance: BalanceConfig  # seed: Megatron's --seed (epoch e balances with seed + e)
     by_epoch: EpochLengths  # each epoch's lengths (videos redraw their frames), read once
@@ -364,7 +366,7 @@ def validate_omnibal_args(
     if plan is not None:
         _check_plan_sizes(plan, args, micro)
     vit_budget, token_budget = _budgets(args, plan)
-    lengths = _node_lengths(args, plan, tokens_per_tile)
+    lengths, lengths_sha256 = _node_lengths(args, plan, tokens_per_tile)
     balance = _balance_config(args, plan, dp, micro, vit_budget, token_budget)
     try:  # each level's recompute must fit its stages: checked before any process group
         level_recompute(layouts, balance.levels)
@@ -392,6 +394,7 @@ def validate_omnibal_args(
         rank=int(getattr(args, "rank", 0)),
         source=source,
         lengths=lengths,
+        lengths_sha256=lengths_sha256,
         plan=plan,
         balance=balance,
         by_epoch=run_lengths(args.omnibal_lengths, lengths, balance.seed),
@@ -509,9 +512,10 @@ def _check_plan_sizes(plan: Plan, args: argparse.Namespace, micro: int) -> None:
 
 def _node_lengths(
     args: argparse.Namespace, plan: Plan | None, tokens_per_tile: int | None
-) -> LengthStats:
-    """_load_lengths once per node when torchrun starts several local ranks: local rank 0 reads,
-    checks and converts them, the others map its copy (node_plans.node_lengths)."""
+) -> NodeLengths:
+    """_load_lengths and their digest once per node when torchrun starts several local ranks:
+    local rank 0 reads, checks, converts and digests them, the others map its copy
+    (node_plans.node_lengths)."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     path = args.omnibal_lengths
     try:
@@ -519,7 +523,8 @@ def _node_lengths(
     except OSError:
         stat = None
     if stat is None:  # one rank, or no file (every rank reports it)
-        return _load_lengths(args, plan, tokens_per_tile)
+        lengths = _load_lengths(args, plan, tokens_per_tile)
+        return NodeLengths(lengths, lengths_digest(lengths))
     key = {
         "path": os.path.abspath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
         "tokens_per_tile": tokens_per_tile, "text_scale": args.omnibal_text_scale,

@@ -19,6 +19,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import numpy as np
+
 from megatron_omnibal.balance.balancer import PACKER_VERSION
 from megatron_omnibal.balance.config import BalanceConfig
 from megatron_omnibal.data.lengths import LengthStats
@@ -26,11 +28,12 @@ from megatron_omnibal.data.lengths import LengthStats
 
 def lengths_digest(lengths: LengthStats) -> str:
     """sha256 of the per-sample lengths in order (vit_num, token_num, image_flags, dataset):
-    the same for the same records whatever the file format, different for any changed record."""
+    the same for the same records whatever the file format, different for any changed record.
+    Arrays already of the hashed type are read in place (no copy of 12 million samples)."""
     h = hashlib.sha256()
     for array in (lengths.vit, lengths.tokens, lengths.image_flags):
-        h.update(array.astype("<i8").tobytes())
-    h.update(lengths.dataset.astype("<i4").tobytes())
+        h.update(np.ascontiguousarray(array, "<i8"))
+    h.update(np.ascontiguousarray(lengths.dataset, "<i4"))
     h.update("\0".join(lengths.names).encode())
     return h.hexdigest()
 
@@ -75,12 +78,19 @@ class StreamIdentity:
 
     @classmethod
     def of(
-        cls, lengths: LengthStats, *, text_scale: int, data: str, balance: BalanceConfig
+        cls,
+        lengths: LengthStats,
+        *,
+        text_scale: int,
+        data: str,
+        balance: BalanceConfig,
+        lengths_sha256: str | None = None,
     ) -> StreamIdentity:
         """The identity of a run that balances `lengths` (as the model sees them) with
-        `balance`."""
+        `balance`; `lengths_sha256`: their lengths_digest where already taken (None: taken
+        here)."""
         return cls(
-            lengths_sha256=lengths_digest(lengths),
+            lengths_sha256=lengths_sha256 or lengths_digest(lengths),
             num_samples=len(lengths),
             text_scale=int(text_scale),
             source="synthetic" if data == "synthetic" else "dataset",

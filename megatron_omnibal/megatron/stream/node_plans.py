@@ -8,6 +8,9 @@ Here the node's local rank 0 balances the epoch and writes the plan's arrays as 
 a folder whose name holds the job, the stream's identity and the epoch; the other local ranks
 wait for the folder to appear (it is renamed into place whole, so a rank never sees half a
 plan) and np.load the arrays with mmap_mode='r', so the node holds one copy in its page cache.
+The writer also sums the plan per step and rank (stream_steps.epoch_steps: what the training log
+and the consumed-sample count read) and writes the sums beside it, so no rank walks the epoch's
+samples again.
 
 The writer removes the folders it wrote when its process exits, not before: a rank that resumes
 walks the epochs from the stream's origin to count their steps and may ask for an
@@ -16,8 +19,8 @@ the other ranks with SIGTERM when one fails) leaves its folders behind: every na
 of the process that owns the job on this node, and the next writer removes the folders of pids
 no longer alive. The folder (in /dev/shm: memory) so holds one plan per
 epoch the run reached, about 20 bytes per sample each. The lengths (28 bytes per sample, read,
-checked and converted for the model) are shared the same way (`node_lengths`). Pure numpy: no
-torch, no Megatron.
+checked and converted for the model) are shared the same way, with their digest for the stream's
+identity (`node_lengths`). Pure numpy: no torch, no Megatron.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -39,8 +43,12 @@ from megatron_omnibal.balance.balancer import balance
 from megatron_omnibal.balance.config import BalanceConfig
 from megatron_omnibal.balance.plan_io import BalancePlan
 from megatron_omnibal.data.lengths import LengthStats
+from megatron_omnibal.megatron.stream.data_identity import lengths_digest
+from megatron_omnibal.megatron.stream.stream_steps import EpochSteps, epoch_steps
 
 ARRAYS = ("samples", "pack_ptr", "pack_step", "pack_rank", "pack_micro", "skipped", "pack_level")
+STEP_ARRAYS = ("samples", "tiles", "tokens", "sumsq")  # EpochSteps' fields, as "steps_<name>"
+LENGTH_FIELDS = ("vit", "tokens", "image_flags", "dataset")
 META = "meta.json"
 WAIT_S = 3600.0  # how long a rank waits for its node's writer (torchrun ends it sooner on error)
 POLL_S = 0.02
@@ -132,41 +140,56 @@ def wait_for(folder: Path, wait_s: float = WAIT_S) -> None:
         waited += POLL_S
 
 
-def write_plan(plan: BalancePlan, folder: Path) -> None:
-    write_arrays({name: getattr(plan, name) for name in ARRAYS}, plan.meta, folder)
+def write_plan(plan: BalancePlan, steps: EpochSteps, folder: Path) -> None:
+    """The plan's arrays and its per-step sums, renamed into `folder` whole."""
+    arrays = {name: getattr(plan, name) for name in ARRAYS}
+    arrays.update({f"steps_{name}": getattr(steps, name) for name in STEP_ARRAYS})
+    write_arrays(arrays, plan.meta, folder)
 
 
-def map_plan(folder: Path) -> BalancePlan:
-    """A plan written by write_plan, its arrays mapped read-only."""
+def map_plan(folder: Path) -> tuple[BalancePlan, EpochSteps]:
+    """A plan and its per-step sums written by write_plan, their arrays mapped read-only."""
     arrays, meta = map_arrays(folder)
-    return BalancePlan(**arrays, meta=meta)
+    plan = BalancePlan(**{name: arrays[name] for name in ARRAYS}, meta=meta)
+    return plan, EpochSteps(**{name: arrays[f"steps_{name}"] for name in STEP_ARRAYS})
+
+
+class NodeLengths(NamedTuple):
+    """The run's lengths and their digest (data_identity.lengths_digest: the stream's identity)."""
+
+    lengths: LengthStats
+    sha256: str
 
 
 def node_lengths(
     make: Callable[[], LengthStats], key: dict, *, local_rank: int, folder: Path | None = None
-) -> LengthStats:
-    """The run's lengths, made once per node: `make()` (read, checked and converted for the
-    model) on local rank 0, written next to the epoch plans under a name from the job and
-    `key`; the other local ranks map them (they rely on its checks: when it fails, torchrun
-    stops them). Removed when local rank 0 exits."""
+) -> NodeLengths:
+    """The run's lengths and their digest, made once per node: `make()` (read, checked and
+    converted for the model) and the digest on local rank 0, written next to the epoch plans
+    under a name from the job and `key`; the other local ranks map them (they rely on its
+    checks: when it fails, torchrun stops them). Removed when local rank 0 exits."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = (folder or default_folder()) / f"omnibal-lengths-{job_id()}-{digest}"
-    if local_rank != 0:
+    if local_rank == 0:
+        remove_stale(path.parent)
+        lengths = make()
+        write_arrays(
+            {f: getattr(lengths, f) for f in LENGTH_FIELDS},
+            {"names": list(lengths.names), "sha256": lengths_digest(lengths)},
+            path,
+        )
+        del lengths  # the node's one copy is the mapped one, also here
+        atexit.register(shutil.rmtree, path, True)
+    else:
         wait_for(path)
-        arrays, meta = map_arrays(path)
-        return LengthStats(**arrays, names=tuple(meta["names"]))
-    remove_stale(path.parent)
-    lengths = make()
-    fields = ("vit", "tokens", "image_flags", "dataset")
-    write_arrays({f: getattr(lengths, f) for f in fields}, {"names": list(lengths.names)}, path)
-    atexit.register(shutil.rmtree, path, True)
-    arrays, meta = map_arrays(path)  # the node's one copy, also here
-    return LengthStats(**arrays, names=tuple(meta["names"]))
+    arrays, meta = map_arrays(path)
+    return NodeLengths(LengthStats(**arrays, names=tuple(meta["names"])), meta["sha256"])
 
 
 class NodePlans:
     """`plans(epoch)`: the whole balanced plan of an epoch, balanced by the node's writer (local
-    rank 0) and mapped by the others; the last two plans stay mapped in the process.
+    rank 0) and mapped by the others; `plans.steps(epoch)`: its per-step sums, made and mapped
+    alike. The last two epochs stay mapped in the process.
 
     `lengths_of(epoch)` and `config` are the sampler's (epoch e balances with seed + e);
     `identity` names the stream (data_identity.StreamIdentity.to_dict()).
@@ -189,27 +212,35 @@ class NodePlans:
         self.folder = folder or default_folder()
         self._wait_s = wait_s
         self._job = job_id()
-        self._plans: dict[int, BalancePlan] = {}
+        self._plans: dict[int, tuple[BalancePlan, EpochSteps]] = {}
         self._used: list[Path] = []
         if self.writer:
             remove_stale(self.folder)
             atexit.register(self._remove, self._used)
 
     def __call__(self, epoch: int) -> BalancePlan:
+        return self._mapped(epoch)[0]
+
+    def steps(self, epoch: int) -> EpochSteps:
+        """The per (step, rank) sums of the epoch's plan (stream_steps.epoch_steps)."""
+        return self._mapped(epoch)[1]
+
+    def _mapped(self, epoch: int) -> tuple[BalancePlan, EpochSteps]:
         if epoch in self._plans:
             return self._plans[epoch]
         folder = self.folder / plan_name(self._identity, epoch, self._job)
         if not self.writer:
             wait_for(folder, self._wait_s)
         elif folder not in self._used:
-            config = self._config.with_seed(self._config.seed + epoch)
-            write_plan(balance(self._lengths_of(epoch), config), folder)
+            lengths = self._lengths_of(epoch)
+            plan = balance(lengths, self._config.with_seed(self._config.seed + epoch))
+            write_plan(plan, epoch_steps(plan, lengths), folder)
+            del plan  # the node's one copy is the mapped one, also here
             self._used.append(folder)
-        plan = map_plan(folder)
-        self._plans[epoch] = plan
+        self._plans[epoch] = map_plan(folder)
         while len(self._plans) > KEPT:  # the stream and the sampler stand in the last two
             del self._plans[min(self._plans)]
-        return plan
+        return self._plans[epoch]
 
     @staticmethod
     def _remove(folders: list[Path]) -> None:

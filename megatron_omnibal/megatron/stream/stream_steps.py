@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_omnibal.balance.metrics import step_loads
 from megatron_omnibal.balance.plan_io import BalancePlan
 from megatron_omnibal.data.lengths import LengthStats
 from megatron_omnibal.megatron.stream.data_identity import StreamOrigin
@@ -71,19 +70,23 @@ class EpochSteps:
 
 
 def epoch_steps(plan: BalancePlan, lengths: LengthStats) -> EpochSteps:
-    """The per (step, rank) samples, tiles and tokens of one epoch's plan."""
-    dp = int(plan.meta["dp"])
-    loads = step_loads(plan, lengths)
-    sizes = np.diff(plan.pack_ptr)
+    """The per (step, rank) samples, tiles and tokens of one epoch's plan: each sample's value
+    summed into its pack (one pass over the samples, pack after pack), the packs into their
+    (step, rank)."""
+    dp, steps = int(plan.meta["dp"]), plan.num_steps
     slot = plan.pack_step * dp + plan.pack_rank
-    samples = np.bincount(slot, sizes, plan.num_steps * dp).reshape(plan.num_steps, dp)
-    squares = lengths.tokens[plan.samples].astype(np.float64) ** 2  # pack after pack
-    sumsq = np.bincount(np.repeat(slot, sizes), squares, plan.num_steps * dp)
+
+    def per_step(per_sample: np.ndarray) -> np.ndarray:
+        running = np.concatenate([[0], np.cumsum(per_sample, dtype=np.int64)])
+        per_pack = running[plan.pack_ptr[1:]] - running[plan.pack_ptr[:-1]]
+        return np.rint(np.bincount(slot, per_pack, steps * dp)).astype(np.int64).reshape(steps, dp)
+
+    tokens = lengths.tokens[plan.samples].astype(np.int64, copy=False)
     return EpochSteps(
-        samples.astype(np.int64),
-        np.rint(loads.tiles).astype(np.int64),
-        np.rint(loads.tokens).astype(np.int64),
-        np.rint(sumsq).astype(np.int64).reshape(plan.num_steps, dp),
+        per_step(np.ones(len(plan.samples), np.int64)),
+        per_step(lengths.vit[plan.samples]),
+        per_step(tokens),
+        per_step(tokens * tokens),
     )
 
 
@@ -94,6 +97,8 @@ class StreamSteps:
     step of epoch `origin.epoch`; epochs follow each other, each with its own number of steps.
     `plan_of_epoch(e)` is the balancer's whole plan (all DP ranks) of epoch e; `lengths_of(e)`
     the samples' lengths in epoch e (videos train on a number of frames drawn per epoch).
+    `steps_of_epoch(e)`: epoch_steps of epoch e made elsewhere (node_plans: once per node;
+    None: summed here from the plan and lengths).
     """
 
     _CACHED_EPOCHS = 2
@@ -103,9 +108,11 @@ class StreamSteps:
         plan_of_epoch: Callable[[int], BalancePlan],
         lengths_of: Callable[[int], LengthStats],
         origin: StreamOrigin | None = None,
+        steps_of_epoch: Callable[[int], EpochSteps] | None = None,
     ) -> None:
         self._plan_of_epoch = plan_of_epoch
         self._lengths_of = lengths_of
+        self._steps_of_epoch = steps_of_epoch
         self.origin = origin or StreamOrigin()
         self._epochs: OrderedDict[int, EpochSteps] = OrderedDict()
         self._totals: dict[int, tuple[int, int]] = {}  # epoch -> (steps, samples)
@@ -115,7 +122,10 @@ class StreamSteps:
         if epoch in self._epochs:
             self._epochs.move_to_end(epoch)
             return self._epochs[epoch]
-        steps = epoch_steps(self._plan_of_epoch(epoch), self._lengths_of(epoch))
+        if self._steps_of_epoch is not None:
+            steps = self._steps_of_epoch(epoch)
+        else:
+            steps = epoch_steps(self._plan_of_epoch(epoch), self._lengths_of(epoch))
         if steps.num_steps <= 0:
             raise ValueError(
                 f"the balanced stream has no training step in epoch {epoch} "

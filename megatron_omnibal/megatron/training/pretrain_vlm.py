@@ -392,8 +392,11 @@ def _install_iteration_log(
     from megatron_omnibal.megatron.training import training_log
     from megatron_omnibal.megatron.training.throughput import device_name, run_throughput
 
-    sampler = balanced_sampler(settings, 0, plans)
-    steps = StreamSteps(sampler.plan, sampler.lengths_of, resume.origin)
+    if plans is not None:  # the per-step sums made with the node's plans
+        steps = StreamSteps(plans, settings.by_epoch, resume.origin, plans.steps)
+    else:
+        sampler = balanced_sampler(settings, 0, plans)
+        steps = StreamSteps(sampler.plan, sampler.lengths_of, resume.origin)
     if settings.rank == 0:
         for note in resume.notes:
             print(f"pretrain_vlm: note: {note}", flush=True)

@@ -13,7 +13,9 @@ from megatron_omnibal.balance.balancer import balance
 from megatron_omnibal.balance.config import BalanceConfig
 from megatron_omnibal.data.lengths import from_arrays
 from megatron_omnibal.megatron.stream import node_plans
+from megatron_omnibal.megatron.stream.data_identity import lengths_digest
 from megatron_omnibal.megatron.stream.node_plans import NodePlans
+from megatron_omnibal.megatron.stream.stream_steps import StreamSteps
 
 RNG = np.random.default_rng(0)
 LENGTHS = from_arrays(RNG.integers(1, 6, 300), RNG.integers(50, 400, 300))
@@ -59,6 +61,14 @@ def test_the_writer_balances_once_and_readers_map_the_same_plan(tmp_path, monkey
             _same(got[r][e], want)
             assert not got[r][e].samples.flags.writeable
     assert writer(1) is mine[1] and calls == [3, 4]  # kept mapped, not balanced again
+    for plans in (writer, *readers):  # the per-step sums, summed once by the writer
+        summed = StreamSteps(plans, lambda e: LENGTHS, steps_of_epoch=plans.steps)
+        own = StreamSteps(lambda e: balance(LENGTHS, CONFIG.with_seed(3 + e)), lambda e: LENGTHS)
+        for e in (0, 1):
+            for field in node_plans.STEP_ARRAYS:
+                np.testing.assert_array_equal(getattr(summed.epoch(e), field),
+                                              getattr(own.epoch(e), field))
+    assert calls == [3, 4]
     writer._remove(writer._used)
     assert not list(tmp_path.iterdir())
 
@@ -86,7 +96,8 @@ def test_lengths_are_made_once_and_mapped_by_the_other_ranks(tmp_path) -> None:
     mine = node_plans.node_lengths(make, {"k": 1}, local_rank=0, folder=tmp_path)
     reader.join()
     assert made == [1]
-    for lengths in (mine, got["r"]):
+    for lengths, digest in (mine, got["r"]):
+        assert digest == lengths_digest(LENGTHS)  # taken by the writer, read by the others
         for field in ("vit", "tokens", "image_flags", "dataset"):
             np.testing.assert_array_equal(getattr(lengths, field), getattr(LENGTHS, field))
             assert not getattr(lengths, field).flags.writeable

@@ -35,15 +35,17 @@ def sampler(rank):
 
 
 def oracle(first_epoch, steps):
-    """[steps, dp, (samples, tiles, tokens)] as each rank's sampler yields its micro-batches."""
-    out = np.zeros((steps, DP, 3), np.int64)
+    """[steps, dp, (samples, tiles, tokens, sum of squared tokens)] as each rank's sampler
+    yields its micro-batches."""
+    out = np.zeros((steps, DP, 4), np.int64)
     for rank in range(DP):
         s = sampler(rank)
         s.set_epoch(first_epoch)
         stream = iter(s)
         for step in range(steps):
             idx = [i for _ in range(MICRO) for i in next(stream)]
-            out[step, rank] = (len(idx), LENGTHS.vit[idx].sum(), LENGTHS.tokens[idx].sum())
+            tokens = LENGTHS.tokens[idx]
+            out[step, rank] = (len(idx), LENGTHS.vit[idx].sum(), tokens.sum(), (tokens**2).sum())
     return out
 
 
@@ -54,7 +56,9 @@ def test_every_step_matches_what_each_rank_reads_across_epochs():
     want = oracle(0, total)
     for it in range(total):
         got = steps.step(it)
-        np.testing.assert_array_equal(np.stack([got.samples, got.tiles, got.tokens], 1), want[it])
+        np.testing.assert_array_equal(
+            np.stack([got.samples, got.tiles, got.tokens, got.sumsq], 1), want[it]
+        )
     assert steps.locate(per_epoch + 1) == (1, 1)
     consumed = np.concatenate([[0], np.cumsum(want[:, :, 0].sum(axis=1))])
     assert [steps.consumed_samples(i) for i in range(total + 1)] == consumed.tolist()
