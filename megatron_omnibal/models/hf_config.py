@@ -86,6 +86,17 @@ def _need(cond: bool, path: Path, msg: str) -> None:
         raise HFConfigError(f"{path / 'config.json'}: {msg}")
 
 
+def _checked_towers(
+    path: Path, tower: str, model_type: str, supported: str
+) -> tuple[Any, Any, Any]:
+    """The checkpoint's transformers config and its vision and text configs, once the `tower`
+    ("vision" or "text") config's model_type is `model_type` (`supported` says what is)."""
+    cfg = _transformers_config(path)
+    found = getattr(cfg, f"{tower}_config").model_type
+    _need(found == model_type, path, f"{tower}_config.model_type {found!r}: {supported}")
+    return cfg, cfg.vision_config, cfg.text_config
+
+
 def _load_json(path: Path) -> dict:
     try:
         doc = json.loads(path.read_text())
@@ -272,12 +283,8 @@ def _internvl(path: Path, doc: dict) -> HFModel:
 
 
 def _llava(path: Path, doc: dict) -> HFModel:
-    cfg = _transformers_config(path)
-    vc, tc = cfg.vision_config, cfg.text_config
-    _need(
-        vc.model_type == "clip_vision_model",
-        path,
-        f"vision_config.model_type {vc.model_type!r}: only CLIP vision towers are supported",
+    cfg, vc, tc = _checked_towers(
+        path, "vision", "clip_vision_model", "only CLIP vision towers are supported"
     )
     arch = _text_arch(tc.model_type, path)
     total = int(vc.num_hidden_layers)
@@ -396,13 +403,7 @@ def _mrope_section(text: Any, path: Path) -> tuple[int, ...]:
 
 
 def _qwen2_5_vl(path: Path, doc: dict) -> HFModel:
-    cfg = _transformers_config(path)
-    vc, tc = cfg.vision_config, cfg.text_config
-    _need(
-        tc.model_type == "qwen2_5_vl_text",
-        path,
-        f"text_config.model_type {tc.model_type!r}: expected qwen2_5_vl_text",
-    )
+    cfg, vc, tc = _checked_towers(path, "text", "qwen2_5_vl_text", "expected qwen2_5_vl_text")
     sides = {name: getattr(vc, name) for name in ("patch_size", "temporal_patch_size")}
     _need(
         all(isinstance(v, int) for v in sides.values()),
