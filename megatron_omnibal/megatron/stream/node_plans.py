@@ -51,7 +51,7 @@ STEP_ARRAYS = ("samples", "tiles", "tokens", "sumsq")  # EpochSteps' fields, as 
 LENGTH_FIELDS = ("vit", "tokens", "image_flags", "dataset")
 META = "meta.json"
 WAIT_S = 3600.0  # how long a rank waits for its node's writer (torchrun ends it sooner on error)
-POLL_S = 0.02
+POLL_S = (0.02, 0.5)  # a waiting rank's first and longest pause between looks
 KEPT = 2  # mapped plans kept per process
 
 
@@ -129,15 +129,18 @@ def map_arrays(folder: Path) -> tuple[dict[str, np.ndarray], dict]:
 
 
 def wait_for(folder: Path, wait_s: float = WAIT_S) -> None:
-    """Return once `folder` was written (its meta is the last part renamed into place)."""
-    waited = 0.0
+    """Return once `folder` was written (its meta is the last part renamed into place). The
+    pause between looks doubles up to half a second: seven ranks looking every 20 ms through a
+    half-minute balance take a core's worth of seconds from the writer they wait for."""
+    waited, pause = 0.0, POLL_S[0]
     while not (folder / META).is_file():
         if waited >= wait_s:
             raise TimeoutError(
                 f"waited {waited:.0f} s for {folder}, which the node's local rank 0 writes"
             )
-        time.sleep(POLL_S)
-        waited += POLL_S
+        time.sleep(pause)
+        waited += pause
+        pause = min(2 * pause, POLL_S[1])
 
 
 def write_plan(plan: BalancePlan, steps: EpochSteps, folder: Path) -> None:
