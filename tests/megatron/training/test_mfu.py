@@ -107,3 +107,45 @@ def test_the_log_line_carries_tflops_and_mfu_and_the_first_step_the_plan() -> No
     no_peak = Throughput(flops=ModelFlops.of(TINY), gpus=2, peak_tflops=None, peak_source="x")
     assert no_peak.describe([steps.step(0)], 0.5).endswith("| MFU n/a")
     assert "plan predicted" not in first_step_line(no_peak, steps.step(0), 0.5, None)
+
+
+def test_the_startup_summary_predicts_the_first_steps_time_and_mfu() -> None:
+    """Before training, the summary states the plan's predicted step and the model TFLOP/s and
+    MFU the first step's samples reach at that time (by hand); the first step's line then puts
+    the measured figures beside the same prediction."""
+    from megatron_omnibal.balance.config import BalanceConfig
+    from megatron_omnibal.balance.sampler import BalancedBatchSampler
+    from megatron_omnibal.data.lengths import from_arrays
+    from megatron_omnibal.megatron.stages.layout import layout_from_counts
+    from megatron_omnibal.megatron.training.training_log import startup_summary
+
+    rng = np.random.default_rng(4)
+    vit = rng.integers(0, 4, 60)
+    lengths = from_arrays(vit, rng.integers(10, 90, 60) + 4 * vit, vit)
+    cfg = BalanceConfig(dp_size=2, micro_batches=2, vit_budget=8, token_budget=200, seed=1)
+    sampler = BalancedBatchSampler(lengths, cfg, dp_rank=0)
+    steps = StreamSteps(sampler.plan, sampler.lengths_of)
+    tp = Throughput(flops=ModelFlops.of(TINY), gpus=4, peak_tflops=1e-4, peak_source="test")
+
+    def summary(**kw):
+        return startup_summary(
+            layouts=tuple(layout_from_counts((4, 0), (0, 4), (1, 0), (0, 2), 4, 4)), tp=1,
+            dp=2, micro_batches=2, vit_budget=8, token_budget=200, num_samples=60,
+            lengths_file="l.json", source="synthetic", balancer="balancer default",
+            steps=steps, start_iteration=0, **kw)  # fmt: skip
+
+    plan = sampler.plan(0)
+    first = [plan.samples[plan.pack_ptr[p]:plan.pack_ptr[p + 1]]
+             for p in np.flatnonzero(plan.pack_step == 0)]  # fmt: skip
+    by_hand = sum(training_flops_by_hand(TINY, [(int(lengths.vit[i]), int(lengths.tokens[i]))
+                                                for i in s]) for s in first)  # fmt: skip
+    [line] = [x for x in summary(throughput=tp, predicted_step_ms=80.0) if "plan predicted" in x]
+    want = (f"omnibal: plan predicted step 80.0 ms, model TFLOP/s/GPU "
+            f"{by_hand / 0.08 / 4 / 1e12:.3f} | MFU {100 * by_hand / 0.08 / 4 / 1e8:.1f}% for "
+            f"the first step's {sum(len(s) for s in first)} samples")  # fmt: skip
+    assert line.startswith(want) and line.endswith("; peak: test")
+    measured = first_step_line(tp, steps.step(0), 0.2, 80.0)
+    assert measured.startswith("omnibal: first step measured 200.0 ms")
+    assert f"plan predicted {want.split('plan predicted step ')[1].split(' for the')[0]};" in (
+        measured)
+    assert not any("plan predicted" in x for x in summary())  # no plan: no prediction
