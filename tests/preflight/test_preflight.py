@@ -154,9 +154,6 @@ def test_pp2_plan_that_fits_passes_and_a_tight_device_fails_its_heavier_stage(
         assert m["outside_forward_ms"] > 0  # the data and (last stage) the loss
         assert st["verdict"]["memory"] == "fits"
     assert "preflight: OK" in proc.stdout
-    # the training's start-up summary states the plan's step before the first one is measured
-    predicted = f"omnibal: plan predicted step {plan.predicted.step_ms:.1f} ms, model TFLOP/s/GPU"
-    assert proc.stdout.index(predicted) < proc.stdout.index("omnibal: first step measured")
     peaks = [st["measured"]["peak_memory_gib"] for st in report["stages"]]
     heavy = max(range(2), key=peaks.__getitem__)
     assert max(peaks) > 1.1 * min(peaks)

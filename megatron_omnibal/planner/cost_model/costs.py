@@ -273,8 +273,8 @@ def profile_cost_model(doc: dict, where: str = "profile", dp: int = 1) -> CostMo
     timed = forward > 0  # a layer without forward time scales its backward linearly
     safe = np.where(timed, forward, 1.0)
     shares = np.zeros((len(costs), 4))  # each term's share of the forward, per feature
-    shares[np.arange(len(costs)), col] = np.where(timed, (forward - attention - fixed) / safe,
-                                                  1.0) / size  # fmt: skip
+    rest = np.maximum(forward - attention - fixed, 0.0)  # never below 0 by rounding
+    shares[np.arange(len(costs)), col] = np.where(timed, rest / safe, 1.0) / size
     if np.any(attention > 0):
         shares[:, 2] = np.where(timed, attention / safe, 0.0) / float(sumsq)
     shares[:, 3] = np.where(timed, fixed / safe, 0.0)
