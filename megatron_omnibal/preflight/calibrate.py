@@ -6,11 +6,12 @@ efficiency at these shapes, attention at packed lengths, launch overheads, the p
 and receives). Per stage, each tower's layers' forward time per micro-batch is fitted over every
 measured micro-batch (the largest of a level and the balanced stream's): ViT layers per tile
 plus a fixed part, LLM layers per token, per squared length their attention runs over and a
-fixed part (fit.py). The work outside the layers (patch embedding, projector and LLM embedding,
-head and loss, the micro-batch's data) is the forward step's time less its layers', fitted per
-tile (given to the projector on its stage, else to the stage's first ViT layer) or per token
-(to its last LLM layer), as `omnibal profile` folds it; a stage's backward is its forward times
-the ratio measured on it. The point-to-point time is the one with which the planner's
+fixed part, each term kept where the measurements support it (fit.supported_fit). The work
+outside the layers (patch embedding, projector and LLM embedding, head and loss, the
+micro-batch's data) is the forward step's time less its layers', fitted per tile (given to the
+projector on its stage, else to the stage's first ViT layer) or per token (to its last LLM
+layer), as `omnibal profile` folds it; a stage's backward is its forward times the ratio
+measured on it. The point-to-point time is the one with which the planner's
 simulator spans the measured pipeline (fit.fit_p2p_ms), the per-step fixed cost the first
 stage's step outside its schedule. The profile holds these at the size of the largest
 micro-batch, with the memory its layers measured there. Pure: no torch.
@@ -26,7 +27,7 @@ import numpy as np
 
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.cost_model.memory import static_bytes_per_param
-from megatron_omnibal.preflight.fit import fit_p2p_ms, nonnegative_least_squares
+from megatron_omnibal.preflight.fit import fit_p2p_ms, supported_fit
 from megatron_omnibal.preflight.report import TYPICAL
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def calibrated_profile(
             target, column = towers["vit"][lay["vit_layers"][0]], 0
         else:
             target, column = towers["llm"][lay["llm_layers"][1] - 1], 1
-        fitted = nonnegative_least_squares(
+        fitted = supported_fit(
             np.stack([features[:, column], np.ones(len(rest))], axis=1), rest)
         target["coef"] += np.array([fitted[0], 0.0, fitted[1]])
         target["ratio"] = ratio
@@ -133,9 +134,9 @@ def _fit_tower(tower: str, features: np.ndarray, layer_ms: np.ndarray) -> np.nda
     within a tile (no squared term); LLM layers over the packed samples."""
     ones = np.ones(len(layer_ms))
     if tower == "vit":
-        a, fixed = nonnegative_least_squares(np.stack([features[:, 0], ones], axis=1), layer_ms)
+        a, fixed = supported_fit(np.stack([features[:, 0], ones], axis=1), layer_ms)
         return np.array([a, 0.0, fixed])
-    return nonnegative_least_squares(np.stack([features[:, 1], features[:, 2], ones], axis=1),
+    return supported_fit(np.stack([features[:, 1], features[:, 2], ones], axis=1),
                                      layer_ms)  # fmt: skip
 
 

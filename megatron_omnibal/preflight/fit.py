@@ -43,6 +43,28 @@ def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best / norm
 
 
+def supported_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The non-negative least-squares fit on the columns the measurements support: of every
+    subset of columns, the one with the lowest Bayesian information criterion (n log(RSS / n)
+    + k log n, k its non-zero coefficients). Balanced micro-batches differ little in size, so
+    on noisy times a term the data cannot separate (a fixed part beside a per-token one) is
+    left out rather than fitted to the noise, which would skew every micro-batch of another
+    size. A residual within rounding of 0 counts as 0 (exact data: the fewest exact terms)."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    n = len(y)
+    floor = max(1e-20 * float(y @ y), 1e-300)
+    best, best_score = np.zeros(x.shape[1]), np.inf
+    for size in range(1, x.shape[1] + 1):
+        for cols in itertools.combinations(range(x.shape[1]), size):
+            c = np.zeros(x.shape[1])
+            c[list(cols)] = nonnegative_least_squares(x[:, cols], y)
+            rss = max(float(np.sum((x @ c - y) ** 2)), floor)
+            score = n * np.log(rss / n) + np.count_nonzero(c) * np.log(n)
+            if score < best_score - 1e-9:
+                best, best_score = c, score
+    return best
+
+
 def fit_p2p_ms(forward_ms: np.ndarray, backward_ms: np.ndarray, span_ms: float) -> float:
     """The transfer time per stage boundary and micro-batch (each direction) with which 1F1B
     over these (pp, m) measured forwards and backwards spans `span_ms`, from the first stage's

@@ -13,7 +13,11 @@ from megatron_omnibal.models.presets import get_preset
 from megatron_omnibal.planner.cost_model.costs import profile_cost_model, workload_features
 from megatron_omnibal.planner.simulator.simulate import simulate
 from megatron_omnibal.preflight.calibrate import calibrated_profile
-from megatron_omnibal.preflight.fit import fit_p2p_ms, nonnegative_least_squares
+from megatron_omnibal.preflight.fit import (
+    fit_p2p_ms,
+    nonnegative_least_squares,
+    supported_fit,
+)
 
 
 def test_nonnegative_least_squares_recovers_and_clamps() -> None:
@@ -28,6 +32,20 @@ def test_nonnegative_least_squares_recovers_and_clamps() -> None:
     best = np.linalg.lstsq(x[:, 1:], y, rcond=None)[0]
     if np.all(best >= 0):
         np.testing.assert_allclose(got[1:], best, rtol=1e-9)
+
+
+def test_supported_fit_keeps_the_terms_the_data_hold() -> None:
+    rng = np.random.default_rng(5)
+    tokens = rng.uniform(300, 330, 16)  # balanced: sizes close together
+    x = np.stack([tokens, tokens**2, np.ones(16)], axis=1)
+    # exact times: exactly the terms they were made of, and no other
+    np.testing.assert_allclose(supported_fit(x, x @ [0.1, 0.0, 4.0]), [0.1, 0, 4.0], rtol=1e-6)
+    np.testing.assert_allclose(supported_fit(x, x @ [0.1, 2e-4, 0.0]), [0.1, 2e-4, 0],
+                               rtol=1e-6)  # fmt: skip
+    # proportional times with 5% noise: a fixed part fitted to the noise is not kept
+    y = 0.1 * tokens * rng.normal(1.0, 0.05, 16)
+    got = supported_fit(x, y)
+    assert got[2] == 0 and nonnegative_least_squares(x, y)[2] > 0
 
 
 def test_p2p_fit_by_hand_and_through_the_simulator() -> None:
