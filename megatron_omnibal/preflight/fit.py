@@ -44,20 +44,27 @@ def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def supported_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """The non-negative least-squares fit on the columns the measurements support: of every
-    subset of columns, the one with the lowest Bayesian information criterion (n log(RSS / n)
-    + k log n, k its non-zero coefficients). Balanced micro-batches differ little in size, so
-    on noisy times a term the data cannot separate (a fixed part beside a per-token one) is
-    left out rather than fitted to the noise, which would skew every micro-batch of another
-    size. A residual within rounding of 0 counts as 0 (exact data: the fewest exact terms)."""
+    """The non-negative least-squares fit of y on column 0 (a time per tile or token: the work
+    grows with the micro-batch) and those other columns the measurements support: of the
+    subsets holding column 0 with a positive coefficient there, the one with the lowest
+    Bayesian information criterion (n log(RSS / n) + k log n, k its non-zero coefficients).
+
+    Balanced micro-batches differ little in size, so on noisy times a term the data cannot
+    separate (a fixed part beside the per-token one) is left out rather than fitted to the
+    noise, which would skew every micro-batch of another size; and the time never loses its
+    growth with size to such a term. A residual within rounding of 0 counts as 0 (exact data:
+    the fewest exact terms)."""
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    n = len(y)
+    n, k = x.shape
     floor = max(1e-20 * float(y @ y), 1e-300)
-    best, best_score = np.zeros(x.shape[1]), np.inf
-    for size in range(1, x.shape[1] + 1):
-        for cols in itertools.combinations(range(x.shape[1]), size):
-            c = np.zeros(x.shape[1])
-            c[list(cols)] = nonnegative_least_squares(x[:, cols], y)
+    best, best_score = np.zeros(k), np.inf
+    for size in range(k):
+        for others in itertools.combinations(range(1, k), size):
+            cols = [0, *others]
+            c = np.zeros(k)
+            c[cols] = nonnegative_least_squares(x[:, cols], y)
+            if c[0] <= 0 and others:
+                continue
             rss = max(float(np.sum((x @ c - y) ** 2)), floor)
             score = n * np.log(rss / n) + np.count_nonzero(c) * np.log(n)
             if score < best_score - 1e-9:

@@ -46,6 +46,11 @@ def test_supported_fit_keeps_the_terms_the_data_hold() -> None:
     y = 0.1 * tokens * rng.normal(1.0, 0.05, 16)
     got = supported_fit(x, y)
     assert got[2] == 0 and nonnegative_least_squares(x, y)[2] > 0
+    # times that do not grow with these close sizes: they still grow per token, never all fixed
+    y = rng.normal(30.0, 3.0, 16)
+    got = supported_fit(x, y)
+    assert got[0] > 0 and got[0] * tokens.mean() + got[1] * (tokens**2).mean() + got[2] == (
+        pytest.approx(y.mean(), rel=0.05))  # fmt: skip
 
 
 def test_p2p_fit_by_hand_and_through_the_simulator() -> None:
