@@ -135,8 +135,28 @@ def predicted_ms(prep: dict, profile: dict, path: Path, batching: str, steps: li
     return float(statistics.median(setting.predict(part, f).step_ms for f in feats))
 
 
+def refit(prep: dict, profile: Path) -> dict:
+    """The profile of a saved round fitted again, by this code, from that round's saved
+    preflight report (the same measurement; nothing runs)."""
+    from megatron_omnibal.megatron.stages.layout import layout_from_plan
+    from megatron_omnibal.preflight.calibrate import calibrated_profile
+
+    plan, saved = prep["plan"], json.loads(profile.read_text())
+    return calibrated_profile(
+        report=json.loads(profile.with_suffix(".report.json").read_text()), spec=prep["spec"],
+        layouts=[st.to_dict() for st in layout_from_plan(plan, plan.parallel.pp)],
+        tiles=saved["measured"]["tiles"], tokens=saved["measured"]["tokens"],
+        micro_batches=plan.parallel.micro_batches,
+        memory_budget_gib=saved.get("memory_budget_gib"))  # fmt: skip
+
+
 def timed_run(pp: int, mode: str, flags: list[str], out: Path, warmup: int) -> dict:
     torchrun(pp, [bm.__file__, "--worker", mode, str(out), "--", *flags])
+    return saved_run(out, warmup)
+
+
+def saved_run(out: Path, warmup: int) -> dict:
+    """A timed run's step times (after `warmup` steps) and micro-batches."""
     rec = json.loads((out / "rank0.json").read_text())
     times = (np.diff([*rec["step_starts"], rec["end"]]) * 1000.0)[warmup:]
     return {"median_ms": float(statistics.median(times)), "times_ms": times.tolist(),
@@ -159,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=3000, help="random subset of the data")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--refit", action="store_true",
+                        help="run nothing: fit every round's profile again from its saved "
+                        "preflight report in --work-dir and predict its saved run")  # fmt: skip
     args = parser.parse_args(argv)
     layouts = []
     for item in args.layouts.split(","):
@@ -170,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         layouts.append((shape, int(pp), batching))
     if args.steps - args.warmup < 1 or args.repeats < 1:
         parser.error("need at least one timed step (--steps > --warmup) and one repeat")
+    if args.refit and args.work_dir is None:
+        parser.error("--refit reads the rounds saved in a --work-dir")
     tmp = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_preflight_"))
     started, load = time.perf_counter(), [os.getloadavg()[0]]
     preps = {}
@@ -184,10 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeats):  # rounds: every layout once, side by side
         for lay in layouts:
             folder = tmp / f"{lay[0]}-pp{lay[1]}"
-            profile_path = folder / f"{lay[2]}.calibrated{r}.json"
-            profile, seconds = calibrate(preps[lay[:2]], args, profile_path)
-            preflight_s[lay].append(round(seconds, 1))
-            got = timed_run(lay[1], lay[2], flags[lay], folder / f"{lay[2]}.run{r}", args.warmup)
+            profile_path, run = folder / f"{lay[2]}.calibrated{r}.json", folder / f"{lay[2]}.run{r}"
+            if args.refit:
+                profile, got = refit(preps[lay[:2]], profile_path), saved_run(run, args.warmup)
+            else:
+                profile, seconds = calibrate(preps[lay[:2]], args, profile_path)
+                preflight_s[lay].append(round(seconds, 1))
+                got = timed_run(lay[1], lay[2], flags[lay], run, args.warmup)
             measured[lay].append(got)
             predicted[lay].append(predicted_ms(preps[lay[:2]], profile, profile_path, lay[2],
                                                got["micro_indices"]))  # fmt: skip

@@ -6,7 +6,7 @@ efficiency at these shapes, attention at packed lengths, launch overheads, the p
 and receives). Per stage, each tower's layers' forward time per micro-batch is fitted over every
 measured micro-batch (the largest of a level and the balanced stream's): ViT layers per tile
 plus a fixed part, LLM layers per token, per squared length their attention runs over and a
-fixed part, each term kept where the measurements support it (fit.supported_fit). The work
+fixed part, a fixed part kept where the measurements support it (fit.supported_fit). The work
 outside the layers (patch embedding, projector and LLM embedding, head and loss, the
 micro-batch's data) is the forward step's time less its layers', fitted per tile (given to the
 projector on its stage, else to the stage's first ViT layer) or per token (to its last LLM
@@ -136,8 +136,8 @@ def _fit_tower(tower: str, features: np.ndarray, layer_ms: np.ndarray) -> np.nda
     if tower == "vit":
         a, fixed = supported_fit(np.stack([features[:, 0], ones], axis=1), layer_ms)
         return np.array([a, 0.0, fixed])
-    return supported_fit(np.stack([features[:, 1], features[:, 2], ones], axis=1),
-                                     layer_ms)  # fmt: skip
+    return supported_fit(np.stack([features[:, 1], features[:, 2], ones], axis=1), layer_ms,
+                         always=2)  # fmt: skip
 
 
 def pipeline_p2p_ms(report: dict[str, Any]) -> float | None:

@@ -43,24 +43,26 @@ def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best / norm
 
 
-def supported_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """The non-negative least-squares fit of y on column 0 (a time per tile or token: the work
-    grows with the micro-batch) and those other columns the measurements support: of the
-    subsets holding column 0 with a positive coefficient there, the one with the lowest
-    Bayesian information criterion (n log(RSS / n) + k log n, k its non-zero coefficients).
+def supported_fit(x: np.ndarray, y: np.ndarray, always: int = 1) -> np.ndarray:
+    """The non-negative least-squares fit of y on its first `always` columns (the terms the
+    work is known to have: a time per tile or token, and for attention one per squared length)
+    and those other columns the measurements support: of the subsets holding the first ones,
+    the one with the lowest Bayesian information criterion (n log(RSS / n) + k log n, k its
+    non-zero coefficients), where an optional term may not zero column 0.
 
     Balanced micro-batches differ little in size, so on noisy times a term the data cannot
     separate (a fixed part beside the per-token one) is left out rather than fitted to the
-    noise, which would skew every micro-batch of another size; and the time never loses its
-    growth with size to such a term. A residual within rounding of 0 counts as 0 (exact data:
-    the fewest exact terms)."""
+    noise, which would skew every micro-batch of another size. A residual within rounding of 0
+    counts as 0 (exact data: the fewest exact terms)."""
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     n, k = x.shape
+    if not 1 <= always <= k:
+        raise ValueError(f"supported_fit: always must be within 1..{k}, got {always}")
     floor = max(1e-20 * float(y @ y), 1e-300)
     best, best_score = np.zeros(k), np.inf
-    for size in range(k):
-        for others in itertools.combinations(range(1, k), size):
-            cols = [0, *others]
+    for size in range(k - always + 1):
+        for others in itertools.combinations(range(always, k), size):
+            cols = [*range(always), *others]
             c = np.zeros(k)
             c[cols] = nonnegative_least_squares(x[:, cols], y)
             if c[0] <= 0 and others:

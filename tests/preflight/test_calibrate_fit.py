@@ -46,6 +46,12 @@ def test_supported_fit_keeps_the_terms_the_data_hold() -> None:
     y = 0.1 * tokens * rng.normal(1.0, 0.05, 16)
     got = supported_fit(x, y)
     assert got[2] == 0 and nonnegative_least_squares(x, y)[2] > 0
+    # the attention term, fitted always beside the per-token one, the fixed part where held
+    noisy = x @ [0.1, 2e-4, 0.0] * rng.normal(1.0, 0.05, 16)
+    got = supported_fit(x, noisy, always=2)
+    assert got[2] == 0 and got[0] + got[1] > 0
+    np.testing.assert_allclose(supported_fit(x, x @ [0.1, 2e-4, 4.0], always=2), [0.1, 2e-4, 4.0],
+                               rtol=1e-6)  # fmt: skip
     # times that do not grow with these close sizes: they still grow per token, never all fixed
     y = rng.normal(30.0, 3.0, 16)
     got = supported_fit(x, y)
