@@ -21,7 +21,7 @@ Layouts (4): 6+20b PP=2 balanced, 6+20b PP=3 baseline, llava-7b PP=2 baseline, l
 balanced (shapes: bench_megatron.py). PP=3 runs three ranks on the cores there are.
 
 Usage: python bench/bench_preflight.py [--repeats 3] [--steps 5] [--warmup 1]
-       [--layouts 6+20b:2:balanced,...] [--work-dir DIR] [--json PATH]
+       [--layouts 6+20b:2:balanced,...] [--work-dir DIR] [--json PATH] [--refit]
 """
 
 from __future__ import annotations
