@@ -1,24 +1,27 @@
 """Calibrated step-time predictions against real Megatron runs on this CPU.
 
-For each (model shape, pipeline size): a plan, the preflight of that plan with `--calibrate`
-(its largest micro-batches and a few typical steps, drawn with one seed), then real training
-runs of the plan's layout on other steps (another seed): balanced micro-batches
-(`--omnibal-plan`) or the usual fixed-size micro-batches padded to their longest sample
-(`baseline`). The prediction is the planner's pipeline simulator with the calibrated profile
-(`omnibal plan --profile` reads the same file) on exactly the micro-batches each timed step
-trained on; the calibration never saw those steps.
+For each (model shape, pipeline size): a plan; then, in every round, the preflight of that plan
+with `--calibrate` (its largest micro-batches and a few typical steps, drawn with one seed) and
+right after it a real training run of the plan's layout on other steps (another seed):
+balanced micro-batches (`--omnibal-plan`) or the usual fixed-size micro-batches padded to their
+longest sample (`baseline`). The round's prediction is the planner's pipeline simulator with
+that round's calibrated profile (`omnibal plan --profile` reads the same file) on exactly the
+micro-batches each timed step trained on; the calibration never saw those steps. Calibrating
+next to the run it predicts keeps a shared machine's changing load out of the comparison as
+far as it can be.
 
 Each layout is run `--repeats` times, the layouts interleaved (one round runs every layout
 once), each run its own torchrun under this process; a run's step time is the median of its
 timed steps (wall time between step starts on the first stage), the layout's the median over
-the repeats, and its noise the spread of the repeats ((max - min) / median), printed beside the
-error (median predicted / median measured - 1).
+the repeats, its prediction the median of the rounds' predictions; its noise the spread of the
+repeats ((max - min) / median) and of the rounds' predictions, printed beside the error
+(median predicted / median measured - 1).
 
 Layouts (4): 6+20b PP=2 balanced, 6+20b PP=3 baseline, llava-7b PP=2 baseline, llava-7b PP=3
 balanced (shapes: bench_megatron.py). PP=3 runs three ranks on the cores there are.
 
 Usage: python bench/bench_preflight.py [--repeats 3] [--steps 5] [--warmup 1]
-       [--layouts 6+20b:2:balanced,...] [--work-dir DIR] [--json PATH]
+       [--layouts 6+20b:2:balanced,...] [--work-dir DIR] [--json PATH] [--refit]
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def torchrun(pp: int, argv: list[str]) -> None:
 
 
 def prepare(shape: str, pp: int, args: argparse.Namespace, tmp: Path) -> dict:
-    """Lengths, a plan at `pp`, and its preflight with --calibrate."""
+    """Lengths, a plan at `pp`, and the flags of its preflight and runs."""
     from megatron_omnibal.data.lengths import load_lengths, save_lengths
     from megatron_omnibal.megatron.stream.data import model_lengths
     from megatron_omnibal.models.spec import ModelSpec
@@ -81,43 +84,79 @@ def prepare(shape: str, pp: int, args: argparse.Namespace, tmp: Path) -> dict:
     save_plan(plan, tmp / "plan.json")
     base = [*flags_for(pp, lengths_file, m, args.steps), "--omnibal-model", str(model_file)]
     preflight = [*base, "--omnibal-plan", str(tmp / "plan.json"), "--omnibal-precision", "fp32"]
-    seed = preflight.index("--seed") + 1
-    preflight[seed] = str(CALIBRATION_SEED)
-    start = time.perf_counter()
-    torchrun(pp, ["-m", "megatron_omnibal.preflight", *preflight, "--out",
-                  str(tmp / "preflight.json"), "--calibrate", str(tmp / "calibrated.json"),
-                  "--worst-steps", "1", "--typical-steps", str(args.typical_steps)])  # fmt: skip
+    preflight[preflight.index("--seed") + 1] = str(CALIBRATION_SEED)
     return {"spec": spec, "request": request, "plan": plan, "base": base, "lengths": lengths,
-            "model_file": model_file, "preflight_s": time.perf_counter() - start,
-            "profile": json.loads((tmp / "calibrated.json").read_text())}  # fmt: skip
+            "model_file": model_file, "preflight": preflight}  # fmt: skip
 
 
-def layout_run(prep: dict, batching: str, args: argparse.Namespace, tmp: Path):
-    """(worker mode, flags, the plan's partition) of one layout's timed run."""
+def calibrate(prep: dict, args: argparse.Namespace, profile: Path) -> tuple[dict, float]:
+    """(the calibrated profile, seconds) of one preflight of the plan with --calibrate."""
+    start = time.perf_counter()
+    torchrun(prep["plan"].parallel.pp, [
+        "-m", "megatron_omnibal.preflight", *prep["preflight"], "--out",
+        str(profile.with_suffix(".report.json")), "--calibrate", str(profile), "--worst-steps",
+        "1", "--typical-steps", str(args.typical_steps)])  # fmt: skip
+    return json.loads(profile.read_text()), time.perf_counter() - start
+
+
+def plan_setting(prep: dict, profile: dict | None = None, path: Path | None = None):
+    """(the planner's Setting, with the calibrated `profile` when given, and the plan's
+    partition in it)."""
     from dataclasses import replace
 
     from megatron_omnibal.planner.make import plan_partition
     from megatron_omnibal.planner.search.setting import make_setting
 
-    plan, pp = prep["plan"], prep["plan"].parallel.pp
-    request = replace(prep["request"], profile=prep["profile"],
-                      profile_path=str(tmp / "calibrated.json"))  # fmt: skip
-    setting = make_setting(request, 1, pp, 1, plan.parallel.micro_batches)
+    plan, request = prep["plan"], prep["request"]
+    if profile is not None:
+        request = replace(request, profile=profile, profile_path=str(path))
+    setting = make_setting(request, 1, plan.parallel.pp, 1, plan.parallel.micro_batches)
     bounds, recompute = plan_partition(plan)
-    part = setting.problem(float("inf")).evaluate(bounds, recompute)
+    return setting, setting.problem(float("inf")).evaluate(bounds, recompute)
+
+
+def layout_flags(prep: dict, batching: str, args: argparse.Namespace, tmp: Path) -> list[str]:
+    """The flags of one layout's timed run."""
+    plan = prep["plan"]
     if batching == "balanced":
-        flags = [*prep["base"], "--omnibal-plan", str(tmp / "plan.json"),
-                 "--omnibal-precision", "fp32"]  # fmt: skip
-        return "balanced", flags, setting, part
+        return [*prep["base"], "--omnibal-plan", str(tmp / "plan.json"),
+                "--omnibal-precision", "fp32"]  # fmt: skip
+    _, part = plan_setting(prep)
     budgets = ["--omnibal-vit-budget", str(plan.data.vit_budget), "--omnibal-token-budget",
                str(plan.data.token_budget)]  # fmt: skip
-    flags = [*prep["base"], *budgets, *bm.layout_flags(part, prep["spec"].vit.num_layers),
-             "--omnibal-baseline-batch", str(args.samples_per_micro_batch)]  # fmt: skip
-    return "baseline", flags, setting, part
+    return [*prep["base"], *budgets, *bm.layout_flags(part, prep["spec"].vit.num_layers),
+            "--omnibal-baseline-batch", str(args.samples_per_micro_batch)]  # fmt: skip
+
+
+def predicted_ms(prep: dict, profile: dict, path: Path, batching: str, steps: list) -> float:
+    """The median over a run's timed steps of the step the calibrated planner predicts."""
+    setting, part = plan_setting(prep, profile, path)
+    feats = [bm.step_features(prep["lengths"], s, batching == "baseline")[None] for s in steps]
+    return float(statistics.median(setting.predict(part, f).step_ms for f in feats))
+
+
+def refit(prep: dict, profile: Path) -> dict:
+    """The profile of a saved round fitted again, by this code, from that round's saved
+    preflight report (the same measurement; nothing runs)."""
+    from megatron_omnibal.megatron.stages.layout import layout_from_plan
+    from megatron_omnibal.preflight.calibrate import calibrated_profile
+
+    plan, saved = prep["plan"], json.loads(profile.read_text())
+    return calibrated_profile(
+        report=json.loads(profile.with_suffix(".report.json").read_text()), spec=prep["spec"],
+        layouts=[st.to_dict() for st in layout_from_plan(plan, plan.parallel.pp)],
+        tiles=saved["measured"]["tiles"], tokens=saved["measured"]["tokens"],
+        micro_batches=plan.parallel.micro_batches,
+        memory_budget_gib=saved.get("memory_budget_gib"))  # fmt: skip
 
 
 def timed_run(pp: int, mode: str, flags: list[str], out: Path, warmup: int) -> dict:
     torchrun(pp, [bm.__file__, "--worker", mode, str(out), "--", *flags])
+    return saved_run(out, warmup)
+
+
+def saved_run(out: Path, warmup: int) -> dict:
+    """A timed run's step times (after `warmup` steps) and micro-batches."""
     rec = json.loads((out / "rank0.json").read_text())
     times = (np.diff([*rec["step_starts"], rec["end"]]) * 1000.0)[warmup:]
     return {"median_ms": float(statistics.median(times)), "times_ms": times.tolist(),
@@ -140,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=3000, help="random subset of the data")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--refit", action="store_true",
+                        help="run nothing: fit every round's profile again from its saved "
+                        "preflight report in --work-dir and predict its saved run")  # fmt: skip
     args = parser.parse_args(argv)
     layouts = []
     for item in args.layouts.split(","):
@@ -151,55 +193,65 @@ def main(argv: list[str] | None = None) -> int:
         layouts.append((shape, int(pp), batching))
     if args.steps - args.warmup < 1 or args.repeats < 1:
         parser.error("need at least one timed step (--steps > --warmup) and one repeat")
+    if args.refit and args.work_dir is None:
+        parser.error("--refit reads the rounds saved in a --work-dir")
     tmp = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_preflight_"))
     started, load = time.perf_counter(), [os.getloadavg()[0]]
     preps = {}
     for shape, pp, _ in layouts:
         if (shape, pp) not in preps:
             preps[shape, pp] = prepare(shape, pp, args, tmp / f"{shape}-pp{pp}")
-    runs = {lay: layout_run(preps[lay[:2]], lay[2], args, tmp / f"{lay[0]}-pp{lay[1]}")
-            for lay in layouts}  # fmt: skip
+    flags = {lay: layout_flags(preps[lay[:2]], lay[2], args, tmp / f"{lay[0]}-pp{lay[1]}")
+             for lay in layouts}  # fmt: skip
     measured: dict = {lay: [] for lay in layouts}
+    predicted: dict = {lay: [] for lay in layouts}
+    preflight_s: dict = {lay: [] for lay in layouts}
     for r in range(args.repeats):  # rounds: every layout once, side by side
         for lay in layouts:
-            mode, flags, _, _ = runs[lay]
-            out = tmp / f"{lay[0]}-pp{lay[1]}" / f"{lay[2]}.run{r}"
-            measured[lay].append(timed_run(lay[1], mode, flags, out, args.warmup))
+            folder = tmp / f"{lay[0]}-pp{lay[1]}"
+            profile_path, run = folder / f"{lay[2]}.calibrated{r}.json", folder / f"{lay[2]}.run{r}"
+            if args.refit:
+                profile, got = refit(preps[lay[:2]], profile_path), saved_run(run, args.warmup)
+            else:
+                profile, seconds = calibrate(preps[lay[:2]], args, profile_path)
+                preflight_s[lay].append(round(seconds, 1))
+                got = timed_run(lay[1], lay[2], flags[lay], run, args.warmup)
+            measured[lay].append(got)
+            predicted[lay].append(predicted_ms(preps[lay[:2]], profile, profile_path, lay[2],
+                                               got["micro_indices"]))  # fmt: skip
         load.append(os.getloadavg()[0])
     rows = []
     for lay in layouts:
-        _, _, setting, part = runs[lay]
-        lengths = preps[lay[:2]]["lengths"]
-        got = measured[lay]
-        steps = got[0]["micro_indices"]  # the same seed: every repeat trains the same steps
-        feats = [bm.step_features(lengths, s, lay[2] == "baseline")[None] for s in steps]
-        predicted = float(statistics.median(setting.predict(part, f).step_ms for f in feats))
-        medians = [g["median_ms"] for g in got]
+        medians = [g["median_ms"] for g in measured[lay]]
         median = float(statistics.median(medians))
+        prediction = float(statistics.median(predicted[lay]))
         rows.append({"shape": lay[0], "pp": lay[1], "batches": lay[2],
-                     "measured_ms": round(median, 1), "predicted_ms": round(predicted, 1),
-                     "error": round(predicted / median - 1, 4),
+                     "measured_ms": round(median, 1), "predicted_ms": round(prediction, 1),
+                     "error": round(prediction / median - 1, 4),
                      "noise": round((max(medians) - min(medians)) / median, 4),
+                     "prediction_noise": round((max(predicted[lay]) - min(predicted[lay]))
+                                               / prediction, 4),
                      "repeat_medians_ms": [round(x, 1) for x in medians],
-                     "stages": [list(s) for s in part.stages]})  # fmt: skip
+                     "round_predictions_ms": [round(x, 1) for x in predicted[lay]],
+                     "preflight_s": preflight_s[lay]})  # fmt: skip
     print(f"{'shape':<9} {'PP':>2} {'batches':<8} {'measured ms':>11} {'predicted ms':>12} "
-          f"{'error':>7} {'noise':>6}  repeats (ms)")  # fmt: skip
+          f"{'error':>7} {'noise':>6} {'pnoise':>6}  repeats (ms) / rounds' predictions (ms)")
     for row in rows:
         print(f"{row['shape']:<9} {row['pp']:>2} {row['batches']:<8} {row['measured_ms']:>11.1f} "
-              f"{row['predicted_ms']:>12.1f} {row['error']:>+7.1%} {row['noise']:>6.1%}  "
-              f"{row['repeat_medians_ms']}")  # fmt: skip
+              f"{row['predicted_ms']:>12.1f} {row['error']:>+7.1%} {row['noise']:>6.1%} "
+              f"{row['prediction_noise']:>6.1%}  {row['repeat_medians_ms']} / "
+              f"{row['round_predictions_ms']}")  # fmt: skip
     within = sum(abs(r["error"]) <= 0.10 for r in rows)
     print(f"\n{within} of {len(rows)} layouts within 10% (goal: all, at least 4); largest error "
           f"{max(abs(r['error']) for r in rows):.1%}, largest noise "
-          f"{max(r['noise'] for r in rows):.1%}; load average {min(load):.1f}-{max(load):.1f}; "
-          f"{time.perf_counter() - started:.0f} s")  # fmt: skip
+          f"{max(r['noise'] for r in rows):.1%} (measured), "
+          f"{max(r['prediction_noise'] for r in rows):.1%} (predicted); load average "
+          f"{min(load):.1f}-{max(load):.1f}; {time.perf_counter() - started:.0f} s")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({
             "note": "CPU, gloo, one thread per rank; calibrated by the preflight on other steps",
             "repeats": args.repeats, "steps": args.steps, "warmup": args.warmup,
-            "load_average": load, "rows": rows,
-            "preflight_s": {f"{s}-pp{p}": round(v["preflight_s"], 1)
-                            for (s, p), v in preps.items()}}, indent=1) + "\n")  # fmt: skip
+            "load_average": load, "rows": rows}, indent=1) + "\n")  # fmt: skip
     return 0
 
 

@@ -1,29 +1,40 @@
-"""`--calibrate`: the preflight's measurement as a layer profile the planner reads, and the plan
-made again from it, with what changed.
+"""`--calibrate`: the measurement as a layer profile the planner reads, and the plan made again
+from it, with what changed.
 
 Why: the planner's analytic model leaves out what a real run on these GPUs measures (kernel
-efficiency at these shapes, attention at packed lengths, launch overheads). The profile holds,
-per layer, what the stages measured, at the size of their largest micro-batch: stored
-activations and the input a recomputed layer keeps as measured on it, forward times as measured
-on the typical steps' micro-batches and scaled linearly to it; `omnibal plan --profile` scales
-it per tile and per token (docs/planner.md). A stage's backward is split over its layers as
-their forwards are; the work outside the layers (patch embedding, projector and LLM embedding,
-head and loss) is the stage's forward less its layers', given to the projector on its stage,
-else to the stage's first ViT or last LLM layer, as `omnibal profile` folds it. Pure: no torch.
+efficiency at these shapes, attention at packed lengths, launch overheads, the pipeline's sends
+and receives). Per stage, each tower's layers' forward time per micro-batch is fitted over every
+measured micro-batch (the largest of a level and the balanced stream's): ViT layers per tile
+plus a fixed part, LLM layers per token, per squared length their attention runs over and a
+fixed part, a fixed part kept where the measurements support it (fit.supported_fit). The work
+outside the layers (patch embedding, projector and LLM embedding, head and loss, the
+micro-batch's data) is the forward step's time less its layers', fitted per tile (given to the
+projector on its stage, else to the stage's first ViT layer) or per token (to its last LLM
+layer), as `omnibal profile` folds it; a stage's backward is its forward times the ratio
+measured on it. The point-to-point time is the one with which the planner's
+simulator spans the measured pipeline (fit.fit_p2p_ms), the per-step fixed cost the first
+stage's step outside its schedule. The profile holds these at the size of the largest
+micro-batch, with the memory its layers measured there. Pure: no torch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from statistics import median
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.cost_model.memory import static_bytes_per_param
+from megatron_omnibal.preflight.fit import fit_p2p_ms, supported_fit
+from megatron_omnibal.preflight.report import TYPICAL
 
 if TYPE_CHECKING:
     from megatron_omnibal.planner.plan_file.plan import Plan
 
 MIB_PER_GIB = 1024.0
+SIZE, SQUARES, FIXED = 0, 1, 2  # a unit's forward ms per tile or token, per squared length, fixed
 
 
 def calibrated_profile(
@@ -36,92 +47,115 @@ def calibrated_profile(
     micro_batches: int,
     memory_budget_gib: float | None,
 ) -> dict[str, Any]:
-    """The layer profile of the preflight `report` (stages measured on micro-batches of `tiles`
-    and `tokens`); `layouts[s]` is stage s's StageLayout as a dict."""
+    """The layer profile of the preflight `report`, at a micro-batch of `tiles` and `tokens` in
+    one sample (the largest one measured); `layouts[s]` is stage s's StageLayout as a dict."""
     if tiles < 1 or tokens < 1:
         raise ValueError(f"--calibrate needs a largest micro-batch with tiles and tokens (got "
                          f"{tiles} tiles, {tokens} tokens) to scale the profile")  # fmt: skip
     towers: dict[str, dict[int, dict[str, Any]]] = {"vit": {}, "llm": {}}
-    # work outside the layers: (unit kind, layer index, forward ms, activation MiB, bwd / fwd)
-    extras: list[tuple[str, int, float, float, float]] = []
+    projector: dict[str, Any] = {"coef": np.zeros(3), "ratio": 0.0, "activation_mib": 0.0,
+                                 "checkpoint_mib": 0.0}  # fmt: skip
     for st, lay in zip(report["stages"], layouts, strict=True):
         m = st["measured"]
-        timing = _timing(m, tiles, tokens)
-        if timing is None:
+        sample = _micro_batches(m["runs"])
+        if sample is None:
             raise ValueError(f"--calibrate: stage {st['stage']} has no timed micro-batch "
                              "(give --typical-steps or --worst-steps 1 or more)")  # fmt: skip
-        fwd, bwd, layer_ms, scale = timing
-        ratio = bwd / fwd
-        layer_sum = 0.0
+        features, call, tower_ms, backward = sample
+        ratio = float(backward.sum() / call.sum())
         held = 0.0
         for tower, key in (("vit", "vit_layers"), ("llm", "llm_layers")):
-            first = lay[key][0]
+            first, end = lay[key]
+            if end == first:
+                continue
+            coef = _fit_tower(tower, features, tower_ms[tower] / (end - first))
             for i, (act, inp, _) in enumerate(m["layers"].get(tower, [])):
-                ms = layer_ms[tower][i]
-                towers[tower][first + i] = {"forward_ms": ms * scale[tower],
-                                            "backward_ms": ms * scale[tower] * ratio,
+                towers[tower][first + i] = {"coef": coef.copy(), "ratio": ratio,
                                             "activation_mib": act * MIB_PER_GIB,
                                             "checkpoint_mib": inp * MIB_PER_GIB}  # fmt: skip
-                layer_sum += ms
                 held += act * MIB_PER_GIB
         inflight = min(len(layouts) - st["stage"], micro_batches)
-        rest_ms = max(fwd - layer_sum, 0.0)
         rest_mib = max(m["activation_gib"] * MIB_PER_GIB / inflight - held, 0.0)
+        rest = call - tower_ms["vit"] - tower_ms["llm"]
         if lay["projector"]:
-            where, index, factor = "projector", 0, scale["vit"]
+            target, column = projector, 0
         elif lay["vit_layers"][1] > lay["vit_layers"][0]:
-            where, index, factor = "vit", lay["vit_layers"][0], scale["vit"]
+            target, column = towers["vit"][lay["vit_layers"][0]], 0
         else:
-            where, index, factor = "llm", lay["llm_layers"][1] - 1, scale["llm"]
-        extras.append((where, index, rest_ms * factor, rest_mib, ratio))
+            target, column = towers["llm"][lay["llm_layers"][1] - 1], 1
+        fitted = supported_fit(
+            np.stack([features[:, column], np.ones(len(rest))], axis=1), rest)
+        target["coef"] += np.array([fitted[0], 0.0, fitted[1]])
+        target["ratio"] = ratio
+        target["activation_mib"] += rest_mib
     _fill_recomputed(towers)
+    reference = {"vit": tiles, "llm": tokens, "none": tiles}
     layers: list[dict[str, Any]] = []
     params = {"vit": spec.vit.layer_params, "llm": spec.llm.layer_params}
-    projector = {"forward_ms": 0.0, "backward_ms": 0.0, "activation_mib": 0.0,
-                 "checkpoint_mib": 0.0}  # fmt: skip
-    for where, index, ms, mib, ratio in extras:
-        target = projector if where == "projector" else towers[where][index]
-        target["forward_ms"] += ms
-        target["backward_ms"] += ms * ratio
-        target["activation_mib"] += mib
     for tower, count in (("vit", spec.vit.num_layers), ("llm", spec.llm.num_layers)):
         for i in range(count):
-            row = towers[tower][i]
-            layers.append(_layer(f"{tower}.{i}", row, params[tower], tower))
+            layers.append(_layer(f"{tower}.{i}", towers[tower][i], params[tower], tower,
+                                 reference[tower], tokens**2))  # fmt: skip
         if tower == "vit":
             p = spec.projector_params + spec.llm.vocab_size * spec.llm.hidden_size
-            layers.append(_layer("projector", projector, p, "none"))
+            layers.append(_layer("projector", projector, p, "none", tiles, tokens**2))
     doc: dict[str, Any] = {
         "micro_batches": micro_batches, "layers": layers,
-        "measured": {"tiles": tiles, "tokens": tokens},
+        "measured": {"tiles": tiles, "tokens": tokens, "sumsq": tokens**2},
         # the first stage's schedule spans the pipeline; the rest of its step is per-step work
         "step_overhead_ms": report["stages"][0]["measured"]["outside_schedule_ms"],
         "source": "python -m megatron_omnibal.preflight --calibrate"}  # fmt: skip
+    p2p = pipeline_p2p_ms(report)
+    if p2p is not None:
+        doc["p2p_ms"] = p2p
     if memory_budget_gib is not None:
         doc["memory_budget_gib"] = memory_budget_gib
     return doc
 
 
-def _timing(measured: dict[str, Any], tiles: int, tokens: int) -> tuple[
-        float, float, dict[str, list[float]], dict[str, float]] | None:  # fmt: skip
-    """(forward ms, backward ms per micro-batch, per tower each layer's forward ms, per tower
-    the factor to the profile's micro-batch of `tiles` and `tokens`).
-
-    From the typical steps where they hold tiles and tokens: the balanced stream's micro-batches
-    are what the planner predicts, and their times, scaled linearly to the profile's size, hold
-    the per-micro-batch work a one-sample largest micro-batch does not show; the forward step's
-    work outside the stage's forward (data, the batch's copy, the loss) counts as the stage's
-    forward. Else from the largest micro-batch, as measured."""
-    batch, layers = measured.get("typical_batch"), measured.get("typical_layers")
-    if batch and batch[0] >= 1 and batch[1] >= 1 and measured["forward_ms"] and layers:
-        outside = measured.get("outside_forward_ms") or 0.0
-        return (measured["forward_ms"] + outside, measured["backward_ms"], layers,
-                {"vit": tiles / batch[0], "llm": tokens / batch[1]})  # fmt: skip
-    fwd, bwd = measured["worst_forward_ms"], measured["worst_backward_ms"]
-    if fwd is None or bwd is None or fwd <= 0:
+def _micro_batches(runs: list[dict[str, Any]]) -> tuple[
+        np.ndarray, np.ndarray, dict[str, np.ndarray], np.ndarray] | None:  # fmt: skip
+    """Every timed micro-batch of a stage's runs: features (n, 3) [tiles, tokens, squared
+    lengths attended], forward step ms, per tower its layers' forward ms, backward ms."""
+    rows = [(b, c, k, {t: r["tower_ms"].get(t, []) for t in ("vit", "llm")})
+            for r in runs for k, (b, c) in enumerate(zip(r["batches"], r["call_ms"],
+                                                         strict=False))]  # fmt: skip
+    backward = [ms for r in runs for ms in r["backward_ms"][:len(r["call_ms"])]]
+    if not rows or len(backward) != len(rows):
         return None
-    layers = {tower: [ms for *_, ms in rows] for tower, rows in measured["layers"].items()}
-    return fwd, bwd, layers, {"vit": 1.0, "llm": 1.0}
+    towers = {t: np.array([ms[t][k] if k < len(ms[t]) else 0.0 for _, _, k, ms in rows])
+              for t in ("vit", "llm")}  # fmt: skip
+    return (np.array([b for b, *_ in rows], np.float64), np.array([c for _, c, *_ in rows]),
+            towers, np.array(backward))  # fmt: skip
+
+
+def _fit_tower(tower: str, features: np.ndarray, layer_ms: np.ndarray) -> np.ndarray:
+    """[per tile or token, per squared length, fixed] ms of one layer: ViT layers attend
+    within a tile (no squared term); LLM layers over the packed samples."""
+    ones = np.ones(len(layer_ms))
+    if tower == "vit":
+        a, fixed = supported_fit(np.stack([features[:, 0], ones], axis=1), layer_ms)
+        return np.array([a, 0.0, fixed])
+    return supported_fit(np.stack([features[:, 1], features[:, 2], ones], axis=1), layer_ms,
+                         always=2)  # fmt: skip
+
+
+def pipeline_p2p_ms(report: dict[str, Any]) -> float | None:
+    """The median over the typical steps (else every measured step) of the point-to-point time
+    that spans the first stage's measured schedule (fit.fit_p2p_ms); None at PP 1."""
+    per_stage = [st["measured"]["runs"] for st in report["stages"]]
+    if len(per_stage) < 2:
+        return None
+    steps = list(zip(*per_stage, strict=True))
+    chosen = [s for s in steps if s[0]["label"] == TYPICAL] or steps
+    fits = []
+    for step in chosen:
+        forward = [r["call_ms"] for r in step]
+        backward = [r["backward_ms"] for r in step]
+        if len({len(x) for x in forward + backward}) != 1 or not forward[0]:
+            continue
+        fits.append(fit_p2p_ms(np.array(forward), np.array(backward), step[0]["schedule_ms"]))
+    return median(fits) if fits else None
 
 
 def _fill_recomputed(towers: dict[str, dict[int, dict[str, Any]]]) -> None:
@@ -134,9 +168,14 @@ def _fill_recomputed(towers: dict[str, dict[int, dict[str, Any]]]) -> None:
                 r["activation_mib"] = max(seen)
 
 
-def _layer(name: str, row: dict[str, Any], params: int, group: str) -> dict[str, Any]:
-    return {"name": name, "forward_ms": row["forward_ms"], "backward_ms": row["backward_ms"],
-            "recompute_ms": row["forward_ms"], "activation_mib": row["activation_mib"],
+def _layer(name: str, row: dict[str, Any], params: int, group: str, size: int,
+           squares: int) -> dict[str, Any]:  # fmt: skip
+    """A profile layer at a micro-batch of `size` tiles or tokens in one sample (`squares`)."""
+    a, c, fixed = row["coef"]
+    forward = a * size + c * squares + fixed
+    return {"name": name, "forward_ms": forward, "backward_ms": forward * row["ratio"],
+            "recompute_ms": forward, "attention_ms": c * squares, "fixed_ms": fixed,
+            "activation_mib": row["activation_mib"],
             "weight_mib": params * static_bytes_per_param() / 2**20,
             "checkpoint_mib": row["checkpoint_mib"], "output_mib": row["checkpoint_mib"],
             "params": params, "group": group}  # fmt: skip

@@ -119,11 +119,14 @@ class StepRecord:
     static_bytes: int = 0
     activation_peak_bytes: int = 0
     allocator_peak_bytes: int | None = None  # GPU only
-    schedule_ms: float = 0.0  # from this stage's first forward to its last backward
+    schedule_ms: float = 0.0  # from this stage's first forward step to its last backward
     # per tower ("vit", "llm"), per layer of this stage: [activation bytes it stored (largest
     # micro-batch), bytes of its input (what recomputing it still stores), forward ms (mean)]
     layers: dict[str, list[list[float]]] = field(default_factory=dict)
-    batches: list[list[int]] = field(default_factory=list)  # [tiles, tokens] of each micro-batch
+    # [tiles, tokens, the sum of squared lengths its attention runs over] of each micro-batch
+    batches: list[list[int]] = field(default_factory=list)
+    # per tower, each micro-batch's forward ms in this stage's layers of that tower (together)
+    tower_ms: dict[str, list[float]] = field(default_factory=dict)
     # each micro-batch's forward step as the schedule runs it: its data, the batch's checks and
     # copy, the stage's forward and (last stage) the loss
     call_ms: list[float] = field(default_factory=list)
@@ -167,6 +170,9 @@ class StepMeter:
         self._hooked = False
         self._in_backward = False
         self._schedule: list[float | None] = [None, None]  # this step's first and last pass
+        # True when the stage's attention runs over the whole packed micro-batch under a mask
+        # (the local layer specs), False when over each packed sample (Transformer Engine)
+        self.masked_attention = True
 
     @property
     def current(self) -> StepRecord:
@@ -179,8 +185,6 @@ class StepMeter:
         def before(*_: Any) -> None:
             sync_device()
             started.append(time.perf_counter())
-            if self._schedule[0] is None:
-                self._schedule[0] = started[-1]
 
         def after(*_: Any) -> None:
             sync_device()
@@ -189,6 +193,7 @@ class StepMeter:
         for chunk in model:
             while hasattr(chunk, "module"):  # DDP / Float16Module wrappers
                 chunk = chunk.module
+            self.masked_attention = not getattr(chunk, "use_te", False)
             chunk.register_forward_pre_hook(before)
             chunk.register_forward_hook(after)
             for tower in ("vit", "llm"):
@@ -220,8 +225,13 @@ class StepMeter:
             row = rows[index]
             row[0] = max(row[0], self.tracker.bytes - held)
             row[1] = max(row[1], size)
-            row[2] += 1e3 * (time.perf_counter() - start)
+            ms = 1e3 * (time.perf_counter() - start)
+            row[2] += ms
             row[3] += 1
+            per_micro = self.current.tower_ms.setdefault(tower, [])
+            micro = len(self.current.forward_ms)  # this micro-batch's forward is running
+            per_micro.extend([0.0] * (micro + 1 - len(per_micro)))
+            per_micro[micro] += ms
 
         layer.register_forward_pre_hook(before, with_kwargs=True)
         layer.register_forward_hook(after)
@@ -257,6 +267,8 @@ class StepMeter:
         def run(*args: Any, **kwargs: Any) -> Any:
             record = self.current
             index = len(record.call_ms)
+            if self._schedule[0] is None:
+                self._schedule[0] = time.perf_counter()
             record.call_ms.append(0.0)
             output, loss = timed(lambda ms: _add(record.call_ms, index, ms), forward_step)(
                 *args, **kwargs)  # fmt: skip
@@ -304,6 +316,13 @@ class StepMeter:
 
     def _set_step_ms(self, ms: float) -> None:
         self.current.step_ms = ms
+
+    def batch_features(self, tiles: int, sample_tokens: list[int]) -> list[int]:
+        """[tiles, tokens, the sum of squared lengths the stage's attention runs over] of a
+        micro-batch of `tiles` image tiles and samples of `sample_tokens` tokens."""
+        tokens = sum(sample_tokens)
+        squares = tokens**2 if self.masked_attention else sum(n * n for n in sample_tokens)
+        return [tiles, tokens, squares]
 
 
 def _add(values: list[float], index: int, ms: float) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 GIB = 2.0**30
 WORST = "worst"  # step labels: "worst level L", "typical", "warm-up"
 TYPICAL = "typical"
+WARM_UP = "warm-up"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,11 +78,9 @@ def measure_stage(steps: list[list[dict]]) -> dict[str, Any]:
         # per tower, per layer on the peak step: [activation GiB, input GiB, forward ms]
         "layers": {tower: [[a / GIB, i / GIB, ms] for a, i, ms in rows]
                    for tower, rows in peak_rec.get("layers", {}).items()},  # fmt: skip
-        # the typical steps' mean micro-batch (tiles, tokens) and each layer's mean forward ms
-        # on them: what --calibrate fits the layer times from
-        "typical_batch": _mean_rows([b for s in typical for b in s[0].get("batches", [])]),
-        "typical_layers": {tower: [ms for *_, ms in rows] for tower, rows in _mean_layers(
-            [r for s in typical for r in s]).items()},  # fmt: skip
+        # every measured step (the warm-up aside) per micro-batch, on the stage's first rank:
+        # what --calibrate fits the layer times and the point-to-point time to
+        "runs": [_run(s[0]) for s in steps if s[0]["label"] != WARM_UP],
         # per micro-batch, the forward step's time outside the stage's forward (data, the
         # batch's checks and copy, the loss): on the pipeline's path, in no layer
         "outside_forward_ms": _difference(per_micro(typical, "call_ms"),
@@ -105,16 +104,12 @@ def _difference(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else max(a - b, 0.0)
 
 
-def _mean_rows(rows: list[list[float]]) -> list[float] | None:
-    return [mean(column) for column in zip(*rows, strict=True)] if rows else None
-
-
-def _mean_layers(records: list[dict]) -> dict[str, list[list[float]]]:
-    """Per tower, per layer: the mean of its rows over `records`."""
-    towers = {tower for r in records for tower in r.get("layers", {})}
-    return {tower: [_mean_rows(list(rows)) for rows in zip(
-        *(r["layers"][tower] for r in records if tower in r.get("layers", {})),
-        strict=True)] for tower in sorted(towers)}  # fmt: skip
+def _run(rec: dict) -> dict[str, Any]:
+    """One step's figures per micro-batch: [tiles, tokens, squared lengths attended] of each,
+    its forward step (`call_ms`: data, checks, forward, loss), stage forward and backward ms,
+    each tower's layers' forward ms; and the step's schedule span."""
+    return {key: rec.get(key) for key in ("label", "step_ms", "schedule_ms", "batches",
+                                          "call_ms", "forward_ms", "backward_ms", "tower_ms")}
 
 
 def _time_verdict(planned: dict | None, measured: dict, tolerance: float) -> str:

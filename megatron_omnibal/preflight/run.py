@@ -8,6 +8,7 @@ what the long run will do. Megatron's train loop runs as many iterations as the 
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from collections.abc import Sequence
@@ -17,9 +18,14 @@ from typing import Any
 from megatron_omnibal.preflight.measure import StepMeter
 from megatron_omnibal.preflight.options import PreflightOptions, parse, without_long_run_flags
 from megatron_omnibal.preflight.packs import WorstPack, worst_lengths, worst_packs
-from megatron_omnibal.preflight.report import TYPICAL, WORST, Limits, build_report, table
-
-WARM_UP = "warm-up"
+from megatron_omnibal.preflight.report import (
+    TYPICAL,
+    WARM_UP,
+    WORST,
+    Limits,
+    build_report,
+    table,
+)
 
 
 def training_flags(rest: Sequence[str]) -> list[str]:
@@ -58,7 +64,9 @@ class PreflightStream:
         label = self.labels[self.step]
         batch = self.worst[label][0] if label in self.worst else next(self.typical)
         if self.meter.steps:
-            self.meter.current.batches.append([len(batch.image_flags), batch.tokens.shape[1]])
+            cu = batch.cu_seqlens.tolist()
+            self.meter.current.batches.append(self.meter.batch_features(
+                len(batch.image_flags), [b - a for a, b in itertools.pairwise(cu)]))  # fmt: skip
         return batch
 
 

@@ -397,6 +397,10 @@ def _install_iteration_log(
     else:
         sampler = balanced_sampler(settings, 0, plans)
         steps = StreamSteps(sampler.plan, sampler.lengths_of, resume.origin)
+    throughput = run_throughput(
+        spec, settings.world_size, settings.precision, settings.peak_tflops, device_name()
+    )
+    predicted_step_ms = settings.plan.predicted.step_ms if settings.plan else None
     if settings.rank == 0:
         for note in resume.notes:
             print(f"pretrain_vlm: note: {note}", flush=True)
@@ -417,6 +421,8 @@ def _install_iteration_log(
             ),
             steps=steps,
             start_iteration=resume.start_iteration,
+            throughput=throughput,
+            predicted_step_ms=predicted_step_ms,
         )
         print("\n".join(summary), flush=True)
     log = training_log.IterationLog(
@@ -424,10 +430,8 @@ def _install_iteration_log(
         log_interval=settings.log_interval,
         tensorboard_interval=settings.tensorboard_log_interval,
         is_logger=settings.rank == settings.world_size - 1,
-        throughput=run_throughput(
-            spec, settings.world_size, settings.precision, settings.peak_tflops, device_name()
-        ),
-        predicted_step_ms=settings.plan.predicted.step_ms if settings.plan else None,
+        throughput=throughput,
+        predicted_step_ms=predicted_step_ms,
     )
 
     def set_consumed(samples: int) -> None:  # Megatron's count, in its namespace

@@ -64,8 +64,12 @@ def startup_summary(
     balancer: str,
     steps: StreamSteps,
     start_iteration: int,
+    throughput: Throughput | None = None,
+    predicted_step_ms: float | None = None,
 ) -> list[str]:
-    """Lines rank 0 prints before training: layout, budgets, the epoch plan and its balance."""
+    """Lines rank 0 prints before training: layout, budgets, the epoch plan and its balance,
+    and (with a plan's `predicted_step_ms`) the predicted step with its model TFLOP/s and MFU
+    for the first step's samples, which the first step's measured figures follow."""
     epoch, step = steps.locate(start_iteration)
     plan = steps.epoch(epoch)
     samples = plan.samples.sum(axis=1)
@@ -91,7 +95,19 @@ def startup_summary(
             f"resuming at iteration {start_iteration}: epoch {epoch}, step {step} of the "
             f"balanced plan, {steps.consumed_samples(start_iteration)} samples consumed"
         )
+    if throughput is not None and predicted_step_ms is not None and predicted_step_ms > 0:
+        first = steps.step(start_iteration)
+        lines.append(
+            f"plan predicted step {_at(throughput, first, predicted_step_ms / 1e3)} for the "
+            f"first step's {first.num_samples} samples (measured: after the first step); "
+            f"peak: {throughput.peak_source}"
+        )
     return [f"{PREFIX}: {line}" for line in lines]
+
+
+def _at(throughput: Throughput, figures: StepFigures, seconds: float) -> str:
+    """'X ms, model TFLOP/s/GPU y | MFU z' of a step's work done in `seconds`."""
+    return f"{1e3 * seconds:.1f} ms, {throughput.describe([figures], seconds)}"
 
 
 def step_scalars(
@@ -124,12 +140,9 @@ def first_step_line(
 ) -> str:
     """The first measured step beside the plan's prediction (MFU of this step's work at the
     predicted time): the start-up check of the plan's model against this cluster."""
-    def at(sec: float) -> str:
-        return f"{1e3 * sec:.1f} ms, {throughput.describe([figures], sec)}"
-
-    text = f"{PREFIX}: first step measured {at(seconds)} (includes warm-up)"
+    text = f"{PREFIX}: first step measured {_at(throughput, figures, seconds)} (includes warm-up)"
     if predicted_ms is not None and predicted_ms > 0:
-        text += f"; plan predicted {at(predicted_ms / 1e3)}"
+        text += f"; plan predicted {_at(throughput, figures, predicted_ms / 1e3)}"
     return text + f"; peak: {throughput.peak_source}"
 
 

@@ -91,6 +91,9 @@ class CostModel:
     # per-step work outside the pipeline (optimizer step, the framework's per-step work), as a
     # calibrated profile measured it; the analytic model has none
     step_overhead_ms: float = 0.0
+    # one transfer across a stage boundary as a profile measured it (its `p2p_ms`); None: the
+    # hardware's latency plus the bytes over the pipeline link
+    p2p_ms: float | None = None
 
     def at(self, features: np.ndarray) -> LayerCosts:
         """Costs at one micro-batch (features (4,)) or many ((M, 4) -> arrays (U, M))."""
@@ -226,13 +229,17 @@ def analytic_costs(
 
 
 def profile_cost_model(doc: dict, where: str = "profile", dp: int = 1) -> CostModel:
-    """A CostModel from a measured profile of `omnibal profile`, scaled linearly.
+    """A CostModel from a measured layer profile, scaled from its measured micro-batch.
 
-    ViT and projector numbers scale with tiles and LLM numbers with tokens, from the tiles and
-    tokens of the measured micro-batch (`measured`); attention's quadratic part is folded into
-    the linear rate of the measured sequence. Static memory is re-derived for `dp` from each
-    layer's `params` when present. Pinned work (patch embedding, head) is already folded
-    into the first and last layers.
+    A layer's `forward_ms` at the measured micro-batch (`measured`: its tiles, tokens and, with
+    attention terms, `sumsq`) splits into `fixed_ms` (per micro-batch, whatever its size),
+    `attention_ms` (growing with the sum of squared sample lengths) and the rest, which grows
+    with tiles (ViT layers, projector) or tokens (LLM layers); backward and recompute split in
+    the forward's proportions. Without those fields a layer is linear through the origin, its
+    attention folded into the rate of the measured sequence. Static memory is re-derived for
+    `dp` from each layer's `params` when present. Pinned work (patch embedding, head) is already
+    folded into the first and last layers. A top-level `p2p_ms` replaces the hardware's
+    point-to-point model.
     """
     costs, options = profile_from_dict(doc, where)
     measured = doc.get("measured")
@@ -243,27 +250,56 @@ def profile_cost_model(doc: dict, where: str = "profile", dp: int = 1) -> CostMo
             f"{where}: needs 'measured' with the positive integer 'tiles' and 'tokens' of the "
             "profiled micro-batch (written by `omnibal profile`) to scale to other batches"
         )
+    attention, fixed = options["attention_ms"], options["fixed_ms"]
+    sumsq = measured.get("sumsq")
+    if np.any(attention > 0) and (
+        isinstance(sumsq, bool) or not isinstance(sumsq, (int, float)) or not sumsq > 0
+    ):
+        raise ValueError(
+            f"{where}: layers with 'attention_ms' need 'measured.sumsq', the positive sum of "
+            f"squared sample lengths of the profiled micro-batch, got {sumsq!r}"
+        )
+    forward = np.asarray(costs.forward_ms, np.float64)
+    over = np.flatnonzero(attention + fixed > forward * (1 + 1e-9) + 1e-12)
+    if len(over):
+        i = int(over[0])
+        raise ValueError(
+            f"{where}: layer {i} ('{costs.names[i]}'): 'attention_ms' + 'fixed_ms' "
+            f"({attention[i] + fixed[i]}) exceed its 'forward_ms' ({forward[i]})"
+        )
     group = np.asarray(costs.group)
     col = np.where(group == GROUP_LLM, 1, 0)
-    scale = np.where(group == GROUP_LLM, 1.0 / measured["tokens"], 1.0 / measured["tiles"])
+    size = np.where(group == GROUP_LLM, measured["tokens"], measured["tiles"]).astype(np.float64)
+    timed = forward > 0  # a layer without forward time scales its backward linearly
+    safe = np.where(timed, forward, 1.0)
+    shares = np.zeros((len(costs), 4))  # each term's share of the forward, per feature
+    rest = np.maximum(forward - attention - fixed, 0.0)  # never below 0 by rounding
+    shares[np.arange(len(costs)), col] = np.where(timed, rest / safe, 1.0) / size
+    if np.any(attention > 0):
+        shares[:, 2] = np.where(timed, attention / safe, 0.0) / float(sumsq)
+    shares[:, 3] = np.where(timed, fixed / safe, 0.0)
 
-    def linear(values: np.ndarray) -> np.ndarray:
-        out = np.zeros((len(costs), 4))
-        out[np.arange(len(costs)), col] = np.asarray(values, np.float64) * scale
-        return out
+    def scaled(values: np.ndarray) -> np.ndarray:
+        return np.asarray(values, np.float64)[:, None] * shares
 
     params = [layer.get("params") for layer in doc["layers"]]
     if all(isinstance(p, int) for p in params):
         static = np.array(params, np.float64) * static_bytes_per_param(dp) / MIB
     else:
         static = np.asarray(costs.static_mib, np.float64)
+    memory = np.zeros((len(costs), 4))  # memory grows with tiles or tokens alone
+    memory[np.arange(len(costs)), col] = 1.0 / size
+
+    def linear(values: np.ndarray) -> np.ndarray:
+        return np.asarray(values, np.float64)[:, None] * memory
+
     zero = np.zeros((3, 4))
     return CostModel(
         costs.names,
         group,
-        linear(costs.forward_ms),
-        linear(costs.backward_ms),
-        linear(costs.recompute_ms),
+        scaled(costs.forward_ms),
+        scaled(costs.backward_ms),
+        scaled(costs.recompute_ms),
         linear(costs.activation_mib),
         linear(costs.checkpoint_mib),
         linear(costs.output_mib),
@@ -273,6 +309,7 @@ def profile_cost_model(doc: dict, where: str = "profile", dp: int = 1) -> CostMo
         0.0,
         0.0,
         options.get("step_overhead_ms", 0.0),
+        options.get("p2p_ms"),
     )
 
 
@@ -280,11 +317,13 @@ PROFILE_GROUPS = {"vit": GROUP_VIT, "llm": GROUP_LLM, "none": GROUP_NONE}
 
 
 def load_profile(path: str | Path) -> tuple[LayerCosts, dict]:
-    """Read a layer profile (format: docs/planner.md); returns the costs and top-level options.
+    """Read a layer profile (format: docs/planner.md); returns the costs and top-level options
+    (with the layers' `attention_ms` and `fixed_ms` as arrays).
 
     Optional per-layer fields beyond the contract: `checkpoint_mib` (what a recomputed layer
     still stores, default 0), `output_mib` (tensor sent to the next stage, default 0), `group`
-    ("vit"/"llm"/"none": recompute block, default one block for all layers).
+    ("vit"/"llm"/"none": recompute block, default one block for all layers), `attention_ms`
+    and `fixed_ms` (parts of `forward_ms`, default 0: see profile_cost_model).
     """
     return profile_from_dict(read_json(path, "profile"), str(path))
 
@@ -306,6 +345,8 @@ def profile_from_dict(doc: dict, where: str = "profile") -> tuple[LayerCosts, di
             "weight_mib",
             "checkpoint_mib",
             "output_mib",
+            "attention_ms",
+            "fixed_ms",
         )
     }
     names, groups = [], []
@@ -345,6 +386,7 @@ def profile_from_dict(doc: dict, where: str = "profile") -> tuple[LayerCosts, di
                 raise ValueError(f"{where}: '{key}' must be a non-negative number, got {value!r}")
             options[key] = float(value)
     a = {k: np.array(v, np.float64) for k, v in cols.items()}
+    options["attention_ms"], options["fixed_ms"] = a["attention_ms"], a["fixed_ms"]
     costs = LayerCosts(
         tuple(names),
         a["forward_ms"],

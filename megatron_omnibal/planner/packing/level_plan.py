@@ -32,9 +32,11 @@ from megatron_omnibal.planner.search.setting import Setting, budget_mib
 
 def pipeline(setting: Setting, bounds: tuple[int, ...]) -> Pipeline:
     """The levels' view of a configuration: its cost model, stage bounds, DP size, memory
-    budget and pipeline link."""
-    return Pipeline(setting.model, tuple(bounds), setting.dp, budget_mib(setting.hw),
-                    setting.link_gbs(), setting.hw.p2p_latency_ms)
+    budget and pipeline link (unbounded when a measured transfer time holds the bytes)."""
+    latency, per_mib = setting.p2p_terms()
+    link = setting.link_gbs() if per_mib > 0 else float("inf")
+    return Pipeline(setting.model, tuple(bounds), setting.dp, budget_mib(setting.hw), link,
+                    latency)  # fmt: skip
 
 
 @dataclass(frozen=True)

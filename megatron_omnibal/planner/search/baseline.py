@@ -193,7 +193,7 @@ class _Layouts:
         )
         x = setting.fixed  # (dp, m, 4)
         self.x_first, self.x_last, self.x_sum = x[:, 0], x[:, -1], x.sum(axis=1)
-        self.p2p_scale = MIB / (setting.link_gbs() * 1e9) * 1e3
+        self.p2p_latency, self.p2p_scale = setting.p2p_terms()
         self.units = len(cm.names)
         dp = setting.dp
         self.sync_per_mib = (
@@ -260,7 +260,7 @@ class _Layouts:
         head, tail = self.x_first @ cf.T, self.x_last @ cb.T
         if len(b) > 2:
             out = self.out[b[1:-1] - 1].T  # (4, pp - 1)
-            lat = self.setting.hw.p2p_latency_ms
+            lat = self.p2p_latency
             head[:, :-1] += lat + self.x_first @ out * self.p2p_scale
             tail[:, :-1] += lat + self.x_last @ out * self.p2p_scale
         pp = busy.shape[1] // vpp

@@ -95,11 +95,19 @@ class Setting:
             else self.hw.nvlink_gbs
         )
 
+    def p2p_terms(self) -> tuple[float, float]:
+        """(ms per transfer, ms per MiB sent): the cost model's measured transfer time (a
+        calibrated profile's `p2p_ms`) when it has one, else the hardware's latency and link."""
+        if self.model.p2p_ms is not None:
+            return self.model.p2p_ms, 0.0
+        return self.hw.p2p_latency_ms, MIB / (self.link_gbs() * 1e9) * 1e3
+
     def p2p_ms(self, output_mib: np.ndarray) -> np.ndarray:
         """Transfer time across the boundary before each unit (index 0 unused)."""
         out = np.asarray(output_mib, np.float64)
         before = np.concatenate([np.zeros((1, *out.shape[1:])), out], axis=0)
-        return self.hw.p2p_latency_ms + before * MIB / (self.link_gbs() * 1e9) * 1e3
+        latency, per_mib = self.p2p_terms()
+        return latency + before * per_mib
 
     def sync_ms(self, stages: list[tuple[int, int]], vpp: int = 1) -> float:
         """The step's work outside the pipeline: distributed-optimizer gradient reduce-scatter +

@@ -122,6 +122,17 @@ def test_flagless_run_takes_the_plan_and_model_settings(runs: dict) -> None:
     assert sum(llm_counts) == 5 and len(set(llm_counts)) == 2  # an uneven split
 
 
+def test_the_startup_summary_predicts_the_step_the_first_step_then_measures(runs: dict) -> None:
+    """With a plan, rank 0's summary states the plan's predicted step (and its model TFLOP/s and
+    MFU) before training; the first step's line puts the measured time beside it."""
+    out, predicted = runs["flagless"].stdout, runs["plan"].predicted.step_ms
+    summary = f"omnibal: plan predicted step {predicted:.1f} ms, model TFLOP/s/GPU "
+    assert out.count(summary) == 1
+    first = out.index("omnibal: first step measured ")
+    assert out.index(summary) < first
+    assert f"; plan predicted {predicted:.1f} ms, model TFLOP/s/GPU " in out[first:]
+
+
 def test_fallback_notes_are_printed_once_per_run(runs: dict) -> None:
     """Without Transformer Engine and Apex, megatron-core warns from each module that falls
     back, on every rank; the run prints one note, on rank 0."""

@@ -74,17 +74,34 @@ def test_peak_table_names_its_source_and_never_guesses() -> None:
     assert device_peak_tflops(None, "fp32", 123.0) == (123.0, "--omnibal-peak-tflops")
 
 
-def test_the_log_line_carries_tflops_and_mfu_and_the_first_step_the_plan() -> None:
+def _balanced_stream(seed: int):
+    """(lengths, the balanced sampler of DP rank 0, its StreamSteps) of 60 random samples."""
     from megatron_omnibal.balance.config import BalanceConfig
     from megatron_omnibal.balance.sampler import BalancedBatchSampler
     from megatron_omnibal.data.lengths import from_arrays
 
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed)
     vit = rng.integers(0, 4, 60)
     lengths = from_arrays(vit, rng.integers(10, 90, 60) + 4 * vit, vit)
     cfg = BalanceConfig(dp_size=2, micro_batches=2, vit_budget=8, token_budget=200, seed=1)
     sampler = BalancedBatchSampler(lengths, cfg, dp_rank=0)
-    steps = StreamSteps(sampler.plan, sampler.lengths_of)
+    return lengths, sampler, StreamSteps(sampler.plan, sampler.lengths_of)
+
+
+def _step_samples(sampler, step: int) -> list[np.ndarray]:
+    """The samples of each pack of `step` (every DP rank) in the balanced plan's epoch 0."""
+    plan = sampler.plan(0)
+    return [plan.samples[plan.pack_ptr[p]:plan.pack_ptr[p + 1]]
+            for p in np.flatnonzero(plan.pack_step == step)]  # fmt: skip
+
+
+def _flops_by_hand(lengths, packs: list[np.ndarray]) -> float:
+    return sum(training_flops_by_hand(TINY, [(int(lengths.vit[i]), int(lengths.tokens[i]))
+                                             for i in s]) for s in packs)  # fmt: skip
+
+
+def test_the_log_line_carries_tflops_and_mfu_and_the_first_step_the_plan() -> None:
+    lengths, sampler, steps = _balanced_stream(3)
     tp = Throughput(flops=ModelFlops.of(TINY), gpus=2, peak_tflops=1e-4, peak_source="test")
     lines: list[str] = []
     log = IterationLog(steps=steps, log_interval=1, tensorboard_interval=1, is_logger=True,
@@ -93,11 +110,7 @@ def test_the_log_line_carries_tflops_and_mfu_and_the_first_step_the_plan() -> No
     log.record(2, 0.25, printer=lambda text, **_: lines.append(text))
     assert len(lines) == 3  # the first-step comparison, then one line per iteration
     for it, seconds, line in ((0, 0.5, lines[1]), (1, 0.25, lines[2])):
-        plan = BalancedBatchSampler(lengths, cfg, dp_rank=0).plan(0)
-        on_step = [plan.samples[plan.pack_ptr[p]:plan.pack_ptr[p + 1]]
-                   for p in np.flatnonzero(plan.pack_step == it)]  # fmt: skip
-        by_hand = sum(training_flops_by_hand(TINY, [(int(lengths.vit[i]), int(lengths.tokens[i]))
-                                                    for i in s]) for s in on_step)  # fmt: skip
+        by_hand = _flops_by_hand(lengths, _step_samples(sampler, it))
         assert f"| model TFLOP/s/GPU {by_hand / seconds / 2 / 1e12:.3f} |" in line
         assert f"| MFU {100 * by_hand / seconds / 2 / 1e8:.1f}% |" in line
     assert lines[0].startswith("omnibal: first step measured 500.0 ms")
@@ -107,3 +120,34 @@ def test_the_log_line_carries_tflops_and_mfu_and_the_first_step_the_plan() -> No
     no_peak = Throughput(flops=ModelFlops.of(TINY), gpus=2, peak_tflops=None, peak_source="x")
     assert no_peak.describe([steps.step(0)], 0.5).endswith("| MFU n/a")
     assert "plan predicted" not in first_step_line(no_peak, steps.step(0), 0.5, None)
+
+
+def test_the_startup_summary_predicts_the_first_steps_time_and_mfu() -> None:
+    """Before training, the summary states the plan's predicted step and the model TFLOP/s and
+    MFU the first step's samples reach at that time (by hand); the first step's line then puts
+    the measured figures beside the same prediction."""
+    from megatron_omnibal.megatron.stages.layout import layout_from_counts
+    from megatron_omnibal.megatron.training.training_log import startup_summary
+
+    lengths, sampler, steps = _balanced_stream(4)
+    tp = Throughput(flops=ModelFlops.of(TINY), gpus=4, peak_tflops=1e-4, peak_source="test")
+
+    def summary(**kw):
+        return startup_summary(
+            layouts=tuple(layout_from_counts((4, 0), (0, 4), (1, 0), (0, 2), 4, 4)), tp=1,
+            dp=2, micro_batches=2, vit_budget=8, token_budget=200, num_samples=60,
+            lengths_file="l.json", source="synthetic", balancer="balancer default",
+            steps=steps, start_iteration=0, **kw)  # fmt: skip
+
+    first = _step_samples(sampler, 0)
+    by_hand = _flops_by_hand(lengths, first)
+    [line] = [x for x in summary(throughput=tp, predicted_step_ms=80.0) if "plan predicted" in x]
+    want = (f"omnibal: plan predicted step 80.0 ms, model TFLOP/s/GPU "
+            f"{by_hand / 0.08 / 4 / 1e12:.3f} | MFU {100 * by_hand / 0.08 / 4 / 1e8:.1f}% for "
+            f"the first step's {sum(len(s) for s in first)} samples")  # fmt: skip
+    assert line.startswith(want) and line.endswith("; peak: test")
+    measured = first_step_line(tp, steps.step(0), 0.2, 80.0)
+    assert measured.startswith("omnibal: first step measured 200.0 ms")
+    assert f"plan predicted {want.split('plan predicted step ')[1].split(' for the')[0]};" in (
+        measured)
+    assert not any("plan predicted" in x for x in summary())  # no plan: no prediction
