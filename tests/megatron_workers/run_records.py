@@ -17,10 +17,13 @@ def records(out: Path) -> dict[int, dict]:
 
 
 def head_micro(recs: dict[int, dict]) -> list[dict]:
-    """The last pipeline stage's micro-batch records (it computes the losses)."""
+    """The last pipeline stage's micro-batch records (it computes the losses): with virtual
+    stages, those of its last model chunk."""
     last = max(r["pp_rank"] for r in recs.values())
     rank = min(k for k, r in recs.items() if r["pp_rank"] == last)
-    return recs[rank]["micro"]
+    micro = recs[rank]["micro"]
+    chunk = max(m.get("chunk", 0) for m in micro)
+    return [m for m in micro if m.get("chunk", 0) == chunk]
 
 
 def step_grads(out: Path) -> list[dict[str, torch.Tensor]]:
