@@ -150,8 +150,8 @@ def prepare(argv: list[str]) -> tuple[list[str], OmnibalSettings, Any, ResumePla
         )
     if settings.vpp > 1 and spec.llm.tie_embeddings:
         raise OmnibalArgsError(
-            f"{source} has vpp {settings.vpp}: a tied output head (the model's tie_embeddings) "
-            "is trained with one model chunk per rank only; re-plan with --vpp 1"
+            f"--omnibal-plan {pre.omnibal_plan} has vpp {settings.vpp}: a tied output head "
+            "(tie_embeddings) trains with one model chunk per rank only; re-plan with --vpp 1"
         )
     resume = check_resume(settings, spec.vit.num_attention_heads)
     if len(settings.layouts) > 1:  # Megatron builds, numbers and counts the layers as laid out
