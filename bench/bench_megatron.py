@@ -16,6 +16,13 @@ InternVL lengths (a random subset of the shipped data):
                jointly under a per-rank memory budget (modeled: set so the unrestricted split
                does not fit and some recompute is needed; a CPU has no such limit, but the time
                recompute costs is real)
+  baseline-vpp2  the baseline on Megatron's interleaved 1F1B, 2 model chunks per rank: the
+               ViT and projector in rank 0's first chunk, each rank's LLM layers split evenly
+               over its chunks, every layer recomputed, padded fixed-size micro-batches (the
+               configuration as `--num-virtual-stages-per-pipeline-rank 2` builds it)
+  plan-vpp2    the planner's plan searched over 2 x 2 virtual stages (`omnibal plan --vpp 2`,
+               same memory budget), trained through `--omnibal-plan` on the interleaved
+               schedule
 
 Predictions use the planner's pipeline simulator and stage accounting on exactly the
 micro-batches each timed step trained on (recorded by the worker), with layer costs from
@@ -30,8 +37,9 @@ micro-batches each timed step trained on (recorded by the worker), with layer co
 Each profile is the median of `--profile-runs` runs of `omnibal profile` (per layer and time),
 as the step time it predicts is a median: the least of the runs biased the predictions low
 (by 12-23% with the least of 4 runs, against 2-13% with the least of 2).
-Step time: wall time between step starts on rank 0, median over the timed steps; error =
-median predicted / median measured - 1. The profiles and the runs are measured minutes apart:
+Step time: wall time between step starts on rank 0, median over the timed steps, and with
+`--run-repeats N` the median over N runs of that; error = median predicted / median measured
+- 1. The profiles and the runs are measured minutes apart:
 on a machine shared with other jobs their load differs, which the error then mostly shows.
 
 Shapes (small enough for a CPU; widths set so the measured vision share matches):
@@ -41,7 +49,8 @@ Shapes (small enough for a CPU; widths set so the measured vision share matches)
             ViT (class token, dropped before an MLP projector, no pixel shuffle)
 
 Usage: python bench/bench_megatron.py [--shapes 6+20b,llava-7b] [--steps 12] [--warmup 2]
-       [--profile-runs 3] [--runs baseline,+data,+partition,+recompute] [--no-predict]
+       [--profile-runs 3] [--run-repeats 1] [--no-predict]
+       [--runs baseline,+data,+partition,+recompute,baseline-vpp2,plan-vpp2]
        [--work-dir DIR] [--json PATH]
        (also its own torchrun worker: --worker baseline|balanced OUT -- FLAGS)
 """
@@ -89,7 +98,8 @@ SHAPES = {
                 "norm": "rmsnorm"},
     },
 }  # fmt: skip
-STEPS = ("baseline", "+data", "+partition", "+recompute")
+STEPS = ("baseline", "+data", "+partition", "+recompute", "baseline-vpp2", "plan-vpp2")
+VPP = 2  # model chunks per rank of the interleaved rows
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -210,15 +220,37 @@ def fit_costs(model, docs: list[dict]):
                    recompute=np.maximum(rows["recompute_ms"], rows["forward_ms"]))  # fmt: skip
 
 
-def measure(mode: str, out: Path, flags: list[str], warmup: int) -> dict:
-    """One training run: median measured step and the per-step batches it trained on."""
+def measure(mode: str, out: Path, flags: list[str], warmup: int, repeats: int = 1) -> dict:
+    """`repeats` training runs: the median over runs of each run's median step, the steps and
+    per-step batches of the first run (every run trains the same ones)."""
     load = os.getloadavg()[0]
-    rec = torchrun(mode, out, flags)
-    starts = rec["step_starts"] + [rec["end"]]
-    times = (np.diff(starts) * 1000.0)[warmup:]
-    return {"times_ms": times.tolist(), "micro_indices": rec["micro_indices"][warmup:],
-            "median_step_ms": float(statistics.median(times)),
+    medians, first = [], None
+    for i in range(repeats):
+        rec = torchrun(mode, out / f"run{i}", flags)
+        starts = rec["step_starts"] + [rec["end"]]
+        times = (np.diff(starts) * 1000.0)[warmup:]
+        medians.append(float(statistics.median(times)))
+        if first is None:
+            first = {"times_ms": times.tolist(), "micro_indices": rec["micro_indices"][warmup:]}
+    return {**first, "median_step_ms": float(statistics.median(medians)),
+            "run_medians_ms": [round(t, 1) for t in medians],
             "load_average": [round(load, 2), round(os.getloadavg()[0], 2)]}  # fmt: skip
+
+
+def interleaved_baseline(setting, spec, plan):
+    """The baseline-vpp2 configuration: its Partition and the plan file that builds it."""
+    from megatron_omnibal.planner.make import stage_plans
+    from megatron_omnibal.planner.search.baseline import BaselineConfig, evaluate_config
+
+    nl = spec.llm.num_layers
+    config = BaselineConfig(tp=1, pp=PP, dp=1, micro_batch_size=1, micro_batches=setting.m,
+                            llm_layers=(nl // PP,) * PP, recompute_vision=True,
+                            recompute_num_layers=nl // PP // VPP, vpp=VPP)  # fmt: skip
+    part = evaluate_config(setting.problem(float("inf")), config, spec.vit.num_layers)
+    chunked = replace(plan, parallel=replace(plan.parallel, vpp=VPP),
+                      stages=stage_plans(spec, part),
+                      data=replace(plan.data, pack_cost=None))  # fmt: skip
+    return part, chunked
 
 
 def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
@@ -229,6 +261,7 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
     from megatron_omnibal.planner.make import make_plan, plan_partition
     from megatron_omnibal.planner.plan_file.plan import save_plan
     from megatron_omnibal.planner.search.baseline import same_parallel_baseline
+    from megatron_omnibal.planner.search.interleaved import evaluate_interleaved
     from megatron_omnibal.planner.search.partition import NoFeasiblePartition
     from megatron_omnibal.planner.search.request import PlanRequest
     from megatron_omnibal.planner.search.setting import choose_partition, make_setting
@@ -245,9 +278,9 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
     save_lengths(lengths, lengths_file)
     m, gb = args.micro_batches, args.micro_batches * args.samples_per_micro_batch
 
-    def request(memory_mib: float, profile: dict | None = None) -> PlanRequest:
+    def request(memory_mib: float, profile: dict | None = None, vpp: int = 1) -> PlanRequest:
         return PlanRequest(model=spec, hardware=cpu_hardware(memory_mib), lengths=lengths,
-                           lengths_path=str(lengths_file), gpus=PP, tp=1, pp=PP,
+                           lengths_path=str(lengths_file), gpus=PP, tp=1, pp=PP, vpp=vpp,
                            micro_batches=m, global_batch=gb, profile=profile,
                            profile_path=None if profile is None else str(tmp / "profile.json"),
                            plan_path=str(tmp / "plan.json"))  # fmt: skip
@@ -284,6 +317,20 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
     bounds, recompute = plan_partition(plan)
     planned = setting.problem(float("inf")).evaluate(bounds, recompute)
     megatron_part, _, _ = same_parallel_baseline(setting)
+    interleaved = {}
+    if "plan-vpp2" in args.runs:
+        try:
+            plan_v = make_plan(request(budget, profile, VPP))
+        except NoFeasiblePartition:
+            plan_v = make_plan(request(1e9, profile, VPP))
+        save_plan(plan_v, tmp / "plan_vpp2.json")
+        bounds_v, recompute_v = plan_partition(plan_v)
+        interleaved["plan-vpp2"] = evaluate_interleaved(
+            setting.problem(float("inf")), bounds_v, recompute_v, PP, VPP
+        )
+    if "baseline-vpp2" in args.runs:
+        interleaved["baseline-vpp2"], chunked = interleaved_baseline(setting, spec, plan)
+        save_plan(chunked, tmp / "baseline_vpp2.json")
 
     # Fixed-size baseline: as many samples per step as the balanced runs take on average.
     nv = spec.vit.num_layers
@@ -298,12 +345,16 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
                        False),
         "+recompute": ("balanced", [*base, "--omnibal-plan", str(tmp / "plan.json"),
                                     "--omnibal-precision", "fp32"], planned, False),
+        "plan-vpp2": ("balanced", [*base, "--omnibal-plan", str(tmp / "plan_vpp2.json"),
+                                   "--omnibal-precision", "fp32"],
+                      interleaved.get("plan-vpp2"), False),
     }  # fmt: skip
     results = {}
-    for label in args.runs:  # the balanced runs first: the baseline takes their samples
+    for label in args.runs:  # the balanced runs first: the baselines take their samples
         if label in runs:
             mode, flags, part, padded = runs[label]
-            results[label] = (measure(mode, tmp / label, flags, args.warmup), part, padded)
+            got = measure(mode, tmp / label, flags, args.warmup, args.run_repeats)
+            results[label] = (got, part, padded)
     # Fixed-size baseline: as many samples per step as the balanced runs took on average.
     balanced = [idx for got, _, _ in results.values() for idx in got["micro_indices"]]
     per_micro = np.mean([len(i) for step in balanced for i in step])
@@ -311,8 +362,14 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
     if "baseline" in args.runs:
         flags = [*base, *budgets, *layout_flags(megatron_part, nv), "--omnibal-baseline-batch",
                  str(batch)]  # fmt: skip
-        results["baseline"] = (measure("baseline", tmp / "baseline", flags, args.warmup),
-                               megatron_part, True)  # fmt: skip
+        results["baseline"] = (measure("baseline", tmp / "baseline", flags, args.warmup,
+                                       args.run_repeats), megatron_part, True)  # fmt: skip
+    if "baseline-vpp2" in args.runs:
+        flags = [*base, "--omnibal-plan", str(tmp / "baseline_vpp2.json"), "--omnibal-precision",
+                 "fp32", "--omnibal-baseline-batch", str(batch)]  # fmt: skip
+        results["baseline-vpp2"] = (measure("baseline", tmp / "baseline-vpp2", flags,
+                                            args.warmup, args.run_repeats),
+                                    interleaved["baseline-vpp2"], True)  # fmt: skip
 
     rows = []
     for label in (s for s in STEPS if s in results):
@@ -333,6 +390,8 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
             })  # fmt: skip
         rows.append({
             **row,
+            "vpp": part.vpp,
+            "run_medians_ms": got["run_medians_ms"],
             "measured_steps_ms": [round(t, 1) for t in got["times_ms"]],
             "load_average": got["load_average"],
             "stages": [list(s) for s in part.stages],
@@ -365,14 +424,14 @@ def print_shape(res: dict) -> None:
           f"{res['memory_budget_mib']:.0f} MiB per rank")  # fmt: skip
     predicted = "predicted_ms" in res["rows"][0]
     head = f"{'predicted ms':>12} {'error':>7} {'linear ms':>10} {'error':>7} " if predicted else ""
-    print(f"  {'step':<11} {'measured ms':>11} {head}{'vs baseline':>11} {'samples':>7} "
+    print(f"  {'step':<13} {'measured ms':>11} {head}{'vs baseline':>11} {'samples':>7} "
           f"{'samples/s':>9}  stages (units) / recompute (load average)")  # fmt: skip
     first = res["rows"][0]["measured_ms"]  # the baseline's, when it ran
     for row in res["rows"]:
         pred = (f"{row['predicted_ms']:>12.1f} {row['error']:>+7.1%} "
                 f"{row['linear_predicted_ms']:>10.1f} {row['linear_error']:>+7.1%} "
                 if predicted else "")  # fmt: skip
-        print(f"  {row['step']:<11} {row['measured_ms']:>11.1f} {pred}"
+        print(f"  {row['step']:<13} {row['measured_ms']:>11.1f} {pred}"
               f"{first / row['measured_ms']:>10.2f}x {row['samples_per_step']:>7.1f} "
               f"{row['samples_per_s']:>9.2f}  "
               f"{row['stages']} {row['recompute']} "
@@ -391,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="omnibal profile repeats")
     parser.add_argument("--profile-runs", type=int, default=3,
                         help="omnibal profile runs per shape (the median time of each is kept)")
+    parser.add_argument("--run-repeats", type=int, default=1,
+                        help="training runs per row (the median of their median steps)")
     parser.add_argument("--runs", default=",".join(STEPS),
                         help="comma-separated ablation steps to run (at least one balanced)")
     parser.add_argument("--no-predict", dest="predict", action="store_false",
@@ -408,8 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in args.runs:
         if r not in STEPS:
             parser.error(f"--runs: unknown step {r!r} (known: {', '.join(STEPS)})")
-    if set(args.runs) <= {"baseline"}:
+    if set(args.runs) <= {"baseline", "baseline-vpp2"}:
         parser.error("--runs: the baseline takes the balanced runs' samples per step: name one")
+    if args.run_repeats < 1:
+        parser.error("--run-repeats must be >= 1")
     if args.steps - args.warmup < 3:
         parser.error("need at least 3 timed steps (--steps - --warmup >= 3)")
     tmp = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_megatron_"))
@@ -510,17 +573,27 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
     state = {"calls": 0}
 
     def timed_forward_step(data_iterator, model):
+        from megatron.core.utils import get_attr_wrapped_model
+
         source = getattr(data_iterator, "iterable", data_iterator)
-        if state["calls"] % micro == 0:
+        first_chunk = not get_attr_wrapped_model(model, "vp_stage")  # every micro-batch's 1st
+        if first_chunk and state["calls"] % micro == 0:
             record["step_starts"].append(time.perf_counter())
             record["micro_indices"].append([])
-        state["calls"] += 1
+        state["calls"] += first_chunk
         output, loss = forward_step(data_iterator, model)
-        record["micro_indices"][-1].append([int(i) for i in source.last_indices])
+        if first_chunk:
+            record["micro_indices"][-1].append([int(i) for i in source.last_indices])
         return output, loss
 
-    def baseline_iterators(settings, spec, _num_samples=None):
+    def baseline_iterators(settings, spec, _num_samples=None, vp_stage=None):
+        """Fixed-size padded micro-batches; with model chunks, chunk 0's stream read by all."""
         from functools import partial
+
+        from megatron_omnibal.megatron.stream.chunk_streams import SharedStream
+
+        if vp_stage:
+            return state["stream"].view(vp_stage), None, None
 
         from megatron.core import parallel_state
         from megatron.training import get_args
@@ -538,6 +611,9 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
         dataset = padded_dataset(make, partial(filler_sample, spec))
         it = BalancedDataIterator(sampler, settings.micro_batches, dataset,
                                   start_step=args.iteration)  # fmt: skip
+        if settings.vpp > 1:
+            state["stream"] = SharedStream(settings.vpp)
+            it = state["stream"].attach(it)
         return it, None, None
 
     status = pretrain_main(flags, timed_forward_step,

@@ -97,7 +97,8 @@ def _dtype(name: str | None):
     ]
 
 
-def _layouts(args: argparse.Namespace, spec) -> tuple[list, int]:
+def _layouts(args: argparse.Namespace, spec) -> tuple[list, int, int]:
+    """(the stages, or a plan's virtual stages; TP; PP)."""
     from megatron_omnibal.megatron.stages.configs import check_tensor_parallel
     from megatron_omnibal.megatron.stages.layout import layout_from_counts, layout_from_plan
     from megatron_omnibal.planner.plan_file.plan import load_plan
@@ -112,8 +113,8 @@ def _layouts(args: argparse.Namespace, spec) -> tuple[list, int]:
                 f"--plan {args.plan} was made for another model than {args.hf_dir} "
                 "(their model specs differ; plan with `omnibal plan --model HF_DIR`)"
             )
-        tp = plan.parallel.tp
-        layouts = layout_from_plan(plan, plan.parallel.pp)
+        tp, pp = plan.parallel.tp, plan.parallel.pp
+        layouts = layout_from_plan(plan, pp)
     else:
         if args.omnibal_vit_pp_layers is None or args.omnibal_llm_pp_layers is None:
             raise ValueError(
@@ -130,8 +131,9 @@ def _layouts(args: argparse.Namespace, spec) -> tuple[list, int]:
             raise ValueError(
                 f"--pp {args.pp} but --omnibal-vit-pp-layers lists {len(layouts)} stages"
             )
+        pp = len(layouts)
     check_tensor_parallel(spec, tp)
-    return layouts, tp
+    return layouts, tp, pp
 
 
 def _bar(total: int, desc: str, off: bool):
@@ -145,7 +147,7 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
     from megatron_omnibal.models.hf_weights import canonical_shapes
 
     hf = read_hf(args.hf_dir)
-    layouts, tp = _layouts(args, hf.spec)
+    layouts, tp, pp = _layouts(args, hf.spec)
     _out_dir(args.out, args.force)
     total = len(canonical_shapes(hf)) + int(hf.spec.llm.tie_embeddings)
     with _bar(total, "convert", args.no_progress) as bar:
@@ -153,7 +155,7 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
             from megatron_omnibal.megatron.checkpoint.hf_checkpoint import write_torch_checkpoint
 
             written = write_torch_checkpoint(
-                hf, layouts, tp, args.out, _dtype(args.dtype), bar.update
+                hf, layouts, tp, args.out, _dtype(args.dtype), bar.update, pp
             )
         else:
             from megatron_omnibal.megatron.checkpoint.dist_convert import write_dist_checkpoint
@@ -164,8 +166,9 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
         f"vit {st.vit_layers[0]}-{st.vit_layers[1]} llm {st.llm_layers[0]}-{st.llm_layers[1]}"
         for st in layouts
     )
+    chunks = f" x {len(layouts) // pp} chunks" if len(layouts) > pp else ""
     print(
-        f"wrote {args.out} ({args.ckpt_format}, TP {tp} x PP {len(layouts)}: {stages}; "
+        f"wrote {args.out} ({args.ckpt_format}, TP {tp} x PP {pp}{chunks}: {stages}; "
         f"{len(written)} files)"
     )
     return 0

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_vpp,
         default=1,
         help="model chunks per pipeline rank: 1 (default) for 1F1B, more for interleaved 1F1B, "
-        "'auto' to search 1-4 (pretrain_vlm builds 1F1B plans only)",
+        "'auto' to search 1-4 (pretrain_vlm trains both; the preflight measures 1F1B only)",
     )
     parser.add_argument(
         "--micro-batches",

@@ -123,6 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.calibrate is not None and not any(a.split("=")[0] == "--omnibal-plan" for a in rest):
         print("preflight: --calibrate re-plans an --omnibal-plan: give the plan", file=sys.stderr)
         return 2
+    chunks = _plan_vpp(rest)
+    if chunks > 1:
+        print(f"preflight: the plan has vpp {chunks}: the preflight measures 1F1B stages (one "
+              "model chunk per rank) only", file=sys.stderr)  # fmt: skip
+        return 2
     from megatron_omnibal.megatron.runtime.compat import ensure_typing_override
     from megatron_omnibal.megatron.runtime.cpu import enable_cpu_megatron
 
@@ -142,6 +147,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
     report = gather_report(meter, opts, captured["settings"], captured["spec"], gpu)
     return 0 if report["ok"] else 1
+
+
+def _plan_vpp(argv: Sequence[str]) -> int:
+    """The model chunks per rank of the --omnibal-plan in `argv` (1 without a plan; a bad plan
+    is the entry point's to report)."""
+    from megatron_omnibal.planner.plan_file.plan import PlanError, load_plan
+
+    paths = [b for a, b in zip(argv, argv[1:], strict=False) if a == "--omnibal-plan"]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--omnibal-plan=")]
+    try:
+        return load_plan(paths[-1]).parallel.vpp if paths else 1
+    except (PlanError, OSError, ValueError):
+        return 1
 
 
 def gather_report(meter: StepMeter, opts: PreflightOptions, settings: Any, spec: Any,

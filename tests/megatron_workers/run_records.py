@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -17,10 +18,13 @@ def records(out: Path) -> dict[int, dict]:
 
 
 def head_micro(recs: dict[int, dict]) -> list[dict]:
-    """The last pipeline stage's micro-batch records (it computes the losses)."""
+    """The last pipeline stage's micro-batch records (it computes the losses): with virtual
+    stages, those of its last model chunk."""
     last = max(r["pp_rank"] for r in recs.values())
     rank = min(k for k, r in recs.items() if r["pp_rank"] == last)
-    return recs[rank]["micro"]
+    micro = recs[rank]["micro"]
+    chunk = max(m.get("chunk", 0) for m in micro)
+    return [m for m in micro if m.get("chunk", 0) == chunk]
 
 
 def step_grads(out: Path) -> list[dict[str, torch.Tensor]]:
@@ -61,3 +65,16 @@ def params(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
             merged[name] = value
             stage[name] = recs[rank]["pp_rank"]
     return merged, stage
+
+
+def recorded_run(
+    worker: Path, nproc: int, out: Path, flags: list[str], env: dict[str, str] | None = None,
+    timeout: float = 300,
+) -> SimpleNamespace:
+    """train_record.py under torchrun (the test fails on a non-zero exit): its out folder,
+    stdout, stderr and records."""
+    from launch import torchrun
+
+    code, stdout, stderr = torchrun(worker, nproc, [str(out), *flags], timeout, env)
+    assert code == 0, stdout[-3000:] + stderr[-6000:]
+    return SimpleNamespace(out=out, stdout=stdout, stderr=stderr, records=records(out))

@@ -4,7 +4,8 @@ the sample indices this rank read and (last pipeline stage) the loss sum and tok
 Usage: torchrun --nproc-per-node N train_record.py OUT_DIR <Megatron and --omnibal flags>
 Writes OUT_DIR/rank{R}.json: {"rank", "pp_rank", "dp_rank", "start", "micro": [{"indices",
 "loss"?, "tokens"?}, ...], "flops_per_sample"}, micro-batches in the order Megatron's schedule
-drew them (flops_per_sample: Megatron's own FLOPs figure of one sample), and exits
+drew them ("chunk": the model chunk that ran it, 0 without virtual stages; flops_per_sample:
+Megatron's own FLOPs figure of one sample), and exits
 with main()'s status (2 on a bad flag, before any process group). A stop by --exit-interval
 (Megatron's sys.exit after its checkpoint) still writes the records.
 
@@ -79,7 +80,11 @@ def _watch_layers(stage) -> None:
 
 
 def _record_grads(names: dict) -> None:
-    by_id = {id(p): n for n, p in names.items()}
+    """Once per process; each model chunk adds its parameters to the names looked up."""
+    if "grad_names" in STATE:
+        STATE["grad_names"].update({id(p): n for n, p in names.items()})
+        return
+    by_id = STATE["grad_names"] = {id(p): n for n, p in names.items()}
 
     def hook(optimizer, _args, _kwargs):
         GRADS.append({by_id[id(p)]: p.grad.detach().clone() for group in optimizer.param_groups
@@ -88,10 +93,10 @@ def _record_grads(names: dict) -> None:
     register_optimizer_step_pre_hook(hook)
 
 
-def _first_call(source, model) -> None:
+def _first_call(source, stage) -> None:
+    """The first forward of a model chunk (one per rank, or one per virtual stage)."""
     from megatron_omnibal.megatron.stages.model import global_named_parameters
 
-    stage = _stage(model)
     names = global_named_parameters(stage)
     seed = os.environ.get("OMNIBAL_TEST_WEIGHTS")
     if seed is not None and source.start_step == 0:
@@ -103,21 +108,25 @@ def _first_call(source, model) -> None:
 
 def recording_forward_step(data_iterator, model):
     source = getattr(data_iterator, "iterable", data_iterator)  # Megatron's RerunDataIterator
-    if not RECORDS:
-        _first_call(source, model)
+    stage = _stage(model)
+    if id(stage) not in STATE.setdefault("chunks", set()):
+        STATE["chunks"].add(id(stage))
+        _first_call(source, stage)
     STATE["in_forward_step"], STATE["checkpointed"] = True, []
     try:
         output, loss_func = forward_step(data_iterator, model)
     finally:
         STATE["in_forward_step"] = False
-    if PARAMS_AT is not None and source.step == int(PARAMS_AT) and "params" not in STATE:
+    if PARAMS_AT is not None and source.step == int(PARAMS_AT):
         from megatron_omnibal.megatron.stages.model import global_named_parameters
 
-        # Drawn and run forward, not yet updated: the parameters step S starts from.
-        STATE["params"] = {n: p.detach().clone()
-                           for n, p in global_named_parameters(_stage(model)).items()}
+        # Drawn and run forward, not yet updated: the parameters step S starts from (each
+        # model chunk's, at its first forward of the step).
+        saved = STATE.setdefault("params", {})
+        for n, p in global_named_parameters(stage).items():
+            saved.setdefault(n, p.detach().clone())
     record = {"indices": source.last_indices, "level": source.level,
-              "checkpointed": sorted(STATE["checkpointed"])}
+              "checkpointed": sorted(STATE["checkpointed"]), "chunk": stage.vp_stage or 0}
     RECORDS.append(record)
     STATE["start"] = source.start_step
 

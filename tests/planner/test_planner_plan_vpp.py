@@ -75,8 +75,13 @@ def test_vpp_plan_lists_virtual_stages_and_replays(stats, tmp_path, capsys):
     assert float(out.split("step ")[1].split()[0]) == pytest.approx(
         plan.predicted.step_ms, rel=1e-4
     )
-    with pytest.raises(LayoutError, match="re-plan with --vpp 1"):
-        layout_from_plan(plan, pp)
+    # training builds the virtual stages in model order; a run at another PP size is refused
+    chunks = layout_from_plan(plan, pp)
+    assert [(st.vit_layers, st.llm_layers) for st in chunks] == [
+        (st.vit_layers, st.llm_layers) for st in plan.stages
+    ]
+    with pytest.raises(LayoutError, match="plan is for pipeline size 2"):
+        layout_from_plan(plan, 2 * pp)
     with pytest.raises(PlanError, match="one per virtual stage"):
         Plan.from_dict({**doc, "stages": doc["stages"][:pp]})
 

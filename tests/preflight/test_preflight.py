@@ -93,6 +93,25 @@ def test_bad_preflight_flags_stop_before_any_training(tmp_path, capsys) -> None:
         "--lr", "1", "--train-iters", "1000"]  # fmt: skip
 
 
+def test_a_plan_with_virtual_stages_is_refused_by_name(tmp_path, capsys) -> None:
+    from megatron_omnibal.data.lengths import from_arrays
+    from megatron_omnibal.models.presets import get_preset
+    from megatron_omnibal.planner.cost_model.hardware import get_hardware
+    from megatron_omnibal.planner.make import make_plan
+    from megatron_omnibal.planner.plan_file.plan import save_plan
+    from megatron_omnibal.planner.search.request import PlanRequest
+    from megatron_omnibal.preflight.run import main
+
+    lengths = from_arrays([1, 2, 3] * 40, [60, 90, 120] * 40)
+    plan = make_plan(PlanRequest(model=get_preset("tiny"), hardware=get_hardware("A100-80G"),
+                                 lengths=lengths, gpus=4, tp=1, pp=2, vpp=2, global_batch=64))
+    save_plan(plan, tmp_path / "plan.json")
+    argv = ["--out", str(tmp_path / "r.json"), "--omnibal", "--omnibal-plan",
+            str(tmp_path / "plan.json")]  # fmt: skip
+    assert main(argv) == 2
+    assert "the plan has vpp 2: the preflight measures 1F1B stages" in capsys.readouterr().err
+
+
 FLAGS = ["--omnibal", "--omnibal-model", "tiny", "--omnibal-text-scale", "8",
          "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3",
          "--transformer-impl", "local", "--seed", "7", "--log-interval", "1",

@@ -50,9 +50,10 @@ class Checkpoint:
     path: Path  # the iteration directory (iter_NNNNNNN or release)
     format: str  # torch | torch_dist
     spec: ModelSpec
-    layouts: tuple[StageLayout, ...]
+    layouts: tuple[StageLayout, ...]  # pp x vpp virtual stages with model chunks
     tp: int
     iteration: int
+    pp: int  # pipeline ranks (fewer than the layouts with virtual stages)
 
 
 def _iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int]:
@@ -81,8 +82,8 @@ def _record(info: dict, where: str) -> tuple[ModelSpec, list[StageLayout]]:
     return spec, layouts
 
 
-def _from_args(saved: Any, where: str) -> tuple[ModelSpec, list[StageLayout], int]:
-    """Model, layout and TP size from the argument namespace a checkpoint saved."""
+def _from_args(saved: Any, where: str) -> tuple[ModelSpec, list[StageLayout], int, int]:
+    """Model, layout, TP and PP size from the argument namespace a checkpoint saved."""
     spec_text = getattr(saved, "omnibal_model_spec", None)
     stages_text = getattr(saved, "omnibal_stages", None)
     if spec_text is None or stages_text is None:
@@ -93,7 +94,8 @@ def _from_args(saved: Any, where: str) -> tuple[ModelSpec, list[StageLayout], in
     spec, layouts = _record(
         {"model_spec": json.loads(spec_text), "stages": json.loads(stages_text)}, where
     )
-    return spec, layouts, int(saved.tensor_model_parallel_size)
+    pp = int(getattr(saved, "pipeline_model_parallel_size", len(layouts)))
+    return spec, layouts, int(saved.tensor_model_parallel_size), pp
 
 
 def open_checkpoint(root: str | Path, iteration: int | None = None) -> Checkpoint:
@@ -112,30 +114,38 @@ def open_checkpoint(root: str | Path, iteration: int | None = None) -> Checkpoin
     if record.is_file():
         info = json.loads(record.read_text())
         spec, layouts = _record(info, str(record))
-        tp = int(info["tensor_parallel"])
+        tp, pp = int(info["tensor_parallel"]), int(info.get("pipeline_parallel", len(layouts)))
     elif fmt == "torch_dist":
         from megatron.core import dist_checkpointing
 
         common = dist_checkpointing.load_common_state_dict(str(path))
-        spec, layouts, tp = _from_args(common.get("args"), str(path))
+        spec, layouts, tp, pp = _from_args(common.get("args"), str(path))
     else:
         first = next(iter(sorted(path.glob("mp_rank_*"))))
         state = torch.load(first / "model_optim_rng.pt", map_location="cpu", weights_only=False)
-        spec, layouts, tp = _from_args(state.get("args"), str(first))
-    return Checkpoint(path, fmt, spec, tuple(layouts), tp, it)
+        spec, layouts, tp, pp = _from_args(state.get("args"), str(first))
+    if pp < 1 or len(layouts) % pp:
+        raise CheckpointError(f"{path}: {len(layouts)} stages do not divide over PP {pp}")
+    return Checkpoint(path, fmt, spec, tuple(layouts), tp, it, pp)
 
 
 def _torch_stage(ckpt: Checkpoint, stage: int) -> dict[str, torch.Tensor]:
+    """Virtual stage `stage`: model chunk stage // pp of rank stage % pp (with virtual stages
+    a rank's file holds `model0`, `model1`, ...)."""
     layout = ckpt.layouts[stage]
+    key = "model" if len(ckpt.layouts) == ckpt.pp else f"model{stage // ckpt.pp}"
     parts: dict[str, list[torch.Tensor]] = {}
     for r in range(ckpt.tp):
-        f = rank_dir(ckpt.path, r, stage, len(ckpt.layouts)) / "model_optim_rng.pt"
+        f = rank_dir(ckpt.path, r, stage % ckpt.pp, ckpt.pp) / "model_optim_rng.pt"
         if not f.is_file():
-            raise CheckpointError(f"{f}: missing (TP {ckpt.tp} x PP {len(ckpt.layouts)} files)")
+            raise CheckpointError(f"{f}: missing (TP {ckpt.tp} x PP {ckpt.pp} files)")
         state = torch.load(f, map_location="cpu", weights_only=False)
-        model = state.get("model")
+        model = state.get(key)
         if model is None:
-            raise CheckpointError(f"{f}: no 'model' state (virtual pipeline stages?)")
+            raise CheckpointError(
+                f"{f}: no '{key}' state (the checkpoint's layout has {len(ckpt.layouts)} stages "
+                f"over PP {ckpt.pp})"
+            )
         for local, tensor in model.items():
             if local.endswith("._extra_state") or tensor is None:
                 continue

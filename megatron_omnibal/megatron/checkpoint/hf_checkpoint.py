@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from megatron_omnibal.megatron.checkpoint.stage_weights import source, stage_names, stage_state_dict
+from megatron_omnibal.megatron.stages.layout import rank_stages
 from megatron_omnibal.models.hf_config import HFModel
 from megatron_omnibal.models.hf_weights import SafetensorsReader, canonical_tensors, rules_for
 from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
@@ -42,38 +43,48 @@ def write_torch_checkpoint(
     out: Path,
     dtype: torch.dtype | None = None,
     progress: Callable[[int], None] | None = None,
+    pp: int | None = None,
 ) -> list[Path]:
     """Write `hf` as a `torch`-format Megatron checkpoint for `layouts` at TP `tp` (iteration
     'release', as Megatron-LM's converters do). Returns the files written. `progress` is called
-    with the number of canonical tensors done after each stage."""
+    with the number of canonical tensors done after each pipeline rank. With `pp` ranks fewer
+    than the layouts (virtual stages: interleaved 1F1B) each rank's file holds its chunks
+    under `model0`, `model1`, ... as megatron.training saves them; peak memory is one rank's
+    tensors."""
     spec = hf.spec
     reader = SafetensorsReader(hf)
     order = [r.canonical for r in rules_for(hf)]
     release = out / "release"
+    pp = pp or len(layouts)
+    chunked = len(layouts) > pp
     written = []
-    for pp, layout in enumerate(layouts):
-        names = stage_names(spec, layout, order)
-        wanted = {source(n, spec) for n in names}
+    for rank in range(pp):
+        virtual = rank_stages(len(layouts), pp, rank)
+        names = [stage_names(spec, layouts[v], order) for v in virtual]
+        wanted = {source(n, spec) for chunk in names for n in chunk}
         tensors = dict(canonical_tensors(hf, reader, wanted.__contains__))
-        stage = {n: tensors[source(n, spec)] for n in names}
         for r in range(tp):
-            state = stage_state_dict(spec, layout, stage, tp, r)
-            if dtype is not None:
-                state = {k: v if v is None else v.to(dtype) for k, v in state.items()}
-            path = rank_dir(release, r, pp, len(layouts)) / "model_optim_rng.pt"
+            state = {}
+            for c, (v, chunk) in enumerate(zip(virtual, names, strict=True)):
+                model = stage_state_dict(
+                    spec, layouts[v], {n: tensors[source(n, spec)] for n in chunk}, tp, r
+                )
+                if dtype is not None:
+                    model = {k: t if t is None else t.to(dtype) for k, t in model.items()}
+                state[f"model{c}" if chunked else "model"] = model
+            path = rank_dir(release, r, rank, pp) / "model_optim_rng.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(
-                {"model": state, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}, path
-            )
+            torch.save({**state, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}, path)
             written.append(path)
             del state
         if progress is not None:
-            progress(len(names))
-        del tensors, stage
+            progress(sum(len(chunk) for chunk in names))
+        del tensors
     (out / TRACKER).write_text("release")
     record = {
         "model_spec": spec.to_dict(),
         "tensor_parallel": tp,
+        "pipeline_parallel": pp,
         "stages": [st.to_dict() for st in layouts],
         "hf_source": str(hf.path),
         "family": hf.family,

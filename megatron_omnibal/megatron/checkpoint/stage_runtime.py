@@ -25,7 +25,9 @@ def init_parallel(layouts: Sequence[StageLayout], tp: int) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tp, len(layouts), get_embedding_ranks=embedding_ranks(layouts))
+    ps.initialize_model_parallel(
+        tp, len(layouts), get_embedding_ranks=embedding_ranks(layouts, len(layouts))
+    )
     model_parallel_cuda_manual_seed(0)
 
 

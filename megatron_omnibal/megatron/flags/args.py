@@ -64,7 +64,8 @@ class OmnibalSettings:
     (validate_omnibal_args). Everything below the entry points receives this (or a part of
     it), never Megatron's argument namespace."""
 
-    layouts: tuple[StageLayout, ...]
+    layouts: tuple[StageLayout, ...]  # pp x vpp virtual stages in model order
+    vpp: int = 1  # model chunks per pipeline rank (a plan's vpp: interleaved 1F1B)
     micro_batches: int
     dp_size: int
     tp_size: int
@@ -98,6 +99,7 @@ class OmnibalSettings:
             ("--tensor-model-parallel-size", self.tp_size),
             ("the data-parallel size", self.dp_size),
             ("--global-batch-size / DP", self.micro_batches),
+            ("the plan's vpp", self.vpp),
             ("--log-interval", self.log_interval),
             ("--tensorboard-log-interval", self.tensorboard_log_interval),
         ):
@@ -111,10 +113,14 @@ class OmnibalSettings:
             raise OmnibalArgsError(f"precision {self.precision}: one of {', '.join(PRECISIONS)}")
         if self.num_workers < 0:
             raise OmnibalArgsError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if len(self.layouts) % self.vpp:
+            raise OmnibalArgsError(
+                f"{len(self.layouts)} stages do not make {self.vpp} chunks per pipeline rank"
+            )
 
     @property
     def pp_size(self) -> int:
-        return len(self.layouts)
+        return len(self.layouts) // self.vpp
 
     @property
     def data(self) -> str:
@@ -363,8 +369,11 @@ def validate_omnibal_args(
             f"of the data-parallel size {dp}"
         )
     micro = args.global_batch_size // dp
+    vpp = len(layouts) // args.pipeline_model_parallel_size
     if plan is not None:
         _check_plan_sizes(plan, args, micro)
+    if vpp > 1:
+        _check_interleaved(args, micro, vpp)
     vit_budget, token_budget = _budgets(args, plan)
     lengths, lengths_sha256 = _node_lengths(args, plan, tokens_per_tile)
     balance = _balance_config(args, plan, dp, micro, vit_budget, token_budget)
@@ -387,6 +396,7 @@ def validate_omnibal_args(
         raise OmnibalArgsError(str(exc)) from exc
     return OmnibalSettings(
         layouts=tuple(layouts),
+        vpp=vpp,
         micro_batches=micro,
         dp_size=dp,
         tp_size=args.tensor_model_parallel_size,
@@ -453,10 +463,11 @@ def _layouts(
             ("--omnibal-vit-recompute", vit_rc),
             ("--omnibal-llm-recompute", llm_rc),
         ):
-            if counts is not None and len(counts) != pp and len(plan.stages) == pp:
+            if counts is not None and len(counts) != len(plan.stages):
                 raise OmnibalArgsError(
-                    f"{flag} {_fmt(counts)} has {len(counts)} stages, "
-                    f"--pipeline-model-parallel-size is {pp}"
+                    f"{flag} {_fmt(counts)} has {len(counts)} stages, the plan "
+                    f"{args.omnibal_plan} {len(plan.stages)} (pp {plan.parallel.pp} x vpp "
+                    f"{plan.parallel.vpp})"
                 )
         try:
             layouts = layout_from_plan(plan, pp, vit_total, llm_total, vit_rc, llm_rc)
@@ -508,6 +519,23 @@ def _check_plan_sizes(plan: Plan, args: argparse.Namespace, micro: int) -> None:
                 f"pretrain_vlm: note: {where} was made for {key}={planned}, this run has "
                 f"{key}={value}"
             )
+
+
+def _check_interleaved(args: argparse.Namespace, micro: int, vpp: int) -> None:
+    """Megatron's conditions for the interleaved schedule a plan with vpp > 1 runs, checked
+    before any process group: micro-batches per step divisible by the pipeline size (its
+    micro-batch groups), no packing levels (a step's count is the level's)."""
+    pp, where = args.pipeline_model_parallel_size, f"--omnibal-plan {args.omnibal_plan}"
+    if micro % pp:
+        raise OmnibalArgsError(
+            f"{where} has vpp {vpp} (interleaved 1F1B): the micro-batches per step "
+            f"(--global-batch-size {args.global_batch_size} / DP {args.data_parallel_size} = "
+            f"{micro}) must be a multiple of --pipeline-model-parallel-size {pp}"
+        )
+    if getattr(args, "omnibal_levels", None):
+        raise OmnibalArgsError(
+            f"--omnibal-levels with {where} (vpp {vpp}): packing levels run 1F1B only"
+        )
 
 
 def _node_lengths(

@@ -112,19 +112,22 @@ def stage_configs(
     stage: int,
     tp_size: int = 1,
     overrides: dict[str, Any] | None = None,
+    vpp: int = 1,
 ) -> StageConfigs:
-    """The TransformerConfigs stage `stage` builds with. `layouts` come validated (every way
-    of making them checks them: layout.layout_from_plan / _counts / _dicts).
+    """The TransformerConfigs (virtual) stage `stage` builds with. `layouts` come validated
+    (every way of making them checks them: layout.layout_from_plan / _counts / _dicts); with
+    `vpp` model chunks per rank they are the pp x vpp virtual stages.
 
     `overrides` are TransformerConfig fields from the training flags applied to every tower
     (dtype, dropout, init, sequence_parallel: the LLM's only).
     """
     check_tensor_parallel(spec, tp_size)
-    pp = len(layouts)
+    pp = len(layouts) // vpp
     st = layouts[stage]
     base: dict[str, Any] = {
         "tensor_model_parallel_size": tp_size,
         "pipeline_model_parallel_size": pp,
+        "virtual_pipeline_model_parallel_size": vpp if vpp > 1 else None,
         "pipeline_dtype": torch.float32,
         "params_dtype": torch.float32,
         "variable_seq_lengths": True,
@@ -147,7 +150,7 @@ def stage_configs(
     sequence_parallel = bool(base.pop("sequence_parallel", False)) and tp_size > 1
     layout = (
         (lambda t: {"pipeline_model_parallel_layout": megatron_layout(layouts, t)})
-        if pp > 1
+        if len(layouts) > 1
         else (lambda t: {})
     )
     v, p, llm = spec.vit, spec.projector, spec.llm
@@ -172,6 +175,7 @@ def stage_configs(
             "sequence_parallel": False,
             "num_layers": 1,
             "pipeline_model_parallel_size": 1,
+            "virtual_pipeline_model_parallel_size": None,
             "hidden_size": llm.hidden_size,
             "ffn_hidden_size": p.hidden_size,
             "num_attention_heads": llm.num_attention_heads,

@@ -112,21 +112,22 @@ def layout_from_plan(
     vit_recompute: Sequence[int] | None = None,
     llm_recompute: Sequence[int] | None = None,
 ) -> list[StageLayout]:
-    """The stages of a (validated) plan, checked against the run's PP size and model, with
-    per-stage recompute counts given by flags in place of the plan's (None: the plan's).
+    """The (virtual) stages of a (validated) plan, checked against the run's PP size and model,
+    with per-stage recompute counts given by flags in place of the plan's (None: the plan's).
+    A plan with vpp > 1 gives pp x vpp virtual stages in model order (rank_stages says which
+    a rank builds).
 
     Model layer counts default to the plan's model_spec.
     """
-    if plan.parallel.vpp > 1:
+    if plan.parallel.pp != pp_size:
         raise LayoutError(
-            f"plan has vpp {plan.parallel.vpp} (interleaved 1F1B, {len(plan.stages)} virtual "
-            "stages): the VLM stage module builds one chunk per rank; re-plan with --vpp 1"
-        )
-    if len(plan.stages) != pp_size:
-        raise LayoutError(
-            f"plan is for pipeline size {len(plan.stages)}, this run has "
+            f"plan is for pipeline size {plan.parallel.pp}, this run has "
             f"--pipeline-model-parallel-size {pp_size}"
         )
+    stages = len(plan.stages)
+    for flag, counts in (("vit recompute", vit_recompute), ("llm recompute", llm_recompute)):
+        if counts is not None and len(counts) != stages:
+            raise LayoutError(f"{flag}: {len(counts)} values for the plan's {stages} stages")
     spec = plan.model_spec
     out = [
         replace(
@@ -142,6 +143,15 @@ def layout_from_plan(
         spec.llm.num_layers if llm_layers is None else llm_layers,
     )
     return out
+
+
+def rank_stages(num_stages: int, pp: int, rank: int) -> list[int]:
+    """The virtual stages pipeline rank `rank` builds, one per model chunk, in chunk order:
+    Megatron's interleaved placement gives chunk c of rank r virtual stage c x pp + r (with one
+    chunk per rank, just the rank)."""
+    if num_stages % pp:
+        raise LayoutError(f"{num_stages} stages do not divide over {pp} pipeline ranks")
+    return list(range(rank, num_stages, pp))
 
 
 def parse_counts(text: str, flag: str) -> list[int]:
@@ -234,11 +244,12 @@ def level_recompute(
     return tuple(out)
 
 
-def embedding_ranks(layouts: Sequence[StageLayout]) -> Callable[..., list[int]]:
-    """Megatron's `get_embedding_ranks` for this layout: the stage holding the word embedding
-    (the projector's) and the head's, so a tied output head's gradient is summed with the
-    embedding's (parallel_state assumes the first and last stage)."""
-    embed = next(r for r, st in enumerate(layouts) if st.llm_embed)
+def embedding_ranks(layouts: Sequence[StageLayout], pp: int) -> Callable[..., list[int]]:
+    """Megatron's `get_embedding_ranks` for this layout: the rank holding the word embedding
+    (the projector's stage) and the head's, so a tied output head's gradient is summed with the
+    embedding's (parallel_state assumes the first and last stage). `layouts` may be virtual
+    stages (virtual stage v lives on rank v % pp)."""
+    embed = next(r for r, st in enumerate(layouts) if st.llm_embed) % pp
 
     def ranks(pp_ranks: list[int], *_: Any) -> list[int]:
         return sorted({pp_ranks[embed], pp_ranks[-1]})
@@ -249,7 +260,8 @@ def embedding_ranks(layouts: Sequence[StageLayout]) -> Callable[..., list[int]]:
 def megatron_layout(layouts: Sequence[StageLayout], tower: str) -> list[list[str]]:
     """One tower's layers per stage as megatron-core's `pipeline_model_parallel_layout` spells
     them (embedding first, loss last, "decoder" per layer): how Megatron learns the real,
-    possibly uneven split, so that it numbers, counts and checkpoints the layers as built."""
+    possibly uneven split, so that it numbers, counts and checkpoints the layers as built. With
+    virtual stages (pp x vpp of them, in model order) Megatron reads the vpp from the count."""
     rows = []
     for r, st in enumerate(layouts):
         row = (["embedding"] if r == 0 else []) + ["decoder"] * getattr(st, f"num_{tower}_layers")

@@ -84,6 +84,10 @@ class VLMStage(MegatronModule):
 
     `level_recompute[l]` is the (ViT, LLM) layers this stage recomputes in a micro-batch of
     packing level l (forward's `level`); empty: the layout's counts for every micro-batch.
+
+    With virtual stages (interleaved 1F1B) `layouts` are all pp x vpp of them, `stage` is this
+    chunk's virtual stage and `vp_stage` its chunk index on the rank (megatron-core numbers and
+    checkpoints the chunk's layers from it).
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class VLMStage(MegatronModule):
         use_te: bool | None = None,
         pg_collection: ProcessGroupCollection | None = None,
         level_recompute: Sequence[tuple[int, int]] = (),
+        vp_stage: int | None = None,
     ) -> None:
         # The model-wide config (Megatron's schedules and finalize_model_grads read it) is the
         # LLM's, without qk_layernorm: HeadRMSNorm sums its own TP gradient (see layer_specs).
@@ -118,6 +123,7 @@ class VLMStage(MegatronModule):
         self.share_embeddings_and_output_weights = spec.llm.tie_embeddings
         self.capture: dict[str, torch.Tensor] | None = None
         self.level_recompute = tuple(level_recompute)
+        self.vp_stage = vp_stage
         if use_te is None:  # TE when importable, unless the config asks for local modules
             use_te = HAVE_TE and configs.llm.transformer_impl == "transformer_engine"
         if use_te and not HAVE_TE:
@@ -156,6 +162,7 @@ class VLMStage(MegatronModule):
                 pre_process=True,
                 post_process=False,
                 pg_collection=pg_collection,
+                vp_stage=vp_stage,
             )
         self.vit_final_norm = None
         self.projector = None
@@ -192,6 +199,7 @@ class VLMStage(MegatronModule):
                 pre_process=True,
                 post_process=lay.head,
                 pg_collection=pg_collection,
+                vp_stage=vp_stage,
             )
             factor = spec.llm.rope_scaling_factor
             # Llama-3 scaling, passed here (megatron-core 0.19's own VLM scripts drop it), and

@@ -14,7 +14,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_omnibal.megatron.stages.configs import stage_configs
 from megatron_omnibal.megatron.stages.finetune import FinetuneSettings, apply_to_stage
-from megatron_omnibal.megatron.stages.layout import LayoutError
+from megatron_omnibal.megatron.stages.layout import LayoutError, rank_stages
 from megatron_omnibal.megatron.stages.model import VLMStage
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
@@ -31,32 +31,39 @@ def vlm_model_provider(
     finetune: FinetuneSettings | None = None,
     level_recompute: Sequence[Sequence[tuple[int, int]]] = (),
 ) -> VLMStage:
-    """This rank's stage. pre_process/post_process are accepted for megatron.training's
-    signature and checked against the layout (the layout decides what the stage holds);
+    """This rank's stage, or with virtual stages (pp x vpp `layouts`, interleaved 1F1B) its
+    model chunk `vp_stage`: virtual stage vp_stage x pp + rank. pre_process/post_process are
+    accepted for megatron.training's signature and checked against the layout (the layout
+    decides what the stage holds);
     pg_collection is megatron.training's (None: parallel_state's groups); `finetune` freezes
     parts and marks the ViT for its learning-rate multiplier; `level_recompute[stage]` the
     stage's (ViT, LLM) recompute per packing level (layout.level_recompute; empty: the
     layout's counts throughout)."""
-    if vp_stage is not None:
-        raise LayoutError("virtual pipeline stages are not supported by the VLM stage module")
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if len(layouts) != pp:
-        raise LayoutError(f"layout has {len(layouts)} stages, the pipeline has {pp}")
-    rank = parallel_state.get_pipeline_model_parallel_rank()
-    if pre_process != (rank == 0) or post_process != (rank == pp - 1):
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    if len(layouts) != pp * vpp:
         raise LayoutError(
-            f"pipeline rank {rank}/{pp}: pre_process={pre_process}, post_process={post_process} "
-            "disagree with its position in the pipeline"
+            f"layout has {len(layouts)} stages, the pipeline has {pp} ranks x {vpp} chunks"
+        )
+    if (vp_stage is None) != (vpp == 1) or not 0 <= (vp_stage or 0) < vpp:
+        raise LayoutError(f"model chunk {vp_stage} of a pipeline with {vpp} chunks per rank")
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    virtual = rank_stages(len(layouts), pp, rank)[vp_stage or 0]
+    if pre_process != (virtual == 0) or post_process != (virtual == len(layouts) - 1):
+        raise LayoutError(
+            f"pipeline rank {rank}/{pp}, chunk {vp_stage}: pre_process={pre_process}, "
+            f"post_process={post_process} disagree with its position in the pipeline"
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    configs = stage_configs(spec, layouts, rank, tp, config_overrides)
+    configs = stage_configs(spec, layouts, virtual, tp, config_overrides, vpp)
     stage = VLMStage(
         spec,
         layouts,
-        rank,
+        virtual,
         configs,
         pg_collection=pg_collection,
-        level_recompute=level_recompute[rank] if level_recompute else (),
+        level_recompute=level_recompute[virtual] if level_recompute else (),
+        vp_stage=vp_stage,
     )
     if finetune is not None:
         apply_to_stage(stage, finetune)

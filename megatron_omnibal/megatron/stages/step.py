@@ -98,7 +98,9 @@ def per_step_micro_batches(forward_backward_func: Callable[..., Any]) -> Callabl
     """
 
     def run(*, data_iterator: Any, num_microbatches: int, **kwargs: Any) -> Any:
-        source = getattr(data_iterator, "iterable", data_iterator)  # Megatron's rerun wrapper
+        # one iterator per model chunk under the interleaved schedule, all over one stream
+        first = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+        source = getattr(first, "iterable", first)  # Megatron's rerun wrapper
         return forward_backward_func(
             data_iterator=data_iterator,
             num_microbatches=source.micro_batches_of_next_step(),

@@ -39,7 +39,11 @@ from megatron_omnibal.megatron.runtime.cpu import enable_cpu_megatron
 from megatron_omnibal.megatron.runtime.notes import note_fallbacks, quiet_fallback_warnings
 from megatron_omnibal.megatron.runtime.stderr import write_line
 from megatron_omnibal.megatron.stages.finetune import install_vit_lr_override
-from megatron_omnibal.megatron.stages.layout import embedding_ranks, megatron_layout_flag
+from megatron_omnibal.megatron.stages.layout import (
+    embedding_ranks,
+    megatron_layout_flag,
+    rank_stages,
+)
 
 RANK0_GRACE_S = 5.0  # how long other ranks let rank 0 print an error they all found
 ForwardStep = Callable[[Any, Any], Any]
@@ -144,8 +148,13 @@ def prepare(argv: list[str]) -> tuple[list[str], OmnibalSettings, Any, ResumePla
         source = open_source(
             settings.source, settings.lengths, spec, pixels=False, by_epoch=settings.by_epoch
         )
+    if settings.vpp > 1 and spec.llm.tie_embeddings:
+        raise OmnibalArgsError(
+            f"--omnibal-plan {pre.omnibal_plan} has vpp {settings.vpp}: a tied output head "
+            "(tie_embeddings) trains with one model chunk per rank only; re-plan with --vpp 1"
+        )
     resume = check_resume(settings, spec.vit.num_attention_heads)
-    if settings.pp_size > 1:  # Megatron builds, numbers and counts the layers as laid out
+    if len(settings.layouts) > 1:  # Megatron builds, numbers and counts the layers as laid out
         argv += ["--pipeline-model-parallel-layout", megatron_layout_flag(settings.layouts)]
     return argv, settings, spec, resume, source
 
@@ -313,6 +322,10 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "use_cpu_initialization": args.use_cpu_initialization,
         "deallocate_pipeline_outputs": True,
         "sequence_parallel": args.sequence_parallel,  # the LLM's (megatron.configs)
+        # The interleaved schedule's point-to-point mode, as megatron.training derives it
+        # (batched sends with two chunks per rank swap tensors on PP=2).
+        "overlap_p2p_comm": args.overlap_p2p_comm,
+        "batch_p2p_comm": not args.overlap_p2p_comm,
     }
 
 
@@ -351,7 +364,8 @@ def train(
         plans = node_plans(settings, resume)
         _install_iteration_log(settings, resume, spec, plans)
         data_provider = partial(build_data_iterators, settings, spec, origin=resume.origin,
-                                plans=plans, source=source)  # fmt: skip
+                                plans=plans, source=source,
+                                chunks=chunk_streams(settings))  # fmt: skip
     else:
         data_provider = partial(build_iterators, settings, spec)
     # Every rank builds its own iterator: no broadcast from TP rank 0 (training.py reads this).
@@ -363,7 +377,7 @@ def train(
         forward_step_func or forward_step,
         model_provider=partial(_model_provider, settings, spec, config_overrides(args)),
         # A tied output head's gradient is summed with the embedding's between their stages.
-        get_embedding_ranks=embedding_ranks(settings.layouts),
+        get_embedding_ranks=embedding_ranks(settings.layouts, settings.pp_size),
         get_position_embedding_ranks=_first_rank,
     )
 
@@ -510,11 +524,15 @@ def build_data_iterators(
     origin: Any = None,
     plans: Any = None,
     source: Any = None,
+    chunks: Any = None,
+    vp_stage: int | None = None,
 ) -> tuple[Any, None, None]:
     """(train iterator, no validation, no test) for this rank, at Megatron's iteration of the
     stream that starts at `origin` (data_identity.StreamOrigin; None: iteration 0, epoch 0).
     `plans`: the run's epoch plans (node_plans; None: balanced in this process); `source`: the
-    data source prepare opened (None: opened here for a real dataset).
+    data source prepare opened (None: opened here for a real dataset). With model chunks
+    (interleaved 1F1B) megatron.training asks once per chunk (`vp_stage`): chunk 0's call
+    builds the stream, the others read it through `chunks` (chunk_streams.SharedStream).
 
     Only ranks whose stage holds the patch embedding decode pixels; the others get token ids,
     labels and shape-only tiles. Micro-batches come from Megatron's --num-workers processes on
@@ -527,6 +545,8 @@ def build_data_iterators(
     from megatron.core import parallel_state
     from megatron.training import get_args
 
+    if vp_stage:
+        return chunks.view(vp_stage), None, None
     ranks = StageRanks(
         dp=parallel_state.get_data_parallel_rank(),
         pp=parallel_state.get_pipeline_model_parallel_rank(),
@@ -539,7 +559,14 @@ def build_data_iterators(
         settings, spec, ranks, get_args().iteration, origin=origin, plans=plans, source=source
     )
     atexit.register(_report_skipped, policy)
-    return iterator, None, None
+    return (iterator if chunks is None else chunks.attach(iterator)), None, None
+
+
+def chunk_streams(settings: OmnibalSettings) -> Any:
+    """The stream shared by a rank's model chunks (None with one chunk per rank)."""
+    from megatron_omnibal.megatron.stream.chunk_streams import SharedStream
+
+    return SharedStream(settings.vpp) if settings.vpp > 1 else None
 
 
 @dataclass(frozen=True)
@@ -572,7 +599,10 @@ def data_iterator(
 
     by_epoch = settings.by_epoch
     sampler = balanced_sampler(settings, ranks.dp, plans)
-    pixels = settings.layouts[ranks.pp].patch_embed
+    pixels = any(
+        settings.layouts[v].patch_embed
+        for v in rank_stages(len(settings.layouts), settings.pp_size, ranks.pp)
+    )
     if settings.data == "synthetic":
         make_sample = SyntheticSamples(by_epoch, spec, seed=settings.seed, pixels=pixels)
         describe = str

@@ -364,3 +364,52 @@ def test_bad_input_names_the_problem(models, tmp_path: Path) -> None:
     proc = omnibal("compare-hf", str(built.path), str(ckpt), "--omnibal-vit-pp-layers", "4,0",
                    "--omnibal-llm-pp-layers", "0,4", check=False)
     assert proc.returncode == 2 and "loads only at its own layout" in proc.stderr
+
+
+def test_a_plan_with_virtual_stages_converts_and_exports_bit_for_bit(models, tmp_path: Path):
+    """A plan of PP 2 x 2 chunks per rank (the ViT over the first chunks of both ranks): the
+    torch format holds each rank's chunks as `model0`, `model1` in the rank's file, as
+    megatron.training saves them; torch and torch_dist both export the original tensors."""
+    from dataclasses import asdict, replace
+
+    from megatron_omnibal.data.lengths import load_lengths
+    from megatron_omnibal.megatron.stages.layout import layout_from_counts
+    from megatron_omnibal.models.hf_config import read_hf
+    from megatron_omnibal.planner.cost_model.hardware import get_hardware
+    from megatron_omnibal.planner.make import make_plan
+    from megatron_omnibal.planner.plan_file.plan import StagePlan, save_plan
+    from megatron_omnibal.planner.search.request import PlanRequest
+
+    built = models["llava"]
+    spec = read_hf(built.path).spec
+    plan = make_plan(PlanRequest(model=spec, hardware=get_hardware("A100-80G"),
+                                 lengths=load_lengths(_lengths(tmp_path / "lengths.npz")),
+                                 gpus=2, tp=1, pp=2, vpp=2, global_batch=8))  # fmt: skip
+    chunks = layout_from_counts([2, spec.vit.num_layers - 2, 0, 0], [0, 1, 2, 1],
+                                vit_layers=spec.vit.num_layers, llm_layers=4)  # fmt: skip
+    stages = tuple(StagePlan(**asdict(st), stage=v, forward_ms=1.0, backward_ms=1.0,
+                             peak_memory_gib=1.0) for v, st in enumerate(chunks))  # fmt: skip
+    save_plan(replace(plan, stages=stages), tmp_path / "plan.json")
+    original = tensors(built.path)
+    for fmt in ("torch", "torch_dist"):
+        ckpt, back = tmp_path / fmt, tmp_path / f"{fmt}_hf"
+        out = omnibal("convert", "hf-to-megatron", str(built.path), "--plan",
+                      str(tmp_path / "plan.json"), "--ckpt-format", fmt, "--out", str(ckpt),
+                      "--no-progress").stdout  # fmt: skip
+        assert "TP 1 x PP 2 x 2 chunks" in out
+        if fmt == "torch":
+            files = sorted((ckpt / "release").rglob("*.pt"))
+            assert [f.parent.name for f in files] == ["mp_rank_00_000", "mp_rank_00_001"]
+            rank1 = torch.load(files[1], weights_only=False)
+            assert {"model0", "model1"} <= set(rank1) and "model" not in rank1
+            # rank 1's first chunk is virtual stage 1: ViT layers 2.. and the projector
+            assert any(k.startswith("projector.") for k in rank1["model0"])
+            assert not any(k.startswith("vit.") for k in rank1["model1"])
+            refused = omnibal("compare-hf", str(built.path), str(ckpt), check=False)
+            assert refused.returncode != 0 and "model chunks" in refused.stderr
+        omnibal("convert", "megatron-to-hf", str(ckpt), "--like", str(built.path), "--out",
+                str(back), "--no-progress")  # fmt: skip
+        exported = tensors(back)
+        assert sorted(exported) == sorted(original)
+        for name, t in original.items():
+            assert torch.equal(exported[name], t), (fmt, name)

@@ -32,15 +32,17 @@ def _stage(r, pp, vit, llm, proj):
                      peak_memory_gib=1.0)  # fmt: skip
 
 
-def _plan(path, lengths, stages=None, tp=1, pp=2, **data):
-    """A real `omnibal plan` plan for tiny made from `lengths`, with the stages (and data
-    fields) replaced where given."""
-    request = PlanRequest(model=get_preset("tiny"), hardware=get_hardware("A100-80G"),
+def _plan(path, lengths, stages=None, tp=1, pp=2, model=None, **data):
+    """A real `omnibal plan` plan for tiny (or `model`) made from `lengths`, with the stages
+    (and data fields) replaced where given; pp x 2 stages make it a plan with 2 model chunks
+    per rank."""
+    request = PlanRequest(model=model or get_preset("tiny"), hardware=get_hardware("A100-80G"),
                           lengths=lengths, gpus=tp * pp, tp=tp, pp=pp, global_batch=8)  # fmt: skip
     plan = make_plan(request)
-    if stages is not None:
-        plan = replace(plan, stages=tuple(stages))
     plan = replace(plan, data=replace(plan.data, **data))
+    if stages is not None:
+        vpp = len(stages) // pp
+        plan = replace(plan, stages=tuple(stages), parallel=replace(plan.parallel, vpp=vpp))
     save_plan(plan, path)
     return str(path)
 
@@ -64,6 +66,13 @@ def cases(tmp_path_factory):
     plan_other_file = _plan(tmp / "plan_other_file.json", example.subset(np.arange(40)))
     plan_other_lengths = _plan(tmp / "plan_other_lengths.json", example.subset(np.arange(1, 31)))
     plan_tp2 = _plan(tmp / "plan_tp2.json", real, tp=2)
+    chunks = [_stage(0, 4, (0, 4), (0, 1), True)] + [
+        _stage(v, 4, (4, 4), (v, v + 1), False) for v in (1, 2, 3)
+    ]
+    plan_vpp = _plan(tmp / "plan_vpp.json", real, chunks, pack_cost=None)
+    tiny = get_preset("tiny")
+    tied = replace(tiny, llm=replace(tiny.llm, tie_embeddings=True))
+    plan_vpp_tied = _plan(tmp / "plan_vpp_tied.json", real, chunks, model=tied, pack_cost=None)
     old = json.loads(Path(plan_ok).read_text())
     old["version"] = 1
     plan_v1 = tmp / "plan_v1.json"
@@ -150,6 +159,14 @@ def cases(tmp_path_factory):
          "would recompute 4 ViT / 0 LLM layers, it holds 2 / 0"),
         ([*base, *counts, "--omnibal-llm-pp-layers", "1,3", "--omnibal-levels", "8/80x3,16/160x4"],
          "the last level (16/160 x4) must be the budgets and micro-batches (16/160 x2)"),
+        ([*base[:8], "3", *base[9:], "--omnibal-plan", plan_vpp],
+         f"--omnibal-plan {plan_vpp} has vpp 2 (interleaved 1F1B): the micro-batches per step "
+         "(--global-batch-size 3 / DP 1 = 3) must be a multiple of "
+         "--pipeline-model-parallel-size 2"),
+        ([*base, "--omnibal-plan", plan_vpp, "--omnibal-levels", "8/80x3,16/160x2"],
+         f"--omnibal-levels with --omnibal-plan {plan_vpp} (vpp 2): packing levels run 1F1B"),
+        ([*base, "--omnibal-plan", plan_vpp_tied],
+         f"--omnibal-plan {plan_vpp_tied} has vpp 2: a tied output head"),
     ]  # fmt: skip
 
 

@@ -25,8 +25,13 @@ from megatron_omnibal.models.presets import PRESETS
 pytestmark = pytest.mark.megatron
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
-from launch import torchrun  # noqa: E402
-from run_records import assert_same_grads, head_micro, params, records, step_grads  # noqa: E402
+from run_records import (  # noqa: E402
+    assert_same_grads,
+    head_micro,
+    params,
+    recorded_run,
+    step_grads,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = ROOT / "tests" / "megatron_workers" / "train_record.py"
@@ -53,9 +58,7 @@ def _flags(lengths_file: Path, model: Path, name: str, *extra: str) -> list[str]
 
 
 def _run(nproc: int, out: Path, flags: list[str], env: dict[str, str]) -> SimpleNamespace:
-    code, stdout, stderr = torchrun(WORKER, nproc, [str(out), *flags], 300, env)
-    assert code == 0, stdout[-3000:] + stderr[-6000:]
-    return SimpleNamespace(out=out, stdout=stdout, stderr=stderr, records=records(out))
+    return recorded_run(WORKER, nproc, out, flags, env)
 
 
 @pytest.fixture(scope="module")
