@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel import (  # noqa: E402
     model_parallel_cuda_manual_seed,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from parallel_groups import reset_model_parallel  # noqa: E402
 
 SEED = 99
 
@@ -85,7 +86,7 @@ def gpt_config(pp: int, recompute: bool, dropout: float) -> TransformerConfig:
 
 def gpt_run(pp: int, recompute: bool, dropout: float) -> dict:
     """Tiny GPTModel trained one step by Megatron's schedule (1F1B when pp > 1)."""
-    ps.destroy_model_parallel()
+    reset_model_parallel()
     ps.initialize_model_parallel(1, pp)
     model_parallel_cuda_manual_seed(SEED)
     torch.manual_seed(SEED)
@@ -180,7 +181,7 @@ def clip_grad_run(tp: int, pp: int) -> dict:
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    ps.destroy_model_parallel()
+    reset_model_parallel()
     ps.initialize_model_parallel(tp, pp)
     model_parallel_cuda_manual_seed(SEED)
     rank = ps.get_pipeline_model_parallel_rank()
@@ -251,7 +252,7 @@ def optimizer_step_run(distributed: bool, bf16: bool) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    ps.destroy_model_parallel()
+    reset_model_parallel()
     ps.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(SEED)
     config = gpt_config(1, False, 0.0)
@@ -316,7 +317,7 @@ def clip_check() -> None:
     from megatron.core.models.vision.clip_vit_model import CLIPViTModel
     from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
 
-    ps.destroy_model_parallel()
+    reset_model_parallel()
     ps.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(SEED)
     cfg = TransformerConfig(

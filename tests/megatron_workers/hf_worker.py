@@ -26,6 +26,7 @@ enable_cpu_megatron()
 
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
+from parallel_groups import reset_model_parallel  # noqa: E402
 
 from megatron_omnibal.megatron.checkpoint.stage_runtime import (  # noqa: E402
     build_stage,
@@ -43,6 +44,7 @@ def run(name: str, spec, tensors: dict, batch, case: dict, out: Path) -> None:
     layouts = layout_from_counts(
         case["vit"], case["llm"], vit_layers=spec.vit.num_layers, llm_layers=spec.llm.num_layers
     )
+    reset_model_parallel()
     init_parallel(layouts, case["tp"])
     model = build_stage(spec, layouts, bool(case.get("sequence_parallel")))
     tp_rank = ps.get_tensor_model_parallel_rank()

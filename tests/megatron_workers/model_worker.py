@@ -28,6 +28,7 @@ enable_cpu_megatron()
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
+from parallel_groups import reset_model_parallel  # noqa: E402
 from schedule import run_schedule  # noqa: E402
 
 from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
@@ -51,7 +52,7 @@ def gather(part: torch.Tensor, p: torch.nn.Parameter, name: str, spec: ModelSpec
 
 
 def build(spec: ModelSpec, case: dict, seed: int) -> torch.nn.Module:
-    ps.destroy_model_parallel()
+    reset_model_parallel()
     ps.initialize_model_parallel(case["tp"], case["pp"])
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)

@@ -77,7 +77,7 @@ PP2 = ["--pipeline-model-parallel-size", "2", "--omnibal-vit-pp-layers", "4,0",
        "--omnibal-llm-pp-layers", "1,3", "--global-batch-size", str(MICRO)]  # fmt: skip
 
 
-def _run(nproc, out, flags, params_at=None, timeout=300):
+def _run(nproc, out, flags, params_at=None, timeout=600):
     env = {"RECORD_PARAMS_AT_STEP": str(params_at)} if params_at is not None else None
     code, stdout, stderr = torchrun(WORKER, nproc, [str(out), *flags], timeout, env)
     return SimpleNamespace(code=code, stdout=stdout, stderr=stderr, out=Path(out))
@@ -179,7 +179,7 @@ def test_torch_checkpoint_at_another_layout_is_refused_before_any_process_group(
     other = _flags(lengths_file, model_file, "--pipeline-model-parallel-size", "4",
                    "--omnibal-vit-pp-layers", "2,2,0,0", "--omnibal-llm-pp-layers", "0,0,2,2",
                    "--global-batch-size", str(MICRO), "--load", str(torch_ckpt))  # fmt: skip
-    error = _refused(_run(4, tmp_path / "refused", other, timeout=120),
+    error = _refused(_run(4, tmp_path / "refused", other, timeout=300),
                      f"iteration {SAVED} is a 'torch' checkpoint saved at TP=1, PP=2 (ViT layers "
                      "4+0, LLM layers 1+3); this run has TP=1, PP=4 (ViT layers 2+2+0+0, LLM "
                      "layers 0+0+2+2)")  # fmt: skip
@@ -192,7 +192,7 @@ def test_resume_on_another_data_stream_is_refused_naming_both_values(
     flags = _flags(lengths_file, model_file, *PP2, "--load", str(source.ckpt),
                    "--omnibal-token-budget", "200")  # fmt: skip
     flags[flags.index("--seed") + 1] = "8"
-    error = _refused(_run(2, tmp_path / "refused", flags, timeout=120),
+    error = _refused(_run(2, tmp_path / "refused", flags, timeout=300),
                      f"iteration {ITERS} was trained on another data stream")
     assert "token_budget: checkpoint 160, this run 200" in error
     assert "seed: checkpoint 7, this run 8" in error
