@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -24,6 +25,10 @@ from megatron_omnibal.cli_args import (
     positive_float,
     positive_int,
 )
+
+if TYPE_CHECKING:
+    from megatron_omnibal.balance.config import PackCost
+    from megatron_omnibal.data.lengths import LengthStats
 
 HELP = "balance samples into packs over (step, DP rank, micro-batch); compare with random"
 LONG_INPUT = 200_000  # samples from which a progress bar is shown
@@ -105,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give either --vit-budget and --token-budget, or --auto-budget")
     if not args.auto_budget and (args.vit_budget is None or args.token_budget is None):
         raise ValueError("--vit-budget and --token-budget go together")
-    cost = _cost(args)
     lengths = load_lengths(args.lengths)
+    cost = _cost(args, lengths)
     _check_enough_samples(args, len(lengths))
     long_input = len(lengths) >= LONG_INPUT
     bar = tqdm(total=3, desc="balance", unit="stage", disable=not long_input, file=sys.stderr)
@@ -207,8 +212,9 @@ def _levels(text: str | None, micro: int, token_budget: int) -> tuple:
     return tuple(out)
 
 
-def _cost(args: argparse.Namespace):
-    """The PackCost: --cost, else the plan's, else --model on --hardware; None without any."""
+def _cost(args: argparse.Namespace, lengths: LengthStats) -> PackCost | None:
+    """The PackCost: --cost, else the plan's, else --model on --hardware (a native-resolution
+    model's attention priced at the length file's own image sizes); None without any."""
     from megatron_omnibal.balance.config import PackCost
 
     given = [flag for flag, v in (("--cost", args.cost), ("--plan", args.plan),
@@ -227,12 +233,14 @@ def _cost(args: argparse.Namespace):
     if args.model:
         if not args.hardware:
             raise ValueError("--model needs --hardware")
+        from megatron_omnibal.data.lengths import load_image_tiles, tiles_per_image
         from megatron_omnibal.models.resolve import resolve_model
         from megatron_omnibal.planner.cost_model.hardware import get_hardware
         from megatron_omnibal.planner.packing.pack_cost import model_pack_cost
 
+        images = tiles_per_image(lengths, load_image_tiles(args.lengths))
         return model_pack_cost(resolve_model(args.model), get_hardware(args.hardware), args.tp,
-                               args.dp)
+                               args.dp, image_tiles=images)
     return None
 
 

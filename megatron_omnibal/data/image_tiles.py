@@ -7,6 +7,10 @@ tiles a training sample carries are exactly the vit_num of its length record.
   of the whole image when the grid has more than one tile; ImageNet mean/std.
 - fixed (LLaVA-1.5, `image_aspect_ratio: pad`): pad to a square with the mean colour, resize to
   one tile (bicubic); CLIP mean/std.
+
+A native-resolution image (Qwen2.5-VL) is not tiled: data/native_patches.py cuts it into patches
+with `normalize` from here. The tiling's own image_mean / image_std (a checkpoint's processor
+settings) win over the family's.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def normalization(config: TilingConfig) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(mean, std) of the model family the tiling mode belongs to."""
-    return (CLIP_MEAN, CLIP_STD) if config.mode == "fixed" else (IMAGENET_MEAN, IMAGENET_STD)
+    """(mean, std): the tiling's own, else those of the model family its mode belongs to."""
+    clip = config.mode in ("fixed", "native")
+    mean, std = (CLIP_MEAN, CLIP_STD) if clip else (IMAGENET_MEAN, IMAGENET_STD)
+    return config.image_mean or mean, config.image_std or std
 
 
 def tile_image(image: Image.Image, config: TilingConfig,
@@ -44,7 +50,7 @@ def tile_image(image: Image.Image, config: TilingConfig,
         return [square.resize((tile, tile), Image.Resampling.BICUBIC)]
     if config.mode != "dynamic":
         raise ValueError(f"tiling mode {config.mode!r}: pixel tiles exist for dynamic and fixed "
-                         "tiling only")
+                         "tiling only (native-resolution images become patches)")
     max_tiles = max(1, config.max_tiles // max(1, images_in_sample))
     cols, rows = dynamic_grid(image.width, image.height, tile, config.min_tiles, max_tiles)
     resized = image.resize((cols * tile, rows * tile), Image.Resampling.BICUBIC)

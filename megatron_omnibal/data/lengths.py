@@ -271,6 +271,16 @@ def load_image_tiles(path: str | os.PathLike) -> ImageTiles:
             for i, t in tiles.items()}
 
 
+def tiles_per_image(stats: LengthStats, multi: ImageTiles) -> np.ndarray:
+    """int64 tiles of every image, sample after sample: a multi-image sample's own per-image
+    tiles, any other sample's real tiles as one image (none for text-only samples). A
+    native-resolution model's attention cost depends on each image's size, not the sample's."""
+    single = stats.image_flags.astype(np.int64).copy()
+    single[list(multi)] = 0
+    out = [single[single > 0]] + [np.asarray(t, np.int64) for t in multi.values()]
+    return np.concatenate(out)
+
+
 def load_identities(path: str | os.PathLike) -> list[tuple[str, str]] | None:
     """(shard, key) of each sample (meta order) of a length file made from Energon datasets;
     None when it stores none."""

@@ -17,7 +17,8 @@ Hugging Face checkpoint directory, from its own files:
 - transformers `qwen2_5_vl`: native-resolution tiling (one 28 px merge group per tile, one
   token each) between preprocessor_config.json's min_pixels and max_pixels (or its `size`
   shortest_edge / longest_edge, the newer spelling; min/max_pixels win, as in transformers),
-  whose patch_size x merge_size must be the model's 28 px; `<|vision_start|>` +
+  whose patch_size x merge_size must be the model's 28 px, and its image_mean / image_std (the
+  OpenAI CLIP ones when absent); `<|vision_start|>` +
   `<|image_pad|>` x n + `<|vision_end|>`; the checkpoint's own chat template ("hf") when it
   ships one, else the built-in qwen2_vl (ChatML); no blank tile for text-only samples (the
   model runs none). Without a checkpoint directory the released processor's limits apply
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_omnibal.data import conversations as conv
+from megatron_omnibal.data.image_tiles import CLIP_MEAN, CLIP_STD
 from megatron_omnibal.data.tiling import (
     DEFAULT_PINPOINTS,
     QWEN_MAX_PIXELS,
@@ -139,8 +141,21 @@ def _native_tiling(pre: dict[str, Any], tile: int, tokens_per_tile: int,
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)):
         raise ValueError(f"{hf_dir}/preprocessor_config.json: min/max pixels {low!r}, {high!r} "
                          "are not integers")
+    mean, std = (_colour(pre, key, default, hf_dir) for key, default in
+                 (("image_mean", CLIP_MEAN), ("image_std", CLIP_STD)))
     return TilingConfig(mode="native", tile=tile, tokens_per_tile=tokens_per_tile, max_tiles=1,
-                        min_pixels=low, max_pixels=high)
+                        min_pixels=low, max_pixels=high, image_mean=mean, image_std=std)
+
+
+def _colour(pre: dict[str, Any], key: str, default: tuple[float, float, float],
+            hf_dir: str | Path | None) -> tuple[float, float, float]:
+    """An image processor's per-channel mean or std (its default when the file has none)."""
+    value = pre.get(key, default)
+    if not (isinstance(value, list | tuple) and len(value) == 3 and all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in value)):
+        raise ValueError(f"{hf_dir}/preprocessor_config.json: {key} {value!r} is not three "
+                         "numbers (R, G, B)")
+    return tuple(float(v) for v in value)
 
 
 def _read_hf(path: Path) -> dict[str, Any]:

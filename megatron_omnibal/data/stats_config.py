@@ -99,6 +99,9 @@ def config_from_dict(doc: Any, where: str) -> tuple[StatsConfig, dict[str, Any]]
         kwargs = {k: doc[k] for k in known if k in doc}
         tiling = dict(kwargs.pop("tiling"))
         tiling["pinpoints"] = tuple(tuple(p) for p in tiling.get("pinpoints", ()))
+        for key in ("image_mean", "image_std"):
+            if tiling.get(key) is not None:
+                tiling[key] = tuple(tiling[key])
         kwargs["tiling"] = TilingConfig(**tiling)
         kwargs["image_style"] = conv.ImageStyle(**kwargs["image_style"])
         kwargs["extra_keys"] = tuple(kwargs.get("extra_keys", ()))

@@ -50,6 +50,8 @@ class TilingConfig:
     are (height, width) grid resolutions for anyres, in the order of the Hugging Face config's
     `image_grid_pinpoints` (the first of equal candidates wins); `features_per_side` is the
     per-tile feature grid side of anyres (tile // patch size: 24 for CLIP-L/336).
+    `image_mean` and `image_std` normalise the pixels (the checkpoint's image processor's; None:
+    the family's usual ones).
     """
 
     mode: str = "dynamic"
@@ -62,6 +64,8 @@ class TilingConfig:
     features_per_side: int = 24
     min_pixels: int = QWEN_MIN_PIXELS
     max_pixels: int = QWEN_MAX_PIXELS
+    image_mean: tuple[float, float, float] | None = None
+    image_std: tuple[float, float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -78,6 +82,13 @@ class TilingConfig:
                 if w <= 0 or h <= 0 or w % self.tile or h % self.tile:
                     raise ValueError(f"anyres pinpoint {h}x{w} (height x width) is not a "
                                      f"multiple of the tile size {self.tile}")
+        for name in ("image_mean", "image_std"):
+            value = getattr(self, name)
+            if value is not None and (len(value) != 3 or not all(
+                    math.isfinite(v) for v in value)):
+                raise ValueError(f"{name} must be three finite numbers (R, G, B), got {value!r}")
+        if self.image_std is not None and min(self.image_std) <= 0:
+            raise ValueError(f"image_std must be positive, got {self.image_std!r}")
         if self.mode == "native" and not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(f"native tiling needs 0 < min_pixels <= max_pixels, got "
                              f"{self.min_pixels}, {self.max_pixels}")

@@ -44,23 +44,6 @@ def frame_seqlens(grids: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
 
-def image_patches(
-    image: np.ndarray, patch: int, temporal: int, merge: int
-) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """(patches [h w, 3 x temporal x patch^2], grid (1, h, w)) of a normalised still image
-    [3, H, W] whose sides are multiples of patch x merge: block-major, each patch's pixels
-    repeated over the `temporal` frames of the Conv3d kernel, as transformers' processor does."""
-    c, height, width = image.shape
-    unit = patch * merge
-    if height % unit or width % unit:
-        raise ValueError(f"image of {height}x{width} px: sides must be multiples of {unit}")
-    gh, gw = height // patch, width // patch
-    x = image.reshape(c, gh // merge, merge, patch, gw // merge, merge, patch)
-    x = x.transpose(1, 4, 2, 5, 0, 3, 6)  # [h/m, w/m, m, m, c, p, p]
-    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], temporal, patch, patch))
-    return x.reshape(gh * gw, c * temporal * patch * patch).copy(), (1, gh, gw)
-
-
 def window_index(grids: np.ndarray, merge: int, window_units: int) -> tuple[np.ndarray, np.ndarray]:
     """(order [merged units], cumulative patch counts of the windows [k + 1]).
 

@@ -118,11 +118,15 @@ def baseline_plan(request: PlanRequest, search: BaselineSearch) -> BaselinePlan 
 
 
 def make_plan(request: PlanRequest, progress: bool = False) -> Plan:
-    """The plan for the fastest feasible configuration of `request`."""
-    best = plan_candidates(request, progress)[0]
+    """The plan for the fastest feasible configuration of `request`; the hand-set baseline's
+    parallel sizes and micro-batch count are among those searched."""
+    search = best_megatron_baseline(request)
+    c = search.best.config if search.best is not None else None
+    also = None if c is None else (c.tp, c.pp, c.dp, c.micro_batches)
+    best = plan_candidates(request, progress, also)[0]
     st, model = best.setting, request.model
     step = _ms(best.result.step_ms)
-    base = baseline_plan(request, best_megatron_baseline(request))
+    base = baseline_plan(request, search)
     same_part, same, same_fits = same_parallel_baseline(st)
     levels = None
     if request.levels is not None:

@@ -64,3 +64,26 @@ def test_balance_with_levels_curriculum_and_model_cost(tmp_path, capsys):
     assert main(["balance", str(path), "--dp", "4", "--vit-budget", "48", "--token-budget",
                  "12288", "--cost", "1,1,0", "--model", "tiny"]) == 2
     assert "one of --cost, --model" in capsys.readouterr().err
+
+
+def test_balance_prices_a_native_resolution_model_at_each_images_size(tmp_path, capsys):
+    """Qwen2.5-VL's attention cost follows each image's merge groups as the length file holds
+    them (a two-image sample's images apart, text-only samples none), not a default size."""
+    from megatron_omnibal.models.presets import get_preset
+    from megatron_omnibal.planner.cost_model.hardware import get_hardware
+    from megatron_omnibal.planner.packing.pack_cost import model_pack_cost
+
+    vit = np.array([100, 0, 30, 4000, 16] * 20)
+    stats = from_arrays(vit, vit + 50)
+    multi = {2 + 5 * k: (10, 20) for k in range(20)}
+    path = tmp_path / "qwen.npz"
+    save_lengths(stats, path, image_tiles=multi)
+    out = tmp_path / "plan.npz"
+    assert main(["balance", str(path), "--dp", "2", "--vit-budget", "8000", "--token-budget",
+                 "9000", "--model", "qwen2.5-vl-7b", "--hardware", "H100-80G", "--out",
+                 str(out)]) == 0, capsys.readouterr().err
+    images = np.array([100, 4000, 16] * 20 + [10, 20] * 20)  # the images, spelled out
+    spec, hw = get_preset("qwen2.5-vl-7b"), get_hardware("H100-80G")
+    want = model_pack_cost(spec, hw, 1, 2, image_tiles=images)
+    assert load_plan(out).meta["cost"]["tile_ms"] == pytest.approx(list(want.tile_ms))
+    assert want.tile_ms != model_pack_cost(spec, hw, 1, 2).tile_ms  # not the default size

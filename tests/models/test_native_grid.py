@@ -17,7 +17,6 @@ import torch
 
 from megatron_omnibal.models.native_grid import (
     frame_seqlens,
-    image_patches,
     mrope_position_ids,
     patch_rows_cols,
     window_index,
@@ -42,22 +41,6 @@ def test_vision_positions_and_windows_equal_transformers() -> None:
         ref_order, ref_bounds = get_vision_window_index(grid, 2, window_px, 14)
         np.testing.assert_array_equal(order, ref_order)
         np.testing.assert_array_equal(bounds, ref_bounds)
-
-
-def test_image_patches_equal_the_processor() -> None:
-    """A still image of odd size (multiples of 28 px, so the processor does not resize it)
-    becomes the processor's patches and grid: block-major, each frame repeated twice."""
-    from transformers import Qwen2VLImageProcessor
-
-    rng = np.random.default_rng(0)
-    image = rng.random((3, 84, 140), dtype=np.float32)
-    processor = Qwen2VLImageProcessor(do_resize=False, do_rescale=False, do_normalize=False)
-    ref = processor(images=torch.from_numpy(image), return_tensors="pt")
-    patches, grid = image_patches(image, 14, 2, 2)
-    assert list(grid) == ref["image_grid_thw"][0].tolist() == [1, 6, 10]
-    np.testing.assert_array_equal(patches, ref["pixel_values"].numpy())
-    with pytest.raises(ValueError, match="multiples of 28"):
-        image_patches(image[:, :70], 14, 2, 2)
 
 
 @pytest.fixture(scope="module")

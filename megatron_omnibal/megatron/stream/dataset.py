@@ -18,6 +18,12 @@ video follows from the balance seed and the epoch, the same on every rank); the 
 them as transformers' InternVL processor does, one image per frame. Ranks that embed patches
 decode exactly those frames (data/frames.py picks them, seeded by seed, epoch and sample),
 seeking to them; each frame is resized to one tile (bicubic, no tiling, no thumbnail).
+
+A native-resolution model (Qwen2.5-VL) gets each image whole as patches (data/native_patches.py:
+its processor's resize, mean and std, patch order) with its grid (t, h, w), which every stage
+needs (window order, rotary and M-RoPE positions): ranks that embed patches take it from the
+decoded image, the others from the image's header (its size alone sets the grid), and both
+check its merge groups against the length file.
 `open_source` checks the configuration, the sample count and a spread of records before
 training starts.
 """
@@ -42,6 +48,7 @@ from megatron_omnibal.data.energon_source import (
     fingerprint,
 )
 from megatron_omnibal.data.frames import clip_start, frame_indices
+from megatron_omnibal.data.image_header import ImageHeaderError
 from megatron_omnibal.data.image_tiles import ImageDecodeError, image_to_tiles, normalize
 from megatron_omnibal.data.lengths import (
     ImageTiles,
@@ -52,6 +59,7 @@ from megatron_omnibal.data.lengths import (
     load_image_tiles,
     read_stats_config,
 )
+from megatron_omnibal.data.native_patches import check_units, image_to_patches, native_grid
 from megatron_omnibal.data.records import Video, read_sample
 from megatron_omnibal.data.sample_files import LoadedSample
 from megatron_omnibal.data.stats_config import (
@@ -60,6 +68,7 @@ from megatron_omnibal.data.stats_config import (
     check_model,
     config_from_dict,
 )
+from megatron_omnibal.data.tiling import TilingError
 from megatron_omnibal.data.tokenization import TokenCounter
 from megatron_omnibal.data.video import VideoError, decode_frames
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan
@@ -71,9 +80,11 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100  # the same value as batch.IGNORE_INDEX (batch.py imports torch)
 # Where each turn's text sits in the rendered template: (before, after) the turn's value. The
 # loss covers an answer and what closes it (<|im_end|>\n, </s>), as InternVL and LLaVA train.
+CHATML_MARKS = {"human": ("<|im_start|>user\n", "<|im_end|>\n"),
+                "gpt": ("<|im_start|>assistant\n", "<|im_end|>\n")}
 TURN_MARKS = {
-    "internvl2_5": {"human": ("<|im_start|>user\n", "<|im_end|>\n"),
-                    "gpt": ("<|im_start|>assistant\n", "<|im_end|>\n")},
+    "internvl2_5": CHATML_MARKS,
+    "qwen2_vl": CHATML_MARKS,
     "vicuna_v1": {"human": ("USER: ", " "), "gpt": ("ASSISTANT: ", "</s>")},
 }
 
@@ -101,6 +112,9 @@ class RealSampleSource:
         self.image_token_id = spec.image_token_id
         self.image_tiles = image_tiles
         self.pixels = pixels
+        self.native = tiling.mode == "native"
+        v = spec.vit
+        self.patch = (v.patch_size, v.temporal_patch_size, v.patch_dim) if self.native else None
         self.by_epoch = by_epoch or EpochLengths(lengths, VideoTable.empty(), None, 0)
         self.frames_decoded = self.frames_trained = 0  # video frames, by this process
         self.counter = TokenCounter(config.tokenizer, config.image_style,
@@ -290,6 +304,13 @@ class RealSampleSource:
         real = sum(tiles)
         vit = real if names or videos else int(self.config.dummy_tile)
         self.check(index, vit, len(ids), real, epoch)
+        labels = np.full(len(ids), IGNORE_INDEX, np.int64)
+        labels[:-1] = np.where(target[1:], ids[1:], IGNORE_INDEX)
+        if self.native:  # `omnibal stats` refuses its videos: images only
+            images, grids = self.native_images(index, names, tiles, sample)
+            return Sample(tokens=torch.from_numpy(ids), labels=torch.from_numpy(labels),
+                          images=images, image_flags=torch.ones(len(names), dtype=torch.int64),
+                          image_grid=torch.tensor(grids, dtype=torch.int64).reshape(-1, 3))
         size = self.config.tiling.tile
         if not self.pixels:
             images = shape_only_images(vit, size)
@@ -308,12 +329,42 @@ class RealSampleSource:
                 raise SampleLoadError(f"{self.describe(index)}: {exc}") from exc
         else:
             images = torch.zeros((vit, 3, size, size), dtype=torch.float32)
-        labels = np.full(len(ids), IGNORE_INDEX, np.int64)
-        labels[:-1] = np.where(target[1:], ids[1:], IGNORE_INDEX)
         flags = np.zeros(vit, np.int64)
         flags[:real] = 1
         return Sample(tokens=torch.from_numpy(ids), labels=torch.from_numpy(labels),
                       images=images, image_flags=torch.from_numpy(flags))
+
+    def native_images(self, index: int, names: list[str], units: list[int],
+                      sample: LoadedSample) -> tuple[Any, list[tuple[int, int, int]]]:
+        """(patches [patches, patch values], grids (t, h, w)) of a native-resolution sample's
+        images; shape-only patches, the grids from the images' headers, without `pixels`."""
+        import torch
+
+        from megatron_omnibal.megatron.stream.loader import SampleLoadError
+
+        patch, temporal, dim = self.patch
+        tiling = self.tilings[self.entries[index][0]]
+        parts, grids = [], []
+        try:
+            for name, expected in zip(names, units, strict=True):
+                where = sample.where(name)
+                if self.pixels:
+                    patches, grid = image_to_patches(sample.decode(name), tiling, patch,
+                                                     temporal, expected, where)
+                    parts.append(patches)
+                else:
+                    width, height = sample.image_size(name)
+                    grid = native_grid(width, height, tiling, patch)
+                    merge = tiling.tile // patch
+                    check_units(grid[1] * grid[2] // (merge * merge), expected, width, height,
+                                where)
+                grids.append(grid)
+        except (ImageDecodeError, ImageHeaderError, TilingError, MemberError) as exc:
+            raise SampleLoadError(f"{self.describe(index)}: {exc}") from exc
+        if parts:
+            return torch.from_numpy(np.concatenate(parts)), grids
+        total = sum(t * h * w for t, h, w in grids)
+        return torch.zeros((), dtype=torch.float32).expand(total, dim), grids
 
     def video_tiles(self, index: int, epoch: int, videos: list[Video],
                     sample: LoadedSample) -> np.ndarray:

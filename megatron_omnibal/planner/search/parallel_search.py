@@ -33,20 +33,32 @@ class Evaluated:
     result: StepResult
 
 
-def plan_candidates(request: PlanRequest, progress: bool = False) -> list[Evaluated]:
+def plan_candidates(
+    request: PlanRequest, progress: bool = False, also: tuple[int, int, int, int] | None = None
+) -> list[Evaluated]:
     """Feasible (tp, pp, dp, m, vpp) with their partition and predicted step, fastest first.
 
+    `also`: a (tp, pp, dp, micro-batches) searched as well where the request leaves those sizes
+    open (the hand-set baseline's: the plan can then always take the baseline's parallel sizes
+    and micro-batch count, with balanced micro-batches and a searched partition).
     Finalists screened over FINALIST_MARGIN slower than the best fully searched one are not
     searched in full. A measured profile fixes TP at 1 (it was measured on one GPU).
     """
     model, hw, gb, mode = request.model, request.hardware, request.global_batch, request.mode
+
+    def counts(t: int, p: int, d: int) -> list[int]:
+        if request.micro_batches:
+            return [request.micro_batches]
+        found = micro_batch_candidates(p, gb // d)
+        if also is not None and also[:3] == (t, p, d) and also[3] not in found:
+            found.append(also[3])
+        return found
+
     configs = [
         (t, p, d, m, v)
         for t, p, d in parallel_candidates(model, hw, request.gpus, request.search_tp, request.pp)
         if gb // d >= 1
-        for m in (
-            [request.micro_batches] if request.micro_batches else micro_batch_candidates(p, gb // d)
-        )
+        for m in counts(t, p, d)
         for v in vpp_candidates(model, p, m, request.vpp)
     ]
     fixed = request.tp is not None and request.pp is not None

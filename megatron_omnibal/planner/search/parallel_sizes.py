@@ -53,10 +53,17 @@ def parallel_candidates(
     return out
 
 
+SAMPLES_PER_MICRO = (1, 2, 4)
+
+
 def micro_batch_candidates(pp: int, samples_per_replica: int) -> list[int]:
-    """Balanced micro-batch counts worth trying: 2 and 4 per stage (fewer if samples run out)."""
-    cands = sorted({min(k * pp, samples_per_replica) for k in (2, 4)})
-    return [m for m in cands if m >= 1]
+    """Balanced micro-batch counts worth trying: 2 and 4 per stage (a short pipeline bubble),
+    and those of about 1, 2 and 4 samples per micro-batch (what little activation memory
+    leaves a large model at high TP; a hand-set Megatron-LM run gets there with micro-batch
+    size 1), fewer if samples run out."""
+    per_stage = {min(k * pp, samples_per_replica) for k in (2, 4)}
+    small = {max(1, samples_per_replica // s) for s in SAMPLES_PER_MICRO}
+    return sorted(m for m in per_stage | small if m >= 1)
 
 
 def vpp_candidates(model: ModelSpec, pp: int, m: int, vpp: int | None = None) -> list[int]:

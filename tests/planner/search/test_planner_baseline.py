@@ -228,3 +228,21 @@ def test_interleaved_splits_are_what_megatron_core_accepts():
                 assert all(len(set(c)) == 1 for c in chunks), (layers, pp, vpp, chunks)
         ours = {s for s in llm_splits(layers, pp) if vpp in interleaved_splits(s, pp)}
         assert ours == accepted, (layers, pp, vpp)
+
+
+@pytest.mark.parametrize("memory_gib", [0.075, 0.144, 0.278])
+def test_plan_is_never_slower_than_the_baseline_when_memory_is_tight(memory_gib):
+    """small (12 + 8 layers) on 4 GPUs, 256 samples per step, memory for a few samples per
+    micro-batch: 2 or 4 micro-batches per stage hold too many samples (at 0.075 GiB none of
+    them fits at all), while the hand-set baseline fits with a small micro-batch size. The
+    plan searches micro-batches of about 1, 2 and 4 samples and the baseline's own count, and
+    comes out at least as fast as the baseline, within memory."""
+    hw = Hardware("probe", 100.0, memory_gib, 300.0, 25.0, gpus_per_node=4, reserve_gib=0.0,
+                  efficiency=0.3)  # fmt: skip
+    request = PlanRequest(model=get_preset("small"), hardware=hw, lengths=_stats(1, 600),
+                          gpus=4, global_batch=256, seed=1)  # fmt: skip
+    plan = make_plan(request)
+    base = best_megatron_baseline(request).best
+    assert plan.predicted.step_ms <= base.result.step_ms
+    assert plan.predicted.speedup >= 1.0
+    assert max(s.peak_memory_gib for s in plan.stages) <= memory_gib + 1e-3
