@@ -76,24 +76,21 @@ def job_id() -> str:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # another user's process
     return True
 
 
-def remove_stale(folder: Path) -> list[Path]:
+def remove_stale(folder: Path) -> None:
     """Remove the plan and length folders in `folder` whose owning process is gone (a job killed
-    before its exit handlers ran); returns what was removed."""
-    removed = []
+    before its exit handlers ran)."""
     for entry in folder.iterdir():
         owner = OWNER.match(entry.name)
         if owner and not _alive(int(owner.group(1))):
             shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
 
 
 def plan_name(identity: dict, epoch: int, job: str) -> str:
