@@ -71,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "files become bad samples")
     parser.add_argument("--min-frames", type=positive_int, default=8,
                         help="fewest frames a video trains on (InternVL min_num_frame; "
-                             "default 8)")
+                             "default 8; Qwen2.5-VL follows its own rule and the checkpoint's "
+                             "video_preprocessor_config.json instead)")
     parser.add_argument("--max-frames", type=positive_int, default=32,
                         help="most frames a video trains on (InternVL max_num_frame; "
                              "default 32)")
@@ -176,7 +177,8 @@ def build_config(args: argparse.Namespace):
                        frames=FrameSettings(min_frames=args.min_frames,
                                             max_frames=args.max_frames,
                                             sampling=args.frame_sampling),
-                       frame_seed=args.frame_seed, model=ModelLayout.from_spec(spec))
+                       frame_seed=args.frame_seed, native_video=side.native_video,
+                       model=ModelLayout.from_spec(spec))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -211,7 +213,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"tiles: total {int(stats.vit.sum())}, max {int(stats.vit.max())}; tokens: mean "
               f"{stats.tokens.mean():.0f}, max {int(stats.tokens.max())}", file=sys.stderr)
     videos = sum(len(v) for v in result.videos)
-    if videos:
+    if videos and config.tiling.mode == "native":
+        v = config.native_video
+        print(f"videos: {videos}; Qwen2.5-VL's rule: {v.fps:g} frames/s, {v.min_frames}-"
+              f"{v.max_frames} frames, {v.min_pixels}-{v.max_pixels} pixels per frame within "
+              f"{v.max_video_tokens} tokens per video, the same every epoch", file=sys.stderr)
+    elif videos:
         frames = config.frames
         print(f"videos: {videos}; frames {frames.min_frames}-"
               f"{frames.max_frames}, sampling {frames.sampling}, counted for epoch 0 of frame "

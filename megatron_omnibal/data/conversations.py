@@ -50,6 +50,13 @@ class ImageStyle:
 INTERNVL_IMAGE = ImageStyle("<img>", "<IMG_CONTEXT>", "</img>")
 LLAVA_IMAGE = ImageStyle("", "<image>", "")
 QWEN_VL_IMAGE = ImageStyle("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+QWEN_VL_VIDEO = ImageStyle("<|vision_start|>", "<|video_pad|>", "<|vision_end|>")
+
+
+def video_style(style: ImageStyle) -> ImageStyle | None:
+    """How a whole video appears for a model that takes videos natively (Qwen2.5-VL: its own
+    pad token); None: videos are frames, each an image."""
+    return QWEN_VL_VIDEO if style == QWEN_VL_IMAGE else None
 
 
 def frame_label(k: int) -> str:

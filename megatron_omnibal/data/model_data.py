@@ -22,7 +22,11 @@ Hugging Face checkpoint directory, from its own files:
   `<|image_pad|>` x n + `<|vision_end|>`; the checkpoint's own chat template ("hf") when it
   ships one, else the built-in qwen2_vl (ChatML); no blank tile for text-only samples (the
   model runs none). Without a checkpoint directory the released processor's limits apply
-  (3,136 to 12,845,056 pixels);
+  (3,136 to 12,845,056 pixels). Videos follow qwen-vl-utils' rule (data/native_video.py) with
+  the settings of video_preprocessor_config.json where the checkpoint has one (fps,
+  min_frames, max_frames, min/max_pixels or `size`, max_video_tokens, image_mean/std; its
+  patch_size x merge_size and temporal_patch_size must be the model's), else qwen-vl-utils'
+  defaults; `<|vision_start|>` + `<|video_pad|>` x n + `<|vision_end|>`;
 - the tokenizer in the directory (unless another is given).
 """
 
@@ -35,6 +39,7 @@ from typing import Any
 
 from megatron_omnibal.data import conversations as conv
 from megatron_omnibal.data.image_tiles import CLIP_MEAN, CLIP_STD
+from megatron_omnibal.data.native_video import NativeVideoSettings
 from megatron_omnibal.data.tiling import (
     DEFAULT_PINPOINTS,
     QWEN_MAX_PIXELS,
@@ -62,6 +67,7 @@ class ModelDataSide:
     image_style: conv.ImageStyle
     tokenizer: str | None  # the checkpoint directory, when it holds a tokenizer
     dummy_tile: bool = True  # a text-only sample runs one blank tile (not Qwen2.5-VL)
+    native_video: NativeVideoSettings = NativeVideoSettings()  # Qwen2.5-VL's videos
 
 
 def model_data_side(spec: Any, hf_dir: str | Path | None = None) -> ModelDataSide:
@@ -75,8 +81,11 @@ def model_data_side(spec: Any, hf_dir: str | Path | None = None) -> ModelDataSid
     size, tpt = spec.vit.image_size, spec.tokens_per_tile
     grid = spec.vit.image_size // spec.vit.patch_size
     template, note = DEFAULT_TEMPLATES[family], ""
+    video = NativeVideoSettings()
     if family == "qwen2_5_vl":
         tiling = _native_tiling(hf["preprocessor"] if hf else {}, size, tpt, hf_dir)
+        video = _native_video(hf["video"] if hf else {}, size, spec.vit.temporal_patch_size,
+                              hf_dir)
         if hf and hf["chat_template"]:
             template = "hf"
     elif kind == "internvl_chat":
@@ -118,7 +127,7 @@ def model_data_side(spec: Any, hf_dir: str | Path | None = None) -> ModelDataSid
     tokenizer = str(hf_dir) if hf and hf["has_tokenizer"] else None
     return ModelDataSide(family=family, tiling=tiling, template=template, template_note=note,
                          image_style=STYLES[family], tokenizer=tokenizer,
-                         dummy_tile=family != "qwen2_5_vl")
+                         dummy_tile=family != "qwen2_5_vl", native_video=video)
 
 
 def _family_of(spec: Any) -> str:
@@ -141,20 +150,50 @@ def _native_tiling(pre: dict[str, Any], tile: int, tokens_per_tile: int,
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)):
         raise ValueError(f"{hf_dir}/preprocessor_config.json: min/max pixels {low!r}, {high!r} "
                          "are not integers")
-    mean, std = (_colour(pre, key, default, hf_dir) for key, default in
+    mean, std = (_colour(pre, key, default, f"{hf_dir}/preprocessor_config.json")
+                 for key, default in
                  (("image_mean", CLIP_MEAN), ("image_std", CLIP_STD)))
     return TilingConfig(mode="native", tile=tile, tokens_per_tile=tokens_per_tile, max_tiles=1,
                         min_pixels=low, max_pixels=high, image_mean=mean, image_std=std)
 
 
-def _colour(pre: dict[str, Any], key: str, default: tuple[float, float, float],
-            hf_dir: str | Path | None) -> tuple[float, float, float]:
-    """An image processor's per-channel mean or std (its default when the file has none)."""
+def _native_video(pre: dict[str, Any], tile: int, temporal: int,
+                  hf_dir: str | Path | None) -> NativeVideoSettings:
+    """Qwen2.5-VL's video settings from its video_preprocessor_config.json (qwen-vl-utils'
+    defaults where it has none); its patch x merge size and temporal patch must be the
+    model's."""
+    where = f"{hf_dir}/video_preprocessor_config.json"
+    factor = int(pre.get("patch_size", 14)) * int(pre.get("merge_size", 2))
+    if factor != tile or int(pre.get("temporal_patch_size", temporal)) != temporal:
+        raise ValueError(f"{where}: patch_size x merge_size = {factor} px and temporal_patch_"
+                         f"size {pre.get('temporal_patch_size')}, the model's are {tile} px "
+                         f"and {temporal}")
+    size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+    base = NativeVideoSettings()
+    values = {
+        "fps": pre.get("fps") or base.fps,
+        "min_frames": pre.get("min_frames", base.min_frames),
+        "max_frames": pre.get("max_frames", base.max_frames),
+        "min_pixels": pre.get("min_pixels", size.get("shortest_edge", base.min_pixels)),
+        "max_pixels": pre.get("max_pixels", size.get("longest_edge", base.max_pixels)),
+        "max_video_tokens": pre.get("max_video_tokens", base.max_video_tokens),
+        "temporal_patch_size": temporal,
+    }
+    colours = {key: _colour(pre, key, None, where) for key in ("image_mean", "image_std")
+               if key in pre}
+    try:
+        return NativeVideoSettings(**values, **colours)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _colour(pre: dict[str, Any], key: str, default: tuple[float, float, float] | None,
+            where: str) -> tuple[float, float, float]:
+    """A processor's per-channel mean or std (its default when the file `where` has none)."""
     value = pre.get(key, default)
     if not (isinstance(value, list | tuple) and len(value) == 3 and all(
             isinstance(v, int | float) and not isinstance(v, bool) for v in value)):
-        raise ValueError(f"{hf_dir}/preprocessor_config.json: {key} {value!r} is not three "
-                         "numbers (R, G, B)")
+        raise ValueError(f"{where}: {key} {value!r} is not three numbers (R, G, B)")
     return tuple(float(v) for v in value)
 
 
@@ -162,6 +201,7 @@ def _read_hf(path: Path) -> dict[str, Any]:
     config = _json(path / "config.json", required=True)
     tokenizer_config = _json(path / "tokenizer_config.json")
     return {"config": config, "preprocessor": _json(path / "preprocessor_config.json"),
+            "video": _json(path / "video_preprocessor_config.json"),
             "has_tokenizer": any((path / f).is_file() for f in TOKENIZER_FILES),
             "chat_template": bool(tokenizer_config.get("chat_template"))
             or any((path / f).is_file() for f in CHAT_TEMPLATE_FILES)}

@@ -12,11 +12,13 @@ the skipped report (`on_error="skip"`): never dropped silently. The length file 
 remaining samples in dataset order, so the training loader must drop the listed samples too.
 
 Videos are measured from their container headers (frames available, frame rate; with
-`verify_images` the frames they can give are decoded too). Each frame is one tile and one
-image's tokens; the records hold the frame counts of epoch 0 of `frame_seed` (drawn over the
-whole video table, data/frames.py), and the video table and per-frame token costs let training
-recompute every other epoch (data/video_lengths.py). A video sample is over-long when its
-largest frame count would pass `max_tokens`.
+`verify_images` the frames they can give are decoded too). A Qwen2.5-VL video follows its own
+rule (data/native_video.py: frames at a fixed rate, sized within a per-video pixel budget), the
+same in every epoch: its merge groups are its tiles and its tokens. For InternVL, each frame
+is one tile and one image's tokens; the records hold the frame counts of epoch 0 of
+`frame_seed` (drawn over the whole video table, data/frames.py), and the video table and
+per-frame token costs let training recompute every other epoch (data/video_lengths.py); such a
+video sample is over-long when its largest frame count would pass `max_tokens`.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from megatron_omnibal.data.lengths import (
     from_arrays,
     save_lengths,
 )
+from megatron_omnibal.data.native_video import native_video
 from megatron_omnibal.data.records import Video, read_sample
 from megatron_omnibal.data.sample_files import LoadedSample
 from megatron_omnibal.data.stats_config import StatsConfig, config_to_dict
@@ -112,7 +115,8 @@ class _ChunkOut:
     ok: np.ndarray
     errors: list[Skipped]
     multi: dict[int, tuple[int, ...]]  # chunk position -> tiles per image (2+ images)
-    videos: dict[int, list[tuple[int, float]]]  # chunk position -> (frames, fps) per video
+    # chunk position -> (frames, fps, tiles counted) per video
+    videos: dict[int, list[tuple[int, float, int]]]
 
 
 _STATE: dict = {}
@@ -194,7 +198,8 @@ def _compute(specs: list[DatasetSpec], is_meta: bool, config: StatsConfig, on_er
         identities.append([r.data for r, k in zip(records[d], keep, strict=True) if k] * repeat
                           if isinstance(spec, EnergonSpec) else None)
         videos.append(_kept_videos(mine, keep, repeat))
-    datasets, videos = _first_epoch_frames(datasets, videos, plan, config.frame_seed)
+    if config.tiling.mode != "native":  # Qwen2.5-VL's videos are the same every epoch
+        datasets, videos = _first_epoch_frames(datasets, videos, plan, config.frame_seed)
     stored = _stored_config(config, counter, specs, is_meta, image_root)
     stored["frame_tokens"] = list(plan.frame_tokens)
     return StatsResult(specs, datasets, skipped, [len(r) for r in records],
@@ -217,16 +222,16 @@ def _kept_videos(outs: list[_ChunkOut], keep: np.ndarray, repeat: int) -> VideoT
     position = np.cumsum(keep) - 1
     rows, start = [], 0
     for out in outs:
-        rows.extend((int(position[start + k]), f, r) for k, found in sorted(out.videos.items())
-                    for f, r in found)
+        rows.extend((int(position[start + k]), *row) for k, found in sorted(out.videos.items())
+                    for row in found)
         start += len(out.ok)
     sample = np.asarray([r[0] for r in rows], np.int64)
     frames = np.asarray([r[1] for r in rows], np.int64)
     fps = np.asarray([r[2] for r in rows], np.float64)
+    tiles = np.asarray([r[3] for r in rows], np.int64)
     kept = int(keep.sum())
     return VideoTable(np.concatenate([sample + r * kept for r in range(repeat)]),
-                      np.tile(frames, repeat), np.tile(fps, repeat),
-                      np.ones(len(rows) * repeat, np.int64))
+                      np.tile(frames, repeat), np.tile(fps, repeat), np.tile(tiles, repeat))
 
 
 def _first_epoch_frames(datasets: list[LengthStats], videos: list[VideoTable], plan: VideoPlan,
@@ -309,7 +314,7 @@ def _run_chunk(task: tuple) -> _ChunkOut:
     texts: list[str] = []
     owner: list[int] = []
     multi: dict[int, tuple[int, ...]] = {}
-    videos: dict[int, list[tuple[int, float]]] = {}
+    videos: dict[int, list[tuple[int, float, int]]] = {}
     most = np.zeros(n, np.int64)  # tokens the videos add at their largest frame counts
     plan: VideoPlan = _STATE["plan"]
     ids: list[str | None] = [None] * n
@@ -323,13 +328,15 @@ def _run_chunk(task: tuple) -> _ChunkOut:
             errors.append(Skipped(name, raw.index, raw.line, ids[k], str(exc)))
             continue
         tokens[k] = extra
-        flags[k] = sum(per_image) + len(found)  # one frame per video, see _first_epoch_frames
+        # InternVL: one frame per video (see _first_epoch_frames); Qwen2.5-VL: its merge groups
+        flags[k] = sum(per_image) + sum(row[2] for row in found)
         vit[k] = flags[k] if per_image or found else int(config.dummy_tile)
         if len(per_image) > 1:
             multi[k] = tuple(per_image)
         if found:
             videos[k] = found
-            largest = [_largest_count(config.frames, f, r) for f, r in found]
+        if found and tiling.mode != "native":
+            largest = [_largest_count(config.frames, f, r) for f, r, _ in found]
             most[k] = int((plan.video_tokens(np.asarray(largest)) - plan.video_tokens(
                 np.ones(len(found), np.int64))).sum())
         texts.extend(pieces)
@@ -362,24 +369,30 @@ def _sample_id(record: dict) -> str | None:
     return None if value is None else str(value)
 
 
-def _measure(sample: LoadedSample, tiling: TilingConfig, config: StatsConfig,
-             counter: TokenCounter) -> tuple[list[str], int, list[int], list[tuple[int, float]]]:
-    """(text pieces, image tokens beyond one per image, tiles of each image, (frames, fps) of
-    each video) of a sample; each video is rendered with one frame."""
+def _measure(sample: LoadedSample, tiling: TilingConfig, config: StatsConfig, counter: TokenCounter
+             ) -> tuple[list[str], int, list[int], list[tuple[int, float, int]]]:
+    """(text pieces, image tokens beyond one per image, tiles of each image, (frames, fps,
+    tiles) of each video) of a sample; an InternVL video is rendered with one frame, a
+    Qwen2.5-VL video whole."""
     images, videos, turns = read_sample(sample.record, config.extra_keys)
     style = config.image_style
+    extra = 0
     if videos and tiling.mode == "native":
-        raise conv.SampleError("video samples of a native-resolution model (Qwen2.5-VL) are "
-                               "not supported yet: its frames are not InternVL's")
-    found = [video_frames(sample.video_path(v.path), v, config) for v in videos]
-    if videos:
+        found = [native_video_of(sample.video_path(v.path), v, config) for v in videos]
+        turns = conv.expand_images(turns, [conv.video_style(style).compact()] * len(videos),
+                                   conv.VIDEO_PLACEHOLDER)
+        extra += sum(units - 1 for *_, units in found)
+    elif videos:
+        found = [(*video_frames(sample.video_path(v.path), v, config), 1) for v in videos]
         if not (style.start and style.end):
             raise conv.SampleError("video samples need a model whose images have start and "
                                    "end tokens (InternVL); this one's have none")
         turns = conv.expand_images(turns, [conv.video_text(1, style)] * len(videos),
                                    conv.VIDEO_PLACEHOLDER)
+        extra += len(videos) * (config.tiling.tokens_per_tile - 1)
+    else:
+        found = []
     per_image = []
-    extra = 0
     for rel in images:
         width, height = sample.image_size(rel)
         if config.verify_images:
@@ -396,13 +409,27 @@ def _measure(sample: LoadedSample, tiling: TilingConfig, config: StatsConfig,
         extra += n_tokens - 1
     if images:
         turns = conv.expand_images(turns, [style.compact()] * len(images))
-    extra += len(videos) * (config.tiling.tokens_per_tile - 1)
     if config.template == "hf":
         pieces = [counter.render_chat(turns, config.system)]
     else:
         pieces = conv.render(turns, config.template, config.system)
         extra += counter.specials
     return pieces, extra, per_image, found
+
+
+def native_video_of(path: str, video: Video, config: StatsConfig) -> tuple[int, float, int]:
+    """(frames available, frame rate, merge groups) of a video as Qwen2.5-VL takes it, from
+    its header; with `verify_images` the frames it takes are decoded too."""
+    header = read_header(path)
+    first, frames = clip_frames(header.frames, header.fps, video.clip, path)
+    try:
+        taken = native_video(frames, header.fps, header.width, header.height,
+                             config.native_video, config.tiling.tile, path)
+    except TilingError as exc:
+        raise conv.SampleError(f"video {path}: {exc}") from None
+    if config.verify_images:
+        decode_frames(path, first + taken.indices)
+    return frames, header.fps, taken.units
 
 
 def video_frames(path: str, video: Video, config: StatsConfig) -> tuple[int, float]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from megatron_omnibal.data import conversations as conv
 from megatron_omnibal.data.frames import FrameSettings
+from megatron_omnibal.data.native_video import NativeVideoSettings
 from megatron_omnibal.data.tiling import TilingConfig
 
 CONFIG_VERSION = 1
@@ -60,6 +61,8 @@ class StatsConfig:
     extra_keys: tuple[str, ...] = ()  # record keys that carry no content, beyond the known ones
     frames: FrameSettings = field(default_factory=FrameSettings)  # frames per video
     frame_seed: int = 0  # the length records count the frames of epoch 0 of this seed
+    # a native-resolution model's videos (Qwen2.5-VL: its fixed rate and sizes, not `frames`)
+    native_video: NativeVideoSettings = field(default_factory=NativeVideoSettings)
     model: ModelLayout | None = None
 
     def __post_init__(self) -> None:
@@ -109,6 +112,8 @@ def config_from_dict(doc: Any, where: str) -> tuple[StatsConfig, dict[str, Any]]
             kwargs["model"] = ModelLayout(**kwargs["model"])
         if kwargs.get("frames") is not None:  # absent in files written before videos
             kwargs["frames"] = FrameSettings(**kwargs["frames"])
+        if kwargs.get("native_video") is not None:  # absent in files before Qwen videos
+            kwargs["native_video"] = NativeVideoSettings(**kwargs["native_video"])
         config = StatsConfig(**kwargs)
     except (KeyError, TypeError, ValueError) as exc:
         raise StatsConfigError(f"{where}: stored stats configuration is incomplete or invalid "

@@ -16,7 +16,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_omnibal.data.conversations import ROLES, ImageStyle
+from megatron_omnibal.data.conversations import ROLES, ImageStyle, video_style
 
 _CACHE_TEXT_CHARS = 512  # remember counts of pieces up to this long
 _CACHE_ENTRIES = 1 << 18
@@ -54,8 +54,12 @@ class TokenCounter:
             self.backend = self.hf.backend_tokenizer if self.hf.is_fast else None
         else:
             raise FileNotFoundError(f"{path}: no tokenizer directory or tokenizer.json file")
-        self.added = self._add_missing([image_style.start, image_style.context, image_style.end])
+        video = video_style(image_style)
+        self.added = self._add_missing([image_style.start, image_style.context, image_style.end,
+                                        video.context if video else ""])
         self._check_counting(image_style.context)
+        if video:
+            self._check_counting(video.context)
         if self.backend is not None:
             self.specials = self.backend.num_special_tokens_to_add(False)
         else:

@@ -99,11 +99,14 @@ def run_lengths(path: str | os.PathLike, lengths: LengthStats, seed: int) -> Epo
 
 
 def load_video_plan(path: str | os.PathLike) -> tuple[VideoTable, VideoPlan | None]:
-    """The video table of a length file and its plan (None: the file has no video)."""
+    """The video table of a length file and its plan (None: the file has no video, or its
+    videos are a native-resolution model's, whose frames are the same every epoch)."""
     table = load_videos(path)
     if not len(table):
         return table, None
     doc = read_stats_config(path) or {}
+    if (doc.get("tiling") or {}).get("mode") == "native":  # Qwen2.5-VL: fixed every epoch
+        return table, None
     try:
         plan = VideoPlan(frames=FrameSettings(**doc["frames"]),
                          frame_tokens=tuple(int(n) for n in doc["frame_tokens"]),

@@ -2,7 +2,10 @@
 images of odd sizes, whole samples against the tokenizer's chat template with every
 `<|image_pad|>` spelled out, the processor limits read from the checkpoint, bad images named or
 skipped, and an exact resume of the balanced sampler over the length file (vision measured in
-merge groups, 4 patches each)."""
+merge groups, 4 patches each). Videos of odd sizes and rates (one, two in a sample, a clip)
+against transformers' video processor rules with the checkpoint's video_preprocessor_config.json
+and the chat template with every `<|video_pad|>` spelled out; a one-frame and a corrupt video
+are bad samples, named or skipped."""
 
 from __future__ import annotations
 
@@ -13,14 +16,21 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from megatron_omnibal.balance.config import BalanceConfig
 from megatron_omnibal.balance.sampler import BalancedBatchSampler
 from megatron_omnibal.cli import main as cli_main
 from megatron_omnibal.data.generate import image_array, save_image, train_tokenizer
-from megatron_omnibal.data.lengths import load_image_tiles, load_lengths, read_stats_config
+from megatron_omnibal.data.lengths import (
+    load_image_tiles,
+    load_lengths,
+    load_videos,
+    read_stats_config,
+)
 from megatron_omnibal.data.model_data import model_data_side
+from megatron_omnibal.data.native_video import NativeVideoSettings
 from megatron_omnibal.data.tiling import (
     QWEN_MAX_PIXELS,
     QWEN_MIN_PIXELS,
@@ -29,10 +39,13 @@ from megatron_omnibal.data.tiling import (
     image_tiles,
     smart_resize,
 )
+from megatron_omnibal.data.video_lengths import load_video_plan
 from megatron_omnibal.models.presets import get_preset
+from tests.data.test_qwen25vl_video import transformers_video_rules
+from tests.video_files import write_video
 
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>",
-            "<|vision_end|>"]  # fmt: skip
+            "<|vision_end|>", "<|video_pad|>"]  # fmt: skip
 CHATML = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful "
           "assistant.<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}"
           "\n{{ m['content'] }}<|im_end|>\n{% endfor %}")  # fmt: skip
@@ -242,7 +255,7 @@ def test_bad_images_and_videos_are_named_or_skipped(data, tmp_path) -> None:
     reasons = {s["id"]: s["reason"] for s in report["skipped"]}
     assert "thin.png: 1005x5 pixels: aspect ratio above 200" in reasons["thin"]
     assert "corrupt image" in reasons["bad"]
-    assert "native-resolution model (Qwen2.5-VL) are not supported yet" in reasons["vid"]
+    assert "cannot open video" in reasons["vid"] and "clip.mp4: no such file" in reasons["vid"]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(data.ckpt))
@@ -278,3 +291,90 @@ def test_balanced_sampler_resumes_exactly_on_merge_groups(data, tmp_path) -> Non
     for s in both:
         for _, batch in zip(range(s.steps_per_epoch * 2), iter(s), strict=False):
             assert lengths.vit[batch].sum() <= budget
+
+
+VIDEO_PRE = {"fps": 3.0, "min_frames": 4, "max_frames": 10, "max_video_tokens": 80,
+             "size": {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 12},
+             "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}  # fmt: skip
+
+
+def _video_units(path: Path, clip: list[float] | None, rules) -> int:
+    """Merge groups of a video by transformers' rules, its frames counted by decoding them."""
+    import av
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        fps = float(stream.average_rate)
+        width, height = stream.codec_context.width, stream.codec_context.height
+        frames = sum(1 for _ in container.decode(video=0))
+    if clip:
+        first = int(clip[0] * fps)
+        frames = min(int((clip[1] - clip[0]) * fps), frames - first)
+    count = len(rules.sample_frames(SimpleNamespace(total_num_frames=frames, fps=fps)))
+    count -= count % 2  # see tests/data/test_qwen25vl_video.py
+    h, w = rules.resize(torch.zeros(()).expand(1, count, 3, height, width), rules.size, None,
+                        28, 2, True)  # fmt: skip
+    return count // 2 * (h // 28) * (w // 28)
+
+
+def test_video_stats_of_a_checkpoint_match_transformers_and_chat_template(tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    ckpt = _checkpoint(tmp_path / "ckpt", {"min_pixels": QWEN_MIN_PIXELS,
+                                           "max_pixels": SMALL_MAX})  # fmt: skip
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PRE))
+    media = tmp_path / "media"
+    media.mkdir()
+    write_video(media / "a.mp4", 23, fps=10, size=(70, 46), gop=5)
+    write_video(media / "b.webm", 9, fps=4, size=(36, 100))
+    write_video(media / "c.mkv", 40, fps=25, size=(200, 30))
+    write_video(media / "one.mp4", 1, fps=10)
+    (media / "bad.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64)
+    ask = [{"from": "human", "value": "<video>\nwhat is in this picture ?"},
+           {"from": "gpt", "value": "a cat , 3 ."}]
+    recs = [{"id": "a", "video": "media/a.mp4", "conversations": ask},
+            {"id": "clip", "video": "media/a.mp4", "clip": [0.5, 1.9], "conversations": ask},
+            {"id": "one", "video": "media/one.mp4", "conversations": ask},
+            {"id": "two", "videos": ["media/b.webm", "media/c.mkv"], "conversations": [
+                {"from": "human", "value": "<video> and <video> : the value ?"},
+                {"from": "gpt", "value": "2"}]},
+            {"id": "bad", "video": "media/bad.mp4", "conversations": ask},
+            {"id": "text", "conversations": [{"from": "human", "value": "what year ?"},
+                                             {"from": "gpt", "value": "1 2 3"}]}]  # fmt: skip
+    (tmp_path / "v.json").write_text(json.dumps(recs))
+    out = tmp_path / "v.npz"
+    assert cli_main(["stats", str(tmp_path / "v.json"), "--model", str(ckpt), "--image-root",
+                     str(tmp_path), "--out", str(out), "--on-error", "skip", "--verify-images",
+                     "--workers", "1", "--no-progress"]) == 0  # fmt: skip
+    reasons = {s["id"]: s["reason"] for s in json.loads(
+        (tmp_path / "v.skipped.json").read_text())["datasets"]["v"]["skipped"]}  # fmt: skip
+    assert set(reasons) == {"one", "bad"}
+    assert "one.mp4: 1 frame(s); Qwen2.5-VL takes at least 2" in reasons["one"]
+    assert "bad.mp4" in reasons["bad"]
+    settings = NativeVideoSettings(fps=3.0, min_frames=4, max_frames=10, max_video_tokens=80,
+                                   min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 12)
+    rules = transformers_video_rules(settings)
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    want_units, want_tokens = [], []
+    for rec in (r for r in recs if r["id"] not in reasons):
+        paths = rec.get("videos") or ([rec["video"]] if "video" in rec else [])
+        units = [_video_units(tmp_path / p, rec.get("clip"), rules) for p in paths]
+        messages = []
+        for turn in rec["conversations"]:
+            text = turn["value"]
+            for n in units:
+                text = text.replace("<video>", "<|vision_start|>" + "<|video_pad|>" * n
+                                    + "<|vision_end|>", 1)  # fmt: skip
+            messages.append({"role": {"human": "user", "gpt": "assistant"}[turn["from"]],
+                             "content": text})
+        ids = tok.apply_chat_template(messages, tokenize=True)
+        want_units.append(sum(units))
+        want_tokens.append(len(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    stats = load_lengths(out)
+    assert stats.vit.tolist() == stats.image_flags.tolist() == want_units
+    assert stats.tokens.tolist() == want_tokens
+    assert read_stats_config(out)["native_video"]["fps"] == 3.0
+    table, plan = load_video_plan(out)
+    assert plan is None  # the same frames every epoch
+    assert table.sample.tolist() == [0, 1, 2, 2] and table.tiles.sum() == sum(want_units)
+    assert table.frames.tolist()[:2] == [23, 14] and load_videos(out).fps.tolist()[2] == 4.0
