@@ -432,6 +432,7 @@ def _qwen2_5_vl(path: Path, doc: dict) -> HFModel:
         window_size=int(vc.window_size),
         fullatt_block_indexes=tuple(int(i) for i in vc.fullatt_block_indexes),
         rope_theta=float((getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 1e4)),
+        tokens_per_second=float(vc.tokens_per_second),
     )
     llm = _language(tc, "qwen2", path)
     spec = ModelSpec(

@@ -5,7 +5,7 @@ micro-batch is compared with the concatenation of each sample's own forward. The
 are what transformers' model feeds its projector (`vision_feature_layer`, a final LayerNorm where
 the config has one), before the class token is dropped; for Qwen2.5-VL the last block's output
 [patches, C] in its window order, with transformers computing its own M-RoPE positions of each
-sample (`get_rope_index`).
+sample (`get_rope_index`), videos included.
 """
 
 from __future__ import annotations
@@ -68,15 +68,26 @@ def reference(
 def _reference_native(
     model: torch.nn.Module, hf: HFModel, samples: Sequence[object]
 ) -> dict[str, torch.Tensor]:
-    """reference() for Qwen2.5-VL samples (`images`: patches, `image_grid`: (t, h, w) each)."""
+    """reference() for Qwen2.5-VL samples (`images`: patches, `image_grid`: (t, h, w) each; a
+    sample whose `grid_seconds` are positive holds videos: transformers gets them as videos,
+    their placeholders as its video token, their seconds per temporal patch as
+    `second_per_grid_ts`)."""
     logits, hidden, feats = [], [], []
     with torch.no_grad():
         for s in samples:
             ids = s.tokens[None]
             kw = {}
-            if len(s.image_grid):
+            slots = ids == hf.spec.image_token_id
+            seconds = getattr(s, "grid_seconds", None)
+            if len(s.image_grid) and seconds is not None and bool((seconds > 0).all()):
+                ids = torch.where(slots, model.config.video_token_id, ids)
+                kw = {"pixel_values_videos": s.images, "video_grid_thw": s.image_grid,
+                      "second_per_grid_ts": seconds.float(),
+                      "mm_token_type_ids": slots.int() * 2}  # fmt: skip
+            elif len(s.image_grid):
                 kw = {"pixel_values": s.images, "image_grid_thw": s.image_grid,
-                      "mm_token_type_ids": (ids == hf.spec.image_token_id).int()}  # fmt: skip
+                      "mm_token_type_ids": slots.int()}  # fmt: skip
+            if len(s.image_grid):
                 feats.append(model.model.visual(s.images, grid_thw=s.image_grid).last_hidden_state)
             base = model.model(input_ids=ids, **kw)
             logits.append(model.lm_head(base.last_hidden_state)[0])

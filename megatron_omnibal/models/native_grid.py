@@ -4,9 +4,11 @@ Why pure functions: every pipeline stage derives them from the micro-batch it re
 token ids, sample boundaries) instead of receiving them from the stage before, and they are
 checked against transformers' own code in the tests.
 
-An image of grid (t, h, w) patches (t temporal patches; h, w divisible by the merge size m) is
-laid out block-major: each m x m group of neighbouring patches is contiguous, groups row by
-row, frame after frame. The merged group is the unit of the windows and of the LLM tokens.
+An image or video of grid (t, h, w) patches (t temporal patches, each two frames; h, w divisible
+by the merge size m) is laid out block-major: each m x m group of neighbouring patches is
+contiguous, groups row by row, temporal patch after temporal patch. The merged group is the
+unit of the windows and of the LLM tokens; full attention and the windows stay within one
+temporal patch of one image or video, as transformers' cu_seqlens per grid t.
 """
 
 from __future__ import annotations
@@ -78,19 +80,27 @@ def mrope_position_ids(
     grids: np.ndarray,
     image_token_id: int,
     merge: int,
+    grid_seconds: np.ndarray | None = None,
+    tokens_per_second: float = 2.0,
 ) -> np.ndarray:
     """[3, S] (time, height, width) M-RoPE positions of a packed sequence, restarting in every
-    sample (cu_seqlens bounds them).
+    sample (cu_seqlens bounds them), as transformers 5's `get_rope_index` computes them.
 
-    Text advances all three axes by one per token. Image i (grids in sequence order, t = 1)
-    occupies h w / merge^2 placeholder tokens starting at position p: time p, height p + row,
-    width p + column of its merged grid; the text after it resumes at p + max(h, w) / merge.
-    Consecutive placeholders are split between images by their sizes. Videos (t > 1, whose
-    time axis follows the frame rate) are refused.
+    Text advances all three axes by one per token. Grid i (in sequence order) occupies
+    t h w / merge^2 placeholder tokens starting at position p: height p + row, width p + column
+    of its merged grid, time p for an image; a video (`grid_seconds[i]` > 0, the seconds one
+    temporal patch spans) takes time p + int(k x tokens_per_second x seconds) for its k-th
+    temporal patch (in float32, as transformers multiplies). The text after a grid resumes at
+    p + max(h, w) / merge, whatever its temporal span. Consecutive placeholders are split
+    between grids by their sizes.
     """
     tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
     cu = np.asarray(cu_seqlens, dtype=np.int64).reshape(-1)
     g = _grids(grids) if len(np.asarray(grids)) else np.zeros((0, 3), dtype=np.int64)
+    seconds = (np.zeros(len(g), np.float32) if grid_seconds is None
+               else np.asarray(grid_seconds, np.float32).reshape(-1))  # fmt: skip
+    if len(seconds) != len(g):
+        raise ValueError(f"{len(g)} image grids but {len(seconds)} grid_seconds")
     out = np.zeros((3, len(tokens)), dtype=np.int64)
     image = 0
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
@@ -105,9 +115,9 @@ def mrope_position_ids(
                     f"image placeholder at token {i} has no image grid left ({len(g)} given)"
                 )
             t, h, w = g[image].tolist()
-            if t != 1:
-                raise ValueError(f"image {image} has {t} temporal patches: video M-RoPE "
-                                 "positions are not supported yet")  # fmt: skip
+            if t != 1 and seconds[image] <= 0:
+                raise ValueError(f"image {image} has {t} temporal patches but no seconds per "
+                                 "temporal patch (a video needs its grid_seconds)")  # fmt: skip
             gh, gw = h // merge, w // merge
             n = t * gh * gw
             if i + n > end or (tokens[i : i + n] != image_token_id).any():
@@ -115,7 +125,9 @@ def mrope_position_ids(
                     f"image {image} of grid {t}x{h}x{w} needs {n} placeholder tokens from "
                     f"token {i} inside its sample [{start}, {end})"
                 )
-            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+            step = np.float32(tokens_per_second) * seconds[image]
+            times = (np.arange(t, dtype=np.float32) * step).astype(np.int64)
+            tt, hh, ww = np.meshgrid(times, np.arange(gh), np.arange(gw), indexing="ij")
             out[0, i : i + n] = pos + tt.reshape(-1)
             out[1, i : i + n] = pos + hh.reshape(-1)
             out[2, i : i + n] = pos + ww.reshape(-1)

@@ -122,6 +122,7 @@ class VisionSpec:
     window_size: int = 0  # pixels per window side of the windowed layers (0: no windows)
     fullatt_block_indexes: tuple[int, ...] = ()  # layers attending over the whole image
     rope_theta: float = 10000.0  # base of a native-resolution tower's 2D rotary positions
+    tokens_per_second: float = 2.0  # M-RoPE time positions per second of video (Qwen2.5-VL)
 
     def __post_init__(self) -> None:
         w = "model_spec.vit"

@@ -3,10 +3,11 @@ its micro-batches (megatron.batch).
 
 - the vision tower's 2-D rotary positions, full-attention segments and window order with its
   window bounds, for images of odd grid sizes (windows cut short at the right and bottom);
-- the M-RoPE position ids of a packed micro-batch (text-only, one-image and two-image samples)
-  equal transformers' `get_rope_index` of each sample alone;
-- bad input (a grid the merge size does not divide, placeholders without a grid, a video)
-  names the problem.
+- the M-RoPE position ids of a packed micro-batch (text-only, one-image, two-image and video
+  samples: videos of several temporal patches at fractional seconds per temporal patch, two
+  in one sample) equal transformers' (5.24) `get_rope_index` of each sample alone;
+- bad input (a grid the merge size does not divide, placeholders without a grid, a video
+  without its seconds) names the problem.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from megatron_omnibal.models.native_grid import (
 )
 
 GRIDS = np.array([[1, 6, 10], [1, 16, 4], [2, 8, 8], [1, 2, 2]])
-IMAGE = 150
+IMAGE, VIDEO = 150, 151
+TOKENS_PER_SECOND = 2
 
 
 def test_vision_positions_and_windows_equal_transformers() -> None:
@@ -54,8 +56,9 @@ def qwen_model() -> torch.nn.Module:
                      "num_key_value_heads": 1, "intermediate_size": 16, "vocab_size": 160,
                      "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                          "mrope_section": [1, 1, 2]}},
-        image_token_id=IMAGE,
+        image_token_id=IMAGE, video_token_id=VIDEO,
     )  # fmt: skip
+    cfg.vision_config.tokens_per_second = TOKENS_PER_SECOND
     return Qwen2_5_VLModel(cfg).eval()
 
 
@@ -67,22 +70,38 @@ def _sample(rng: np.random.Generator, grids: list[list[int]]) -> np.ndarray:
 
 
 def test_mrope_ids_of_a_packed_batch_equal_get_rope_index_per_sample(qwen_model) -> None:
+    """Samples: an image, text only, two images, a video of 3 temporal patches at 1.25 s each
+    (time steps 2.5), two videos (0.7 s: 1.4, truncated), a two-frame video, an image."""
+    import transformers
+
+    assert transformers.__version__ == "5.24.0", "the ids are pinned to transformers 5.24"
     rng = np.random.default_rng(0)
-    samples = [[[1, 6, 10]], [], [[1, 16, 4], [1, 2, 2]], [[1, 8, 12]]]
-    tokens = [_sample(rng, g) for g in samples]
+    samples = [([[1, 6, 10]], 0.0), ([], 0.0), ([[1, 16, 4], [1, 2, 2]], 0.0),
+               ([[3, 4, 6]], 1.25), ([[5, 2, 4], [2, 6, 2]], 0.7), ([[1, 4, 4]], 1 / 3),
+               ([[1, 8, 12]], 0.0)]  # fmt: skip
+    tokens = [_sample(rng, g) for g, _ in samples]
     cu = np.concatenate([[0], np.cumsum([len(t) for t in tokens])])
-    grids = np.array([g for s in samples for g in s])
-    got = mrope_position_ids(np.concatenate(tokens), cu, grids, IMAGE, 2)
-    for k, (ids, g) in enumerate(zip(tokens, samples, strict=True)):
+    grids = np.array([g for s, _ in samples for g in s])
+    seconds = np.array([sec for s, sec in samples for _ in s], np.float32)
+    got = mrope_position_ids(np.concatenate(tokens), cu, grids, IMAGE, 2, seconds,
+                             TOKENS_PER_SECOND)  # fmt: skip
+    for k, (ids, (g, sec)) in enumerate(zip(tokens, samples, strict=True)):
         span = got[:, cu[k] : cu[k + 1]]
         if not g:  # transformers needs an image to build 3-D ids; text is arange on all axes
             np.testing.assert_array_equal(span, np.tile(np.arange(len(ids)), (3, 1)))
             continue
         ids_t = torch.from_numpy(ids)[None]
-        ref, _ = qwen_model.get_rope_index(
-            ids_t, mm_token_type_ids=(ids_t == IMAGE).int(), image_grid_thw=torch.tensor(g)
-        )
-        np.testing.assert_array_equal(span, ref[:, 0].numpy())
+        slots = ids_t == IMAGE
+        if sec:  # videos: transformers' video token, type 2, seconds per temporal patch
+            kw = {"video_grid_thw": torch.tensor(g),
+                  "second_per_grid_ts": torch.full((len(g),), sec, dtype=torch.float32)}
+            ids_t, types = torch.where(slots, VIDEO, ids_t), slots.int() * 2
+        else:
+            kw, types = {"image_grid_thw": torch.tensor(g)}, slots.int()
+        ref, _ = qwen_model.get_rope_index(ids_t, mm_token_type_ids=types, **kw)
+        np.testing.assert_array_equal(span, ref[:, 0].numpy(), err_msg=f"sample {k}")
+    video = got[0, cu[3] : cu[4]][np.concatenate(tokens[:4])[cu[3] : cu[4]] == IMAGE]
+    assert sorted(set((video - video[0]).tolist())) == [0, 2, 5]  # 0, 2.5, 5.0 truncated
 
 
 def test_bad_grids_name_the_problem() -> None:
@@ -93,8 +112,11 @@ def test_bad_grids_name_the_problem() -> None:
         mrope_position_ids(tokens, np.array([0, 4]), np.zeros((0, 3)), IMAGE, 2)
     with pytest.raises(ValueError, match="needs 4 placeholder tokens"):
         mrope_position_ids(tokens, np.array([0, 4]), np.array([[1, 4, 4]]), IMAGE, 2)
-    with pytest.raises(ValueError, match="video M-RoPE"):
+    with pytest.raises(ValueError, match="2 temporal patches but no seconds per temporal"):
         mrope_position_ids(tokens, np.array([0, 4]), np.array([[2, 2, 2]]), IMAGE, 2)
+    with pytest.raises(ValueError, match="1 image grids but 2 grid_seconds"):
+        mrope_position_ids(tokens, np.array([0, 4]), np.array([[2, 2, 2]]), IMAGE, 2,
+                           np.array([1.0, 1.0]))
 
 
 def _spec():  # noqa: ANN202 - a tiny Qwen2.5-VL-shaped spec
@@ -129,13 +151,18 @@ def test_native_micro_batches_collate_validate_and_drop_samples() -> None:
                           np.array([3, 0, 4, 6]))  # fmt: skip
     samples = [synthetic_sample(i, lengths, spec) for i in range(4)]
     assert [s.image_grid.tolist() for s in samples] == [[[1, 2, 6]], [], [[1, 4, 4]], [[1, 4, 6]]]
+    samples[2].grid_seconds = torch.tensor([0.5])  # a two-frame video
     batch = collate(samples)
+    assert batch.grid_seconds.tolist() == [0.0, 0.5, 0.0]
     args = (batch.tokens, batch.labels, batch.images, batch.image_flags, batch.cu_seqlens)
-    validate_batch(spec, *args, batch.image_grid)
+    validate_batch(spec, *args, batch.image_grid, batch.grid_seconds)
     dropped = drop_samples(batch, [0, 3], [len(s.images) for s in samples])
     alone = collate(samples[1:3])
-    for key in ("tokens", "labels", "images", "image_grid", "image_flags", "cu_seqlens"):
+    for key in ("tokens", "labels", "images", "image_grid", "grid_seconds", "image_flags",
+                "cu_seqlens"):
         assert torch.equal(getattr(dropped, key), getattr(alone, key)), key
+    with pytest.raises(ValueError, match="3 image grids but grid_seconds of shape \\(2,\\)"):
+        validate_batch(spec, *args, batch.image_grid, batch.grid_seconds[:2])
     shape_only = collate([synthetic_sample(i, lengths, spec, pixels=False) for i in range(4)])
     assert is_shape_only(shape_only.images) and shape_only.images.shape == batch.images.shape
     with pytest.raises(ValueError, match="12 patches = 3 merged tokens"):

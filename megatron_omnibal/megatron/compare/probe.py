@@ -3,7 +3,7 @@ lays them out (InternVL: `<img>` + context tokens + `</img>` per image; LLaVA: o
 patch), with random pixels, an image over several tiles, a video (frames of one tile each with
 their labels between them, as InternVL's processor lists them) and a text-only sample. For a
 native-resolution model (Qwen2.5-VL): images of odd grid sizes (windows cut short at the edges),
-two images in one sample, and a text-only sample.
+two images in one sample, a text-only sample and a sample of two videos.
 
 Why random: a numeric comparison of two implementations of the same function needs inputs that
 exercise every path (several tiles, InternVL's dummy tile, packing), not meaningful ones.
@@ -68,7 +68,9 @@ def _sample(ids: list[int], images: torch.Tensor, real: int) -> Sample:
 
 def _native_samples(spec: ModelSpec, g: torch.Generator) -> list[Sample]:
     """Image grids (t, h, w in patches) of 6x10 (one sample), 4x4 and 2x6 (one sample), 8x12,
-    and a text-only sample; each image is `<vision_start>` + placeholders + `<vision_end>`."""
+    a text-only sample, and two videos in one sample: 3 temporal patches of 4x6 and one of 2x2,
+    1.25 s per temporal patch (fractional M-RoPE time steps); each image or video is
+    `<vision_start>` + placeholders + `<vision_end>`."""
     v = spec.vit
     special = {spec.image_token_id, spec.image_start_id, spec.image_end_id, 0}
     allowed = torch.tensor([i for i in range(min(spec.llm.vocab_size, 1000)) if i not in special])
@@ -78,7 +80,8 @@ def _native_samples(spec: ModelSpec, g: torch.Generator) -> list[Sample]:
         return allowed[torch.randint(0, len(allowed), (n,), generator=g)].tolist()
 
     out = []
-    for grids in ([(1, 6, 10)], [(1, 4, 4), (1, 2, 6)], [], [(1, 8, 12)]):
+    for grids, seconds in (([(1, 6, 10)], 0.0), ([(1, 4, 4), (1, 2, 6)], 0.0), ([], 0.0),
+                           ([(1, 8, 12)], 0.0), ([(3, 4, 6), (1, 2, 2)], 1.25)):
         ids = [0, *text(3)]
         for t, h, w in grids:
             ids += [spec.image_start_id, *[spec.image_token_id] * (t * h * w // merge),
@@ -91,5 +94,6 @@ def _native_samples(spec: ModelSpec, g: torch.Generator) -> list[Sample]:
             images=torch.randn(patches, v.patch_dim, generator=g),
             image_flags=torch.ones(len(grids), dtype=torch.int64),
             image_grid=torch.tensor(grids, dtype=torch.int64).reshape(-1, 3),
+            grid_seconds=torch.full((len(grids),), seconds),
         ))  # fmt: skip
     return out

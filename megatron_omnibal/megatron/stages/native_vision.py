@@ -7,8 +7,9 @@ patch merger after the last layer. Its layers are megatron-core TransformerLayer
 recomputable, placed on any pipeline stage); this module adds the patch embedding, the
 per-layer choice of attention mask, and the host-side inputs every stage derives from the
 micro-batch's image grids (models.native_grid): the window order, the rotary positions and the
-segment bounds. One tensor flows between stages, the hidden states [patches, 1, C] in window
-order.
+segment bounds. A video is an image of several temporal patches: full attention and windows
+stay within each temporal patch, and its M-RoPE time positions follow its seconds per temporal
+patch. One tensor flows between stages, the hidden states [patches, 1, C] in window order.
 """
 
 from __future__ import annotations
@@ -80,9 +81,14 @@ class NativeInputs:
 
 
 def native_inputs(
-    spec: ModelSpec, tokens: torch.Tensor, cu_seqlens: torch.Tensor, image_grid: torch.Tensor
+    spec: ModelSpec,
+    tokens: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    image_grid: torch.Tensor,
+    grid_seconds: torch.Tensor | None = None,
 ) -> NativeInputs:
-    """NativeInputs of a micro-batch (CPU tensors, checked by validate_batch)."""
+    """NativeInputs of a micro-batch (CPU tensors, checked by validate_batch); `grid_seconds`
+    spaces the M-RoPE time positions of its videos (None: images only)."""
     v = spec.vit
     merge, unit = v.spatial_merge_size, v.spatial_merge_size**2
     grids = image_grid.numpy()
@@ -91,9 +97,11 @@ def native_inputs(
     else:  # no windows: every layer sees whole image frames
         order, windows = np.arange(int(grids.prod(axis=1).sum()) // unit), frame_seqlens(grids)
     rows_cols = patch_rows_cols(grids, merge).reshape(-1, unit, 2)[order].reshape(-1, 2)
+    seconds = None if grid_seconds is None else grid_seconds.numpy()
     ids = mrope_position_ids(
-        tokens.numpy()[0], cu_seqlens.numpy(), grids, spec.image_token_id, merge
-    )
+        tokens.numpy()[0], cu_seqlens.numpy(), grids, spec.image_token_id, merge, seconds,
+        v.tokens_per_second,
+    )  # fmt: skip
     return NativeInputs(
         unit_order=torch.from_numpy(order),
         unit_restore=torch.from_numpy(np.argsort(order)),

@@ -51,14 +51,15 @@ def stage_inputs(
     micro-batch before any communication, so a bad one stops them all with the same error.
     """
     validate_batch(spec, batch.tokens, batch.labels, batch.images, batch.image_flags,
-                   batch.cu_seqlens, batch.image_grid)  # fmt: skip
+                   batch.cu_seqlens, batch.image_grid, batch.grid_seconds)  # fmt: skip
     real_tiles = torch.nonzero(batch.image_flags).flatten()
     max_seqlen = int((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).max())
     native = None
     if spec.vit.native_resolution:
         from megatron_omnibal.megatron.stages.native_vision import native_inputs
 
-        native = native_inputs(spec, batch.tokens, batch.cu_seqlens, batch.image_grid)
+        native = native_inputs(spec, batch.tokens, batch.cu_seqlens, batch.image_grid,
+                               batch.grid_seconds)
     if torch.cuda.is_available():
         device = torch.cuda.current_device()
         batch, real_tiles = batch.to(device), real_tiles.to(device, non_blocking=True)

@@ -37,7 +37,9 @@ class Sample:
     A native-resolution tower (Qwen2.5-VL) reads whole images instead: `images` holds their
     patches [patches, 3 x frames x pixels] (block-major, as its image processor emits them),
     `image_grid` each image's (t, h, w) in patches, `image_flags` a 1 per image; the sequence
-    holds t h w / merge^2 placeholders per image.
+    holds t h w / merge^2 placeholders per image. A video is such an image of t temporal
+    patches (two frames each) whose `grid_seconds` entry (the seconds a temporal patch spans;
+    0 for a still image, None: all still) spaces its M-RoPE time positions.
     """
 
     tokens: torch.Tensor  # int64 [L]
@@ -45,6 +47,7 @@ class Sample:
     images: torch.Tensor  # float32 [n, 3, H, W] (tiles) or [patches, patch values] (native)
     image_flags: torch.Tensor  # int64 [n]
     image_grid: torch.Tensor | None = None  # int64 [images, 3]: native-resolution towers only
+    grid_seconds: torch.Tensor | None = None  # float32 [images]: videos' seconds per t patch
 
 
 @dataclass
@@ -65,6 +68,7 @@ class MicroBatch:
     image_flags: torch.Tensor  # int64 [n_tiles]
     level: int = 0
     image_grid: torch.Tensor | None = None  # int64 [images, 3]: native-resolution towers only
+    grid_seconds: torch.Tensor | None = None  # float32 [images]: native, videos' t spacing
 
     @property
     def num_samples(self) -> int:
@@ -100,6 +104,7 @@ def validate_batch(
     image_flags: torch.Tensor,
     cu_seqlens: torch.Tensor,
     image_grid: torch.Tensor | None = None,
+    grid_seconds: torch.Tensor | None = None,
 ) -> None:
     """Raise ValueError unless the micro-batch fits the model (shapes, placeholders, bounds).
 
@@ -115,6 +120,9 @@ def validate_batch(
         raise ValueError(f"micro-batch cu_seqlens {cu} do not span 0..{seq}")
     if spec.vit.native_resolution:
         _validate_native(spec, tokens, images, image_flags, image_grid)
+        if grid_seconds is not None and tuple(grid_seconds.shape) != (len(image_grid),):
+            raise ValueError(f"micro-batch has {len(image_grid)} image grids but grid_seconds "
+                             f"of shape {tuple(grid_seconds.shape)}")
         return
     size = spec.vit.image_size
     if images.dim() != 4 or tuple(images.shape[1:]) != (3, size, size):
@@ -209,11 +217,13 @@ def drop_samples(batch: MicroBatch, drop: Sequence[int], tiles: Sequence[int]) -
     new_cu = torch.zeros(len(keep) + 1, dtype=torch.int32)
     new_cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
     images = batch.images
-    grid = None
+    grid = seconds = None
     if batch.image_grid is not None:  # native: `tiles` counts patches; grids follow them
         bounds = [0, *batch.image_grid.prod(dim=1).cumsum(0).tolist()]
         first = [bounds.index(e) for e in starts]  # sample k: grids first[k]..first[k + 1]
         grid = torch.cat([batch.image_grid[first[k] : first[k + 1]] for k in keep])
+        if batch.grid_seconds is not None:
+            seconds = torch.cat([batch.grid_seconds[first[k] : first[k + 1]] for k in keep])
         flags = torch.ones(len(grid), dtype=torch.int64)
         images = images[img] if not is_shape_only(images) else (
             torch.zeros((), dtype=images.dtype).expand(len(img), images.shape[1]))  # fmt: skip
@@ -231,6 +241,7 @@ def drop_samples(batch: MicroBatch, drop: Sequence[int], tiles: Sequence[int]) -
         image_flags=flags if grid is not None else batch.image_flags[img],
         level=batch.level,
         image_grid=grid,
+        grid_seconds=seconds,
     )
 
 
@@ -320,6 +331,10 @@ def _collate_native(samples: Sequence[Sample]) -> MicroBatch:
         images=images,
         image_flags=torch.cat([s.image_flags for s in samples]).to(torch.int64),
         image_grid=torch.cat([s.image_grid.reshape(-1, 3) for s in samples]).to(torch.int64),
+        grid_seconds=torch.cat([
+            s.grid_seconds.reshape(-1) if s.grid_seconds is not None
+            else torch.zeros(s.image_grid.reshape(-1, 3).shape[0]) for s in samples
+        ]).to(torch.float32),
     )
 
 
