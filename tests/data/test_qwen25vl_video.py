@@ -29,6 +29,7 @@ from megatron_omnibal.data.native_video import (
     native_video,
 )
 from megatron_omnibal.data.tiling import TilingConfig, TilingError
+from megatron_omnibal.data.video import VideoError
 from tests.video_files import write_video
 
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.3, 0.25)
@@ -134,29 +135,47 @@ def test_frame_patches_equal_transformers_patchify() -> None:
         frame_patches(frames[:5], 14, 2, 2)
 
 
+def transformers_video(path: Path, clip: list[float] | None, settings: NativeVideoSettings
+                       ) -> tuple[np.ndarray, list[int], float]:
+    """(patches, grid, seconds per temporal patch) of a video: every frame decoded by PyAV,
+    the clip's frames (InternVL's int(start x rate)) picked as qwen-vl-utils does with
+    transformers' count, resized (PIL bicubic, as the image processor) to transformers' size,
+    normalised with the settings' mean and std, patched by transformers."""
+    import av
+
+    with av.open(str(path)) as container:
+        fps = float(container.streams.video[0].average_rate)
+        every = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    first = int(clip[0] * fps) if clip else 0
+    frames = min(int((clip[1] - clip[0]) * fps), len(every) - first) if clip else len(every)
+    rules = transformers_video_rules(settings)
+    height, width = every[0].shape[:2]
+    taken, (h, w) = _reference(rules, settings, frames, fps, width, height)
+    resized = np.stack([np.asarray(Image.fromarray(every[first + k]).resize(
+        (w, h), Image.Resampling.BICUBIC)) for k in taken])  # fmt: skip
+    mean, std = (np.array(v)[:, None, None] for v in (settings.image_mean, settings.image_std))
+    pixels = (resized.transpose(0, 3, 1, 2) / 255.0 - mean) / std
+    ref, *grid = rules.patchify(torch.from_numpy(pixels.astype(np.float32))[None], 14, 2, 2)
+    return ref[0].numpy(), grid, 2 / (len(taken) / frames * fps)
+
+
 @pytest.mark.parametrize(("size", "frames", "fps"), [((70, 46), 23, 10), ((36, 100), 9, 4)])
 def test_video_patches_equal_transformers(tmp_path, size, frames, fps) -> None:
     """A generated video of odd size: the frames taken, decoded by seeking, resized (bicubic,
     as the image processor), normalised with the checkpoint's mean and std and patched, equal
     every frame decoded by PyAV, picked, resized and patched by transformers' code."""
-    import av
-
     settings = NativeVideoSettings(fps=2.0, min_frames=4, max_frames=12, min_pixels=28 * 28 * 2,
                                    max_pixels=28 * 28 * 6, max_video_tokens=60,
                                    image_mean=MEAN, image_std=STD)  # fmt: skip
     path = write_video(tmp_path / "v.mp4", frames, fps=fps, size=size, gop=5)
     tiling = TilingConfig(mode="native", tile=28, tokens_per_tile=1, max_tiles=1)
-    rules = transformers_video_rules(settings)
-    taken, (h, w) = _reference(rules, settings, frames, fps, *size)
-    with av.open(str(path)) as container:
-        every = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    resized = np.stack([np.asarray(Image.fromarray(every[k]).resize(
-        (w, h), Image.Resampling.BICUBIC)) for k in taken])  # fmt: skip
-    pixels = (resized.transpose(0, 3, 1, 2) / 255.0 - np.array(MEAN)[:, None, None]) \
-        / np.array(STD)[:, None, None]
-    ref, *grid = rules.patchify(torch.from_numpy(pixels.astype(np.float32))[None], 14, 2, 2)
+    ref, grid, seconds = transformers_video(path, None, settings)
     video = native_video(frames, float(fps), *size, settings, 28, str(path))
     patches, got_grid, decoded = video_to_patches(path, 0, video, tiling, settings, 14, 2,
                                                   video.units, "v")  # fmt: skip
-    assert list(got_grid) == grid and decoded >= len(taken)
-    np.testing.assert_allclose(patches, ref[0].numpy(), rtol=0, atol=1e-5)
+    assert list(got_grid) == grid and decoded >= len(video.indices)
+    assert video.seconds_per_grid == pytest.approx(seconds, rel=1e-12)
+    np.testing.assert_allclose(patches, ref, rtol=0, atol=1e-5)
+    with pytest.raises(VideoError, match="v: .* merge groups from the video, the length file "
+                                         "counts 1 "):  # fmt: skip
+        video_to_patches(path, 0, video, tiling, settings, 14, 2, 1, "v")

@@ -23,7 +23,11 @@ A native-resolution model (Qwen2.5-VL) gets each image whole as patches (data/na
 its processor's resize, mean and std, patch order) with its grid (t, h, w), which every stage
 needs (window order, rotary and M-RoPE positions): ranks that embed patches take it from the
 decoded image, the others from the image's header (its size alone sets the grid), and both
-check its merge groups against the length file.
+check its merge groups against the length file. Its videos are whole too: the frames Qwen's rule
+takes (data/native_video.py, the same every epoch), decoded by seeking to exactly those, resized
+and normalised as its video processor does, patched two frames per temporal patch, with their
+grid (t, h, w) and the seconds a temporal patch spans (the M-RoPE time step);
+`<|vision_start|>` + `<|video_pad|>` x merge groups + `<|vision_end|>` in the text.
 `open_source` checks the configuration, the sample count and a spread of records before
 training starts.
 """
@@ -59,7 +63,13 @@ from megatron_omnibal.data.lengths import (
     load_image_tiles,
     read_stats_config,
 )
-from megatron_omnibal.data.native_patches import check_units, image_to_patches, native_grid
+from megatron_omnibal.data.native_patches import (
+    check_units,
+    image_to_patches,
+    native_grid,
+    video_to_patches,
+)
+from megatron_omnibal.data.native_video import native_video
 from megatron_omnibal.data.records import Video, read_sample
 from megatron_omnibal.data.sample_files import LoadedSample
 from megatron_omnibal.data.stats_config import (
@@ -70,7 +80,7 @@ from megatron_omnibal.data.stats_config import (
 )
 from megatron_omnibal.data.tiling import TilingError
 from megatron_omnibal.data.tokenization import TokenCounter
-from megatron_omnibal.data.video import VideoError, decode_frames
+from megatron_omnibal.data.video import VideoError, decode_frames, read_header
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan
 from megatron_omnibal.megatron.stream.source import SourceSettings
 
@@ -123,6 +133,9 @@ class RealSampleSource:
             raise DatasetError(f"{config.tokenizer}: training samples need a fast tokenizer "
                                "(token offsets locate the answers)")
         self.context_id = self.counter.backend.token_to_id(config.image_style.context)
+        video = conv.video_style(config.image_style) if self.native else None
+        self.video_context_id = (self.counter.backend.token_to_id(video.context) if video
+                                 else self.context_id)  # fmt: skip
         options = EnergonOptions(split=energon["split"], task_encoder=energon["task_encoder"]
                                  ) if energon else None
         self.specs, _ = read_inputs(data, image_root, options)
@@ -218,7 +231,12 @@ class RealSampleSource:
         tiles = self._tiles(index, len(images))
         if images:
             turns = conv.expand_images(turns, [self.config.image_style.compact()] * len(images))
-        if videos:
+        if videos and self.native:  # whole videos: the merge groups the length file counts
+            tiles = self.frame_counts(index, epoch, len(videos)).tolist()
+            turns = conv.expand_images(
+                turns, [conv.video_style(self.config.image_style).compact()] * len(videos),
+                conv.VIDEO_PLACEHOLDER)
+        elif videos:
             counts = self.frame_counts(index, epoch, len(videos))
             tiles = [1] * int(counts.sum())
             turns = conv.expand_images(
@@ -229,7 +247,8 @@ class RealSampleSource:
         return (*self._expand(index, ids, target, tiles), images, tiles, videos, sample)
 
     def frame_counts(self, index: int, epoch: int, n_videos: int) -> np.ndarray:
-        """Frames each video of sample `index` trains on in `epoch` (from the epoch plan)."""
+        """Frames each video of sample `index` trains on in `epoch` (from the epoch plan; a
+        native-resolution model's: the merge groups of each video, the same every epoch)."""
         where = self.by_epoch.table.of_sample(index)
         if len(where) != n_videos:
             raise DatasetError(f"{self.describe(index)}: {n_videos} video(s), the length file "
@@ -271,12 +290,13 @@ class RealSampleSource:
 
     def _expand(self, index: int, ids: np.ndarray, target: np.ndarray,
                 tiles: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        where = np.flatnonzero(ids == self.context_id)
+        context = (ids == self.context_id) | (ids == self.video_context_id)
+        where = np.flatnonzero(context)
         if len(where) != len(tiles) or target[where].any():
             raise DatasetError(f"{self.describe(index)}: {len(where)} image context tokens in "
                                f"the text for {len(tiles)} image(s)")
         bad = np.flatnonzero((ids >= self.vocab_size) | (ids < 0) | (ids == self.image_token_id))
-        bad = bad[ids[bad] != self.context_id]
+        bad = bad[~context[bad]]
         if bad.size:
             raise DatasetError(
                 f"{self.describe(index)}: token id {int(ids[bad[0]])} is the model's image "
@@ -284,7 +304,7 @@ class RealSampleSource:
                 f"{self.config.tokenizer} does not fit the model)")
         counts = np.ones(len(ids), np.int64)
         counts[where] = np.asarray(tiles, np.int64) * self.tokens_per_tile
-        ids = np.where(ids == self.context_id, self.image_token_id, ids)
+        ids = np.where(context, self.image_token_id, ids)
         return np.repeat(ids, counts), np.repeat(target, counts)
 
     def measure(self, index: int, epoch: int = 0) -> tuple[int, int, int]:
@@ -306,11 +326,16 @@ class RealSampleSource:
         self.check(index, vit, len(ids), real, epoch)
         labels = np.full(len(ids), IGNORE_INDEX, np.int64)
         labels[:-1] = np.where(target[1:], ids[1:], IGNORE_INDEX)
-        if self.native:  # `omnibal stats` refuses its videos: images only
-            images, grids = self.native_images(index, names, tiles, sample)
+        if self.native:
+            seconds = [0.0] * len(names)
+            if videos:
+                images, grids, seconds = self.native_videos(index, videos, tiles, sample)
+            else:
+                images, grids = self.native_images(index, names, tiles, sample)
             return Sample(tokens=torch.from_numpy(ids), labels=torch.from_numpy(labels),
-                          images=images, image_flags=torch.ones(len(names), dtype=torch.int64),
-                          image_grid=torch.tensor(grids, dtype=torch.int64).reshape(-1, 3))
+                          images=images, image_flags=torch.ones(len(grids), dtype=torch.int64),
+                          image_grid=torch.tensor(grids, dtype=torch.int64).reshape(-1, 3),
+                          grid_seconds=torch.tensor(seconds, dtype=torch.float32))
         size = self.config.tiling.tile
         if not self.pixels:
             images = shape_only_images(vit, size)
@@ -365,6 +390,46 @@ class RealSampleSource:
             return torch.from_numpy(np.concatenate(parts)), grids
         total = sum(t * h * w for t, h, w in grids)
         return torch.zeros((), dtype=torch.float32).expand(total, dim), grids
+
+    def native_videos(self, index: int, videos: list[Video], units: list[int],
+                      sample: LoadedSample) -> tuple[Any, list[tuple[int, int, int]], list[float]]:
+        """(patches, grids (t, h, w), seconds per temporal patch) of a native-resolution
+        sample's videos (data/native_video.py: the frames, their size); without `pixels`
+        shape-only patches, the grids from the videos' headers."""
+        import torch
+
+        from megatron_omnibal.megatron.stream.loader import SampleLoadError
+
+        patch, temporal, dim = self.patch
+        table, settings = self.by_epoch.table, self.config.native_video
+        tiling = self.config.tiling
+        parts, grids, seconds = [], [], []
+        try:
+            for video, row, expected in zip(videos, table.of_sample(index), units, strict=True):
+                path = sample.video_path(video.path)
+                frames, fps = int(table.frames[row]), float(table.fps[row])
+                header = read_header(path)
+                taken = native_video(frames, fps, header.width, header.height, settings,
+                                     tiling.tile, path)
+                if self.pixels:
+                    patches, _, decoded = video_to_patches(
+                        path, clip_start(video.clip, fps), taken, tiling, settings, patch,
+                        temporal, int(expected), path)
+                    parts.append(patches)
+                    self.frames_decoded += decoded
+                    self.frames_trained += len(taken.indices)
+                elif taken.units != expected:
+                    raise VideoError(f"{path}: {taken.units} merge groups from the video, the "
+                                     f"length file counts {expected} (the video changed since "
+                                     "`omnibal stats`)")
+                grids.append(taken.grid(patch))
+                seconds.append(taken.seconds_per_grid)
+        except (VideoError, TilingError, MemberError) as exc:
+            raise SampleLoadError(f"{self.describe(index)}: {exc}") from exc
+        if parts:
+            return torch.from_numpy(np.concatenate(parts)), grids, seconds
+        total = sum(t * h * w for t, h, w in grids)
+        return torch.zeros((), dtype=torch.float32).expand(total, dim), grids, seconds
 
     def video_tiles(self, index: int, epoch: int, videos: list[Video],
                     sample: LoadedSample) -> np.ndarray:
