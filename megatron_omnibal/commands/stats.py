@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from megatron_omnibal.cli_args import output_file_type, positive_int
+from megatron_omnibal.cli_args import output_file_type, positive_float, positive_int
 from megatron_omnibal.models.presets import PRESETS
 
 # Every output may go into a directory that does not exist yet: it is created when written.
@@ -87,6 +87,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "seed (give the --seed of the training run (the balance seed) to "
                              "make them its first epoch's; training redraws every epoch from "
                              "that seed)")
+    for flag, kind, what in (
+            ("--video-fps", positive_float, "frames taken per second of video (default 2)"),
+            ("--video-min-frames", positive_int, "fewest frames (default 4)"),
+            ("--video-max-frames", positive_int, "most frames (default 768)"),
+            ("--video-min-pixels", positive_int, "fewest pixels per frame (default 100352)"),
+            ("--video-max-pixels", positive_int, "most pixels per frame (default 602112)"),
+            ("--video-max-tokens", positive_int,
+             "the whole video's pixel budget in tokens, 0.9 x this x 28 x 28 (default 128000)"),
+    ):  # fmt: skip
+        parser.add_argument(flag, type=kind, default=None,
+                            help=f"Qwen2.5-VL videos: {what}; default: the checkpoint's "
+                                 "video_preprocessor_config.json, else qwen-vl-utils'")
     parser.add_argument("--extra-keys", default="",
                         help="comma-separated record keys that carry no content, accepted "
                              "besides the known ones (unknown keys are errors)")
@@ -160,6 +172,14 @@ def build_config(args: argparse.Namespace):
     tiling = replace(tiling, **overrides)
     if args.no_thumbnail:
         tiling = replace(tiling, thumbnail=False)
+    video = {key: getattr(args, f"video_{key}") for key in ("fps", "min_frames", "max_frames",
+                                                             "min_pixels", "max_pixels")}
+    video["max_video_tokens"] = args.video_max_tokens
+    video = {k: v for k, v in video.items() if v is not None}
+    if video and not spec.vit.native_resolution:
+        raise ValueError(f"--video-*: model {spec.name} takes videos as frames of tiles "
+                         "(--min-frames, --max-frames, --frame-sampling)")
+    native_video = replace(side.native_video, **video)
     template = args.template or side.template
     if template is None:
         raise ValueError(f"{side.template_note}: give --template (internvl2_5, vicuna_v1, or "
@@ -177,7 +197,7 @@ def build_config(args: argparse.Namespace):
                        frames=FrameSettings(min_frames=args.min_frames,
                                             max_frames=args.max_frames,
                                             sampling=args.frame_sampling),
-                       frame_seed=args.frame_seed, native_video=side.native_video,
+                       frame_seed=args.frame_seed, native_video=native_video,
                        model=ModelLayout.from_spec(spec))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -229,6 +230,11 @@ def test_wrong_tiling_flags_are_refused(data, tmp_path, capsys) -> None:
     assert "takes tiles, not native resolution" in capsys.readouterr().err
     assert cli_main([*base, "--model", "internvl2-8b", "--max-pixels", "5000"]) == 2
     assert "--min-pixels / --max-pixels" in capsys.readouterr().err
+    assert cli_main([*base, "--model", "internvl2-8b", "--video-fps", "1"]) == 2
+    assert "takes videos as frames of tiles" in capsys.readouterr().err
+    assert cli_main([*base, "--model", str(data.ckpt), "--video-min-frames", "9",
+                     "--video-max-frames", "5"]) == 2
+    assert "1 <= min_frames <= max_frames" in capsys.readouterr().err
     assert cli_main([*base, "--model", str(data.ckpt), "--min-pixels", "9000",
                      "--max-pixels", "5000"]) == 2
     assert "0 < min_pixels <= max_pixels" in capsys.readouterr().err
@@ -353,12 +359,37 @@ def test_video_stats_of_a_checkpoint_match_transformers_and_chat_template(tmp_pa
     assert "bad.mp4" in reasons["bad"]
     settings = NativeVideoSettings(fps=3.0, min_frames=4, max_frames=10, max_video_tokens=80,
                                    min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 12)
-    rules = transformers_video_rules(settings)
     tok = AutoTokenizer.from_pretrained(str(ckpt))
+    kept = [r for r in recs if r["id"] not in reasons]
+    want_units, want_tokens = _video_oracle(kept, tmp_path, settings, tok)
+    stats = load_lengths(out)
+    assert stats.vit.tolist() == stats.image_flags.tolist() == want_units
+    assert stats.tokens.tolist() == want_tokens
+    assert read_stats_config(out)["native_video"]["fps"] == 3.0
+    table, plan = load_video_plan(out)
+    assert plan is None  # the same frames every epoch
+    assert table.sample.tolist() == [0, 1, 2, 2] and table.tiles.sum() == sum(want_units)
+    assert table.frames.tolist()[:2] == [23, 14] and load_videos(out).fps.tolist()[2] == 4.0
+    # Flags override the checkpoint's settings (as ms-swift's FPS_MAX_FRAMES etc.).
+    again = tmp_path / "flags.npz"
+    assert cli_main(["stats", str(tmp_path / "v.json"), "--model", str(ckpt), "--image-root",
+                     str(tmp_path), "--out", str(again), "--on-error", "skip", "--video-fps",
+                     "1.5", "--video-max-frames", "6", "--video-max-pixels", str(28 * 28 * 4),
+                     "--workers", "1", "--no-progress"]) == 0  # fmt: skip
+    flagged = replace(settings, fps=1.5, max_frames=6, max_pixels=28 * 28 * 4)
+    fewer = _video_oracle(kept, tmp_path, flagged, tok)[0]
+    assert load_lengths(again).vit.tolist() == fewer and fewer != want_units
+
+
+def _video_oracle(recs: list[dict], root: Path, settings: NativeVideoSettings,
+                  tok) -> tuple[list[int], list[int]]:
+    """(merge groups, tokens) of video records: transformers' rules, the chat template with
+    every `<|video_pad|>` spelled out."""
+    rules = transformers_video_rules(settings)
     want_units, want_tokens = [], []
-    for rec in (r for r in recs if r["id"] not in reasons):
+    for rec in recs:
         paths = rec.get("videos") or ([rec["video"]] if "video" in rec else [])
-        units = [_video_units(tmp_path / p, rec.get("clip"), rules) for p in paths]
+        units = [_video_units(root / p, rec.get("clip"), rules) for p in paths]
         messages = []
         for turn in rec["conversations"]:
             text = turn["value"]
@@ -370,11 +401,4 @@ def test_video_stats_of_a_checkpoint_match_transformers_and_chat_template(tmp_pa
         ids = tok.apply_chat_template(messages, tokenize=True)
         want_units.append(sum(units))
         want_tokens.append(len(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    stats = load_lengths(out)
-    assert stats.vit.tolist() == stats.image_flags.tolist() == want_units
-    assert stats.tokens.tolist() == want_tokens
-    assert read_stats_config(out)["native_video"]["fps"] == 3.0
-    table, plan = load_video_plan(out)
-    assert plan is None  # the same frames every epoch
-    assert table.sample.tolist() == [0, 1, 2, 2] and table.tiles.sum() == sum(want_units)
-    assert table.frames.tolist()[:2] == [23, 14] and load_videos(out).fps.tolist()[2] == 4.0
+    return want_units, want_tokens
