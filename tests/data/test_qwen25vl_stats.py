@@ -122,6 +122,18 @@ def test_processor_limits_come_from_the_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="patch_size x merge_size = 32 px, the model's merge "
                                          "group is 28 px"):
         model_data_side(spec, bad)
+    assert model_data_side(spec).native_video == NativeVideoSettings()  # qwen-vl-utils'
+    video = _checkpoint(tmp_path / "video", {})
+    (video / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PRE))
+    assert model_data_side(spec, video).native_video == NativeVideoSettings(
+        fps=3.0, min_frames=4, max_frames=10, min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 12,
+        max_video_tokens=80)  # fmt: skip
+    for edit, message in (({"temporal_patch_size": 1}, "temporal_patch_size 1, the model's"),
+                          ({"min_frames": 0}, "1 <= min_frames <= max_frames"),
+                          ({"image_mean": [1, 2]}, "image_mean \\[1, 2\\] is not three")):
+        (video / "video_preprocessor_config.json").write_text(json.dumps({**VIDEO_PRE, **edit}))
+        with pytest.raises(ValueError, match=f"video_preprocessor_config.json: .*{message}"):
+            model_data_side(spec, video)
 
 
 def _checkpoint(path: Path, preprocessor: dict) -> Path:
