@@ -166,3 +166,29 @@ def test_the_planner_takes_a_profiles_p2p_time_for_every_transfer() -> None:
     assert far.predicted.step_ms >= near.predicted.step_ms + 2 * 40.0 - 1e-6
     assert (far.predicted.same_parallel.step_ms
             >= near.predicted.same_parallel.step_ms + 2 * 40.0 - 1e-6)  # fmt: skip
+
+
+def test_a_profile_of_fixed_times_only_is_refused_naming_the_profile_and_a_layer(
+        tmp_path) -> None:  # fmt: skip
+    """A hand-written profile whose every layer is all `fixed_ms` prices every pack the same:
+    planning from it stops with an error naming the profile and its first layer, not the
+    balancer's bare PackCost error."""
+    from megatron_omnibal.data.lengths import from_arrays
+    from megatron_omnibal.planner.cost_model.hardware import get_hardware
+    from megatron_omnibal.planner.make import make_plan
+    from megatron_omnibal.planner.search.request import PlanRequest
+
+    names = [*(f"vit.{i}" for i in range(4)), "projector", *(f"llm.{i}" for i in range(4))]
+    layers = [{"name": n, "forward_ms": 2.0, "backward_ms": 4.0, "fixed_ms": 2.0,
+               "activation_mib": 1.0, "weight_mib": 1.0,
+               "group": "none" if n == "projector" else n[:3]} for n in names]  # fmt: skip
+    doc = {"micro_batches": 2, "layers": layers, "measured": {"tiles": 8, "tokens": 128}}
+    vit = [1, 2, 3, 1] * 8
+    request = PlanRequest(model=get_preset("tiny"), hardware=get_hardware("H100-80G"),
+                          lengths=from_arrays(vit, [v * 4 + 30 for v in vit]), gpus=2, pp=2,
+                          global_batch=8, profile=doc, profile_path="hand.json")  # fmt: skip
+    with pytest.raises(ValueError, match=r"hand\.json: every layer's time is its 'fixed_ms' "
+                       r"\(the first, layer 0 \('vit\.0'\)"):  # fmt: skip
+        make_plan(request)
+    layers[5] = {**layers[5], "fixed_ms": 1.5}  # one layer that grows with tokens: plans
+    assert make_plan(request).predicted.step_ms > 0
