@@ -119,8 +119,9 @@ def timing_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     under one moment's load: the fit's growth beyond the balanced sizes pivots on that one
     point, and a few % of load there bends it into tens of % at a padded micro-batch's length
     (with 5% noise per step, 3% per micro-batch, simulated: mean error 15% at 1.65 times the
-    token budget with the worst step, 5% without it). The spread step measures the largest
-    size too, beside smaller ones under the same load."""
+    token budget from the worst and balanced steps, 4% from the two spread steps and the
+    balanced ones). The spread steps measure the largest size too, beside smaller ones under
+    the same load."""
     kept = [r for r in runs if not r["label"].startswith(WORST)]
     return kept or runs
 

@@ -11,7 +11,7 @@ Why a spread: balanced micro-batches and the largest one differ little in size (
 little to tell a layer's time per token from its attention's time per squared length; a fit
 that cannot tell them apart extrapolates wildly to longer micro-batches (a padded baseline's
 run up to ~1.7 times the token budget). One sample each at 1/m, 2/m, .., m/m of the largest
-spans a factor m. Pure numpy: no torch.
+spans a factor m (run twice, rising and falling: preflight/run.py). Pure numpy: no torch.
 """
 
 from __future__ import annotations

@@ -79,9 +79,15 @@ class PreflightStream:
         return batch
 
 
+# the spread's two steps: sizes rising, then falling, so that a load that changes while they
+# run (a shared machine's) does not grow or shrink with the size and bend the fit
+SPREAD_ORDERS = ("", " reversed")
+
+
 def step_labels(packs: Sequence[WorstPack], opts: PreflightOptions) -> list[str]:
     worst = [f"{WORST} level {p.level}" for p in packs for _ in range(opts.worst_steps)]
-    spread = [f"{SPREAD} level {p.level}" for p in packs] if opts.calibrate is not None else []
+    spread = [f"{SPREAD} level {p.level}{order}" for p in packs for order in SPREAD_ORDERS]
+    spread = spread if opts.calibrate is not None else []
     return [WARM_UP, *worst, *spread, *([TYPICAL] * opts.typical_steps)]
 
 
@@ -110,8 +116,9 @@ def build_stream(meter: StepMeter, opts: PreflightOptions, settings: Any, spec: 
     fixed = {}
     for p in packs:
         fixed[f"{WORST} level {p.level}"] = (batches((p,)), p.micro_batches)
-        fixed[f"{SPREAD} level {p.level}"] = (batches(spread_packs(p, spec.tokens_per_tile)),
-                                              p.micro_batches)  # fmt: skip
+        rising = batches(spread_packs(p, spec.tokens_per_tile))
+        for order, sizes in zip(SPREAD_ORDERS, (rising, rising[::-1]), strict=True):
+            fixed[f"{SPREAD} level {p.level}{order}"] = (sizes, p.micro_batches)
     meter.labels = step_labels(packs, opts)
     # Megatron's loop reads it every iteration; a run resumed with --load counts on from there
     args.train_iters = args.iteration + len(meter.labels)
