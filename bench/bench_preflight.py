@@ -1,7 +1,8 @@
 """Calibrated step-time predictions against real Megatron runs on this CPU.
 
 For each (model shape, pipeline size): a plan; then, in every round, the preflight of that plan
-with `--calibrate` (its largest micro-batches and a few typical steps, drawn with one seed) and
+with `--calibrate` (its largest micro-batches, the spread of sizes up to them, and a few typical
+steps, drawn with one seed) and
 right after it a real training run of the plan's layout on other steps (another seed):
 balanced micro-batches (`--omnibal-plan`) or the usual fixed-size micro-batches padded to their
 longest sample (`baseline`). The round's prediction is the planner's pipeline simulator with
