@@ -37,7 +37,9 @@ micro-batches each timed step trained on (recorded by the worker), with layer co
 Each profile is the median of `--profile-runs` runs of `omnibal profile` (per layer and time),
 as the step time it predicts is a median: the least of the runs biased the predictions low
 (by 12-23% with the least of 4 runs, against 2-13% with the least of 2).
-Step time: wall time between step starts on rank 0, median over the timed steps, and with
+Step time: the wall time of Megatron's `train_step` on rank 0 (the first stage: its schedule
+spans the pipeline; with the optimizer step, as the preflight times a step), median over the
+timed steps, and with
 `--run-repeats N` the median over N runs of that; error = median predicted / median measured
 - 1. The profiles and the runs are measured minutes apart:
 on a machine shared with other jobs their load differs, which the error then mostly shows.
@@ -227,8 +229,7 @@ def measure(mode: str, out: Path, flags: list[str], warmup: int, repeats: int = 
     medians, first = [], None
     for i in range(repeats):
         rec = torchrun(mode, out / f"run{i}", flags)
-        starts = rec["step_starts"] + [rec["end"]]
-        times = (np.diff(starts) * 1000.0)[warmup:]
+        times = np.array(rec["train_step_ms"][warmup:])
         medians.append(float(statistics.median(times)))
         if first is None:
             first = {"times_ms": times.tolist(), "micro_indices": rec["micro_indices"][warmup:]}
@@ -558,6 +559,27 @@ def padded_collate(samples):
     return collate(padded)
 
 
+def time_train_steps(into: list[float]) -> None:
+    """Append the wall time (ms) of each of Megatron's `train_step` calls in this process to
+    `into`: the step the preflight times and its calibration predicts (the pipeline schedule,
+    gradient reduction and the optimizer step, without the training loop's logging between
+    steps)."""
+    from megatron_omnibal.megatron.runtime.cpu import enable_cpu_megatron
+
+    enable_cpu_megatron()  # as the entry point does, before megatron.training is imported
+    from megatron.training import training
+
+    inner = training.train_step
+
+    def train_step(*args, **kwargs):
+        start = time.perf_counter()
+        out = inner(*args, **kwargs)
+        into.append(1e3 * (time.perf_counter() - start))
+        return out
+
+    training.train_step = train_step
+
+
 def worker(mode: str, out: Path, flags: list[str]) -> int:
     baseline_batch = None
     if "--omnibal-baseline-batch" in flags:
@@ -569,8 +591,9 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
     from megatron_omnibal.megatron.training.pretrain_vlm import main as pretrain_main
 
     micro = int(flags[flags.index("--global-batch-size") + 1])  # DP = 1
-    record: dict = {"step_starts": [], "micro_indices": []}
+    record: dict = {"train_step_ms": [], "micro_indices": []}
     state = {"calls": 0}
+    time_train_steps(record["train_step_ms"])
 
     def timed_forward_step(data_iterator, model):
         from megatron.core.utils import get_attr_wrapped_model
@@ -578,7 +601,6 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
         source = getattr(data_iterator, "iterable", data_iterator)
         first_chunk = not get_attr_wrapped_model(model, "vp_stage")  # every micro-batch's 1st
         if first_chunk and state["calls"] % micro == 0:
-            record["step_starts"].append(time.perf_counter())
             record["micro_indices"].append([])
         state["calls"] += first_chunk
         output, loss = forward_step(data_iterator, model)
@@ -618,7 +640,6 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
 
     status = pretrain_main(flags, timed_forward_step,
                            baseline_iterators if mode == "baseline" else None)  # fmt: skip
-    record["end"] = time.perf_counter()
     if status:
         return status
     import torch.distributed as dist

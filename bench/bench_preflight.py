@@ -1,7 +1,8 @@
 """Calibrated step-time predictions against real Megatron runs on this CPU.
 
 For each (model shape, pipeline size): a plan; then, in every round, the preflight of that plan
-with `--calibrate` (its largest micro-batches and a few typical steps, drawn with one seed) and
+with `--calibrate` (its largest micro-batches, the spread of sizes up to them, and a few typical
+steps, drawn with one seed) and
 right after it a real training run of the plan's layout on other steps (another seed):
 balanced micro-batches (`--omnibal-plan`) or the usual fixed-size micro-batches padded to their
 longest sample (`baseline`). The round's prediction is the planner's pipeline simulator with
@@ -12,7 +13,8 @@ far as it can be.
 
 Each layout is run `--repeats` times, the layouts interleaved (one round runs every layout
 once), each run its own torchrun under this process; a run's step time is the median of its
-timed steps (wall time between step starts on the first stage), the layout's the median over
+timed steps (the wall time of Megatron's `train_step` on the first stage, what the preflight
+times and the calibration predicts), the layout's the median over
 the repeats, its prediction the median of the rounds' predictions; its noise the spread of the
 repeats ((max - min) / median) and of the rounds' predictions, printed beside the error
 (median predicted / median measured - 1).
@@ -158,7 +160,7 @@ def timed_run(pp: int, mode: str, flags: list[str], out: Path, warmup: int) -> d
 def saved_run(out: Path, warmup: int) -> dict:
     """A timed run's step times (after `warmup` steps) and micro-batches."""
     rec = json.loads((out / "rank0.json").read_text())
-    times = (np.diff([*rec["step_starts"], rec["end"]]) * 1000.0)[warmup:]
+    times = np.array(rec["train_step_ms"][warmup:])
     return {"median_ms": float(statistics.median(times)), "times_ms": times.tolist(),
             "micro_indices": rec["micro_indices"][warmup:]}  # fmt: skip
 

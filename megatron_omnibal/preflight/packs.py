@@ -1,12 +1,17 @@
-"""The micro-batches a preflight trains: the largest each packing level's budgets allow, then
-typical ones from the balanced stream.
+"""The micro-batches a preflight trains: the largest each packing level's budgets allow, with
+`--calibrate` a spread of sizes up to it, then typical ones from the balanced stream.
 
 Why the largest: a stage's activation memory grows with the tiles and tokens of each micro-batch
 it holds, and no balanced pack exceeds its level's budgets (the `solo` oversize policy aside, whose
 samples the length file names). A step whose every micro-batch is one sample filling both budgets
 (as many real tiles as the tokens hold, every other token text) therefore bounds every stage's
 in-flight memory under any schedule order, and its single long sample bounds attention too.
-Pure numpy: no torch.
+
+Why a spread: balanced micro-batches and the largest one differ little in size (within ~20%), too
+little to tell a layer's time per token from its attention's time per squared length; a fit
+that cannot tell them apart extrapolates wildly to longer micro-batches (a padded baseline's
+run up to ~1.7 times the token budget). One sample each at 1/m, 2/m, .., m/m of the largest
+spans a factor m (run twice, rising and falling: preflight/run.py). Pure numpy: no torch.
 """
 
 from __future__ import annotations
@@ -47,6 +52,18 @@ def worst_packs(levels: tuple[Level, ...], tokens_per_tile: int) -> tuple[WorstP
         tiles = min(lv.vit_budget, (lv.token_budget - 2) // tokens_per_tile)
         out.append(WorstPack(level=index, tiles=tiles, tokens=lv.token_budget,
                              micro_batches=lv.micro_batches))  # fmt: skip
+    return tuple(out)
+
+
+def spread_packs(pack: WorstPack, tokens_per_tile: int) -> tuple[WorstPack, ...]:
+    """The spread step's micro-batches of `pack`'s level: micro-batch k (of the level's m) one
+    sample of k/m of its tokens (at least 2) and as many of its tiles as those tokens hold."""
+    m = pack.micro_batches
+    out = []
+    for k in range(1, m + 1):
+        tokens = max(2, round(pack.tokens * k / m))
+        tiles = min(round(pack.tiles * k / m), (tokens - 2) // tokens_per_tile)
+        out.append(WorstPack(level=pack.level, tiles=tiles, tokens=tokens, micro_batches=m))
     return tuple(out)
 
 

@@ -14,7 +14,8 @@ from statistics import mean, median
 from typing import Any
 
 GIB = 2.0**30
-WORST = "worst"  # step labels: "worst level L", "typical", "warm-up"
+WORST = "worst"  # step labels: "worst level L", "spread level L", "typical", "warm-up"
+SPREAD = "spread"
 TYPICAL = "typical"
 WARM_UP = "warm-up"
 

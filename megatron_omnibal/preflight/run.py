@@ -17,8 +17,9 @@ from typing import Any
 
 from megatron_omnibal.preflight.measure import StepMeter
 from megatron_omnibal.preflight.options import PreflightOptions, parse, without_long_run_flags
-from megatron_omnibal.preflight.packs import WorstPack, worst_lengths, worst_packs
+from megatron_omnibal.preflight.packs import WorstPack, spread_packs, worst_lengths, worst_packs
 from megatron_omnibal.preflight.report import (
+    SPREAD,
     TYPICAL,
     WARM_UP,
     WORST,
@@ -36,21 +37,23 @@ def training_flags(rest: Sequence[str]) -> list[str]:
 
 class PreflightStream:
     """Megatron's training iterator: one warm-up step of the balanced stream, the largest
-    micro-batches of each level, then typical steps of the balanced stream."""
+    micro-batches of each level (with `--calibrate` a spread of sizes up to them), then typical
+    steps of the balanced stream."""
 
-    def __init__(self, labels: list[str], worst: dict[str, tuple[Any, int]], typical: Any,
+    def __init__(self, labels: list[str], fixed: dict[str, tuple[list[Any], int]], typical: Any,
                  meter: StepMeter) -> None:  # fmt: skip
         self.meter = meter  # hears of every micro-batch's size, for the calibration
         self.labels = labels
-        self.worst = worst  # label -> (micro-batch, micro-batches per step)
+        self.fixed = fixed  # label -> (its micro-batches in order, cycled; micro-batches per step)
         self.typical = typical
         self.step = -1
         self.left = 0
+        self.index = 0  # of the next micro-batch in its step
 
     def micro_batches_of_next_step(self) -> int:
         label = self.labels[self.step + 1]
-        if label in self.worst:
-            return self.worst[label][1]
+        if label in self.fixed:
+            return self.fixed[label][1]
         return self.typical.micro_batches_of_next_step()
 
     def __iter__(self) -> PreflightStream:
@@ -60,9 +63,15 @@ class PreflightStream:
         if self.left == 0:
             self.left = self.micro_batches_of_next_step()
             self.step += 1
+            self.index = 0
         self.left -= 1
         label = self.labels[self.step]
-        batch = self.worst[label][0] if label in self.worst else next(self.typical)
+        if label in self.fixed:
+            batches = self.fixed[label][0]
+            batch = batches[self.index % len(batches)]
+        else:
+            batch = next(self.typical)
+        self.index += 1
         if self.meter.steps:
             cu = batch.cu_seqlens.tolist()
             self.meter.current.batches.append(self.meter.batch_features(
@@ -70,9 +79,16 @@ class PreflightStream:
         return batch
 
 
+# the spread's two steps: sizes rising, then falling, so that a load that changes while they
+# run (a shared machine's) does not grow or shrink with the size and bend the fit
+SPREAD_ORDERS = ("", " reversed")
+
+
 def step_labels(packs: Sequence[WorstPack], opts: PreflightOptions) -> list[str]:
     worst = [f"{WORST} level {p.level}" for p in packs for _ in range(opts.worst_steps)]
-    return [WARM_UP, *worst, *([TYPICAL] * opts.typical_steps)]
+    spread = [f"{SPREAD} level {p.level}{order}" for p in packs for order in SPREAD_ORDERS]
+    spread = spread if opts.calibrate is not None else []
+    return [WARM_UP, *worst, *spread, *([TYPICAL] * opts.typical_steps)]
 
 
 def build_stream(meter: StepMeter, opts: PreflightOptions, settings: Any, spec: Any,
@@ -87,17 +103,26 @@ def build_stream(meter: StepMeter, opts: PreflightOptions, settings: Any, spec: 
     args = get_args()
     typical, _, _ = build_data_iterators(settings, spec)
     packs = worst_packs(settings.balance.all_levels, spec.tokens_per_tile)
-    lengths = worst_lengths(packs)
     pixels = settings.layouts[parallel_state.get_pipeline_model_parallel_rank()].patch_embed
-    worst = {}
-    for i, p in enumerate(packs):
-        batch = collate([synthetic_sample(i, lengths, spec, seed=args.seed, pixels=pixels)])
-        batch.level = p.level
-        worst[f"{WORST} level {p.level}"] = (batch, p.micro_batches)
+
+    def batches(of: tuple[WorstPack, ...]) -> list[Any]:
+        lengths, out = worst_lengths(of), []
+        for i, p in enumerate(of):
+            out.append(collate([synthetic_sample(i, lengths, spec, seed=args.seed,
+                                                 pixels=pixels)]))  # fmt: skip
+            out[-1].level = p.level
+        return out
+
+    fixed = {}
+    for p in packs:
+        fixed[f"{WORST} level {p.level}"] = (batches((p,)), p.micro_batches)
+        rising = batches(spread_packs(p, spec.tokens_per_tile))
+        for order, sizes in zip(SPREAD_ORDERS, (rising, rising[::-1]), strict=True):
+            fixed[f"{SPREAD} level {p.level}{order}"] = (sizes, p.micro_batches)
     meter.labels = step_labels(packs, opts)
     # Megatron's loop reads it every iteration; a run resumed with --load counts on from there
     args.train_iters = args.iteration + len(meter.labels)
-    return PreflightStream(meter.labels, worst, typical, meter), None, None
+    return PreflightStream(meter.labels, fixed, typical, meter), None, None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

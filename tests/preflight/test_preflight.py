@@ -229,7 +229,11 @@ def _check_calibration(report, profile, plan, lengths_file, tmp_path):
     by_name = {layer["name"]: layer for layer in doc["layers"]}
     for st, sp in zip(report["stages"], plan.stages, strict=True):
         runs = st["measured"]["runs"]
-        assert [r["label"] for r in runs] == ["worst level 0", "typical"]
+        assert [r["label"] for r in runs] == ["worst level 0", "spread level 0",
+                                              "spread level 0 reversed", "typical"]
+        # the spread: one sample each of 1/2 and 2/2 of the largest's 160 tokens, then reversed
+        assert [b[1:] for b in runs[1]["batches"]] == [[80, 80**2], [160, 160**2]]
+        assert runs[2]["batches"] == runs[1]["batches"][::-1]
         for run in runs:  # per micro-batch, aligned; its layers run inside the stage's forward
             n = len(run["batches"])
             assert n == len(run["call_ms"]) == len(run["forward_ms"]) == len(run["backward_ms"])

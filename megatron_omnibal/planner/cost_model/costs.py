@@ -278,6 +278,8 @@ def profile_cost_model(doc: dict, where: str = "profile", dp: int = 1) -> CostMo
     if np.any(attention > 0):
         shares[:, 2] = np.where(timed, attention / safe, 0.0) / float(sumsq)
     shares[:, 3] = np.where(timed, fixed / safe, 0.0)
+    if not np.any(forward[:, None] * shares[:, :3] > 0):
+        _no_size_term(where, costs.names, forward, fixed)
 
     def scaled(values: np.ndarray) -> np.ndarray:
         return np.asarray(values, np.float64)[:, None] * shares
@@ -310,6 +312,22 @@ def profile_cost_model(doc: dict, where: str = "profile", dp: int = 1) -> CostMo
         0.0,
         options.get("step_overhead_ms", 0.0),
         options.get("p2p_ms"),
+    )
+
+
+def _no_size_term(where: str, names: tuple[str, ...], forward: np.ndarray,
+                  fixed: np.ndarray) -> None:  # fmt: skip
+    """Raise for a profile none of whose time grows with a micro-batch's tiles or tokens: the
+    balancer evens out modeled time per tile and token, and every pack would cost the same."""
+    timed = np.flatnonzero(forward > 0)
+    if len(timed) == 0:
+        raise ValueError(f"{where}: every layer's 'forward_ms' is 0: no time to plan with")
+    i = int(timed[0])
+    raise ValueError(
+        f"{where}: every layer's time is its 'fixed_ms' (the first, layer {i} ('{names[i]}'): "
+        f"'fixed_ms' {fixed[i]} of 'forward_ms' {forward[i]}), so no time grows with a "
+        "micro-batch's tiles or tokens and there is nothing to balance: give at least one "
+        "layer a 'forward_ms' above its 'fixed_ms' + 'attention_ms'"
     )
 
 
