@@ -70,6 +70,8 @@ def cases(tmp_path_factory):
         _stage(v, 4, (4, 4), (v, v + 1), False) for v in (1, 2, 3)
     ]
     plan_vpp = _plan(tmp / "plan_vpp.json", real, chunks, pack_cost=None)
+    vpp_data = json.loads(Path(plan_vpp).read_text())["data"]
+    vpp_top = f"{vpp_data['vit_budget']}/{vpp_data['token_budget']}"  # the plan's budgets
     old = json.loads(Path(plan_ok).read_text())
     old["version"] = 1
     plan_v1 = tmp / "plan_v1.json"
@@ -160,8 +162,10 @@ def cases(tmp_path_factory):
          f"--omnibal-plan {plan_vpp} has vpp 2 (interleaved 1F1B): the micro-batches per step "
          "(--global-batch-size 3 / DP 1 = 3) must be a multiple of "
          "--pipeline-model-parallel-size 2"),
-        ([*base, "--omnibal-plan", plan_vpp, "--omnibal-levels", "8/80x3,16/160x2"],
-         f"--omnibal-levels with --omnibal-plan {plan_vpp} (vpp 2): packing levels run 1F1B"),
+        ([*base, "--omnibal-plan", plan_vpp, "--omnibal-levels", f"1/64x3,{vpp_top}x2"],
+         f"--omnibal-levels / the plan's data.levels with --omnibal-plan {plan_vpp} "
+         "(interleaved 1F1B): level 1/64 x3 runs 3 micro-batches per step, not a multiple of "
+         "--pipeline-model-parallel-size 2"),
     ]  # fmt: skip
 
 

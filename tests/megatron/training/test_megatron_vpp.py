@@ -10,7 +10,8 @@ the head in rank 1's) train the same samples with PP=1's losses and apply its gr
 step. A PP=2 x vpp=2 run saved at step 2 in torch_dist resumes at the same layout and at PP=2
 without virtual stages, both continuing with PP=1's losses from the saved parameters. Runs
 started from a saved chunked checkpoint (--pretrained-checkpoint: torch format at its layout,
-torch_dist at PP=1 and PP=2 x vpp=2) begin with the saved parameters.
+torch_dist at PP=1 and PP=2 x vpp=2) begin with the saved parameters. With packing levels
+(steps of 4 and of 6 micro-batches) PP=2 x vpp=2 trains as PP=1.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ LAYOUTS = {
     "pp2": (2, 1, [4, 0], [2, 4], None),
     "tied_pp2v2": (2, 2, [2, 1, 1, 0], [0, 0, 3, 3], None),
 }
+# packing levels (steps of the short level first, then one of the top level), trained by
+# levels_pp1 and levels_pp2v2
+LEVELS = ("--omnibal-levels", f"8/80x4,16/160x{MICRO}")
 TIED = ("pp3v2", "tied_pp2v2")  # layouts trained with a tied output head (and tied_pp1)
 EMBEDDING, HEAD = "embedding.word_embeddings.weight", "output_layer.weight"
 
@@ -139,6 +143,8 @@ def runs(lengths_file: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
                                                          str(ckpt_torch), *start), start_env),
         "from_dist": _run(2, tmp / "from_dist", _flags(plans["pp2v2"], "--pretrained-checkpoint",
                                                        str(ckpt), *start), start_env),
+        "levels_pp1": _run(1, tmp / "levels_pp1", _flags(plans["pp1"], *LEVELS), env),
+        "levels_pp2v2": _run(2, tmp / "levels_pp2v2", _flags(plans["pp2v2"], *LEVELS), env),
         "from_dist_pp1": _run(1, tmp / "from_dist_pp1", _flags(plans["pp1"],
                                                                "--pretrained-checkpoint",
                                                                str(ckpt), *start), start_env),
@@ -238,3 +244,20 @@ def test_a_run_starts_from_a_chunked_checkpoint(runs: dict, name: str, source: s
     assert {r["start"] for r in runs[name].records.values()} == {0}
     assert len(_losses(runs[name])) == MICRO
     assert _losses(runs["from_dist"]) == pytest.approx(_losses(runs["from_dist_pp1"]), rel=1e-5)
+
+
+def test_packing_levels_run_their_micro_batches_through_the_chunks(runs: dict) -> None:
+    """Steps of the 8/80 x4 level and of the 16/160 x6 one: each chunk of each rank runs each
+    step's micro-batches, and the run applies PP=1's losses and gradients."""
+    ref, got = runs["levels_pp1"], runs["levels_pp2v2"]
+    levels = [m["level"] for m in head_micro(got.records)]
+    assert levels[:4] == [0] * 4 and levels.count(0) % 4 == 0 and levels.count(1) % MICRO == 0
+    assert levels.count(0) // 4 + levels.count(1) // MICRO == ITERS and 1 in levels
+    assert [m["indices"] for m in head_micro(got.records)] == [
+        m["indices"] for m in head_micro(ref.records)
+    ]
+    for rec in got.records.values():
+        per_chunk = [[m["indices"] for m in rec["micro"] if m["chunk"] == c] for c in range(2)]
+        assert per_chunk[0] == per_chunk[1] and len(per_chunk[0]) == len(levels)
+    assert _losses(got) == pytest.approx(_losses(ref), rel=1e-5)
+    assert_same_grads(step_grads(got.out), step_grads(ref.out))
