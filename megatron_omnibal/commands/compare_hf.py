@@ -67,12 +67,6 @@ def _layout(args: argparse.Namespace, ckpt) -> tuple[list, int]:
     same = tp == ckpt.tp and [(s.vit_layers, s.llm_layers) for s in layouts] == [
         (s.vit_layers, s.llm_layers) for s in ckpt.layouts
     ]
-    if ckpt.format == "torch" and ckpt.pp != len(ckpt.layouts):
-        raise ValueError(
-            f"{ckpt.path} is a torch-format checkpoint of {len(ckpt.layouts)} virtual stages "
-            f"over PP {ckpt.pp} (model chunks): compare-hf runs one stage per rank; export it "
-            "(omnibal convert megatron-to-hf) or compare a torch_dist checkpoint"
-        )
     if ckpt.format == "torch" and not same:
         raise ValueError(
             f"{ckpt.path} is a torch-format checkpoint: it loads only at its own layout "
@@ -112,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             f"--nproc-per-node={tp * len(layouts)}", "-m",
             "megatron_omnibal.megatron.compare.compare_worker", "--ckpt", str(ckpt.path),
             "--format", ckpt.format, "--spec", json.dumps(hf.spec.to_dict()), "--tp", str(tp),
-            "--stages", json.dumps([st.to_dict() for st in layouts]),
+            "--ckpt-pp", str(ckpt.pp), "--stages", json.dumps([st.to_dict() for st in layouts]),
             "--samples", str(work / "samples.pt"), "--out", str(work),
         ]  # fmt: skip
         if args.sequence_parallel:

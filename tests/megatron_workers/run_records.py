@@ -1,6 +1,7 @@
 """Read back what train_record.py wrote for one torchrun: per-rank records, the head stage's
 micro-batches, the gradients of each optimizer step and the parameters at a step, merged over
-the pipeline stages by model-wide name (the same at every layout)."""
+the pipeline stages by model-wide name (the same at every layout). A test imports it (and
+WORKER, the script) after putting this folder on sys.path."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+WORKER = Path(__file__).resolve().with_name("train_record.py")
 
 
 def records(out: Path) -> dict[int, dict]:
@@ -65,6 +68,17 @@ def params(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
             merged[name] = value
             stage[name] = recs[rank]["pp_rank"]
     return merged, stage
+
+
+def built_params(out: Path) -> dict[str, torch.Tensor]:
+    """{global name: tensor} of every rank's parameters as built, before any weights were set
+    (RECORD_BUILT_PARAMS); a name on two ranks must hold equal tensors."""
+    merged: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(out).glob("built*.pt")):
+        for name, value in torch.load(file, weights_only=True).items():
+            assert name not in merged or torch.equal(merged[name], value), name
+            merged[name] = value
+    return merged
 
 
 def recorded_run(

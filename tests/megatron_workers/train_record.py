@@ -19,6 +19,10 @@ recomputed layer); "recomputed" counts, per layer, the forwards run during backw
 With OMNIBAL_TEST_WEIGHTS=SEED a run that starts at step 0 sets every parameter from its global
 name and SEED (the same weights at any pipeline split); with OMNIBAL_TEST_GRADS=1 the gradient
 each optimizer step applies is saved per global name to OUT_DIR/grads_rank{R}.pt.
+A tied output head's copy of the embedding (`output_layer.weight` beside a stage's
+`embedding.word_embeddings.weight` elsewhere) takes the embedding's test weights. With
+RECORD_BUILT_PARAMS=1 the parameters as the model chunks were built (before the test weights)
+go to OUT_DIR/built{R}.pt under their model-wide names.
 With RECORD_PARAMS_AT_STEP=S, the stage's parameters as step S runs (after S optimizer steps, or
 as loaded) go to OUT_DIR/params{R}.pt under their model-wide names.
 """
@@ -42,6 +46,7 @@ RECORDS: list[dict] = []
 STATE: dict = {"in_forward_step": False, "checkpointed": [], "recomputed": Counter()}
 GRADS: list[dict] = []
 PARAMS_AT = os.environ.get("RECORD_PARAMS_AT_STEP")
+EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def _stage(model):
@@ -52,11 +57,13 @@ def _stage(model):
     return model
 
 
-def _test_weights(names: dict, seed: int) -> None:
-    """Every parameter from its global name: norms around 1, the rest small."""
+def _test_weights(names: dict, seed: int, tied: bool = False) -> None:
+    """Every parameter from its global name (a tied head's copy from the embedding's): norms
+    around 1, the rest small."""
     with torch.no_grad():
         for name, p in names.items():
-            g = torch.Generator().manual_seed(zlib.crc32(name.encode()) ^ seed)
+            key = EMBEDDING if tied and name == "output_layer.weight" else name
+            g = torch.Generator().manual_seed(zlib.crc32(key.encode()) ^ seed)
             value = 0.05 * torch.randn(p.shape, generator=g)
             if p.dim() == 1 and "norm" in name and name.endswith("weight"):
                 value += 1.0
@@ -98,9 +105,11 @@ def _first_call(source, stage) -> None:
     from megatron_omnibal.megatron.stages.model import global_named_parameters
 
     names = global_named_parameters(stage)
+    if os.environ.get("RECORD_BUILT_PARAMS"):
+        STATE.setdefault("built", {}).update({n: p.detach().clone() for n, p in names.items()})
     seed = os.environ.get("OMNIBAL_TEST_WEIGHTS")
     if seed is not None and source.start_step == 0:
-        _test_weights(names, int(seed))
+        _test_weights(names, int(seed), stage.spec.llm.tie_embeddings)
     if os.environ.get("OMNIBAL_TEST_GRADS"):
         _record_grads(names)
     _watch_layers(stage)
@@ -183,6 +192,8 @@ def run() -> int:
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     if GRADS:
         torch.save(GRADS, out / f"grads_rank{dist.get_rank()}.pt")
+    if "built" in STATE:
+        torch.save(STATE["built"], out / f"built{dist.get_rank()}.pt")
     if "params" in STATE:
         torch.save(STATE["params"], out / f"params{dist.get_rank()}.pt")
     return 0

@@ -50,17 +50,20 @@ def build_stage(
 
 
 def load_megatron_checkpoint(model: torch.nn.Module, path: Path, fmt: str, pp: int) -> None:
-    """Fill `model` from an iteration directory of a Megatron checkpoint: a torch-format file
-    of this very (TP, PP) rank, or a torch_dist checkpoint at any layout."""
+    """Fill `model` from an iteration directory of a Megatron checkpoint: a torch-format
+    checkpoint at this very layout (its `pp` ranks' files; with model chunks, fewer ranks than
+    stages, this rank's stage is virtual stage v, chunk v // pp of rank v % pp's file), or a
+    torch_dist checkpoint at any layout."""
     from megatron.core import parallel_state as ps
 
     from megatron_omnibal.megatron.checkpoint.hf_checkpoint import rank_dir
 
     if fmt == "torch":
-        tp_rank = ps.get_tensor_model_parallel_rank()
-        f = rank_dir(path, tp_rank, ps.get_pipeline_model_parallel_rank(), pp)
+        stage = ps.get_pipeline_model_parallel_rank()
+        f = rank_dir(path, ps.get_tensor_model_parallel_rank(), stage % pp, pp)
         state = torch.load(f / "model_optim_rng.pt", map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"], strict=True)
+        chunked = ps.get_pipeline_model_parallel_world_size() > pp
+        model.load_state_dict(state[f"model{stage // pp}" if chunked else "model"], strict=True)
         return
     from megatron.core import dist_checkpointing
 

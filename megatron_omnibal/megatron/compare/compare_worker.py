@@ -3,7 +3,7 @@ layout, one forward pass of the probe samples, its outputs saved for the compari
 
 python -m torch.distributed.run --nproc-per-node N
 -m megatron_omnibal.megatron.compare.compare_worker
---ckpt ITERATION_DIR --format torch|torch_dist --spec JSON --tp T --stages JSON
+--ckpt ITERATION_DIR --format torch|torch_dist --spec JSON --tp T --ckpt-pp P --stages JSON
 [--sequence-parallel] --samples FILE --out DIR
 """
 
@@ -22,6 +22,7 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--format", choices=("torch", "torch_dist"), required=True)
     parser.add_argument("--spec", required=True)
     parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--ckpt-pp", type=int, required=True)
     parser.add_argument("--stages", required=True)
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--samples", type=Path, required=True)
@@ -52,7 +53,7 @@ def main(argv: Sequence[str]) -> None:
     )
     init_parallel(layouts, args.tp)
     model = build_stage(spec, layouts, args.sequence_parallel)
-    load_megatron_checkpoint(model, args.ckpt, args.format, len(layouts))
+    load_megatron_checkpoint(model, args.ckpt, args.format, args.ckpt_pp)
     model.float()
     samples = [Sample(**s) for s in torch.load(args.samples)]
     outputs = forward_outputs(model, collate(samples), spec.llm.vocab_size)

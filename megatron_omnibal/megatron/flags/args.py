@@ -377,6 +377,8 @@ def validate_omnibal_args(
     vit_budget, token_budget = _budgets(args, plan)
     lengths, lengths_sha256 = _node_lengths(args, plan, tokens_per_tile)
     balance = _balance_config(args, plan, dp, micro, vit_budget, token_budget)
+    if vpp > 1:
+        _check_interleaved_levels(args, balance.levels)
     try:  # each level's recompute must fit its stages: checked before any process group
         level_recompute(layouts, balance.levels)
     except LayoutError as exc:
@@ -522,9 +524,9 @@ def _check_plan_sizes(plan: Plan, args: argparse.Namespace, micro: int) -> None:
 
 
 def _check_interleaved(args: argparse.Namespace, micro: int, vpp: int) -> None:
-    """Megatron's conditions for the interleaved schedule a plan with vpp > 1 runs, checked
+    """Megatron's condition for the interleaved schedule a plan with vpp > 1 runs, checked
     before any process group: micro-batches per step divisible by the pipeline size (its
-    micro-batch groups), no packing levels (a step's count is the level's)."""
+    micro-batch groups)."""
     pp, where = args.pipeline_model_parallel_size, f"--omnibal-plan {args.omnibal_plan}"
     if micro % pp:
         raise OmnibalArgsError(
@@ -532,10 +534,20 @@ def _check_interleaved(args: argparse.Namespace, micro: int, vpp: int) -> None:
             f"(--global-batch-size {args.global_batch_size} / DP {args.data_parallel_size} = "
             f"{micro}) must be a multiple of --pipeline-model-parallel-size {pp}"
         )
-    if getattr(args, "omnibal_levels", None):
-        raise OmnibalArgsError(
-            f"--omnibal-levels with {where} (vpp {vpp}): packing levels run 1F1B only"
-        )
+
+
+def _check_interleaved_levels(args: argparse.Namespace, levels: tuple[Level, ...]) -> None:
+    """Each packing level's micro-batches per step (a step runs its level's count) divisible
+    by the pipeline size, as the interleaved schedule needs of every step."""
+    pp = args.pipeline_model_parallel_size
+    for lv in levels:
+        if lv.micro_batches % pp:
+            raise OmnibalArgsError(
+                f"--omnibal-levels / the plan's data.levels with --omnibal-plan "
+                f"{args.omnibal_plan} (interleaved 1F1B): level {lv.vit_budget}/"
+                f"{lv.token_budget} x{lv.micro_batches} runs {lv.micro_batches} micro-batches "
+                f"per step, not a multiple of --pipeline-model-parallel-size {pp}"
+            )
 
 
 def _node_lengths(

@@ -117,10 +117,12 @@ class VLMStage(MegatronModule):
         self.num_stages = len(layouts)
         self.configs = configs
         # finalize_model_grads finds the model by `pre_process` and reduces the gradient of a
-        # tied embedding between the embedding's stage and the head's.
+        # tied embedding between the embedding's stage and the head's: with one chunk per
+        # rank; with model chunks tied_head.py sums it instead (finalize_tied_grads).
         self.pre_process = stage == 0
         self.post_process = stage == self.num_stages - 1
-        self.share_embeddings_and_output_weights = spec.llm.tie_embeddings
+        self.tied = spec.llm.tie_embeddings
+        self.share_embeddings_and_output_weights = self.tied and vp_stage is None
         self.capture: dict[str, torch.Tensor] | None = None
         self.level_recompute = tuple(level_recompute)
         self.vp_stage = vp_stage
@@ -235,7 +237,7 @@ class VLMStage(MegatronModule):
     def _tied_on_this_stage(self) -> bool:
         """A tied head on the embedding's own stage (it uses the embedding's weight)."""
         lay = self.layout
-        return self.share_embeddings_and_output_weights and lay.llm_embed and lay.head
+        return self.tied and lay.llm_embed and lay.head
 
     def shared_embedding_or_output_weight(self) -> torch.nn.Parameter | None:
         """The tied word embedding (embedding stage) or its copy in the head (last stage)."""
@@ -248,8 +250,9 @@ class VLMStage(MegatronModule):
     def _setup_tied_head(self) -> None:
         """Tied embeddings across stages, as megatron-core's LanguageModule: the head's copy
         starts equal to the embedding (zero + all-reduce over the embedding group), and the
-        gradients are summed there by finalize_model_grads."""
-        if not self.share_embeddings_and_output_weights or self._tied_on_this_stage:
+        gradients are summed there by finalize_model_grads. A model chunk leaves the sum to
+        tied_head.tie_chunks, once the rank has built all its chunks."""
+        if not self.tied or self._tied_on_this_stage:
             return
         weight = self.shared_embedding_or_output_weight()
         if weight is None:
@@ -259,6 +262,8 @@ class VLMStage(MegatronModule):
             weight.shared = True  # counted once in the gradient norm
             with torch.no_grad():
                 weight.zero_()
+        if self.vp_stage is not None:
+            return
         if torch.distributed.is_initialized() and parallel_state.is_rank_in_embedding_group():
             torch.distributed.all_reduce(weight.data, group=parallel_state.get_embedding_group())
 
@@ -274,7 +279,7 @@ class VLMStage(MegatronModule):
         key = f"{prefix}output_layer.weight"
         if key not in state:
             return state
-        if self.share_embeddings_and_output_weights:
+        if self.tied:
             dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
             state[key] = make_tp_sharded_tensor_for_checkpoint(
                 tensor=self.output_layer.weight,

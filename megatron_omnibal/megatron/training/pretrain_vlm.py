@@ -148,11 +148,6 @@ def prepare(argv: list[str]) -> tuple[list[str], OmnibalSettings, Any, ResumePla
         source = open_source(
             settings.source, settings.lengths, spec, pixels=False, by_epoch=settings.by_epoch
         )
-    if settings.vpp > 1 and spec.llm.tie_embeddings:
-        raise OmnibalArgsError(
-            f"--omnibal-plan {pre.omnibal_plan} has vpp {settings.vpp}: a tied output head "
-            "(tie_embeddings) trains with one model chunk per rank only; re-plan with --vpp 1"
-        )
     resume = check_resume(settings, spec.vit.num_attention_heads)
     if len(settings.layouts) > 1:  # Megatron builds, numbers and counts the layers as laid out
         argv += ["--pipeline-model-parallel-layout", megatron_layout_flag(settings.layouts)]
@@ -375,7 +370,7 @@ def train(
         data_provider,
         ModelType.encoder_or_decoder,
         forward_step_func or forward_step,
-        model_provider=partial(_model_provider, settings, spec, config_overrides(args)),
+        model_provider=partial(_model_provider, settings, spec, config_overrides(args), []),
         # A tied output head's gradient is summed with the embedding's between their stages.
         get_embedding_ranks=embedding_ranks(settings.layouts, settings.pp_size),
         get_position_embedding_ranks=_first_rank,
@@ -482,15 +477,19 @@ def _model_provider(
     settings: OmnibalSettings,
     spec: Any,
     overrides: dict[str, Any],
+    built: list[Any],
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
     pg_collection: Any = None,
     **_: Any,
 ) -> Any:
+    """This rank's stage, or its model chunk `vp_stage` (appended to `built`: with a tied
+    output head the rank's chunks are tied once the last is built, tied_head.py)."""
     from megatron_omnibal.megatron.stages.provider import vlm_model_provider
+    from megatron_omnibal.megatron.stages.tied_head import tie_chunks
 
-    return vlm_model_provider(
+    chunk = vlm_model_provider(
         spec,
         list(settings.layouts),
         pre_process,
@@ -501,6 +500,11 @@ def _model_provider(
         finetune=settings.finetune,
         level_recompute=settings.level_recompute,
     )
+    if vp_stage is not None:
+        built.append(chunk)
+        if vp_stage == settings.vpp - 1 and spec.llm.tie_embeddings:
+            tie_chunks(built)
+    return chunk
 
 
 def balanced_sampler(settings: OmnibalSettings, dp_rank: int, plans: Any = None) -> Any:

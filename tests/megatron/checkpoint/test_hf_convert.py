@@ -369,7 +369,9 @@ def test_bad_input_names_the_problem(models, tmp_path: Path) -> None:
 def test_a_plan_with_virtual_stages_converts_and_exports_bit_for_bit(models, tmp_path: Path):
     """A plan of PP 2 x 2 chunks per rank (the ViT over the first chunks of both ranks): the
     torch format holds each rank's chunks as `model0`, `model1` in the rank's file, as
-    megatron.training saves them; torch and torch_dist both export the original tensors."""
+    megatron.training saves them; torch and torch_dist both export the original tensors, and
+    transformers' forward equals the stages' (compare-hf: torch at its layout, one virtual
+    stage per rank; torch_dist on one stage)."""
     from dataclasses import asdict, replace
 
     from megatron_omnibal.data.lengths import load_lengths
@@ -405,8 +407,16 @@ def test_a_plan_with_virtual_stages_converts_and_exports_bit_for_bit(models, tmp
             # rank 1's first chunk is virtual stage 1: ViT layers 2.. and the projector
             assert any(k.startswith("projector.") for k in rank1["model0"])
             assert not any(k.startswith("vit.") for k in rank1["model1"])
-            refused = omnibal("compare-hf", str(built.path), str(ckpt), check=False)
-            assert refused.returncode != 0 and "model chunks" in refused.stderr
+            # each virtual stage on a rank of its own, filled from its rank's chunk
+            report = json.loads(omnibal("compare-hf", str(built.path), str(ckpt)).stdout)
+            assert report["pp"] == 4 and report["llm_pp_layers"] == [0, 1, 2, 1]
+        else:  # read by key at any layout: one stage
+            report = json.loads(omnibal("compare-hf", str(built.path), str(ckpt),
+                                        "--omnibal-vit-pp-layers", str(spec.vit.num_layers),
+                                        "--omnibal-llm-pp-layers", "4").stdout)  # fmt: skip
+            assert report["pp"] == 1
+        assert report["ok"] and report["checkpoint_format"] == fmt
+        assert max(report[k]["max_rel"] for k in ("logits", "vit", "llm")) <= 1e-4
         omnibal("convert", "megatron-to-hf", str(ckpt), "--like", str(built.path), "--out",
                 str(back), "--no-progress")  # fmt: skip
         exported = tensors(back)

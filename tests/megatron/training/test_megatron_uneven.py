@@ -26,6 +26,7 @@ pytestmark = pytest.mark.megatron
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
 from run_records import (  # noqa: E402
+    WORKER,
     assert_same_grads,
     head_micro,
     params,
@@ -33,8 +34,6 @@ from run_records import (  # noqa: E402
     step_grads,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
-WORKER = ROOT / "tests" / "megatron_workers" / "train_record.py"
 LLM_LAYERS, ITERS, SAVED, MICRO = 7, 3, 2, 2
 LAYOUTS = {  # (ViT layers per stage, LLM layers per stage)
     "pp1": ("4", "7"),
