@@ -765,52 +765,30 @@ struct Scorer {
   }
 };
 
-// A swap candidate: a sample in a pack, with what a swap needs of it (its pack kept up to date
-// at every swap), so that a scan reads its candidates in order instead of looking each one up.
-struct Candidate {
-  i64 id, pack, w, w2, tok;
+struct ByWeight {
+  i64 vit, w, id;
 };
 
-// Samples in packs by (tiles, key, id), and where each tile count starts: a count per tile
-// count places them (ids ascending within one), then each tile count's run is sorted by key.
-// `keys` holds the sorted keys apart (the binary search reads them alone); `pos` each sample's
-// place.
-struct ByKey {
-  Vec keys, cls, pos;
-  std::vector<Candidate> at;
-};
-
-ByKey sorted_by(const Data& d, const i64* key, const Vec& pack_of, i64 vit_budget) {
-  ByKey b;
-  b.cls.assign(vit_budget + 2, 0);
+// Samples in packs by (tiles, weight, id), and where each tile count starts: a count per tile
+// count places them (ids ascending within one), then each tile count's run is sorted by weight.
+std::vector<ByWeight> sorted_by(const i64* vit, const i64* w, const Vec& pack_of, i64 vit_budget,
+                                Vec& cls_start) {
+  cls_start.assign(vit_budget + 2, 0);
   const i64 n = static_cast<i64>(pack_of.size());
   for (i64 i = 0; i < n; ++i)
-    if (pack_of[i] >= 0) b.cls[d.vit[i] + 1] += 1;
-  for (i64 c = 0; c <= vit_budget; ++c) b.cls[c + 1] += b.cls[c];
-  std::vector<std::pair<i64, i64>> order(b.cls[vit_budget + 1]);  // (key, id)
-  Vec next(b.cls.begin(), b.cls.end() - 1);
+    if (pack_of[i] >= 0) cls_start[vit[i] + 1] += 1;
+  for (i64 c = 0; c <= vit_budget; ++c) cls_start[c + 1] += cls_start[c];
+  std::vector<ByWeight> by(cls_start[vit_budget + 1]);
+  Vec at(cls_start.begin(), cls_start.end() - 1);
   for (i64 i = 0; i < n; ++i)
-    if (pack_of[i] >= 0) order[next[d.vit[i]]++] = {key[i], i};
+    if (pack_of[i] >= 0) by[at[vit[i]]++] = {vit[i], w[i], i};
   for (i64 c = 0; c <= vit_budget; ++c)
-    std::sort(order.begin() + b.cls[c], order.begin() + b.cls[c + 1]);
-  b.keys.resize(order.size());
-  b.at.resize(order.size());
-  b.pos.assign(n, -1);
-  for (size_t j = 0; j < order.size(); ++j) {
-    const i64 i = order[j].second;
-    b.keys[j] = order[j].first;
-    b.at[j] = {i, pack_of[i], d.w[i], d.w2[i], d.tok[i]};
-    b.pos[i] = static_cast<i64>(j);
-  }
-  return b;
+    std::sort(by.begin() + cls_start[c], by.begin() + cls_start[c + 1],
+              [](const ByWeight& a, const ByWeight& b) {
+                return a.w != b.w ? a.w < b.w : a.id < b.id;
+              });
+  return by;
 }
-
-// What a swap reads and changes of a pack, side by side (three arrays before: three cache
-// misses per candidate where one now does).
-struct PackState {
-  i128 dev, dev2;  // weight minus target, in key units
-  i64 tokens;
-};
 
 void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targets& t,
             Packing& pk) {
@@ -823,8 +801,7 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
     score.b = static_cast<i128>(p.tol2_div) * d.sum_w;
   }
   Vec pack_of(n, -1);
-  std::vector<PackState> st(packs);
-  std::vector<i128> tol(packs), tol2(packs);
+  std::vector<i128> dev(packs), dev2(packs), tol(packs), tol2(packs);
   for (i64 q = 0; q < packs; ++q) {
     i64 sw = 0, sw2 = 0;
     for (i64 i : pk.members[q]) {
@@ -832,14 +809,15 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
       sw += w[i];
       sw2 += w2[i];
     }
-    st[q].tokens = pk.pack_tokens[q];
-    st[q].dev = sw * unit - t.target[q];
-    st[q].dev2 = sw2 * unit - t.target2[q];
+    dev[q] = sw * unit - t.target[q];
+    dev2[q] = sw2 * unit - t.target2[q];
     tol[q] = t.target[q] / p.tol_div;
     tol2[q] = t.target2[q] / p.tol2_div;
   }
-  ByKey by_w = sorted_by(d, w, pack_of, p.vit_budget), by_w2;
-  if (d.sum_w2 > 0) by_w2 = sorted_by(d, w2, pack_of, p.vit_budget);
+  Vec cls1, cls2;
+  const std::vector<ByWeight> by_w = sorted_by(vit, w, pack_of, p.vit_budget, cls1);
+  std::vector<ByWeight> by_w2;
+  if (d.sum_w2 > 0) by_w2 = sorted_by(vit, w2, pack_of, p.vit_budget, cls2);
   auto off = [](i128 dv, i128 tl, int sign) {  // over (sign > 0) / under its tolerance
     return sign > 0 ? dv > tl : dv < -UNDER_FACTOR * tl;
   };
@@ -847,13 +825,13 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
   // packs on the side of the pack it repairs), kept up to date at every swap.
   std::vector<char> over_by(packs), under_by(packs);
   auto mark = [&](i64 q) {
-    over_by[q] = st[q].dev > tol[q] || (d.sum_w2 > 0 && st[q].dev2 > tol2[q]);
-    under_by[q] = st[q].dev < -tol[q] || (d.sum_w2 > 0 && st[q].dev2 < -tol2[q]);
+    over_by[q] = dev[q] > tol[q] || (d.sum_w2 > 0 && dev2[q] > tol2[q]);
+    under_by[q] = dev[q] < -tol[q] || (d.sum_w2 > 0 && dev2[q] < -tol2[q]);
   };
   for (i64 q = 0; q < packs; ++q) mark(q);
   auto bad = [&](i64 q) {
-    return off(st[q].dev, tol[q], 1) || off(st[q].dev, tol[q], -1) ||
-           (d.sum_w2 > 0 && (off(st[q].dev2, tol2[q], 1) || off(st[q].dev2, tol2[q], -1)));
+    return off(dev[q], tol[q], 1) || off(dev[q], tol[q], -1) ||
+           (d.sum_w2 > 0 && (off(dev2[q], tol2[q], 1) || off(dev2[q], tol2[q], -1)));
   };
   // Each pack's score and the sign of the weight that sets it, as of the start of a pass: what
   // the pass's orderings compare (most off first).
@@ -880,8 +858,8 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
   };
   for (i64 pass = 0; pass < p.repair_passes && !work.empty(); ++pass) {
     for (i64 q = 0; q < packs; ++q) {
-      pass_score[q] = score(st[q].dev, st[q].dev2);
-      pass_sign[q] = static_cast<signed char>(score.sign(st[q].dev, st[q].dev2));
+      pass_score[q] = score(dev[q], dev2[q]);
+      pass_sign[q] = static_cast<signed char>(score.sign(dev[q], dev2[q]));
     }
     std::sort(work.begin(), work.end(), worse);
     for (i64 q : work) queued[q] = 0;
@@ -891,57 +869,54 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
     size_t next_over = 0, next_under = 0;
     for (i64 q0 : work) {
       if (!bad(q0)) continue;
-      const int sign = score.sign(st[q0].dev, st[q0].dev2);
-      i128 best = score(st[q0].dev, st[q0].dev2);
+      const int sign = score.sign(dev[q0], dev2[q0]);
+      i128 best = score(dev[q0], dev2[q0]);
       i64 bx = -1, by = -1;
-      // x (in q0) for y (in q, of x's tiles).
-      auto consider = [&](i64 x, const Candidate& y) {
-        const i64 q = y.pack;
-        if (q == q0) return;
-        if (st[q0].tokens - tok[x] + y.tok > p.token_budget ||
-            st[q].tokens - y.tok + tok[x] > p.token_budget)
+      auto consider = [&](i64 x, i64 y) {
+        const i64 q = pack_of[y];
+        if (q == q0 || vit[x] != vit[y]) return;
+        if (pk.pack_tokens[q0] - tok[x] + tok[y] > p.token_budget ||
+            pk.pack_tokens[q] - tok[y] + tok[x] > p.token_budget)
           return;
-        const i128 d1 = static_cast<i128>(w[x] - y.w) * unit;
-        const i128 d2 = static_cast<i128>(w2[x] - y.w2) * unit;
-        const i128 partner = score(st[q].dev + d1, st[q].dev2 + d2);  // the more often worse side
+        const i128 d1 = static_cast<i128>(w[x] - w[y]) * unit;
+        const i128 d2 = static_cast<i128>(w2[x] - w2[y]) * unit;
+        const i128 partner = score(dev[q] + d1, dev2[q] + d2);  // the more often worse side
         if (partner >= best) return;
-        const i128 cost = std::max(score(st[q0].dev - d1, st[q0].dev2 - d2), partner);
+        const i128 cost = std::max(score(dev[q0] - d1, dev2[q0] - d2), partner);
         if (cost < best) {
           best = cost;
           bx = x;
-          by = y.id;
+          by = y;
         }
       };
       // Outward from the sample that would halve q0's deviation, the first `window` candidates
       // on each side in packs not off the same way as q0 (those could not take the difference),
       // within 4 * window.
-      auto scan = [&](const ByKey& b, i64 x, i64 want) {
-        const i64 c = vit[x], lo = b.cls[c], hi = b.cls[c + 1];
-        const i64 k = std::lower_bound(b.keys.begin() + lo, b.keys.begin() + hi, want) -
-                      b.keys.begin();
+      auto scan = [&](const std::vector<ByWeight>& by_w_, const Vec& cls, i64 x, i64 want) {
+        const i64 c = vit[x], lo = cls[c], hi = cls[c + 1];
+        const i64 k = std::lower_bound(by_w_.begin() + lo, by_w_.begin() + hi, want,
+                                       [](const ByWeight& e, i64 value) { return e.w < value; }) -
+                      by_w_.begin();
         for (const i64 step : {i64{1}, i64{-1}}) {
           i64 taken = 0;
           for (i64 j = step > 0 ? k : k - 1, seen = 0;
                j >= lo && j < hi && taken < p.window && seen < 4 * p.window; j += step, ++seen) {
-            const Candidate& y = b.at[j];
-            if (sign > 0 ? over_by[y.pack] : under_by[y.pack]) continue;
-            consider(x, y);
+            const i64 q = pack_of[by_w_[j].id];
+            if (sign > 0 ? over_by[q] : under_by[q]) continue;
+            consider(x, by_w_[j].id);
             taken += 1;
           }
         }
       };
-      const i64 half = static_cast<i64>(st[q0].dev / (2 * unit));
-      const i64 half2 = d.sum_w2 > 0 ? static_cast<i64>(st[q0].dev2 / (2 * unit)) : 0;
       for (i64 x : pk.members[q0]) {
-        scan(by_w, x, w[x] - half);
-        if (d.sum_w2 > 0) scan(by_w2, x, w2[x] - half2);
+        scan(by_w, cls1, x, w[x] - static_cast<i64>(dev[q0] / (2 * unit)));
+        if (d.sum_w2 > 0) scan(by_w2, cls2, x, w2[x] - static_cast<i64>(dev2[q0] / (2 * unit)));
       }
       const Vec& other = sign > 0 ? under : over;
       size_t& at = sign > 0 ? next_under : next_over;
       for (i64 s = 0; s < p.partners && at < other.size(); ++s, ++at)
         for (i64 x : pk.members[q0])
-          for (i64 y : pk.members[other[at]])
-            if (vit[x] == vit[y]) consider(x, by_w.at[by_w.pos[y]]);
+          for (i64 y : pk.members[other[at]]) consider(x, y);
       if (bx < 0) {
         if (++fails[q0] < 8 && !queued[q0]) {  // nothing now; the packs around it may change
           queued[q0] = 1;
@@ -952,21 +927,16 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
       const i64 q = pack_of[by];
       const i128 d1 = static_cast<i128>(w[bx] - w[by]) * unit;
       const i128 d2 = static_cast<i128>(w2[bx] - w2[by]) * unit;
-      st[q0].dev -= d1;
-      st[q].dev += d1;
-      st[q0].dev2 -= d2;
-      st[q].dev2 += d2;
-      st[q0].tokens += tok[by] - tok[bx];
-      st[q].tokens += tok[bx] - tok[by];
+      dev[q0] -= d1;
+      dev[q] += d1;
+      dev2[q0] -= d2;
+      dev2[q] += d2;
+      pk.pack_tokens[q0] += tok[by] - tok[bx];
+      pk.pack_tokens[q] += tok[bx] - tok[by];
       *std::find(pk.members[q0].begin(), pk.members[q0].end(), bx) = by;
       *std::find(pk.members[q].begin(), pk.members[q].end(), by) = bx;
       pack_of[bx] = q;
       pack_of[by] = q0;
-      for (ByKey* b : {&by_w, &by_w2})
-        if (!b->pos.empty()) {
-          b->at[b->pos[bx]].pack = q;
-          b->at[b->pos[by]].pack = q0;
-        }
       mark(q0);
       mark(q);
       for (i64 s : {q0, q})
@@ -977,7 +947,6 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
     }
     work.swap(next);
   }
-  for (i64 q = 0; q < packs; ++q) pk.pack_tokens[q] = st[q].tokens;
 }
 
 struct SlotResult {
