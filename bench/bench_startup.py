@@ -27,14 +27,24 @@ set size: a page shared by k ranks counts 1/k in each, so the mapped plan counts
 every 0.2 s from /proc/PID/smaps_rollup by this process. Time: wall seconds from the launch of
 torchrun to the last rank holding its first step's data.
 
+With --record-index SIZES (e.g. 1M,3M) it measures instead what one rank holds to find a
+real data source's records: an InternVL-style JSONL annotation file of each size (an image path
+and a two-turn conversation per line, about 300 bytes) is indexed in a fresh process, side by
+side, as today's list of (dataset, record) pairs (every line's text held, the code path
+before) and as the record index (megatron/stream/record_index.py: dataset and place per sample
+over the file's byte offsets): CPU s to build it, the memory it holds (RSS after minus before),
+the peak RSS, bytes per record, and how the held memory grows per 10x records.
+
     .venv/bin/python bench/bench_startup.py [--samples 12M] [--ranks 8] [--modes node,today]
         [--work-dir DIR] [--json PATH]
+    .venv/bin/python bench/bench_startup.py --record-index 1M,3M [--work-dir DIR] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import subprocess
@@ -186,6 +196,87 @@ def one_balance(ranks: int, lengths: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# One record index in a fresh process (argv: project root, annotation file, list|index): its
+# figures as JSON, with the ids of three records read back through it.
+RECORD_CHILD = """
+import json, os, resource, sys, time
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from megatron_omnibal.data.annotations import DatasetSpec, parse_record
+from megatron_omnibal.megatron.stream.record_index import RecordIndex
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+path = Path(sys.argv[2])
+spec = DatasetSpec(path.stem, path, path.parent)
+before, cpu = rss(), time.process_time()
+if sys.argv[3] == "list":  # the code path before: (dataset, record) per length record
+    entries = [(0, r) for r in spec.records() if r.index not in ()]
+else:
+    entries = RecordIndex.build([spec.record_table()], [spec.repeats], {})
+cpu = time.process_time() - cpu
+held = rss() - before
+n = len(entries)
+ids = [parse_record(entries[i][1])["id"] for i in (0, n // 2, n - 1)]
+print(json.dumps({"records": n, "cpu_s": cpu, "held_gb": held / 1e9,
+                  "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+                  "bytes_per_record": held / n, "ids": ids}))
+"""
+RECORD_LINE = ('{{"id": {k}, "image": "coco/train2017/{k:012d}.jpg", "conversations": '
+               '[{{"from": "human", "value": "<image>\\nWhat is the person in the picture '
+               'holding, and what is it for?"}}, {{"from": "gpt", "value": "The person holds '
+               'a tennis racket ({k}), ready to return the ball across the net on a clay '
+               'court."}}]}}\n')
+
+
+def annotation_file(lines: int, folder: Path) -> Path:
+    """An InternVL-style JSONL file of `lines` records (written once, kept in `folder`)."""
+    path = folder / f"annotations_{lines}.jsonl"
+    if not path.is_file():
+        part = path.with_suffix(".part")
+        with open(part, "w") as fh:
+            for start in range(0, lines, 100_000):
+                fh.write("".join(RECORD_LINE.format(k=k)
+                                 for k in range(start, min(start + 100_000, lines))))
+        part.rename(path)
+    return path
+
+
+def record_index(sizes: list[int], folder: Path) -> list[dict]:
+    """Per size and way (list, index): the child's figures; growth per 10x records."""
+    rows = []
+    for lines in sizes:
+        path = annotation_file(lines, folder)
+        for way in ("list", "index"):
+            proc = subprocess.run([sys.executable, "-c", RECORD_CHILD, str(ROOT), str(path), way],
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(f"record index ({way}, {lines}) failed:\n{proc.stderr[-2000:]}")
+            row = {"way": way, "file_gb": path.stat().st_size / 1e9,
+                   **json.loads(proc.stdout.strip().splitlines()[-1])}
+            if row["ids"] != [0, lines // 2, lines - 1]:
+                raise SystemExit(f"record index ({way}, {lines}): read back {row['ids']}")
+            prev = next((r for r in reversed(rows) if r["way"] == way), None)
+            if prev:
+                row["held_per_10x"] = (row["held_gb"] / prev["held_gb"]) ** (
+                    1 / math.log10(row["records"] / prev["records"]))
+            rows.append(row)
+    print("record index of one rank: an InternVL-style JSONL file, today's list of (dataset, "
+          "record) pairs against the record index")
+    print(f"{'records':>12}{'file GB':>9}{'way':>7}{'CPU s':>8}{'held GB':>9}{'peak GB':>9}"
+          f"{'B/record':>10}{'held x/10x':>12}")
+    for r in rows:
+        growth = f"{r['held_per_10x']:>12.1f}" if "held_per_10x" in r else ""
+        print(f"{r['records']:>12,}{r['file_gb']:>9.2f}{r['way']:>7}{r['cpu_s']:>8.2f}"
+              f"{r['held_gb']:>9.3f}{r['peak_rss_gb']:>9.2f}{r['bytes_per_record']:>10.1f}"
+              f"{growth}")
+    for lines in sizes:
+        old, new = (next(r for r in rows if r["records"] == lines and r["way"] == w)
+                    for w in ("list", "index"))
+        print(f"{lines:,} records: list / index held memory {old['held_gb'] / new['held_gb']:.1f}x,"
+              f" build CPU {old['cpu_s'] / new['cpu_s']:.2f}x")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
@@ -197,7 +288,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="node,today", help="node, today or both")
     parser.add_argument("--work-dir", default=str(ROOT / "bench" / "results" / "startup"))
     parser.add_argument("--json", help="write the figures as JSON")
+    parser.add_argument("--record-index", metavar="SIZES",
+                        help="measure the record index at these annotation sizes instead")
     args = parser.parse_args(argv)
+    if args.record_index:
+        folder = Path(args.work_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        rows = record_index(parse_sizes(args.record_index), folder)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"record_index": rows}, indent=2))
+        return 0
     modes = [m.strip() for m in args.modes.split(",")]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:

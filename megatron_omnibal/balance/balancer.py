@@ -42,7 +42,9 @@ from megatron_omnibal.data.lengths import LengthStats
 # 3: knapsack-composed tile slots, token-bound levels by LPT, the modeled time repaired.
 # 4: video frame counts and frames drawn from their own streams (data/frames.py): other
 #    per-epoch lengths, so other packs, and other frames trained.
-PACKER_VERSION = 4
+# 5: the random layout measures packs against the packs within the budgets (oversize='solo'
+#    packs left out of the level): another layout where solo packs exist.
+PACKER_VERSION = 5
 
 _TOP_UP_SALT = 0x544F505550  # "TOPUP"
 
@@ -135,10 +137,12 @@ def _lay_out(lengths: LengthStats, config: BalanceConfig, lv: int, samples: np.n
     dominant = histograms.most_frequent(pack_id, lengths.dataset[samples], num,
                                         max(len(lengths.names), 1))
     del pack_id
-    return layout.layout(pack_sums(lengths.vit, samples, ptr),
-                         pack_sums(lengths.tokens, samples, ptr), pack_time, config.dp_size,
-                         config.all_levels[lv].micro_batches, config.mode, config.seed + lv,
-                         dominant, None if config.algorithm == "isf" else config.tail_tolerance)
+    level = config.all_levels[lv]
+    vit, tokens = pack_sums(lengths.vit, samples, ptr), pack_sums(lengths.tokens, samples, ptr)
+    solo = (vit > level.vit_budget) | (tokens > level.token_budget)  # only oversize='solo' packs
+    return layout.layout(vit, tokens, pack_time, config.dp_size, level.micro_batches,
+                         config.mode, config.seed + lv, dominant,
+                         None if config.algorithm == "isf" else config.tail_tolerance, solo)
 
 
 def balance(lengths: LengthStats, config: BalanceConfig, *, use_reference: bool = False

@@ -26,14 +26,18 @@ from megatron_omnibal.balance.core import permutation
 _LAYOUT_SALT = 0x4C41594F5554  # "LAYOUT": the layout's RNG stream differs from the packer's
 
 
-def relative_sizes(pack_vit: np.ndarray, pack_weight: np.ndarray, pack_time: np.ndarray
-                   ) -> np.ndarray:
-    """(packs, 3): tiles over the median pack's (a full one), tokens and time over their means."""
+def relative_sizes(pack_vit: np.ndarray, pack_weight: np.ndarray, pack_time: np.ndarray,
+                   solo: np.ndarray | None = None) -> np.ndarray:
+    """(packs, 3): tiles over the median pack's (a full one), tokens and time over their means,
+    the median and means over the packs not `solo` (oversize samples alone in their packs, over
+    the budgets: counted in, they would raise the level the other packs are measured by, and
+    hide the packs that are heavy among those)."""
+    basis = slice(None) if solo is None or solo.all() else ~np.asarray(solo, bool)
     out = [np.asarray(pack_vit, np.float64)]
-    out[0] = out[0] / max(float(np.median(out[0])), 1.0) if len(out[0]) else out[0]
+    out[0] = out[0] / max(float(np.median(out[0][basis])), 1.0) if len(out[0]) else out[0]
     for x in (pack_weight, pack_time):
         x = np.asarray(x, np.float64)
-        out.append(x / max(float(x.mean()), 1e-300) if len(x) else x)
+        out.append(x / max(float(x[basis].mean()), 1e-300) if len(x) else x)
     return np.stack(out, axis=1)
 
 
@@ -105,7 +109,7 @@ def tail_bands(sizes: np.ndarray, per_step: int, tolerance: float, micro_batches
 
 def layout(pack_vit: np.ndarray, pack_weight: np.ndarray, pack_time: np.ndarray, dp_size: int,
            micro_batches: int, mode: str, seed: int, pack_dataset: np.ndarray | None = None,
-           tail_tolerance: float | None = 0.015
+           tail_tolerance: float | None = 0.015, solo: np.ndarray | None = None
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(pack_step, pack_rank, pack_micro) for packs whose count is a multiple of dp*micro.
 
@@ -120,7 +124,7 @@ def layout(pack_vit: np.ndarray, pack_weight: np.ndarray, pack_time: np.ndarray,
     if num % per_step:
         raise ValueError(f"layout: {num} packs is not a multiple of dp*micro = {per_step}")
     steps = num // per_step
-    sizes = relative_sizes(pack_vit, pack_weight, pack_time)
+    sizes = relative_sizes(pack_vit, pack_weight, pack_time, solo)
     step = np.empty(num, np.int64)
     if mode == "random":
         bands, rest = (([], np.arange(num)) if tail_tolerance is None

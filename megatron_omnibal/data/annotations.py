@@ -10,12 +10,15 @@ them against the working directory; absolute paths, the usual case, mean the sam
 from __future__ import annotations
 
 import bisect
+import codecs
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from megatron_omnibal.data.conversations import SampleError
 
@@ -48,6 +51,17 @@ class DatasetSpec:
         if self.repeat_time < 1:
             records = records[:int(len(records) * self.repeat_time)]
         return records
+
+    def record_table(self) -> Sequence[RawRecord]:
+        """The records as `records()` gives them, compact where the format allows: a JSONL
+        file's as byte offsets (JsonlRecords, 8 bytes a record, each line read back when asked
+        for), so that a rank holding millions of records does not hold them as objects."""
+        if self.annotation.suffix != ".jsonl":
+            return self.records()
+        table = JsonlRecords.scan(self.annotation)
+        if self.repeat_time < 1:
+            table = table.head(int(len(table) * self.repeat_time))
+        return table
 
     def files(self) -> SampleFiles:
         """The records with their images (files under image_root)."""
@@ -159,6 +173,89 @@ def chunks(records: list[RawRecord], size: int) -> Iterator[list[RawRecord]]:
 def _jsonl_records(path: Path) -> list[RawRecord]:
     with open(path, encoding="utf-8-sig") as fh:
         return [RawRecord(i, i + 1, line) for i, line in enumerate(fh)]
+
+
+SCAN_BYTES = 1 << 24  # bytes read at a time while indexing a JSONL file
+
+
+class JsonlRecords(Sequence):
+    """A JSONL file's records as the byte offsets of their lines: record k is line k + 1, read
+    back (os.pread: no shared file position between the DataLoader's forked workers) and
+    decoded as `_jsonl_records` reads it (UTF-8, a leading byte-order mark dropped, a line's
+    `\r\n` read as `\n`)."""
+
+    def __init__(self, path: Path, starts: np.ndarray) -> None:
+        self.path = Path(path)
+        self.starts = starts  # int64, one more than the records: the last is the file's end
+        self._fd: tuple[int, int] | None = None  # (pid, fd)
+
+    @classmethod
+    def scan(cls, path: Path) -> JsonlRecords:
+        """Index `path` in one pass over its bytes (checked as UTF-8 on the way, as reading it
+        as text would check it). A file with a lone carriage return (a line break text mode
+        reads, a byte scan for newlines does not) is refused rather than split otherwise."""
+        breaks, size, bom, carried = [], 0, b"", False
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        with open(path, "rb") as fh:
+            while chunk := fh.read(SCAN_BYTES):
+                if size == 0:
+                    bom = chunk[:3] if chunk.startswith(codecs.BOM_UTF8) else b""
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as exc:
+                    raise ValueError(f"{path}: not UTF-8 at byte {size + exc.start}: "
+                                     f"{exc.reason}") from exc
+                if chunk.count(b"\r") != chunk.count(b"\r\n") + chunk.endswith(b"\r") or (
+                        carried and not chunk.startswith(b"\n")):
+                    _lone_return(path, size)
+                carried = chunk.endswith(b"\r")
+                found = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 0x0A)
+                breaks.append(found.astype(np.int64) + (size + 1))
+                size += len(chunk)
+        if carried:
+            _lone_return(path, size)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8 at its end: {exc.reason}") from exc
+        ends = np.concatenate([np.zeros(0, np.int64), *breaks])
+        if size and (len(ends) == 0 or ends[-1] != size):
+            ends = np.append(ends, size)  # a last line without its newline
+        return cls(path, np.concatenate([[len(bom)], ends]).astype(np.int64)
+                   if size > len(bom) else np.full(1, len(bom), np.int64))
+
+    def head(self, count: int) -> JsonlRecords:
+        """The first `count` records."""
+        return JsonlRecords(self.path, self.starts[:count + 1])
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, k):  # noqa: ANN001 - an int or a slice, as a list takes them
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if not -len(self) <= k < len(self):
+            raise IndexError(f"{self.path}: record {k} of {len(self)}")
+        k = k % len(self)
+        start, end = int(self.starts[k]), int(self.starts[k + 1])
+        data = os.pread(self._descriptor(), end - start, start).decode("utf-8")
+        if data.endswith("\r\n"):
+            data = data[:-2] + "\n"
+        return RawRecord(k, k + 1, data)
+
+    def _descriptor(self) -> int:
+        if self._fd is None or self._fd[0] != os.getpid():
+            self._fd = (os.getpid(), os.open(self.path, os.O_RDONLY))
+        return self._fd[1]
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "starts": self.starts, "_fd": None}
+
+
+def _lone_return(path: Path, at: int) -> None:
+    raise ValueError(f"{path}: a carriage return without a newline near byte {at} (text mode "
+                     "reads it as a line break, the record index does not): use \\n or "
+                     "\\r\\n line ends")
 
 
 def _json_list_records(path: Path) -> list[RawRecord]:

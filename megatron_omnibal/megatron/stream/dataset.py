@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from megatron_omnibal.data import conversations as conv
-from megatron_omnibal.data.annotations import RawRecord, parse_record, read_inputs, read_records
+from megatron_omnibal.data.annotations import RawRecord, parse_record, read_inputs
 from megatron_omnibal.data.energon_source import (
     EnergonOptions,
     EnergonSpec,
@@ -82,6 +82,7 @@ from megatron_omnibal.data.tiling import TilingError
 from megatron_omnibal.data.tokenization import TokenCounter
 from megatron_omnibal.data.video import VideoError, decode_frames, read_header
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan
+from megatron_omnibal.megatron.stream.record_index import RecordIndex
 from megatron_omnibal.megatron.stream.source import SourceSettings
 
 if TYPE_CHECKING:
@@ -150,15 +151,12 @@ class RealSampleSource:
         self.skipped = skipped
         self.entries = self._entries(_skipped_indices(skipped, self.specs))
 
-    def _entries(self, skipped: dict[str, set[int]]) -> list[tuple[int, RawRecord]]:
-        """(dataset, record) per length record, in the length file's order."""
-        entries: list[tuple[int, RawRecord]] = []
-        per_dataset = []
-        for d, spec in enumerate(self.specs):
-            records = [r for r in read_records(spec) if r.index not in skipped.get(spec.name, ())]
-            repeat = spec.repeats
-            entries.extend([(d, r) for r in records] * repeat)
-            per_dataset.append(len(records) * repeat)
+    def _entries(self, skipped: dict[str, set[int]]) -> RecordIndex:
+        """(dataset, record) per length record, in the length file's order (record_index)."""
+        entries = RecordIndex.build(
+            [spec.record_table() for spec in self.specs], [spec.repeats for spec in self.specs],
+            {d: skipped[spec.name] for d, spec in enumerate(self.specs) if spec.name in skipped})
+        per_dataset = entries.per_dataset().tolist()
         if self.identities is not None and len(entries) == len(self.lengths):
             now = [raw.data for _, raw in entries]
             moved = next((i for i, (a, b) in enumerate(zip(now, self.identities, strict=True))
