@@ -222,6 +222,35 @@ def _patch_torch() -> None:
     cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
 
 
+def _skip_disabled_compile() -> None:
+    # megatron/core/jit.py sets jit_fuser = torch.compile, and importing megatron.core applies it
+    # to the fused functions of core/fusions/*.py; the first call imports torch._dynamo and
+    # torch._inductor (about 0.8 s of CPU in every worker process) only to hand each function
+    # back unchanged when TORCHDYNAMO_DISABLE=1 (torch/_dynamo/eval_frame.py _optimize returns
+    # _NullDecorator, which returns the function itself). Same result without those imports;
+    # any other setting goes to torch.compile itself.
+    compile_fn = torch.compile
+    if getattr(compile_fn, "__omnibal_cpu__", False):
+        return
+
+    @functools.wraps(compile_fn)
+    def compile_or_skip(model: Any = None, **kwargs: Any) -> Any:
+        if os.environ.get("TORCHDYNAMO_DISABLE", "") != "1":
+            return compile_fn(model, **kwargs)
+        if model is None:  # used as @torch.compile(...)
+            return _unchanged
+        return _unchanged(model)
+
+    compile_or_skip.__omnibal_cpu__ = True  # type: ignore[attr-defined]
+    torch.compile = compile_or_skip  # type: ignore[assignment]
+
+
+def _unchanged(fn: Any) -> Any:
+    if not callable(fn):  # what torch's _NullDecorator raises too
+        raise AssertionError(f"A callable function is expected, but {type(fn)} is provided.")
+    return fn
+
+
 class _SameGeneratorFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
@@ -457,6 +486,7 @@ def enable_cpu_megatron() -> bool:
         return False
     ensure_typing_override()  # megatron.training on Python 3.11 (compat.py)
     _patch_torch()
+    _skip_disabled_compile()  # before megatron.core is imported (_patch_megatron)
     _patch_megatron()
     _ENABLED = True
     return True
