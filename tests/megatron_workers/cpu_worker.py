@@ -7,6 +7,7 @@ Usage: torchrun --nproc-per-node 2 cpu_worker.py OUT_DIR
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from megatron_omnibal.megatron.runtime.cpu import cpu_megatron_enabled, enable_c
 
 obs: dict = {"enabled_before": cpu_megatron_enabled(), "enable": enable_cpu_megatron()}
 obs["enable_again"] = enable_cpu_megatron()
+obs["gc_enabled_after"] = gc.isenabled()  # paused while megatron loads, then on again
 
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
@@ -358,7 +360,7 @@ def compile_checks() -> None:
     obs["compile_same"] = torch.compile(geglu) is geglu
     obs["compile_decorator_same"] = torch.compile(mode="default")(geglu) is geglu
     del os.environ["TORCHDYNAMO_DISABLE"]
-    obs["compile_enabled_wraps"] = torch.compile(geglu) is not geglu
+    obs["compile_enabled_wraps"] = torch.compile(geglu, backend="eager") is not geglu
 
 
 if __name__ == "__main__":

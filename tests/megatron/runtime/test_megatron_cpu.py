@@ -59,6 +59,7 @@ def test_enable_is_idempotent_on_cpu(obs: list[dict]) -> None:
     for o in obs:
         assert o["enabled_before"] is False
         assert o["enable"] is True and o["enable_again"] is True
+        assert o["gc_enabled_after"] is True
 
 
 def test_disabled_compile_skips_dynamo_and_enabled_compile_still_wraps(obs: list[dict]) -> None:
