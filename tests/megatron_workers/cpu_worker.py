@@ -7,6 +7,7 @@ Usage: torchrun --nproc-per-node 2 cpu_worker.py OUT_DIR
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from megatron_omnibal.megatron.runtime.cpu import cpu_megatron_enabled, enable_c
 
 obs: dict = {"enabled_before": cpu_megatron_enabled(), "enable": enable_cpu_megatron()}
 obs["enable_again"] = enable_cpu_megatron()
+obs["gc_enabled_after"] = gc.isenabled()  # paused while megatron loads, then on again
 
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
@@ -28,6 +30,9 @@ from megatron.core.tensor_parallel import (  # noqa: E402
 )
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from parallel_groups import reset_model_parallel  # noqa: E402
+
+# Before any optimizer exists (torch.optim's add_param_group imports torch._dynamo itself).
+obs["dynamo_after_imports"] = "torch._dynamo" in sys.modules
 
 SEED = 99
 
@@ -340,6 +345,24 @@ def training_import() -> None:
     )
 
 
+def compile_checks() -> None:
+    """TORCHDYNAMO_DISABLE=1 (launch.py sets it): megatron.core's jit_fuser functions are the
+    plain ones, and neither importing megatron.core nor training loaded torch._inductor's
+    compiler; torch.compile hands a function back as is, as torch does then. Without it,
+    torch.compile's own wrapper. Runs last."""
+    import os
+
+    from megatron.core.fusions.fused_bias_geglu import geglu
+
+    obs["dynamo_disabled"] = os.environ.get("TORCHDYNAMO_DISABLE")
+    obs["inductor_compiler_imported"] = "torch._inductor.compile_fx" in sys.modules
+    obs["fused_is_plain"] = type(geglu).__name__ == "function" and hasattr(geglu, "__code__")
+    obs["compile_same"] = torch.compile(geglu) is geglu
+    obs["compile_decorator_same"] = torch.compile(mode="default")(geglu) is geglu
+    del os.environ["TORCHDYNAMO_DISABLE"]
+    obs["compile_enabled_wraps"] = torch.compile(geglu, backend="eager") is not geglu
+
+
 if __name__ == "__main__":
     OUT = Path(sys.argv[1])
     dist.init_process_group("gloo")
@@ -361,6 +384,7 @@ if __name__ == "__main__":
     obs["tensor_types_after"] = [
         torch.ones(1, dtype=t).type() for t in (torch.float, torch.bfloat16)
     ]
+    compile_checks()
     torch.save(obs, OUT / f"rank{dist.get_rank()}.pt")
     ps.destroy_model_parallel()
     dist.destroy_process_group()

@@ -9,7 +9,8 @@
 - `--omnibal-allow-data-change` starts a new epoch plan at the checkpoint's sample count (oracle:
   the balanced sampler itself, and the saved run's own records).
 - A DP=2 run's text log and TensorBoard scalars (read back with tensorboard's EventAccumulator)
-  report each step's samples, tiles and tokens, per DP rank, as the ranks really read them.
+  report each step's samples, tiles and tokens, per DP rank, as the ranks really read them (the
+  run: tests/conftest.py's dp2_run, which test_megatron_training.py reads too).
 """
 
 from __future__ import annotations
@@ -237,19 +238,6 @@ def test_allowed_data_change_starts_a_new_epoch_plan_at_the_checkpoint_sample_co
         assert logged[it] == consumed
 
 
-@pytest.fixture(scope="module")
-def dp_run(lengths_file, tmp_path_factory):
-    """DP=2 (PP=1), 3 steps, TensorBoard on, every iteration logged."""
-    out = tmp_path_factory.mktemp("dp")
-    flags = _flags(lengths_file, "tiny", "--omnibal-vit-pp-layers", "4",
-                   "--omnibal-llm-pp-layers", "4", "--global-batch-size", str(2 * MICRO),
-                   "--tensorboard-dir", str(out / "tb"),
-                   "--tensorboard-log-interval", "1", "--omnibal-peak-tflops", "0.001")  # fmt: skip
-    flags[flags.index("--train-iters") + 1] = "3"
-    run = _ok(_run(2, out / "run", flags))
-    return SimpleNamespace(run=run, tb=out / "tb", records=_records(run.out))
-
-
 def _oracle_steps(records, lengths_file):
     """Per step, per DP rank: (samples, tiles, tokens) of the micro-batches each rank read."""
     data = model_lengths(load_lengths(lengths_file), 256, PRESETS["tiny"].tokens_per_tile, 8)
@@ -265,17 +253,18 @@ def _oracle_steps(records, lengths_file):
     return out
 
 
-def test_training_log_and_tensorboard_report_what_each_rank_trained(dp_run, lengths_file):
+def test_training_log_and_tensorboard_report_what_each_rank_trained(dp2_run, lengths_file):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    steps = _oracle_steps(dp_run.records, lengths_file)
-    assert len(steps) == 3
-    acc = EventAccumulator(str(dp_run.tb), size_guidance={"scalars": 0})
+    steps = _oracle_steps(dp2_run.records, lengths_file)
+    n = dp2_run.steps
+    assert len(steps) == n >= 3
+    acc = EventAccumulator(str(dp2_run.tb), size_guidance={"scalars": 0})
     acc.Reload()
 
     def scalar(name):
         events = acc.Scalars(f"omnibal/{name}")
-        assert [e.step for e in events] == [1, 2, 3], name
+        assert [e.step for e in events] == list(range(1, n + 1)), name
         return np.array([e.value for e in events])
 
     np.testing.assert_allclose(scalar("samples-per-step"), [s[:, 0].sum() for s in steps])
@@ -292,13 +281,13 @@ def test_training_log_and_tensorboard_report_what_each_rank_trained(dp_run, leng
     per_sample = [s[:, 2].sum() / s[:, 0].sum() for s in steps]
     np.testing.assert_allclose(tokens_per_s / samples_per_s, per_sample, rtol=1e-5)
 
-    log = dp_run.run.stdout
+    log = dp2_run.stdout
     consumed = np.cumsum([s[:, 0].sum() for s in steps])
     assert _consumed(log) == {i + 1: int(c) for i, c in enumerate(consumed)}
     lines = re.findall(r"omnibal: iteration\s+(\d+) \| samples/step ([\d.]+) \| tiles/step "
                        r"([\d.]+) \| tokens/step ([\d.]+) \| per-rank tokens max ([\d.]+) mean "
                        r"([\d.]+) \(max/mean ([\d.]+)\)", log)  # fmt: skip
-    assert [int(x[0]) for x in lines] == [1, 2, 3]
+    assert [int(x[0]) for x in lines] == list(range(1, n + 1))
     for (_, samples, tiles, tokens, top, mean, ratio), s in zip(lines, steps, strict=True):
         assert (float(samples), float(tiles), float(tokens)) == tuple(s.sum(axis=0))
         assert (float(top), float(mean)) == (s[:, 2].max(), s[:, 2].mean())
@@ -307,8 +296,8 @@ def test_training_log_and_tensorboard_report_what_each_rank_trained(dp_run, leng
     # samples each rank read, over the step time the tokens/s figure implies
     rates = re.findall(r"\| tokens/s ([\d.]+) .*\| model TFLOP/s/GPU ([\d.]+) \| MFU ([\d.]+)%",
                        log)  # fmt: skip
-    assert len(rates) == 3
-    for (tok_s, tflops, share), flops, s in zip(rates, _hand_flops(dp_run.records, lengths_file),
+    assert len(rates) == n
+    for (tok_s, tflops, share), flops, s in zip(rates, _hand_flops(dp2_run.records, lengths_file),
                                                 steps, strict=True):  # fmt: skip
         seconds = s[:, 2].sum() / float(tok_s)
         assert float(tflops) == pytest.approx(flops / seconds / 2 / 1e12, rel=0.02, abs=1e-3)
@@ -328,14 +317,14 @@ def _hand_flops(records, lengths_file):
             for k in range(len(by_dp[0]) // MICRO)]  # fmt: skip
 
 
-def test_startup_summary_states_layout_budgets_and_the_epoch_plan(dp_run, lengths_file):
+def test_startup_summary_states_layout_budgets_and_the_epoch_plan(dp2_run, lengths_file):
     data = model_lengths(load_lengths(lengths_file), 256, PRESETS["tiny"].tokens_per_tile, 8)
     config = BalanceConfig(dp_size=2, micro_batches=MICRO, vit_budget=16, token_budget=160,
                            seed=7)  # fmt: skip
     sampler = BalancedBatchSampler(data, config, dp_rank=0)
     plan = sampler.plan(0)
     per_step = np.bincount(plan.pack_step, np.diff(plan.pack_ptr), plan.num_steps).astype(int)
-    log = dp_run.run.stdout
+    log = dp2_run.stdout
     assert log.count("omnibal: pipeline: TP=1, PP=1, DP=2, 2 micro-batches per step") == 1
     assert ("omnibal: stage 0: patch embedding, ViT layers 0-3 (recompute 0), projector, LLM "
             "embedding, LLM layers 0-3 (recompute 0), head") in log  # fmt: skip

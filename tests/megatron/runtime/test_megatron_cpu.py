@@ -59,6 +59,16 @@ def test_enable_is_idempotent_on_cpu(obs: list[dict]) -> None:
     for o in obs:
         assert o["enabled_before"] is False
         assert o["enable"] is True and o["enable_again"] is True
+        assert o["gc_enabled_after"] is True
+
+
+def test_disabled_compile_skips_dynamo_and_enabled_compile_still_wraps(obs: list[dict]) -> None:
+    for o in obs:
+        assert o["dynamo_disabled"] == "1"
+        assert o["dynamo_after_imports"] is False, "megatron.core's import loaded torch._dynamo"
+        assert o["inductor_compiler_imported"] is False
+        assert o["fused_is_plain"] and o["compile_same"] and o["compile_decorator_same"]
+        assert o["compile_enabled_wraps"] is True
 
 
 def test_cuda_device_uses_land_on_cpu(obs: list[dict]) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from megatron_omnibal.data.lengths import load_lengths
+from tests.dp_runs import dp_epoch_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
 from run_records import assert_same_grads  # noqa: E402
@@ -55,7 +56,7 @@ def test_resume_after_stop_continues_with_the_uninterrupted_losses(lengths_file,
     `stop` (--exit-interval saves and exits), resume it from the checkpoint to `total`: the
     resumed steps read the same samples and give the same per-micro-batch losses (optimizer, LR
     schedule, RNG and data position all restored). `stop` lies in the sampler's second epoch."""
-    stop = _epoch_steps(lengths_file, dp=1) + 1
+    stop = dp_epoch_steps(lengths_file, dp=1) + 1
     total = stop + 2
     common = _flags(lengths_file, "--pipeline-model-parallel-size", "2",
                     "--omnibal-vit-pp-layers", "4,0", "--omnibal-llm-pp-layers", "1,3",
@@ -83,37 +84,11 @@ def test_resume_after_stop_continues_with_the_uninterrupted_losses(lengths_file,
     assert [m["loss"] for m in r] == pytest.approx([m["loss"] for m in w[k:]], rel=1e-6)
 
 
-def _epoch_steps(lengths_file, dp):
-    from megatron_omnibal.balance.config import BalanceConfig
-    from megatron_omnibal.balance.sampler import BalancedBatchSampler
-    from megatron_omnibal.megatron.stream.data import model_lengths
-    from megatron_omnibal.models.presets import PRESETS
-
-    data = model_lengths(load_lengths(lengths_file), 256, PRESETS["tiny"].tokens_per_tile, 8)
-    config = BalanceConfig(dp_size=dp, micro_batches=2, vit_budget=16, token_budget=160, seed=7)
-    sampler = BalancedBatchSampler(data, config, dp_rank=0)
-    return sampler.steps_per_epoch
-
-
-@pytest.fixture(scope="module")
-def dp_run(lengths_file, tmp_path_factory):
-    """One epoch of DP=2 (PP=1) training with dropout, checkpointed two steps before its end
-    (--save-interval without --exit-interval: the run goes on and its records are whole)."""
-    steps = _epoch_steps(lengths_file, dp=2)
-    stop = steps - 2
-    flags = _flags(lengths_file, "--global-batch-size", "4", "--train-iters", str(steps),
-                   "--omnibal-vit-pp-layers", "4", "--omnibal-llm-pp-layers", "4")  # fmt: skip
-    out = tmp_path_factory.mktemp("dp")
-    ckpt = out / "ckpt"
-    _ok(_torchrun(2, out / "whole", [*flags, "--save", str(ckpt), "--save-interval", str(stop)]))
-    return flags, out / "whole", ckpt, stop
-
-
-def test_data_parallel_ranks_train_each_sample_once_per_epoch(lengths_file, dp_run):
-    """DP=2 (PP=1): over one epoch of real training steps the two ranks' micro-batches hold
-    every sample exactly once, and each rank's loss counts exactly its samples' loss tokens."""
-    _, whole, _, _ = dp_run
-    records = _records(whole)
+def test_data_parallel_ranks_train_each_sample_once_per_epoch(lengths_file, dp2_run):
+    """DP=2 (PP=1, conftest's dp2_run): over one epoch of real training steps the two ranks'
+    micro-batches hold every sample exactly once, and each rank's loss counts exactly its
+    samples' loss tokens."""
+    records = dp2_run.records
     assert sorted(r["dp_rank"] for r in records.values()) == [0, 1]
     seen = Counter(i for r in records.values() for m in r["micro"] for i in m["indices"])
     assert sorted(seen) == list(range(40)) and max(seen.values()) == 1
@@ -131,17 +106,17 @@ def test_data_parallel_ranks_train_each_sample_once_per_epoch(lengths_file, dp_r
 
 
 def test_data_parallel_resume_with_dropout_continues_with_the_uninterrupted_losses(
-    dp_run, tmp_path
+    dp2_run, tmp_path
 ):
     """DP=2 with dropout: resuming from the checkpoint two steps before the end gives both ranks
     the uninterrupted run's samples and losses. The ranks' micro-batches differ in shape, so
     their dropout RNG streams diverge; each must resume with its own RNG state (rank 1 would
     differ on the first resumed step) and the all-reduced update must match (both ranks on the
     second)."""
-    flags, whole, ckpt, stop = dp_run
-    _ok(_torchrun(2, tmp_path / "resumed", [*flags, "--load", str(ckpt), "--ckpt-step",
+    flags, stop = dp2_run.flags, dp2_run.stop
+    _ok(_torchrun(2, tmp_path / "resumed", [*flags, "--load", str(dp2_run.ckpt), "--ckpt-step",
                                             str(stop)]))  # fmt: skip
-    w, r = _records(whole), _records(tmp_path / "resumed")
+    w, r = dp2_run.records, _records(tmp_path / "resumed")
     for rank in (0, 1):
         assert r[rank]["start"] == stop
         tail = w[rank]["micro"][2 * stop :]
