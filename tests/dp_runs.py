@@ -22,6 +22,20 @@ def dp_epoch_steps(lengths: Path, dp: int) -> int:
     return BalancedBatchSampler(data, config, dp_rank=0).steps_per_epoch
 
 
+def tiny_training_flags(lengths: Path, *extra: str) -> list[str]:
+    """pretrain_vlm's flags of the `tiny` training runs (budgets 16 tiles / 160 tokens, text
+    scale 8, dropout, seed 7, a `torch` checkpoint format), then `extra`."""
+    return [
+        "--omnibal", "--omnibal-model", "tiny", "--omnibal-lengths", str(lengths),
+        "--omnibal-vit-budget", "16", "--omnibal-token-budget", "160",
+        "--omnibal-text-scale", "8", "--micro-batch-size", "1", "--lr", "1e-3",
+        "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--clip-grad", "0",
+        "--transformer-impl", "local", "--ckpt-format", "torch", "--seed", "7",
+        "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--log-interval", "1",
+        *extra,
+    ]  # fmt: skip
+
+
 def dp2_training(lengths: Path, out: Path) -> SimpleNamespace:
     """One epoch of DP=2 (PP=1) training of `tiny` through pretrain_vlm (train_record.py under
     torchrun) with dropout, every iteration logged, TensorBoard on and a `torch` checkpoint two
@@ -33,16 +47,8 @@ def dp2_training(lengths: Path, out: Path) -> SimpleNamespace:
 
     steps = dp_epoch_steps(lengths, dp=2)
     stop = steps - 2
-    flags = [
-        "--omnibal", "--omnibal-model", "tiny", "--omnibal-lengths", str(lengths),
-        "--omnibal-vit-budget", "16", "--omnibal-token-budget", "160",
-        "--omnibal-text-scale", "8", "--micro-batch-size", "1", "--lr", "1e-3",
-        "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--clip-grad", "0",
-        "--transformer-impl", "local", "--ckpt-format", "torch", "--seed", "7",
-        "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--log-interval", "1",
-        "--global-batch-size", "4", "--train-iters", str(steps),
-        "--omnibal-vit-pp-layers", "4", "--omnibal-llm-pp-layers", "4",
-    ]  # fmt: skip
+    flags = tiny_training_flags(lengths, "--global-batch-size", "4", "--train-iters", str(steps),
+                                "--omnibal-vit-pp-layers", "4", "--omnibal-llm-pp-layers", "4")
     ckpt, tb = out / "ckpt", out / "tb"
     logged = ["--tensorboard-dir", str(tb), "--tensorboard-log-interval", "1",
               "--omnibal-peak-tflops", "0.001"]  # fmt: skip

@@ -15,6 +15,7 @@ import pytest
 
 from megatron_omnibal.data.lengths import load_lengths
 from tests.dp_runs import dp_epoch_steps
+from tests.dp_runs import tiny_training_flags as _flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
 from run_records import assert_same_grads  # noqa: E402
@@ -26,18 +27,6 @@ pytestmark = pytest.mark.megatron
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = ROOT / "tests" / "megatron_workers" / "train_record.py"
 EXAMPLE = ROOT / "examples" / "data" / "internvl_subset.npz"
-
-
-def _flags(lengths_file, *extra):
-    return [
-        "--omnibal", "--omnibal-model", "tiny", "--omnibal-lengths", str(lengths_file),
-        "--omnibal-vit-budget", "16", "--omnibal-token-budget", "160",
-        "--omnibal-text-scale", "8", "--micro-batch-size", "1", "--lr", "1e-3",
-        "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--clip-grad", "0",
-        "--transformer-impl", "local", "--ckpt-format", "torch", "--seed", "7",
-        "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--log-interval", "1",
-        *extra,
-    ]  # fmt: skip
 
 
 def _torchrun(nproc, out, flags, timeout=240):
