@@ -132,9 +132,7 @@ def baseline_on_balanced_data(request: PlanRequest, config: BaselineConfig) -> E
     fixed = (request.tp, request.pp, request.micro_batches, request.vpp)
     own = (config.tp, config.pp, config.micro_batches, config.vpp)
     if any(f is not None and f != o for f, o in zip(fixed, own, strict=True)):
-        return None
-    if request.levels is not None and config.vpp > 1:
-        return None
+        return None  # (a request with packing levels is vpp 1: PlanRequest refuses the rest)
     try:
         setting = make_setting(request, config.tp, config.pp, config.dp, config.micro_batches)
     except ValueError:  # no balanced micro-batches at these sizes (the search says why)
