@@ -867,8 +867,8 @@ std::vector<Entry> sorted_by(const i64* vit, const i64* w, const i64* w2, const 
 struct alignas(64) PackState {
   i128 dev, dev2;
   i64 tokens;
-  char over, under;  // over / under by more than its tolerance in either weight
 };
+constexpr char OVER = 1, UNDER = 2;  // a pack's bits in off_by (one byte a pack: cache-resident)
 
 void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targets& t,
             Packing& pk) {
@@ -913,10 +913,12 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
   };
   // Per pack: over / under by more than its tolerance in either weight (a scan skips such
   // packs on the side of the pack it repairs), kept up to date at every swap.
+  std::vector<char> off_by(packs);
   auto mark = [&](i64 q) {
     PackState& s = st[q];
-    s.over = s.dev > tol[q] || (d.sum_w2 > 0 && s.dev2 > tol2[q]);
-    s.under = s.dev < -tol[q] || (d.sum_w2 > 0 && s.dev2 < -tol2[q]);
+    off_by[q] = static_cast<char>(
+        (s.dev > tol[q] || (d.sum_w2 > 0 && s.dev2 > tol2[q]) ? OVER : 0) |
+        (s.dev < -tol[q] || (d.sum_w2 > 0 && s.dev2 < -tol2[q]) ? UNDER : 0));
   };
   for (i64 q = 0; q < packs; ++q) mark(q);
   auto bad = [&](i64 q) {
@@ -1012,17 +1014,20 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
                    : std::lower_bound(run.begin() + lo, run.begin() + hi, want,
                                       [](const Entry& e, i64 value) { return e.w < value; }) -
                          run.begin();
-        for (const i64 step : {i64{1}, i64{-1}}) {
-          i64 taken = 0;
-          for (i64 j = step > 0 ? k : k - 1, seen = 0;
-               j >= lo && j < hi && taken < p.window && seen < 4 * p.window; j += step, ++seen) {
-            const Entry& y = run[j];
-            const PackState& s = st[y.pack];
-            if (sign > 0 ? s.over : s.under) continue;
-            consider(x, y);
+        const char skip = sign > 0 ? OVER : UNDER;
+        const Entry* e = run.data();
+        for (i64 j = k, end = std::min(hi, k + 4 * p.window), taken = 0;
+             j < end && taken < p.window; ++j)
+          if (!(off_by[e[j].pack] & skip)) {
+            consider(x, e[j]);
             taken += 1;
           }
-        }
+        for (i64 j = k - 1, end = std::max(lo, k - 4 * p.window) - 1, taken = 0;
+             j > end && taken < p.window; --j)
+          if (!(off_by[e[j].pack] & skip)) {
+            consider(x, e[j]);
+            taken += 1;
+          }
       };
       for (i64 xi : pk.members[q0]) {
         const Entry& x = by_w[at1[xi]];
