@@ -366,15 +366,21 @@ void knapsack(i64 rest, ComposeBuffers& b, std::vector<C>& cost, std::vector<C>&
     b.next_ok = b.ok;
     Vec& k_at = b.took[j];
     k_at.assign(rest + 1, 0);
+    // raw pointers: stores through the char flags would otherwise reload the vectors' own
+    const C* from = cost.data();
+    C* to = next.data();
+    const char* ok = b.ok.data();
+    char* to_ok = b.next_ok.data();
+    i64* took = k_at.data();
     for (i64 s = 0; s < rest; ++s) {
-      if (!b.ok[s]) continue;
-      for (i64 k = 1; k <= most && s + k * c <= rest; ++k) {
-        const C v = cost[s] + static_cast<C>(step[k]);
-        const i64 t = s + k * c;
-        if (!b.next_ok[t] || v < next[t]) {
-          next[t] = v;
-          b.next_ok[t] = 1;
-          k_at[t] = k;
+      if (!ok[s]) continue;
+      const C base = from[s];
+      for (i64 k = 1, t = s + c; k <= most && t <= rest; ++k, t += c) {
+        const C v = base + static_cast<C>(step[k]);
+        if (!to_ok[t] || v < to[t]) {
+          to[t] = v;
+          to_ok[t] = 1;
+          took[t] = k;
         }
       }
     }
@@ -677,6 +683,28 @@ struct Packing {
   Vec leftover;
 };
 
+// Keyed items (built in rank order) by key, descending or ascending, ties by rank: as 64-bit
+// (key, position) pairs where the keys fit (the same order, a cheaper sort).
+void sort_by_key(std::vector<Keyed>& items, bool descending) {
+  bool fits = true;
+  for (const Keyed& e : items) fits = fits && e.key >= -INT64_MAX && e.key <= INT64_MAX;
+  if (!fits) {
+    std::sort(items.begin(), items.end(), [descending](const Keyed& a, const Keyed& b) {
+      return a.key != b.key ? (descending ? a.key > b.key : a.key < b.key) : a.rank < b.rank;
+    });
+    return;
+  }
+  std::vector<std::pair<i64, i64>> order(items.size());
+  for (size_t k = 0; k < items.size(); ++k) {
+    const i64 key = static_cast<i64>(items[k].key);
+    order[k] = {descending ? -key : key, static_cast<i64>(k)};
+  }
+  std::sort(order.begin(), order.end());
+  std::vector<Keyed> sorted(items.size());
+  for (size_t k = 0; k < order.size(); ++k) sorted[k] = items[order[k].second];
+  items.swap(sorted);
+}
+
 // Phase 2. A sample whose slots all lack token room goes to the neediest pack with room for its
 // tiles (placed and reserved) and tokens; with none, to `leftover`.
 Packing place_samples(const Data& d, const SlotParams& p, Reservation& r, Targets& t) {
@@ -695,12 +723,8 @@ Packing place_samples(const Data& d, const SlotParams& p, Reservation& r, Target
     const i64 i = d.shuffled[q];
     if (!r.pre[i]) (r.key[i] >= 0 ? positive : negative).push_back({r.key[i], q, i});
   }
-  std::sort(positive.begin(), positive.end(), [](const Keyed& a, const Keyed& b) {
-    return a.key != b.key ? a.key > b.key : a.rank < b.rank;
-  });
-  std::sort(negative.begin(), negative.end(), [](const Keyed& a, const Keyed& b) {
-    return a.key != b.key ? a.key < b.key : a.rank < b.rank;
-  });
+  sort_by_key(positive, true);
+  sort_by_key(negative, false);
   auto slot_of = [&](i64 q, i64 c) -> i64* {
     for (auto& e : r.free[q])
       if (e.first == c) return &e.second;
