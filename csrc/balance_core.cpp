@@ -846,41 +846,45 @@ struct Entry {
   int32_t id, pack;
 };
 
-// Samples in packs by (tiles, weight, id), and where each tile count starts: a count per tile
-// count places them (ids ascending within one), then each tile count's run is sorted by weight
-// (on one 64-bit key, weight then id, where both fit 32 bits). at[i]: sample i's place.
+// Samples in packs by (tiles, weight, id), and where each tile count starts. Weights in a small
+// range (tokens, the modeled time in token units): a counting sort by weight (ids ascending
+// within one), then a stable count by tile count; else each tile count's run sorted on
+// (weight, id). at[i]: sample i's place.
+constexpr i64 COUNTING_RANGE = i64{1} << 22;  // the most weight values a counting sort takes
+
 std::vector<Entry> sorted_by(const i64* vit, const i64* w, const i64* w2, const i64* tok,
                              const i64* key, const Vec& pack_of, i64 vit_budget, Vec& cls_start,
                              std::vector<int32_t>& at) {
   cls_start.assign(vit_budget + 2, 0);
   const i64 n = static_cast<i64>(pack_of.size());
-  bool narrow = true;
+  i64 lo = INT64_MAX, hi = INT64_MIN;
   for (i64 i = 0; i < n; ++i)
     if (pack_of[i] >= 0) {
       cls_start[vit[i] + 1] += 1;
-      narrow = narrow && key[i] >= 0 && key[i] <= INT32_MAX;
+      lo = std::min(lo, key[i]);
+      hi = std::max(hi, key[i]);
     }
   for (i64 c = 0; c <= vit_budget; ++c) cls_start[c + 1] += cls_start[c];
-  std::vector<std::pair<i64, i64>> order(cls_start[vit_budget + 1]);  // (key, id)
+  Vec ids(cls_start[vit_budget + 1]);
   Vec next(cls_start.begin(), cls_start.end() - 1);
-  for (i64 i = 0; i < n; ++i)
-    if (pack_of[i] >= 0) order[next[vit[i]]++] = {key[i], i};
-  for (i64 c = 0; c <= vit_budget; ++c) {
-    const auto b = order.begin() + cls_start[c], e = order.begin() + cls_start[c + 1];
-    if (narrow) {  // one key per sample: weight in the high half, id in the low
-      std::vector<uint64_t> packed(static_cast<size_t>(e - b));
-      for (size_t k = 0; k < packed.size(); ++k)
-        packed[k] = static_cast<uint64_t>(b[k].first) << 32 | static_cast<uint64_t>(b[k].second);
-      std::sort(packed.begin(), packed.end());
-      for (size_t k = 0; k < packed.size(); ++k)
-        b[k] = {static_cast<i64>(packed[k] >> 32), static_cast<i64>(packed[k] & 0xFFFFFFFFULL)};
-    } else {
-      std::sort(b, e);
-    }
+  if (!ids.empty() && lo >= 0 && hi < COUNTING_RANGE) {
+    Vec start(hi + 2, 0), by_key(ids.size());
+    for (i64 i = 0; i < n; ++i)
+      if (pack_of[i] >= 0) start[key[i] + 1] += 1;
+    for (i64 v = 0; v <= hi; ++v) start[v + 1] += start[v];
+    for (i64 i = 0; i < n; ++i)
+      if (pack_of[i] >= 0) by_key[start[key[i]]++] = i;
+    for (const i64 i : by_key) ids[next[vit[i]]++] = i;
+  } else {
+    for (i64 i = 0; i < n; ++i)
+      if (pack_of[i] >= 0) ids[next[vit[i]]++] = i;
+    for (i64 c = 0; c <= vit_budget; ++c)
+      std::sort(ids.begin() + cls_start[c], ids.begin() + cls_start[c + 1],
+                [key](i64 a, i64 b) { return key[a] != key[b] ? key[a] < key[b] : a < b; });
   }
-  std::vector<Entry> by(order.size());
-  for (size_t k = 0; k < order.size(); ++k) {
-    const i64 i = order[k].second;
+  std::vector<Entry> by(ids.size());
+  for (size_t k = 0; k < ids.size(); ++k) {
+    const i64 i = ids[k];
     by[k] = {w[i], w2[i], tok[i], static_cast<int32_t>(i), static_cast<int32_t>(pack_of[i])};
     at[i] = static_cast<int32_t>(k);
   }
