@@ -711,6 +711,11 @@ Packing place_samples(const Data& d, const SlotParams& p, Reservation& r, Target
   const i64 packs = r.packs;
   Packing out;
   out.members.assign(packs, {});
+  for (i64 q = 0; q < packs; ++q) {  // room for the heavy sample and the slots: one allocation
+    i64 size = 1;
+    for (const auto& e : r.free[q]) size += e.second;
+    out.members[q].reserve(size);
+  }
   out.pack_tokens.assign(packs, 0);
   out.committed = r.tiles;
   for (size_t k = 0; k < r.heavy.size(); ++k) {
