@@ -60,22 +60,28 @@ def _oversize(lengths: LengthStats, config: BalanceConfig) -> np.ndarray:
     return over
 
 
-def time_weight(lengths: LengthStats, cost: PackCost | None) -> np.ndarray:
-    """Each sample's modeled time (the config's cost, else DEFAULT_COST) as an integer in units
-    of a token on average: the packer's second weight, balanced beside tokens."""
-    ms = (cost or DEFAULT_COST).sample_ms(lengths.vit, lengths.tokens)
+def sample_ms(lengths: LengthStats, cost: PackCost | None) -> np.ndarray:
+    """Each sample's modeled time by the config's cost, else DEFAULT_COST (computed once: the
+    packer weighs it, the layout sums it per pack)."""
+    return (cost or DEFAULT_COST).sample_ms(lengths.vit, lengths.tokens)
+
+
+def time_weight(ms: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """The samples' modeled times `ms` as integers in units of a token on average: the
+    packer's second weight, balanced beside tokens."""
     total = float(ms.sum())
-    scale = float(lengths.tokens.sum()) / total if total > 0 else 0.0
+    scale = float(tokens.sum()) / total if total > 0 else 0.0
     return np.rint(ms * scale).astype(np.int64)
 
 
-def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarray,
-                 solo: np.ndarray, use_reference: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+def _level_packs(lengths: LengthStats, config: BalanceConfig, ms: np.ndarray,
+                 regular: np.ndarray, solo: np.ndarray, use_reference: bool
+                 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per level (ascending): (samples, pack_ptr) of its packs, as global sample indices; solo
     packs of oversize samples join the top level."""
     levels = config.all_levels
     vit, tok = lengths.vit, lengths.tokens
-    time = time_weight(lengths, config.cost)
+    time = time_weight(ms, tok)
     level_of = np.full(len(lengths), -1, np.int16)
     level_of[regular] = hierarchy.assign_levels(vit[regular], tok[regular], levels)
     # Pools of samples not yet packed, per level, in a seeded random order (GreedyFill's order).
@@ -126,19 +132,17 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarra
     return out
 
 
-def _lay_out(lengths: LengthStats, config: BalanceConfig, lv: int, samples: np.ndarray,
-             ptr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _lay_out(lengths: LengthStats, config: BalanceConfig, ms: np.ndarray, lv: int,
+             samples: np.ndarray, ptr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(step within the level, rank, micro) of each of one level's packs (layout.layout)."""
     num = len(ptr) - 1
-    cost = config.cost or DEFAULT_COST
     pack_id = np.repeat(np.arange(num), np.diff(ptr))
-    pack_time = np.bincount(
-        pack_id, cost.sample_ms(lengths.vit[samples], lengths.tokens[samples]), num)
+    pack_time = np.bincount(pack_id, ms[samples], num)
     dominant = histograms.most_frequent(pack_id, lengths.dataset[samples], num,
                                         max(len(lengths.names), 1))
     del pack_id
     level = config.all_levels[lv]
-    vit, tokens = pack_sums(lengths.vit, samples, ptr), pack_sums(lengths.tokens, samples, ptr)
+    vit, tokens = pack_sums(np.stack([lengths.vit, lengths.tokens], axis=1), samples, ptr).T
     solo = (vit > level.vit_budget) | (tokens > level.token_budget)  # only oversize='solo' packs
     return layout.layout(vit, tokens, pack_time, config.dp_size, level.micro_batches,
                          config.mode, config.seed + lv, dominant,
@@ -159,11 +163,13 @@ def balance(lengths: LengthStats, config: BalanceConfig, *, use_reference: bool 
     regular = np.flatnonzero(~over)
     solo = np.flatnonzero(over) if config.oversize == "solo" else np.zeros(0, np.int64)
     skipped = np.flatnonzero(over) if config.oversize == "skip" else np.zeros(0, np.int64)
-    per_level = _level_packs(lengths, config, regular, solo, use_reference)
+    ms = sample_ms(lengths, config.cost)
+    per_level = _level_packs(lengths, config, ms, regular, solo, use_reference)
     del over, regular, solo
     levels = config.all_levels
-    laid = [_lay_out(lengths, config, lv, samples, ptr)
+    laid = [_lay_out(lengths, config, ms, lv, samples, ptr)
             for lv, (samples, ptr) in enumerate(per_level)]
+    del ms
     steps = [int(step.max()) + 1 if len(step) else 0 for step, _, _ in laid]
     step_level = hierarchy.interleave(steps, config.curriculum_steps, config.seed)
     # Packs in (step, rank, micro) order: each pack's place counted from where its step starts.
