@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_omnibal.balance import hierarchy, histograms, layout
-from megatron_omnibal.balance.checks import check_plan, pack_sums
+from megatron_omnibal.balance.checks import check_plan, gather_rows, pack_sums
 from megatron_omnibal.balance.config import (
     DEFAULT_COST,
     ISF_THRESHOLD_MARGIN,
@@ -83,7 +83,9 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, ms: np.ndarray,
     vit, tok = lengths.vit, lengths.tokens
     time = time_weight(ms, tok)
     level_of = np.full(len(lengths), -1, np.int16)
-    level_of[regular] = hierarchy.assign_levels(vit[regular], tok[regular], levels)
+    every = len(regular) == len(lengths)  # no oversize sample: views, no copies
+    level_of[regular] = hierarchy.assign_levels(*((vit, tok) if every else
+                                                  (vit[regular], tok[regular])), levels)
     # Pools of samples not yet packed, per level, in a seeded random order (GreedyFill's order).
     order = permutation(len(lengths), config.seed ^ _TOP_UP_SALT) if len(levels) > 1 else None
     pending = np.zeros(len(lengths), bool)
@@ -97,18 +99,20 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, ms: np.ndarray,
         if len(own) == 0 and len(extra) == 0:
             continue
         per_step = config.dp_size * level.micro_batches
-        need = packs_needed(vit[own], tok[own], level.vit_budget, level.token_budget)
+        whole = len(own) == len(lengths)  # every sample, in order: no copies
+        own_v, own_t = (vit, tok) if whole else (vit[own], tok[own])
+        need = packs_needed(own_v, own_t, level.vit_budget, level.token_budget)
         packs = -(-(need + len(extra)) // per_step) * per_step - len(extra)
         fill = np.zeros(0, np.int64)
         if lv > 0 and len(own):
-            free_v = packs * level.vit_budget - float(vit[own].sum())
-            free_t = packs * level.token_budget - float(tok[own].sum())
+            free_v = packs * level.vit_budget - float(own_v.sum())
+            free_t = packs * level.token_budget - float(own_t.sum())
             pools = [order[pending[order] & (level_of[order] == j)] for j in range(lv - 1, -1, -1)]
             budgets = (level.vit_budget, level.token_budget)
-            big_room = packs - int(big(vit[own], tok[own], *budgets).sum())
+            big_room = packs - int(big(own_v, own_t, *budgets).sum())
             fill = hierarchy.top_up(pools, vit, tok, free_v, free_t, big_room, budgets)
+        del own_v, own_t
         members = np.concatenate([own, fill]).astype(np.int64, copy=False)
-        whole = len(own) == len(lengths)  # every sample, in order: no copies
         optional = np.concatenate([np.zeros(len(own), bool), np.ones(len(fill), bool)])
         threshold = (config.threshold if lv == len(levels) - 1
                      else level.token_budget - ISF_THRESHOLD_MARGIN)
@@ -122,7 +126,7 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, ms: np.ndarray,
         samples = got.samples if whole else members[got.samples]
         ptr = got.ptr
         del members, optional, got
-        pending[samples] = False
+        pending[slice(None) if whole else samples] = False
         if len(extra):
             samples = np.concatenate([samples, extra]).astype(np.int64, copy=False)
             ptr = np.concatenate([ptr, ptr[-1] + np.arange(1, len(extra) + 1)]).astype(np.int64)
@@ -137,10 +141,12 @@ def _lay_out(lengths: LengthStats, config: BalanceConfig, ms: np.ndarray, lv: in
     """(step within the level, rank, micro) of each of one level's packs (layout.layout)."""
     num = len(ptr) - 1
     pack_id = np.repeat(np.arange(num), np.diff(ptr))
-    pack_time = np.bincount(pack_id, ms[samples], num)
-    dominant = histograms.most_frequent(pack_id, lengths.dataset[samples], num,
-                                        max(len(lengths.names), 1))
-    del pack_id
+    # each sample's time and dataset side by side (bit for bit), gathered as one 16-byte row
+    picked = gather_rows(np.stack([ms.view(np.int64), lengths.dataset.astype(np.int64)], axis=1),
+                         samples)
+    pack_time = np.bincount(pack_id, picked[:, 0].view(np.float64), num)
+    dominant = histograms.most_frequent(pack_id, picked[:, 1], num, max(len(lengths.names), 1))
+    del pack_id, picked
     level = config.all_levels[lv]
     vit, tokens = pack_sums(np.stack([lengths.vit, lengths.tokens], axis=1), samples, ptr).T
     solo = (vit > level.vit_budget) | (tokens > level.token_budget)  # only oversize='solo' packs
