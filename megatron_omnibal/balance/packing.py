@@ -29,8 +29,12 @@ class Packs:
 
 
 def big(vit: np.ndarray, tokens: np.ndarray, vit_budget: int, token_budget: int) -> np.ndarray:
-    """Samples over half a budget: no two of them share a pack."""
-    return (2 * np.asarray(vit) > vit_budget) | (2 * np.asarray(tokens) > token_budget)
+    """Samples over half a budget: no two of them share a pack (for integers, 2x > b is
+    x > b // 2: no doubled copies)."""
+    vit, tokens = np.asarray(vit), np.asarray(tokens)
+    if vit.dtype.kind in "iu" and tokens.dtype.kind in "iu":
+        return (vit > int(vit_budget) // 2) | (tokens > int(token_budget) // 2)
+    return (2 * vit > vit_budget) | (2 * tokens > token_budget)
 
 
 def packs_needed(vit: np.ndarray, tokens: np.ndarray, vit_budget: int, token_budget: int
