@@ -98,8 +98,11 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight2: np.ndarray, optiona
     out_samples, out_sizes, filled = np.empty(n, np.int64), [], 0
     placed, scale = offset, 1.0  # scale: packs the last chunk needed over its budgets' bound
     for i in range(k):
-        part = slice(i, n, k)  # strided: each chunk a cross-section (views, no gathers)
-        pv, pt, opt = vit[part], tokens[part], optional[part]
+        part = slice(i, n, k)  # strided: each chunk a cross-section (no gathers)
+        # copied once into contiguous arrays: every later pass over a strided view would touch
+        # a cache line per sample
+        pv, pt, pw2 = (np.ascontiguousarray(a[part], np.int64) for a in (vit, tokens, weight2))
+        opt = optional[part]
         some_optional = bool(opt.any())
         bound = max(packs_needed(*((pv[~opt], pt[~opt]) if some_optional else (pv, pt)),
                                  vit_budget, token_budget), 1)
@@ -121,8 +124,8 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight2: np.ndarray, optiona
                 samples, ptr, leftover = core.pack_lpt(pv, pt, params,
                                                        use_reference=use_reference)
             else:
-                samples, ptr, leftover = core.pack_slots(pv, pt, weight2[part], pt,
-                                                         params, use_reference=use_reference)
+                samples, ptr, leftover = core.pack_slots(pv, pt, pw2, pt, params,
+                                                         use_reference=use_reference)
             lost = leftover[~opt[leftover]]
             if len(lost) == 0:
                 break
