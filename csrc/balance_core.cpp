@@ -343,49 +343,79 @@ i128 floor_div(i128 a, i128 b) {  // rounding toward -infinity, as Python's //
 // with no holes at the end); and large counts are used up while packs large enough for them
 // remain (the end packs that give up tiles cannot take them).
 struct ComposeBuffers {  // compose_pack's tables, kept across the packs of tile_slots
-  std::vector<i128> cost, next, step_cost;
+  std::vector<std::vector<i128>> step_cost;  // per tile count present: cost of taking it k times
+  std::vector<i128> cost, next;
+  std::vector<i64> cost64, next64;
   std::vector<char> ok, next_ok;
   std::vector<Vec> took;  // per tile count present: the k that reached each sum
   Vec kinds, out;
 };
 
-const Vec& compose_pack(const Vec& count, const Vec& total, const Vec& room, const Vec& done,
-                        i64 rest, ComposeBuffers& b) {
-  b.cost.assign(rest + 1, 0);
+// The knapsack over the sums 0..rest in cost type C: i64 where every sum of step costs provably
+// fits it (the same choices as in 128 bits, several times faster), else i128.
+template <class C>
+void knapsack(i64 rest, ComposeBuffers& b, std::vector<C>& cost, std::vector<C>& next) {
+  cost.assign(rest + 1, 0);
   b.ok.assign(rest + 1, 0);
   b.ok[0] = 1;
+  for (size_t j = 0; j < b.kinds.size(); ++j) {
+    const i64 c = b.kinds[j];
+    const std::vector<i128>& step = b.step_cost[j];
+    const i64 most = static_cast<i64>(step.size()) - 1;
+    next = cost;
+    b.next_ok = b.ok;
+    Vec& k_at = b.took[j];
+    k_at.assign(rest + 1, 0);
+    // raw pointers: stores through the char flags would otherwise reload the vectors' own
+    const C* from = cost.data();
+    C* to = next.data();
+    const char* ok = b.ok.data();
+    char* to_ok = b.next_ok.data();
+    i64* took = k_at.data();
+    for (i64 s = 0; s < rest; ++s) {
+      if (!ok[s]) continue;
+      const C base = from[s];
+      for (i64 k = 1, t = s + c; k <= most && t <= rest; ++k, t += c) {
+        const C v = base + static_cast<C>(step[k]);
+        if (!to_ok[t] || v < to[t]) {
+          to[t] = v;
+          to_ok[t] = 1;
+          took[t] = k;
+        }
+      }
+    }
+    cost.swap(next);
+    b.ok.swap(b.next_ok);
+  }
+}
+
+const Vec& compose_pack(const Vec& count, const Vec& total, const Vec& room, const Vec& done,
+                        i64 rest, ComposeBuffers& b) {
   b.kinds.clear();
+  i128 largest = 0;  // the largest |step cost|
   for (i64 c = 1; c <= rest; ++c) {
     if (count[c] == 0 || room[c] == 0) continue;
     const i128 ahead = static_cast<i128>(total[c] - count[c]) * room[c] -
                        static_cast<i128>(done[c] + rest) * total[c];
-    b.next = b.cost;
-    b.next_ok = b.ok;
-    if (b.took.size() <= b.kinds.size()) b.took.emplace_back();
-    Vec& k_at = b.took[b.kinds.size()];
-    k_at.assign(rest + 1, 0);
+    const size_t j = b.kinds.size();
+    if (b.took.size() <= j) b.took.emplace_back();
+    if (b.step_cost.size() <= j) b.step_cost.emplace_back();
+    std::vector<i128>& step = b.step_cost[j];
     const i64 most = std::min(count[c], rest / c);
-    b.step_cost.resize(most + 1);
-    for (i64 k = 1; k <= most; ++k)
-      b.step_cost[k] = floor_div(
+    step.assign(most + 1, 0);
+    for (i64 k = 1; k <= most; ++k) {
+      step[k] = floor_div(
           static_cast<i128>(k) * (2 * ahead + static_cast<i128>(k) * room[c]) * 65536,
           static_cast<i128>(total[c]) * room[c]);
-    for (i64 s = 0; s < rest; ++s) {
-      if (!b.ok[s]) continue;
-      for (i64 k = 1; k <= most && s + k * c <= rest; ++k) {
-        const i128 v = b.cost[s] + b.step_cost[k];
-        const i64 t = s + k * c;
-        if (!b.next_ok[t] || v < b.next[t]) {
-          b.next[t] = v;
-          b.next_ok[t] = 1;
-          k_at[t] = k;
-        }
-      }
+      largest = std::max(largest, step[k] < 0 ? -step[k] : step[k]);
     }
-    b.cost.swap(b.next);
-    b.ok.swap(b.next_ok);
     b.kinds.push_back(c);
   }
+  // A sum adds at most one step cost per tile count present (at most `rest` of them).
+  if (largest <= static_cast<i128>(INT64_MAX / 2) / (rest + 1))
+    knapsack(rest, b, b.cost64, b.next64);
+  else
+    knapsack(rest, b, b.cost, b.next);
   i64 s = rest;
   while (s > 0 && !b.ok[s]) --s;
   b.out.assign(count.size(), 0);
@@ -653,12 +683,39 @@ struct Packing {
   Vec leftover;
 };
 
+// Keyed items (built in rank order) by key, descending or ascending, ties by rank: as 64-bit
+// (key, position) pairs where the keys fit (the same order, a cheaper sort).
+void sort_by_key(std::vector<Keyed>& items, bool descending) {
+  bool fits = true;
+  for (const Keyed& e : items) fits = fits && e.key >= -INT64_MAX && e.key <= INT64_MAX;
+  if (!fits) {
+    std::sort(items.begin(), items.end(), [descending](const Keyed& a, const Keyed& b) {
+      return a.key != b.key ? (descending ? a.key > b.key : a.key < b.key) : a.rank < b.rank;
+    });
+    return;
+  }
+  std::vector<std::pair<i64, i64>> order(items.size());
+  for (size_t k = 0; k < items.size(); ++k) {
+    const i64 key = static_cast<i64>(items[k].key);
+    order[k] = {descending ? -key : key, static_cast<i64>(k)};
+  }
+  std::sort(order.begin(), order.end());
+  std::vector<Keyed> sorted(items.size());
+  for (size_t k = 0; k < order.size(); ++k) sorted[k] = items[order[k].second];
+  items.swap(sorted);
+}
+
 // Phase 2. A sample whose slots all lack token room goes to the neediest pack with room for its
 // tiles (placed and reserved) and tokens; with none, to `leftover`.
 Packing place_samples(const Data& d, const SlotParams& p, Reservation& r, Targets& t) {
   const i64 packs = r.packs;
   Packing out;
   out.members.assign(packs, {});
+  for (i64 q = 0; q < packs; ++q) {  // room for the heavy sample and the slots: one allocation
+    i64 size = 1;
+    for (const auto& e : r.free[q]) size += e.second;
+    out.members[q].reserve(size);
+  }
   out.pack_tokens.assign(packs, 0);
   out.committed = r.tiles;
   for (size_t k = 0; k < r.heavy.size(); ++k) {
@@ -671,12 +728,8 @@ Packing place_samples(const Data& d, const SlotParams& p, Reservation& r, Target
     const i64 i = d.shuffled[q];
     if (!r.pre[i]) (r.key[i] >= 0 ? positive : negative).push_back({r.key[i], q, i});
   }
-  std::sort(positive.begin(), positive.end(), [](const Keyed& a, const Keyed& b) {
-    return a.key != b.key ? a.key > b.key : a.rank < b.rank;
-  });
-  std::sort(negative.begin(), negative.end(), [](const Keyed& a, const Keyed& b) {
-    return a.key != b.key ? a.key < b.key : a.rank < b.rank;
-  });
+  sort_by_key(positive, true);
+  sort_by_key(negative, false);
   auto slot_of = [&](i64 q, i64 c) -> i64* {
     for (auto& e : r.free[q])
       if (e.first == c) return &e.second;
@@ -765,34 +818,96 @@ struct Scorer {
   }
 };
 
-struct ByWeight {
-  i64 vit, w, id;
+// The deviations whose score stays below `best`, as ranges: score(d1, d2) < best exactly when
+// lo1 <= d1 <= hi1 and lo2 <= d2 <= hi2 (pen(d) * a < best: pen(d) <= (best - 1) // a, and pen(d)
+// <= m: -m <= d <= m // UNDER_FACTOR), so that a swap candidate is tested without products.
+struct Below {
+  i128 lo1, hi1, lo2, hi2;
+  Below(const Scorer& s, i128 best) {
+    constexpr i128 huge = static_cast<i128>(1) << 120;
+    const i128 m1 = floor_div(best - 1, s.a);
+    const i128 m2 = s.b > 0 ? floor_div(best - 1, s.b) : best > 0 ? huge : -1;
+    lo1 = -m1;
+    hi1 = floor_div(m1, UNDER_FACTOR);
+    lo2 = -m2;
+    hi2 = floor_div(m2, UNDER_FACTOR);
+  }
 };
 
-// Samples in packs by (tiles, weight, id), and where each tile count starts: a count per tile
-// count places them (ids ascending within one), then each tile count's run is sorted by weight.
-std::vector<ByWeight> sorted_by(const i64* vit, const i64* w, const Vec& pack_of, i64 vit_budget,
-                                Vec& cls_start) {
+// The weight differences dw = w(x) - w(y) whose change dw * unit keeps `dev - dw * unit` within
+// [lo, hi] (the pack giving x for y stays below `best`): [ceil((dev - hi) / unit), floor((dev -
+// lo) / unit)], clamped to 64 bits ({1, 0}: none).
+std::pair<i64, i64> diff_range(i128 dev, i128 lo, i128 hi, i128 unit) {
+  const i128 first = -floor_div(hi - dev, unit), last = floor_div(dev - lo, unit);
+  if (first > last || first > INT64_MAX || last < INT64_MIN) return {1, 0};
+  return {static_cast<i64>(std::max<i128>(first, INT64_MIN)),
+          static_cast<i64>(std::min<i128>(last, INT64_MAX))};
+}
+
+// A sample as the repair reads it, in weight order: everything a swap candidate needs in one
+// sequential read (its pack kept up to date at every swap through `at`, its place in the run).
+struct Entry {
+  i64 w, w2, tok;
+  int32_t id, pack;
+};
+
+// Samples in packs by (tiles, weight, id), and where each tile count starts. Weights in a small
+// range (tokens, the modeled time in token units): a counting sort by weight (ids ascending
+// within one), then a stable count by tile count; else each tile count's run sorted on
+// (weight, id). at[i]: sample i's place.
+constexpr i64 COUNTING_RANGE = i64{1} << 22;  // the most weight values a counting sort takes
+
+std::vector<Entry> sorted_by(const i64* vit, const i64* w, const i64* w2, const i64* tok,
+                             const i64* key, const Vec& pack_of, i64 vit_budget, Vec& cls_start,
+                             std::vector<int32_t>& at) {
   cls_start.assign(vit_budget + 2, 0);
   const i64 n = static_cast<i64>(pack_of.size());
+  i64 lo = INT64_MAX, hi = INT64_MIN;
   for (i64 i = 0; i < n; ++i)
-    if (pack_of[i] >= 0) cls_start[vit[i] + 1] += 1;
+    if (pack_of[i] >= 0) {
+      cls_start[vit[i] + 1] += 1;
+      lo = std::min(lo, key[i]);
+      hi = std::max(hi, key[i]);
+    }
   for (i64 c = 0; c <= vit_budget; ++c) cls_start[c + 1] += cls_start[c];
-  std::vector<ByWeight> by(cls_start[vit_budget + 1]);
-  Vec at(cls_start.begin(), cls_start.end() - 1);
-  for (i64 i = 0; i < n; ++i)
-    if (pack_of[i] >= 0) by[at[vit[i]]++] = {vit[i], w[i], i};
-  for (i64 c = 0; c <= vit_budget; ++c)
-    std::sort(by.begin() + cls_start[c], by.begin() + cls_start[c + 1],
-              [](const ByWeight& a, const ByWeight& b) {
-                return a.w != b.w ? a.w < b.w : a.id < b.id;
-              });
+  Vec ids(cls_start[vit_budget + 1]);
+  Vec next(cls_start.begin(), cls_start.end() - 1);
+  if (!ids.empty() && lo >= 0 && hi < COUNTING_RANGE) {
+    Vec start(hi + 2, 0), by_key(ids.size());
+    for (i64 i = 0; i < n; ++i)
+      if (pack_of[i] >= 0) start[key[i] + 1] += 1;
+    for (i64 v = 0; v <= hi; ++v) start[v + 1] += start[v];
+    for (i64 i = 0; i < n; ++i)
+      if (pack_of[i] >= 0) by_key[start[key[i]]++] = i;
+    for (const i64 i : by_key) ids[next[vit[i]]++] = i;
+  } else {
+    for (i64 i = 0; i < n; ++i)
+      if (pack_of[i] >= 0) ids[next[vit[i]]++] = i;
+    for (i64 c = 0; c <= vit_budget; ++c)
+      std::sort(ids.begin() + cls_start[c], ids.begin() + cls_start[c + 1],
+                [key](i64 a, i64 b) { return key[a] != key[b] ? key[a] < key[b] : a < b; });
+  }
+  std::vector<Entry> by(ids.size());
+  for (size_t k = 0; k < ids.size(); ++k) {
+    const i64 i = ids[k];
+    by[k] = {w[i], w2[i], tok[i], static_cast<int32_t>(i), static_cast<int32_t>(pack_of[i])};
+    at[i] = static_cast<int32_t>(k);
+  }
   return by;
 }
+
+// A pack's state as a swap candidate's test reads it: one cache line.
+struct alignas(64) PackState {
+  i128 dev, dev2;
+  i64 tokens;
+};
+constexpr char OVER = 1, UNDER = 2;  // a pack's bits in off_by (one byte a pack: cache-resident)
 
 void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targets& t,
             Packing& pk) {
   const i64 packs = r.packs, n = d.n;
+  if (n > INT32_MAX || packs > INT32_MAX)  // Entry holds ids and packs in 32 bits
+    throw std::length_error("slot_balance: the repair takes at most 2^31 - 1 samples and packs");
   const i64 *vit = d.vit, *w = d.w, *w2 = d.w2, *tok = d.tok;
   const i128 unit = t.unit;
   Scorer score;
@@ -801,7 +916,8 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
     score.b = static_cast<i128>(p.tol2_div) * d.sum_w;
   }
   Vec pack_of(n, -1);
-  std::vector<i128> dev(packs), dev2(packs), tol(packs), tol2(packs);
+  std::vector<PackState> st(packs);
+  std::vector<i128> tol(packs), tol2(packs);
   for (i64 q = 0; q < packs; ++q) {
     i64 sw = 0, sw2 = 0;
     for (i64 i : pk.members[q]) {
@@ -809,36 +925,57 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
       sw += w[i];
       sw2 += w2[i];
     }
-    dev[q] = sw * unit - t.target[q];
-    dev2[q] = sw2 * unit - t.target2[q];
+    st[q].dev = sw * unit - t.target[q];
+    st[q].dev2 = sw2 * unit - t.target2[q];
+    st[q].tokens = pk.pack_tokens[q];
     tol[q] = t.target[q] / p.tol_div;
     tol2[q] = t.target2[q] / p.tol2_div;
   }
   Vec cls1, cls2;
-  const std::vector<ByWeight> by_w = sorted_by(vit, w, pack_of, p.vit_budget, cls1);
-  std::vector<ByWeight> by_w2;
-  if (d.sum_w2 > 0) by_w2 = sorted_by(vit, w2, pack_of, p.vit_budget, cls2);
+  std::vector<int32_t> at1(n, -1), at2;
+  std::vector<Entry> by_w = sorted_by(vit, w, w2, tok, w, pack_of, p.vit_budget, cls1, at1);
+  std::vector<Entry> by_w2;
+  if (d.sum_w2 > 0) {
+    at2.assign(n, -1);
+    by_w2 = sorted_by(vit, w, w2, tok, w2, pack_of, p.vit_budget, cls2, at2);
+  }
+  pack_of.clear();
+  pack_of.shrink_to_fit();
   auto off = [](i128 dv, i128 tl, int sign) {  // over (sign > 0) / under its tolerance
     return sign > 0 ? dv > tl : dv < -UNDER_FACTOR * tl;
   };
   // Per pack: over / under by more than its tolerance in either weight (a scan skips such
   // packs on the side of the pack it repairs), kept up to date at every swap.
-  std::vector<char> over_by(packs), under_by(packs);
+  std::vector<char> off_by(packs);
   auto mark = [&](i64 q) {
-    over_by[q] = dev[q] > tol[q] || (d.sum_w2 > 0 && dev2[q] > tol2[q]);
-    under_by[q] = dev[q] < -tol[q] || (d.sum_w2 > 0 && dev2[q] < -tol2[q]);
+    PackState& s = st[q];
+    off_by[q] = static_cast<char>(
+        (s.dev > tol[q] || (d.sum_w2 > 0 && s.dev2 > tol2[q]) ? OVER : 0) |
+        (s.dev < -tol[q] || (d.sum_w2 > 0 && s.dev2 < -tol2[q]) ? UNDER : 0));
   };
   for (i64 q = 0; q < packs; ++q) mark(q);
   auto bad = [&](i64 q) {
-    return off(dev[q], tol[q], 1) || off(dev[q], tol[q], -1) ||
-           (d.sum_w2 > 0 && (off(dev2[q], tol2[q], 1) || off(dev2[q], tol2[q], -1)));
+    const PackState& s = st[q];
+    return off(s.dev, tol[q], 1) || off(s.dev, tol[q], -1) ||
+           (d.sum_w2 > 0 && (off(s.dev2, tol2[q], 1) || off(s.dev2, tol2[q], -1)));
   };
   // Each pack's score and the sign of the weight that sets it, as of the start of a pass: what
-  // the pass's orderings compare (most off first).
+  // the pass's orderings compare (most off first, then the lower pack), sorted as (-score, pack)
+  // pairs.
   std::vector<i128> pass_score(packs);
   std::vector<signed char> pass_sign(packs);
-  auto worse = [&](i64 a, i64 b) {
-    return pass_score[a] != pass_score[b] ? pass_score[a] > pass_score[b] : a < b;
+  std::vector<std::pair<i128, i64>> keyed;
+  auto order_worst_first = [&](Vec& qs, size_t want) {  // the `want` most off of qs, in order
+    keyed.clear();
+    for (const i64 q : qs) keyed.emplace_back(-pass_score[q], q);
+    if (keyed.size() > want) {
+      std::nth_element(keyed.begin(), keyed.begin() + static_cast<std::ptrdiff_t>(want),
+                       keyed.end());
+      keyed.resize(want);
+    }
+    std::sort(keyed.begin(), keyed.end());
+    qs.clear();
+    for (const auto& e : keyed) qs.push_back(e.second);
   };
   Vec work, next;
   std::vector<char> queued(packs, 0), fails(packs, 0);
@@ -849,19 +986,14 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
     out.clear();
     for (i64 q = 0; q < packs; ++q)
       if (pass_sign[q] == sign) out.push_back(q);
-    if (out.size() > want) {
-      std::nth_element(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(want), out.end(),
-                       worse);
-      out.resize(want);
-    }
-    std::sort(out.begin(), out.end(), worse);
+    order_worst_first(out, want);
   };
   for (i64 pass = 0; pass < p.repair_passes && !work.empty(); ++pass) {
     for (i64 q = 0; q < packs; ++q) {
-      pass_score[q] = score(dev[q], dev2[q]);
-      pass_sign[q] = static_cast<signed char>(score.sign(dev[q], dev2[q]));
+      pass_score[q] = score(st[q].dev, st[q].dev2);
+      pass_sign[q] = static_cast<signed char>(score.sign(st[q].dev, st[q].dev2));
     }
-    std::sort(work.begin(), work.end(), worse);
+    order_worst_first(work, work.size());
     for (i64 q : work) queued[q] = 0;
     next.clear();
     extremes(over, 1, 2 * work.size() + p.partners);
@@ -869,54 +1001,78 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
     size_t next_over = 0, next_under = 0;
     for (i64 q0 : work) {
       if (!bad(q0)) continue;
-      const int sign = score.sign(dev[q0], dev2[q0]);
-      i128 best = score(dev[q0], dev2[q0]);
+      const PackState s0 = st[q0];
+      const int sign = score.sign(s0.dev, s0.dev2);
+      i128 best = score(s0.dev, s0.dev2);
       i64 bx = -1, by = -1;
-      auto consider = [&](i64 x, i64 y) {
-        const i64 q = pack_of[y];
-        if (q == q0 || vit[x] != vit[y]) return;
-        if (pk.pack_tokens[q0] - tok[x] + tok[y] > p.token_budget ||
-            pk.pack_tokens[q] - tok[y] + tok[x] > p.token_budget)
+      // What a swap must keep below `best` (both packs' scores): q0's side as ranges of the
+      // weight differences, the partner's as ranges of its deviations; set again at every
+      // better swap.
+      Below below(score, best);
+      std::pair<i64, i64> dw1, dw2;
+      auto limit = [&] {
+        below = Below(score, best);
+        dw1 = diff_range(s0.dev, below.lo1, below.hi1, unit);
+        dw2 = diff_range(s0.dev2, below.lo2, below.hi2, unit);
+      };
+      limit();
+      // x: a member of q0 (its entry), y: a candidate in another pack q with x's tiles; taken
+      // if both packs' scores end below `best` (the best swap so far).
+      auto consider = [&](const Entry& x, const Entry& y) {
+        const i64 e1 = x.w - y.w, e2 = x.w2 - y.w2;
+        if (e1 < dw1.first || e1 > dw1.second || e2 < dw2.first || e2 > dw2.second) return;
+        const i64 q = y.pack;
+        if (q == q0) return;
+        const PackState& s = st[q];
+        if (s0.tokens - x.tok + y.tok > p.token_budget || s.tokens - y.tok + x.tok > p.token_budget)
           return;
-        const i128 d1 = static_cast<i128>(w[x] - w[y]) * unit;
-        const i128 d2 = static_cast<i128>(w2[x] - w2[y]) * unit;
-        const i128 partner = score(dev[q] + d1, dev2[q] + d2);  // the more often worse side
-        if (partner >= best) return;
-        const i128 cost = std::max(score(dev[q0] - d1, dev2[q0] - d2), partner);
-        if (cost < best) {
-          best = cost;
-          bx = x;
-          by = y;
-        }
+        const i128 d1 = static_cast<i128>(e1) * unit, d2 = static_cast<i128>(e2) * unit;
+        const i128 v1 = s.dev + d1, v2 = s.dev2 + d2;
+        if (v1 < below.lo1 || v1 > below.hi1 || v2 < below.lo2 || v2 > below.hi2) return;
+        best = std::max(score(s0.dev - d1, s0.dev2 - d2), score(v1, v2));
+        bx = x.id;
+        by = y.id;
+        limit();
       };
       // Outward from the sample that would halve q0's deviation, the first `window` candidates
       // on each side in packs not off the same way as q0 (those could not take the difference),
       // within 4 * window.
-      auto scan = [&](const std::vector<ByWeight>& by_w_, const Vec& cls, i64 x, i64 want) {
-        const i64 c = vit[x], lo = cls[c], hi = cls[c + 1];
-        const i64 k = std::lower_bound(by_w_.begin() + lo, by_w_.begin() + hi, want,
-                                       [](const ByWeight& e, i64 value) { return e.w < value; }) -
-                      by_w_.begin();
-        for (const i64 step : {i64{1}, i64{-1}}) {
-          i64 taken = 0;
-          for (i64 j = step > 0 ? k : k - 1, seen = 0;
-               j >= lo && j < hi && taken < p.window && seen < 4 * p.window; j += step, ++seen) {
-            const i64 q = pack_of[by_w_[j].id];
-            if (sign > 0 ? over_by[q] : under_by[q]) continue;
-            consider(x, by_w_[j].id);
+      auto scan = [&](const std::vector<Entry>& run, const Vec& cls, const Entry& x, bool second,
+                      i64 want) {
+        const i64 c = vit[x.id], lo = cls[c], hi = cls[c + 1];
+        const i64 k =
+            second ? std::lower_bound(run.begin() + lo, run.begin() + hi, want,
+                                      [](const Entry& e, i64 value) { return e.w2 < value; }) -
+                         run.begin()
+                   : std::lower_bound(run.begin() + lo, run.begin() + hi, want,
+                                      [](const Entry& e, i64 value) { return e.w < value; }) -
+                         run.begin();
+        const char skip = sign > 0 ? OVER : UNDER;
+        const Entry* e = run.data();
+        for (i64 j = k, end = std::min(hi, k + 4 * p.window), taken = 0;
+             j < end && taken < p.window; ++j)
+          if (!(off_by[e[j].pack] & skip)) {
+            consider(x, e[j]);
             taken += 1;
           }
-        }
+        for (i64 j = k - 1, end = std::max(lo, k - 4 * p.window) - 1, taken = 0;
+             j > end && taken < p.window; --j)
+          if (!(off_by[e[j].pack] & skip)) {
+            consider(x, e[j]);
+            taken += 1;
+          }
       };
-      for (i64 x : pk.members[q0]) {
-        scan(by_w, cls1, x, w[x] - static_cast<i64>(dev[q0] / (2 * unit)));
-        if (d.sum_w2 > 0) scan(by_w2, cls2, x, w2[x] - static_cast<i64>(dev2[q0] / (2 * unit)));
+      for (i64 xi : pk.members[q0]) {
+        const Entry& x = by_w[at1[xi]];
+        scan(by_w, cls1, x, false, x.w - static_cast<i64>(s0.dev / (2 * unit)));
+        if (d.sum_w2 > 0) scan(by_w2, cls2, x, true, x.w2 - static_cast<i64>(s0.dev2 / (2 * unit)));
       }
       const Vec& other = sign > 0 ? under : over;
-      size_t& at = sign > 0 ? next_under : next_over;
-      for (i64 s = 0; s < p.partners && at < other.size(); ++s, ++at)
-        for (i64 x : pk.members[q0])
-          for (i64 y : pk.members[other[at]]) consider(x, y);
+      size_t& next_at = sign > 0 ? next_under : next_over;
+      for (i64 s = 0; s < p.partners && next_at < other.size(); ++s, ++next_at)
+        for (i64 xi : pk.members[q0])
+          for (i64 yi : pk.members[other[next_at]])
+            if (vit[xi] == vit[yi]) consider(by_w[at1[xi]], by_w[at1[yi]]);
       if (bx < 0) {
         if (++fails[q0] < 8 && !queued[q0]) {  // nothing now; the packs around it may change
           queued[q0] = 1;
@@ -924,19 +1080,22 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
         }
         continue;
       }
-      const i64 q = pack_of[by];
-      const i128 d1 = static_cast<i128>(w[bx] - w[by]) * unit;
-      const i128 d2 = static_cast<i128>(w2[bx] - w2[by]) * unit;
-      dev[q0] -= d1;
-      dev[q] += d1;
-      dev2[q0] -= d2;
-      dev2[q] += d2;
-      pk.pack_tokens[q0] += tok[by] - tok[bx];
-      pk.pack_tokens[q] += tok[bx] - tok[by];
+      const Entry &ex = by_w[at1[bx]], &ey = by_w[at1[by]];
+      const i64 q = ey.pack;
+      const i128 d1 = static_cast<i128>(ex.w - ey.w) * unit;
+      const i128 d2 = static_cast<i128>(ex.w2 - ey.w2) * unit;
+      st[q0].dev -= d1;
+      st[q].dev += d1;
+      st[q0].dev2 -= d2;
+      st[q].dev2 += d2;
+      st[q0].tokens += ey.tok - ex.tok;
+      st[q].tokens += ex.tok - ey.tok;
       *std::find(pk.members[q0].begin(), pk.members[q0].end(), bx) = by;
       *std::find(pk.members[q].begin(), pk.members[q].end(), by) = bx;
-      pack_of[bx] = q;
-      pack_of[by] = q0;
+      for (auto [i, to] : {std::pair<i64, i64>{bx, q}, {by, q0}}) {
+        by_w[at1[i]].pack = static_cast<int32_t>(to);
+        if (d.sum_w2 > 0) by_w2[at2[i]].pack = static_cast<int32_t>(to);
+      }
       mark(q0);
       mark(q);
       for (i64 s : {q0, q})
@@ -947,6 +1106,7 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
     }
     work.swap(next);
   }
+  for (i64 q = 0; q < packs; ++q) pk.pack_tokens[q] = st[q].tokens;
 }
 
 struct SlotResult {

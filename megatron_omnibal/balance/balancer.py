@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_omnibal.balance import hierarchy, histograms, layout
-from megatron_omnibal.balance.checks import check_plan, pack_sums
+from megatron_omnibal.balance.checks import check_plan, gather_rows, pack_sums
 from megatron_omnibal.balance.config import (
     DEFAULT_COST,
     ISF_THRESHOLD_MARGIN,
@@ -60,24 +60,32 @@ def _oversize(lengths: LengthStats, config: BalanceConfig) -> np.ndarray:
     return over
 
 
-def time_weight(lengths: LengthStats, cost: PackCost | None) -> np.ndarray:
-    """Each sample's modeled time (the config's cost, else DEFAULT_COST) as an integer in units
-    of a token on average: the packer's second weight, balanced beside tokens."""
-    ms = (cost or DEFAULT_COST).sample_ms(lengths.vit, lengths.tokens)
+def sample_ms(lengths: LengthStats, cost: PackCost | None) -> np.ndarray:
+    """Each sample's modeled time by the config's cost, else DEFAULT_COST (computed once: the
+    packer weighs it, the layout sums it per pack)."""
+    return (cost or DEFAULT_COST).sample_ms(lengths.vit, lengths.tokens)
+
+
+def time_weight(ms: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """The samples' modeled times `ms` as integers in units of a token on average: the
+    packer's second weight, balanced beside tokens."""
     total = float(ms.sum())
-    scale = float(lengths.tokens.sum()) / total if total > 0 else 0.0
+    scale = float(tokens.sum()) / total if total > 0 else 0.0
     return np.rint(ms * scale).astype(np.int64)
 
 
-def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarray,
-                 solo: np.ndarray, use_reference: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+def _level_packs(lengths: LengthStats, config: BalanceConfig, ms: np.ndarray,
+                 regular: np.ndarray, solo: np.ndarray, use_reference: bool
+                 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per level (ascending): (samples, pack_ptr) of its packs, as global sample indices; solo
     packs of oversize samples join the top level."""
     levels = config.all_levels
     vit, tok = lengths.vit, lengths.tokens
-    time = time_weight(lengths, config.cost)
+    time = time_weight(ms, tok)
     level_of = np.full(len(lengths), -1, np.int16)
-    level_of[regular] = hierarchy.assign_levels(vit[regular], tok[regular], levels)
+    every = len(regular) == len(lengths)  # no oversize sample: views, no copies
+    level_of[regular] = hierarchy.assign_levels(*((vit, tok) if every else
+                                                  (vit[regular], tok[regular])), levels)
     # Pools of samples not yet packed, per level, in a seeded random order (GreedyFill's order).
     order = permutation(len(lengths), config.seed ^ _TOP_UP_SALT) if len(levels) > 1 else None
     pending = np.zeros(len(lengths), bool)
@@ -91,18 +99,20 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarra
         if len(own) == 0 and len(extra) == 0:
             continue
         per_step = config.dp_size * level.micro_batches
-        need = packs_needed(vit[own], tok[own], level.vit_budget, level.token_budget)
+        whole = len(own) == len(lengths)  # every sample, in order: no copies
+        own_v, own_t = (vit, tok) if whole else (vit[own], tok[own])
+        need = packs_needed(own_v, own_t, level.vit_budget, level.token_budget)
         packs = -(-(need + len(extra)) // per_step) * per_step - len(extra)
         fill = np.zeros(0, np.int64)
         if lv > 0 and len(own):
-            free_v = packs * level.vit_budget - float(vit[own].sum())
-            free_t = packs * level.token_budget - float(tok[own].sum())
+            free_v = packs * level.vit_budget - float(own_v.sum())
+            free_t = packs * level.token_budget - float(own_t.sum())
             pools = [order[pending[order] & (level_of[order] == j)] for j in range(lv - 1, -1, -1)]
             budgets = (level.vit_budget, level.token_budget)
-            big_room = packs - int(big(vit[own], tok[own], *budgets).sum())
+            big_room = packs - int(big(own_v, own_t, *budgets).sum())
             fill = hierarchy.top_up(pools, vit, tok, free_v, free_t, big_room, budgets)
+        del own_v, own_t
         members = np.concatenate([own, fill]).astype(np.int64, copy=False)
-        whole = len(own) == len(lengths)  # every sample, in order: no copies
         optional = np.concatenate([np.zeros(len(own), bool), np.ones(len(fill), bool)])
         threshold = (config.threshold if lv == len(levels) - 1
                      else level.token_budget - ISF_THRESHOLD_MARGIN)
@@ -116,7 +126,7 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarra
         samples = got.samples if whole else members[got.samples]
         ptr = got.ptr
         del members, optional, got
-        pending[samples] = False
+        pending[slice(None) if whole else samples] = False
         if len(extra):
             samples = np.concatenate([samples, extra]).astype(np.int64, copy=False)
             ptr = np.concatenate([ptr, ptr[-1] + np.arange(1, len(extra) + 1)]).astype(np.int64)
@@ -126,19 +136,19 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, regular: np.ndarra
     return out
 
 
-def _lay_out(lengths: LengthStats, config: BalanceConfig, lv: int, samples: np.ndarray,
-             ptr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _lay_out(lengths: LengthStats, config: BalanceConfig, ms: np.ndarray, lv: int,
+             samples: np.ndarray, ptr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(step within the level, rank, micro) of each of one level's packs (layout.layout)."""
     num = len(ptr) - 1
-    cost = config.cost or DEFAULT_COST
     pack_id = np.repeat(np.arange(num), np.diff(ptr))
-    pack_time = np.bincount(
-        pack_id, cost.sample_ms(lengths.vit[samples], lengths.tokens[samples]), num)
-    dominant = histograms.most_frequent(pack_id, lengths.dataset[samples], num,
-                                        max(len(lengths.names), 1))
-    del pack_id
+    # each sample's time and dataset side by side (bit for bit), gathered as one 16-byte row
+    picked = gather_rows(np.stack([ms.view(np.int64), lengths.dataset.astype(np.int64)], axis=1),
+                         samples)
+    pack_time = np.bincount(pack_id, picked[:, 0].view(np.float64), num)
+    dominant = histograms.most_frequent(pack_id, picked[:, 1], num, max(len(lengths.names), 1))
+    del pack_id, picked
     level = config.all_levels[lv]
-    vit, tokens = pack_sums(lengths.vit, samples, ptr), pack_sums(lengths.tokens, samples, ptr)
+    vit, tokens = pack_sums(np.stack([lengths.vit, lengths.tokens], axis=1), samples, ptr).T
     solo = (vit > level.vit_budget) | (tokens > level.token_budget)  # only oversize='solo' packs
     return layout.layout(vit, tokens, pack_time, config.dp_size, level.micro_batches,
                          config.mode, config.seed + lv, dominant,
@@ -159,11 +169,13 @@ def balance(lengths: LengthStats, config: BalanceConfig, *, use_reference: bool 
     regular = np.flatnonzero(~over)
     solo = np.flatnonzero(over) if config.oversize == "solo" else np.zeros(0, np.int64)
     skipped = np.flatnonzero(over) if config.oversize == "skip" else np.zeros(0, np.int64)
-    per_level = _level_packs(lengths, config, regular, solo, use_reference)
+    ms = sample_ms(lengths, config.cost)
+    per_level = _level_packs(lengths, config, ms, regular, solo, use_reference)
     del over, regular, solo
     levels = config.all_levels
-    laid = [_lay_out(lengths, config, lv, samples, ptr)
+    laid = [_lay_out(lengths, config, ms, lv, samples, ptr)
             for lv, (samples, ptr) in enumerate(per_level)]
+    del ms
     steps = [int(step.max()) + 1 if len(step) else 0 for step, _, _ in laid]
     step_level = hierarchy.interleave(steps, config.curriculum_steps, config.seed)
     # Packs in (step, rank, micro) order: each pack's place counted from where its step starts.

@@ -73,10 +73,13 @@ def ratio_band(vit: np.ndarray, weight: np.ndarray) -> tuple[int, int]:
     has = vit > 0
     if not has.any():
         return 0, 0
-    tiles, ratio = vit[has], weight[has] / vit[has]
+    tiles, w = vit[has], weight[has]
     total = tiles.sum()
-    mean = weight[has].sum() / total
+    mean = w.sum() / total
+    ratio = w / tiles
     ratio *= 1024.0
+    del w
+    tiles = tiles.astype(np.float64)  # the counts' weights, converted once, not per bincount
     low = _percentile_key(np.floor(ratio).astype(np.int64), tiles, total, LOW_RATIO_PERCENTILE)
     high = _percentile_key(np.ceil(ratio).astype(np.int64), tiles, total, HIGH_RATIO_PERCENTILE)
     return min(low, math.floor(mean * 1024)), max(high, math.ceil(mean * 1024))

@@ -15,7 +15,8 @@ def pair_counts(group: np.ndarray, value: np.ndarray, values: int
     """(group, value, count) of every pair that occurs, in (group, value) order. Linear in time
     when `group` is already non-decreasing (the samples of packs, of steps): the stable sort then
     only merges the short runs within each group."""
-    key = np.asarray(group, np.int64) * max(int(values), 1) + np.asarray(value, np.int64)
+    key = np.multiply(group, max(int(values), 1), dtype=np.int64)
+    key += value
     key.sort(kind="stable")
     if len(key) == 0:
         return key, key.copy(), key.copy()
@@ -27,7 +28,8 @@ def pair_counts(group: np.ndarray, value: np.ndarray, values: int
     counts = np.diff(np.append(starts, len(key)))
     pairs = key[starts]
     del key
-    return pairs // max(int(values), 1), pairs % max(int(values), 1), counts
+    g, v = np.divmod(pairs, max(int(values), 1))
+    return g, v, counts
 
 
 def most_frequent(group: np.ndarray, value: np.ndarray, groups: int, values: int) -> np.ndarray:
@@ -38,10 +40,12 @@ def most_frequent(group: np.ndarray, value: np.ndarray, groups: int, values: int
     if len(g) == 0:
         return out
     starts = np.flatnonzero(np.append(True, g[1:] != g[:-1]))
-    best = np.repeat(np.maximum.reduceat(c, starts), np.diff(np.append(starts, len(g))))
-    top = np.flatnonzero(c == best)  # in (group, value) order: the first per group is the answer
-    first = top[np.append(True, g[top][1:] != g[top][:-1])]
-    out[g[first]] = v[first]
+    # one score per pair: the count first, then the smaller value (values - 1 - v >= 0)
+    span = max(int(values), 1)
+    score = c * span
+    score += span - 1 - v
+    best = np.maximum.reduceat(score, starts)
+    out[g[starts]] = span - 1 - best % span
     return out
 
 

@@ -58,20 +58,25 @@ def nearest_groups(packs: np.ndarray, sizes: np.ndarray, per_step: int) -> list[
     """`packs` in groups of per_step packs alike in every size (rows of `sizes`, relative):
     the slowest pack left with the per_step - 1 packs nearest to it (largest difference over the
     sizes) among the next GROUP_WINDOW * per_step in time order. Sorting by one size would put
-    packs of very different tiles, or very different time, into one step."""
+    packs of very different tiles, or very different time, into one step. The window's sizes
+    are kept as columns beside it (no row gathers per group)."""
     order = packs[np.argsort(-sizes[packs, -1], kind="stable")]
+    cols = [np.ascontiguousarray(sizes[order, j]) for j in range(sizes.shape[1])]
     window = GROUP_WINDOW * per_step
-    head, at, groups = order[:0], 0, []
+    head, near, at, groups = order[:0], [c[:0] for c in cols], 0, []
     while at < len(order) or len(head):
         more = min(window - len(head), len(order) - at)
         head = np.concatenate([head, order[at:at + more]])
+        near = [np.concatenate([n, c[at:at + more]]) for n, c in zip(near, cols, strict=True)]
         at += more
-        dist = np.abs(sizes[head] - sizes[head[0]]).max(axis=1)
+        dist = np.abs(near[0] - near[0][0])
+        for n in near[1:]:
+            np.maximum(dist, np.abs(n - n[0]), out=dist)
         pick = nearest(dist, per_step)
         groups.append(np.sort(head[pick]))
         keep = np.ones(len(head), bool)
         keep[pick] = False
-        head = head[keep]
+        head, near = head[keep], [n[keep] for n in near]
     return groups
 
 
@@ -107,6 +112,29 @@ def tail_bands(sizes: np.ndarray, per_step: int, tolerance: float, micro_batches
     return bands, np.sort(rest)
 
 
+def _dense_ranks(x: np.ndarray) -> np.ndarray:
+    """Integers 0.. in the order of `x`, equal where x is equal."""
+    x = np.asarray(x)
+    if np.issubdtype(x.dtype, np.integer) and len(x):
+        return x.astype(np.int64) - int(x.min())
+    return np.unique(x, return_inverse=True)[1].astype(np.int64)
+
+
+def _sorted_keys(major: np.ndarray, minor: np.ndarray, distinct: np.ndarray, num: int
+                 ) -> np.ndarray:
+    """np.lexsort((distinct, minor, major))'s order as sorted keys (major, minor) * num +
+    distinct, where `distinct` holds distinct integers 0..num-1: one sort of distinct integers,
+    so any sort gives the same order, and it carries `distinct` (key % num); the lexsort
+    itself where the keys would not fit 63 bits."""
+    major, minor = _dense_ranks(major), _dense_ranks(minor)
+    if len(major) == 0:
+        return major
+    span = int(minor.max()) + 1
+    if (int(major.max()) + 1) * span * num >= 1 << 63:
+        return distinct[np.lexsort((distinct, minor, major))]  # < num: key % num the same
+    return np.sort((major * span + minor) * num + distinct)
+
+
 def layout(pack_vit: np.ndarray, pack_weight: np.ndarray, pack_time: np.ndarray, dp_size: int,
            micro_batches: int, mode: str, seed: int, pack_dataset: np.ndarray | None = None,
            tail_tolerance: float | None = 0.015, solo: np.ndarray | None = None
@@ -136,7 +164,7 @@ def layout(pack_vit: np.ndarray, pack_weight: np.ndarray, pack_time: np.ndarray,
         rank_in[shuffled] = np.arange(num)
         strata = (np.zeros(num, np.int64) if pack_dataset is None
                   else np.asarray(pack_dataset, np.int64))
-        order = rest[np.lexsort((rank_in[rest], pack_vit[rest], strata[rest]))]
+        order = shuffled[_sorted_keys(strata[rest], pack_vit[rest], rank_in[rest], num) % num]
         if len(rest):
             step[order] = len(bands) + np.arange(len(rest)) % (len(rest) // per_step)
     else:
@@ -146,7 +174,10 @@ def layout(pack_vit: np.ndarray, pack_weight: np.ndarray, pack_time: np.ndarray,
     if steps:
         step = permutation(steps, seed ^ _LAYOUT_SALT ^ 1)[step]
     # Within each step: largest first, dealt to ranks in a serpentine (0..dp-1, dp-1..0, ...).
-    within = np.lexsort((-sizes.sum(axis=1), step))
+    by_size = np.argsort(-sizes.sum(axis=1), kind="stable")
+    size_rank = np.empty(num, np.int64)
+    size_rank[by_size] = np.arange(num)
+    within = by_size[np.sort(step * num + size_rank) % num]  # by (step, size rank)
     k = np.empty(num, np.int64)
     k[within] = np.arange(num) % per_step
     rnd, j = k // dp_size, k % dp_size

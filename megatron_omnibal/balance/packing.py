@@ -29,8 +29,12 @@ class Packs:
 
 
 def big(vit: np.ndarray, tokens: np.ndarray, vit_budget: int, token_budget: int) -> np.ndarray:
-    """Samples over half a budget: no two of them share a pack."""
-    return (2 * np.asarray(vit) > vit_budget) | (2 * np.asarray(tokens) > token_budget)
+    """Samples over half a budget: no two of them share a pack (for integers, 2x > b is
+    x > b // 2: no doubled copies)."""
+    vit, tokens = np.asarray(vit), np.asarray(tokens)
+    if vit.dtype.kind in "iu" and tokens.dtype.kind in "iu":
+        return (vit > int(vit_budget) // 2) | (tokens > int(token_budget) // 2)
+    return (2 * vit > vit_budget) | (2 * tokens > token_budget)
 
 
 def packs_needed(vit: np.ndarray, tokens: np.ndarray, vit_budget: int, token_budget: int
@@ -94,10 +98,14 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight2: np.ndarray, optiona
     out_samples, out_sizes, filled = np.empty(n, np.int64), [], 0
     placed, scale = offset, 1.0  # scale: packs the last chunk needed over its budgets' bound
     for i in range(k):
-        part = np.arange(i, n, k)  # strided: each chunk a cross-section
-        pv, pt = vit[part], tokens[part]
-        bound = max(packs_needed(pv[~optional[part]], pt[~optional[part]], vit_budget,
-                                 token_budget), 1)
+        part = slice(i, n, k)  # strided: each chunk a cross-section (no gathers)
+        # copied once into contiguous arrays: every later pass over a strided view would touch
+        # a cache line per sample
+        pv, pt, pw2 = (np.ascontiguousarray(a[part], np.int64) for a in (vit, tokens, weight2))
+        opt = optional[part]
+        some_optional = bool(opt.any())
+        bound = max(packs_needed(*((pv[~opt], pt[~opt]) if some_optional else (pv, pt)),
+                                 vit_budget, token_budget), 1)
         need = math.ceil(bound * scale)
         last = i == k - 1
         if last:
@@ -107,7 +115,7 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight2: np.ndarray, optiona
             packs = need
         # With optional samples the core adds no packs itself (they must not cost a step):
         # what finds no slot comes back, and missing packs are added here.
-        grow = 0 if optional[part].any() else per_step if last else 1
+        grow = 0 if some_optional else per_step if last else 1
         for _ in range(MAX_RETRIES):
             params = core.slot_params(vit_budget=vit_budget, token_budget=token_budget,
                                       packs=packs, grow=grow, seed=seed + i,
@@ -116,9 +124,9 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight2: np.ndarray, optiona
                 samples, ptr, leftover = core.pack_lpt(pv, pt, params,
                                                        use_reference=use_reference)
             else:
-                samples, ptr, leftover = core.pack_slots(pv, pt, weight2[part], pt,
-                                                         params, use_reference=use_reference)
-            lost = leftover[~optional[part[leftover]]]
+                samples, ptr, leftover = core.pack_slots(pv, pt, pw2, pt, params,
+                                                         use_reference=use_reference)
+            lost = leftover[~opt[leftover]]
             if len(lost) == 0:
                 break
             # as many more packs as the samples without room need (each retry is a full pass);
@@ -130,7 +138,7 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight2: np.ndarray, optiona
         else:
             raise RuntimeError(f"balance: could not place all samples after {MAX_RETRIES} "
                                "attempts")
-        out_samples[filled:filled + len(samples)] = part[samples]
+        out_samples[filled:filled + len(samples)] = samples * k + i  # chunk position -> input
         filled += len(samples)
         out_sizes.append(np.diff(ptr))
         placed += len(ptr) - 1

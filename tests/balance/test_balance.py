@@ -211,6 +211,32 @@ def test_tail_steps_hold_every_pack_over_the_tolerance():
         assert len(np.unique(step[band])) == 1
 
 
+@pytest.mark.parametrize("top", [20, 1 << 50])
+def test_sorted_keys_order_as_lexsort(top):
+    """layout's one sort of combined keys gives np.lexsort's order over (major, minor, a
+    distinct tie-break), for integer and float keys, and keys too wide to combine."""
+    rng = np.random.default_rng(top % 7)
+    num = 5000
+    distinct = rng.permutation(num)[:3000]
+    major, minor = rng.integers(0, 40, 3000), rng.integers(0, top, 3000)
+    want = distinct[np.lexsort((distinct, minor, major))]
+    for m in (minor, minor.astype(float) / 3):
+        assert np.array_equal(layout._sorted_keys(major, m, distinct, num) % num, want)
+
+
+def test_layout_of_integer_and_float_tiles_agree():
+    """The layout sorts integer tile counts directly and other tile values by their ranks:
+    the same packs give the same layout either way."""
+    rng = np.random.default_rng(4)
+    num = 16 * 4 * 30
+    vit = rng.integers(10, 19, num)
+    tok = vit * 300 + rng.normal(0, 40, num)
+    dataset = rng.integers(0, 5, num)
+    got = [layout.layout(v, tok, tok * 1.1, 16, 4, "random", 2, dataset) for v in (vit, vit * 1.0)]
+    for a, b in zip(*got, strict=True):
+        assert np.array_equal(a, b)
+
+
 def test_grouped_steps_are_alike():
     """Grouped layout on two clusters of packs (small and large in every size): no step mixes
     them."""
