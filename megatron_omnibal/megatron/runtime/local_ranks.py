@@ -100,7 +100,11 @@ def launch(nproc: int, module: str | None, script: str | None, args: list[str]) 
     """Fork `nproc` ranks of the program and wait: 0 if all succeed, else the first failure's
     exit code (a rank killed by a signal: 128 + the signal, as a shell reports it)."""
     from megatron_omnibal.megatron.runtime.cpu import enable_cpu_megatron
+    from megatron_omnibal.megatron.runtime.notes import quiet_fallback_warnings
 
+    # megatron-core's per-module fallback warnings are printed at its import, so here, once
+    # for all ranks; a program that wants them said says it once (pretrain_vlm's note)
+    quiet_fallback_warnings()
     enable_cpu_megatron()  # torch and megatron-core, imported once for every rank
     port, run_id = _free_port(), f"local{os.getpid()}"
     sys.stdout.flush()
