@@ -13,21 +13,6 @@ from tests.dp_runs import dp2_training
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "internvl_subset.npz"
 
-# `make test` runs the suite on two pytest-xdist workers (--dist loadgroup). Each test file is a
-# group of its own, so its module fixtures (shared training runs, converted checkpoints) are
-# built once, on one worker; files that share a heavy session fixture form one group.
-SHARED_GROUPS = {
-    "tests/megatron/training/test_megatron_training.py": "dp2_run",
-    "tests/megatron/checkpoint/test_megatron_checkpoint.py": "dp2_run",
-}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    root = Path(config.rootpath)
-    for item in items:
-        path = Path(item.path).relative_to(root).as_posix()
-        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(path, path)))
-
 
 @pytest.fixture(scope="session")
 def lengths_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
