@@ -36,7 +36,7 @@ build: $(BUILT)
 
 test: $(BUILT)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --durations=30 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
 test-fast: $(BUILT)
 	$(PY) -m pytest -q tests -m "not megatron and not slow"

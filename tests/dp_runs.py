@@ -42,7 +42,7 @@ def dp2_training(lengths: Path, out: Path) -> SimpleNamespace:
     steps before the end (the run goes on and its records are whole). `flags`: the run's own
     without the TensorBoard ones (a resume adds --load)."""
     sys.path.insert(0, str(WORKERS))
-    from launch import torchrun
+    from launch import run_ranks
     from run_records import records
 
     steps = dp_epoch_steps(lengths, dp=2)
@@ -53,7 +53,7 @@ def dp2_training(lengths: Path, out: Path) -> SimpleNamespace:
     logged = ["--tensorboard-dir", str(tb), "--tensorboard-log-interval", "1",
               "--omnibal-peak-tflops", "0.001"]  # fmt: skip
     saved = ["--save", str(ckpt), "--save-interval", str(stop)]
-    code, stdout, stderr = torchrun(WORKERS / "train_record.py", 2,
+    code, stdout, stderr = run_ranks(WORKERS / "train_record.py", 2,
                                     [str(out / "whole"), *flags, *saved, *logged], 600)  # fmt: skip
     assert code == 0, stdout[-3000:] + stderr[-6000:]
     return SimpleNamespace(flags=flags, whole=out / "whole", ckpt=ckpt, stop=stop, steps=steps,

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from megatron_omnibal.cli_args import counts, non_negative_int, positive_float, positive_int
+from megatron_omnibal.megatron.runtime import local_ranks
 
 HELP = "check a Megatron checkpoint's logits against transformers' forward of an HF checkpoint"
 
@@ -101,14 +102,12 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="omnibal-compare-") as tmp:
         work = Path(tmp)
         torch.save([asdict(s) for s in samples], work / "samples.pt")
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={tp * len(layouts)}", "-m",
-            "megatron_omnibal.megatron.compare.compare_worker", "--ckpt", str(ckpt.path),
+        cmd = local_ranks.command(tp * len(layouts), [
+            "-m", "megatron_omnibal.megatron.compare.compare_worker", "--ckpt", str(ckpt.path),
             "--format", ckpt.format, "--spec", json.dumps(hf.spec.to_dict()), "--tp", str(tp),
             "--ckpt-pp", str(ckpt.pp), "--stages", json.dumps([st.to_dict() for st in layouts]),
             "--samples", str(work / "samples.pt"), "--out", str(work),
-        ]  # fmt: skip
+        ])  # fmt: skip
         if args.sequence_parallel:
             cmd.append("--sequence-parallel")
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}

@@ -67,7 +67,11 @@ def test_ctrl_c_exits_130_with_one_line_and_no_traceback(tmp_path):
         [*CLI, "stats", str(tmp_path / "data.jsonl"), "--model", "internvl2-8b", "--tokenizer",
          str(tmp_path / "tok.json"), "--out", str(tmp_path / "out.npz"), "--workers", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, start_new_session=True)
-    first = proc.stderr.read(1)  # the progress bar: the workers are counting
+    first = b""  # up to the progress bar's first count above 0: the workers are counting
+    while not re.search(rb"\| *[1-9][0-9]*/200000", first):
+        byte = proc.stderr.read(1)
+        assert byte, first.decode()
+        first += byte
     os.killpg(proc.pid, signal.SIGINT)
     _, rest = proc.communicate(timeout=120)
     err = (first + rest).decode()

@@ -1,7 +1,13 @@
-"""Run a worker under torchrun for the Megatron tests, and never leave processes behind.
+"""Run a worker on local gloo ranks for the Megatron tests, and never leave processes behind.
 
-torchrun's workers outlive a killed torchrun; on a timeout torchrun's process group and every
-process it started are killed before the error is raised.
+By default the ranks are forked from one interpreter that imported torch and megatron-core once
+(megatron/runtime/local_ranks.py, the launcher of the package's CPU tools): on this 2-core
+machine the import is most of a small worker's CPU time. `torchrun=True` starts every rank as
+a fresh interpreter under `torchrun --standalone`, for the checks that need a process nothing
+was imported into. The training entry point keeps tests of its own under real torchrun.
+
+torchrun's workers outlive a killed torchrun; on a timeout the launcher's process group and
+every process it started are killed before the error is raised.
 """
 
 from __future__ import annotations
@@ -15,15 +21,21 @@ from pathlib import Path
 
 import psutil
 
+from megatron_omnibal.megatron.runtime import local_ranks
 
-def torchrun(
-    worker: Path, nproc: int, args: list[str], timeout: float, env: dict[str, str] | None = None
+
+def run_ranks(
+    worker: Path, nproc: int, args: list[str], timeout: float, env: dict[str, str] | None = None,
+    *, torchrun: bool = False,
 ) -> tuple[int, str, str]:
-    """(returncode, stdout, stderr) of `torchrun --standalone --nproc-per-node N worker args`
-    (`env`: extra environment variables)."""
+    """(returncode, stdout, stderr) of `worker args` on `nproc` local ranks (`env`: extra
+    environment variables)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(worker), *args]  # fmt: skip
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", str(worker), *args]  # fmt: skip
+    else:
+        cmd = local_ranks.command(nproc, [str(worker), *args])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip
     try:

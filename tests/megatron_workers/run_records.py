@@ -87,8 +87,8 @@ def recorded_run(
 ) -> SimpleNamespace:
     """train_record.py under torchrun (the test fails on a non-zero exit): its out folder,
     stdout, stderr and records."""
-    from launch import torchrun
+    from launch import run_ranks
 
-    code, stdout, stderr = torchrun(worker, nproc, [str(out), *flags], timeout, env)
+    code, stdout, stderr = run_ranks(worker, nproc, [str(out), *flags], timeout, env)
     assert code == 0, stdout[-3000:] + stderr[-6000:]
     return SimpleNamespace(out=out, stdout=stdout, stderr=stderr, records=records(out))

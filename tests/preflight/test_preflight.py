@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 from megatron_omnibal.balance.config import Level
 from megatron_omnibal.data.lengths import load_lengths
+from megatron_omnibal.megatron.runtime import local_ranks
 from megatron_omnibal.preflight.measure import SavedTensorTracker
 from megatron_omnibal.preflight.packs import worst_packs
 from megatron_omnibal.preflight.report import Limits, build_report
@@ -121,9 +121,8 @@ FLAGS = ["--omnibal", "--omnibal-model", "tiny", "--omnibal-text-scale", "8",
 
 def _preflight(nproc, out, flags, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "megatron_omnibal.preflight", *FLAGS, *flags,
-           "--out", str(out)]  # fmt: skip
+    cmd = local_ranks.command(
+        nproc, ["-m", "megatron_omnibal.preflight", *FLAGS, *flags, "--out", str(out)])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=out.parent)  # fmt: skip
     report = json.loads(out.read_text()) if out.exists() else None

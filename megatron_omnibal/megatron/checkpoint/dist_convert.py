@@ -2,13 +2,14 @@
 
 Why processes: a torch_dist checkpoint holds global tensors under the keys of the modules'
 sharded state dicts (a tower's layers stacked, tied heads, padded vocabularies), which only the
-built modules know. So TP x PP local CPU processes (torchrun, gloo; GPUs hidden) each build their
-stage, fill it from the HF tensors of that stage alone and save with megatron-core's
-dist_checkpointing, as megatron.training does. Each process holds one TP x PP shard.
+built modules know. So TP x PP local CPU processes (forked by megatron/runtime/local_ranks.py;
+gloo; GPUs hidden) each build their stage, fill it from the HF tensors of that stage alone and
+save with megatron-core's dist_checkpointing, as megatron.training does. Each process holds one
+TP x PP shard.
 
 Run by `omnibal convert hf-to-megatron --ckpt-format torch_dist`; the module's main() is the
-worker: python -m torch.distributed.run --nproc-per-node N
--m megatron_omnibal.megatron.checkpoint.dist_convert
+worker (under torchrun, or as run here): python -m megatron_omnibal.megatron.runtime.local_ranks
+--nproc-per-node N -m megatron_omnibal.megatron.checkpoint.dist_convert
 --hf DIR --out DIR --tp T --stages JSON [--dtype bf16|fp16|fp32]
 """
 
@@ -22,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_omnibal.megatron.runtime import local_ranks
 from megatron_omnibal.models.hf_config import HFModel
 from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
@@ -33,12 +35,10 @@ def write_dist_checkpoint(
 ) -> list[Path]:
     """Run the TP x PP worker processes; returns the files written."""
     stages = json.dumps([st.to_dict() for st in layouts])
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={tp * len(layouts)}",
+    cmd = local_ranks.command(tp * len(layouts), [
         "-m", "megatron_omnibal.megatron.checkpoint.dist_convert",
         "--hf", str(hf.path), "--out", str(out), "--tp", str(tp), "--stages", stages,
-    ]  # fmt: skip
+    ])  # fmt: skip
     if dtype:
         cmd += ["--dtype", dtype]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}

@@ -1,7 +1,7 @@
-"""torchrun worker of `omnibal compare-hf`: this rank's stage of a Megatron checkpoint at a
+"""The rank program of `omnibal compare-hf`: this rank's stage of a Megatron checkpoint at a
 layout, one forward pass of the probe samples, its outputs saved for the comparison.
 
-python -m torch.distributed.run --nproc-per-node N
+python -m megatron_omnibal.megatron.runtime.local_ranks --nproc-per-node N
 -m megatron_omnibal.megatron.compare.compare_worker
 --ckpt ITERATION_DIR --format torch|torch_dist --spec JSON --tp T --ckpt-pp P --stages JSON
 [--sequence-parallel] --samples FILE --out DIR

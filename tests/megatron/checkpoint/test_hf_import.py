@@ -33,7 +33,7 @@ import torch
 pytestmark = pytest.mark.megatron
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
-from launch import torchrun  # noqa: E402
+from launch import run_ranks  # noqa: E402
 
 from megatron_omnibal.megatron.compare.probe import probe_samples  # noqa: E402
 from megatron_omnibal.models.hf_config import read_hf  # noqa: E402
@@ -101,7 +101,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         cfg = root / f"cases{ranks}.json"
         every = {k: {**m, "cases": [c["name"] for c in cases]} for k, m in models.items()}
         cfg.write_text(json.dumps({"models": models if ranks == 4 else every, "cases": cases}))
-        code, stdout, stderr = torchrun(WORKER, ranks, [str(cfg), str(out)], timeout=1500)
+        code, stdout, stderr = run_ranks(WORKER, ranks, [str(cfg), str(out)], timeout=1500)
         if code:
             pytest.fail(f"worker failed ({code}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
     return out, refs

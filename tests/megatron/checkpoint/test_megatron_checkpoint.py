@@ -35,7 +35,7 @@ from megatron_omnibal.models.presets import PRESETS
 pytestmark = pytest.mark.megatron
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
-from launch import torchrun  # noqa: E402
+from launch import run_ranks  # noqa: E402
 from run_records import head_micro as _head_micro  # noqa: E402
 from run_records import params as _params  # noqa: E402
 from run_records import records as _records  # noqa: E402
@@ -80,7 +80,7 @@ PP2 = ["--pipeline-model-parallel-size", "2", "--omnibal-vit-pp-layers", "4,0",
 
 def _run(nproc, out, flags, params_at=None, timeout=600):
     env = {"RECORD_PARAMS_AT_STEP": str(params_at)} if params_at is not None else None
-    code, stdout, stderr = torchrun(WORKER, nproc, [str(out), *flags], timeout, env)
+    code, stdout, stderr = run_ranks(WORKER, nproc, [str(out), *flags], timeout, env)
     return SimpleNamespace(code=code, stdout=stdout, stderr=stderr, out=Path(out))
 
 

@@ -19,7 +19,7 @@ import torch
 pytestmark = pytest.mark.megatron
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
-from launch import torchrun  # noqa: E402
+from launch import run_ranks  # noqa: E402
 
 WORKER = Path(__file__).resolve().parents[2] / "megatron_workers" / "cpu_worker.py"
 
@@ -27,7 +27,7 @@ WORKER = Path(__file__).resolve().parents[2] / "megatron_workers" / "cpu_worker.
 @pytest.fixture(scope="module")
 def obs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("cpu")
-    code, stdout, stderr = torchrun(WORKER, 2, [str(out)], timeout=180)
+    code, stdout, stderr = run_ranks(WORKER, 2, [str(out)], timeout=180, torchrun=True)
     if code:
         pytest.fail(f"cpu worker failed ({code}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]

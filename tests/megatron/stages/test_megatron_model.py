@@ -18,7 +18,7 @@ import torch
 pytestmark = pytest.mark.megatron
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
-from launch import torchrun  # noqa: E402
+from launch import run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = ROOT / "tests" / "megatron_workers" / "model_worker.py"
@@ -103,7 +103,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("vlm")
     cfg = out / "cases.json"
     cfg.write_text(json.dumps({"spec": SPEC, "seed": 1234, "batches": BATCHES, "cases": CASES}))
-    code, stdout, stderr = torchrun(WORKER, 4, [str(cfg), str(out)], timeout=240)
+    code, stdout, stderr = run_ranks(WORKER, 4, [str(cfg), str(out)], timeout=240)
     if code:
         pytest.fail(f"worker failed ({code}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
     return out

@@ -16,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.megatron
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
-from launch import torchrun  # noqa: E402
+from launch import run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = ROOT / "tests" / "megatron_workers" / "sync_worker.py"
@@ -32,7 +32,7 @@ SPEC = {
 def test_training_step_has_no_device_sync_per_micro_batch(tmp_path: Path) -> None:
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(SPEC))
-    code, out, err = torchrun(WORKER, 2, [str(spec), str(tmp_path / "sync.json")], timeout=300)
+    code, out, err = run_ranks(WORKER, 2, [str(spec), str(tmp_path / "sync.json")], timeout=300)
     assert code == 0, err[-3000:]
     stages = [json.loads((tmp_path / f"sync.stage{r}.json").read_text()) for r in range(2)]
     for s in stages:

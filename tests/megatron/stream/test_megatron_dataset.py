@@ -33,6 +33,7 @@ from megatron_omnibal.data.generate import (
     write_meta,
 )
 from megatron_omnibal.data.lengths import load_lengths, save_lengths
+from megatron_omnibal.megatron.runtime import local_ranks
 from megatron_omnibal.megatron.stream.dataset import DatasetError, open_source
 from megatron_omnibal.megatron.stream.loader import SampleLoadError
 from megatron_omnibal.megatron.stream.source import SourceSettings
@@ -432,9 +433,9 @@ def test_pretrain_vlm_trains_on_the_dataset_skips_or_stops_at_a_bad_image(data, 
 
     report = tmp_path / "bad_samples.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(WORKERS / "train_record.py"), str(tmp_path / "run"), *flags,
-         "--omnibal-bad-sample", "skip", "--omnibal-bad-sample-report", str(report)],
+        local_ranks.command(2, [
+            str(WORKERS / "train_record.py"), str(tmp_path / "run"), *flags,
+            "--omnibal-bad-sample", "skip", "--omnibal-bad-sample-report", str(report)]),
         env={**env, "OMNIBAL_WATCH_DIR": str(root / "img")}, capture_output=True, text=True,
         timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -462,8 +463,7 @@ def test_pretrain_vlm_trains_on_the_dataset_skips_or_stops_at_a_bad_image(data, 
     assert "1 sample(s) could not be loaded and were skipped" in proc.stderr
 
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(WORKERS / "train_record.py"), str(tmp_path / "stop"), *flags],
+        local_ranks.command(2, [str(WORKERS / "train_record.py"), str(tmp_path / "stop"), *flags]),
         env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     stops = [x for x in proc.stderr.splitlines() if x.startswith("pretrain_vlm: error:")]
@@ -506,8 +506,8 @@ def test_start_up_work_happens_once(data, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1",
            "OMNIBAL_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(WORKERS / "startup_counts.py"), str(tmp_path / "counts"), *flags],
+        local_ranks.command(2, [str(WORKERS / "startup_counts.py"), str(tmp_path / "counts"),
+                                *flags]),
         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     counts = [json.loads((tmp_path / "counts" / f"counts_rank{r}.json").read_text())

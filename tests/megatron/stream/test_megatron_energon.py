@@ -20,6 +20,7 @@ import pytest
 
 from megatron_omnibal.data.generate import train_tokenizer
 from megatron_omnibal.data.lengths import load_identities, load_lengths
+from megatron_omnibal.megatron.runtime import local_ranks
 from megatron_omnibal.megatron.stream.dataset import DatasetError, open_source
 from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.models.presets import PRESETS
@@ -122,8 +123,7 @@ def _epoch_steps(lengths_path):
 
 def _torchrun(out, flags, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(WORKER), str(out), *flags]
+    cmd = local_ranks.command(2, [str(WORKER), str(out), *flags])
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -13,7 +13,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,6 +26,7 @@ from megatron_omnibal.data.frames import frame_indices
 from megatron_omnibal.data.generate import image_array, save_image, write_jsonl, write_meta
 from megatron_omnibal.data.lengths import load_lengths
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan, run_lengths
+from megatron_omnibal.megatron.runtime import local_ranks
 from megatron_omnibal.megatron.stream.data import BalancedDataIterator
 from megatron_omnibal.megatron.stream.dataset import open_source
 from megatron_omnibal.megatron.stream.loader import (
@@ -313,8 +313,7 @@ def test_pretrain_vlm_pp2_trains_two_epochs_of_images_and_videos(data, tmp_path)
              "--num-workers", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(WORKERS / "train_record.py"), str(tmp_path / "run"), *flags],
+        local_ranks.command(2, [str(WORKERS / "train_record.py"), str(tmp_path / "run"), *flags]),
         env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ranks = {}

@@ -37,7 +37,7 @@ from tests.data.test_qwen25vl_video import transformers_video
 from tests.video_files import write_video
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
-from launch import torchrun  # noqa: E402
+from launch import run_ranks  # noqa: E402
 from run_records import head_micro, records  # noqa: E402
 
 WORKER = Path(__file__).resolve().parents[2] / "megatron_workers" / "train_record.py"
@@ -215,7 +215,7 @@ def test_two_stage_tower_trains_like_one_stage_and_skips_the_bad_image(data, tmp
     for name, nproc, vit, llm in (("pp2", 2, "2,2", "0,4"), ("pp1", 1, "4", "4")):
         out = tmp_path / name
         pp = ["--pipeline-model-parallel-size", "2"] if nproc == 2 else []
-        code, _, err = torchrun(WORKER, nproc, [
+        code, _, err = run_ranks(WORKER, nproc, [
             str(out), *flags, *pp, "--omnibal-vit-pp-layers", vit, "--omnibal-llm-pp-layers",
             llm, "--omnibal-bad-sample-report", str(tmp_path / f"{name}.jsonl")],
             timeout=400, env={"OMNIBAL_TEST_WEIGHTS": "7"})  # fmt: skip

@@ -29,7 +29,7 @@ from megatron_omnibal.planner.search.request import PlanRequest
 pytestmark = pytest.mark.megatron
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
-from launch import torchrun  # noqa: E402
+from launch import run_ranks  # noqa: E402
 from run_records import head_micro, records  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -62,7 +62,7 @@ def _plan(tmp: Path, lengths_file: Path) -> Plan:
 
 
 def _run(out: Path, flags: list[str]) -> SimpleNamespace:
-    code, stdout, stderr = torchrun(WORKER, 2, [str(out), *flags], 300)
+    code, stdout, stderr = run_ranks(WORKER, 2, [str(out), *flags], 300)
     assert code == 0, stdout[-3000:] + stderr[-6000:]
     return SimpleNamespace(stdout=stdout, stderr=stderr, records=records(out))
 

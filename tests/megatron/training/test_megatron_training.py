@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from megatron_omnibal.data.lengths import load_lengths
+from megatron_omnibal.megatron.runtime import local_ranks
 from tests.dp_runs import dp_epoch_steps
 from tests.dp_runs import tiny_training_flags as _flags
 
@@ -29,10 +30,13 @@ WORKER = ROOT / "tests" / "megatron_workers" / "train_record.py"
 EXAMPLE = ROOT / "examples" / "data" / "internvl_subset.npz"
 
 
-def _torchrun(nproc, out, flags, timeout=240):
+def _torchrun(nproc, out, flags, timeout=240, torchrun=False):
+    """The worker on local ranks (megatron/runtime/local_ranks.py), or under real torchrun."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(WORKER), str(out), *flags]  # fmt: skip
+    program = [str(WORKER), str(out), *flags]
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", *program] if torchrun
+           else local_ranks.command(nproc, program))  # fmt: skip
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -123,7 +127,7 @@ def test_bad_layout_stops_both_torchrun_ranks_once_without_a_traceback(lengths_f
     flags = _flags(lengths_file, "--pipeline-model-parallel-size", "2", "--global-batch-size",
                    "2", "--train-iters", "2", "--omnibal-vit-pp-layers", "4,0",
                    "--omnibal-llm-pp-layers", "1,2")  # fmt: skip
-    proc = _torchrun(2, tmp_path / "bad", flags, timeout=90)
+    proc = _torchrun(2, tmp_path / "bad", flags, timeout=90, torchrun=True)
     assert proc.returncode != 0
     message = "pretrain_vlm: error: pipeline layout: llm layers add up to 3 over 2 stages"
     assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
@@ -178,8 +182,7 @@ def _levels_plan(path, lengths_file):
 
 def _level_run(nproc, out, flags):
     env = {**os.environ, "OMNIBAL_TEST_WEIGHTS": "11", "OMNIBAL_TEST_GRADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(WORKER), str(out), *flags]  # fmt: skip
+    cmd = local_ranks.command(nproc, [str(WORKER), str(out), *flags])
     proc = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"},
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     _ok(proc)
