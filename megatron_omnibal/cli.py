@@ -71,7 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, not as a traceback at interpreter exit
         return code
     except KeyboardInterrupt:
-        print(f"omnibal {name}: interrupted", file=sys.stderr)
+        # on a line of its own: a progress bar may have been cut off mid-line
+        print(f"\nomnibal {name}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         _discard_stdout()

@@ -13,6 +13,31 @@ from tests.dp_runs import dp2_training
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "internvl_subset.npz"
 
+# The longest test files, started first: `make test` hands whole files to its two pytest-xdist
+# workers in collection order, so a long file collected last would run alone at the end.
+LONGEST_FIRST = (
+    "tests/scripts/test_demo.py",
+    "tests/workflow/test_finetune.py",
+    "tests/megatron/training/test_megatron_vpp.py",
+    "tests/megatron/checkpoint/test_hf_convert.py",
+    "tests/preflight/test_preflight_config.py",
+    "tests/preflight/test_preflight.py",
+    "tests/megatron/checkpoint/test_hf_import.py",
+    "tests/megatron/training/test_megatron_training.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files of LONGEST_FIRST first, in that order; the rest, and every file's own tests,
+    in collection order (a stable sort)."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    root = Path(config.rootpath)
+
+    def key(item: pytest.Item) -> int:
+        return rank.get(Path(item.path).relative_to(root).as_posix(), len(rank))
+
+    items.sort(key=key)
+
 
 @pytest.fixture(scope="session")
 def lengths_file(tmp_path_factory: pytest.TempPathFactory) -> Path:

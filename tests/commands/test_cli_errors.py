@@ -66,7 +66,9 @@ def test_ctrl_c_exits_130_with_one_line_and_no_traceback(tmp_path):
     proc = subprocess.Popen(
         [*CLI, "stats", str(tmp_path / "data.jsonl"), "--model", "internvl2-8b", "--tokenizer",
          str(tmp_path / "tok.json"), "--out", str(tmp_path / "out.npz"), "--workers", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, start_new_session=True,
+        # as in a terminal (a pytest-xdist worker ignores SIGINT; its children would inherit it)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = b""  # up to the progress bar's first count above 0: the workers are counting
     while not re.search(rb"\| *[1-9][0-9]*/200000", first):
         byte = proc.stderr.read(1)
