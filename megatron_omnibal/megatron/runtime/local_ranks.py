@@ -66,9 +66,11 @@ def _run_rank(env: dict[str, str], module: str | None, script: str | None,
             sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
             runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int | None):
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:  # sys.exit("message"): printed, status 1, as the interpreter does
             sys.stderr.write(f"{e.code}\n")
+            code = 1
     except BaseException:  # noqa: BLE001 - a rank reports any failure as torchrun's would
         traceback.print_exc()
         code = 1
