@@ -9,12 +9,13 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_omnibal.megatron.runtime.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SINGLE = ROOT / "scripts" / "launch_single_node.sh"
@@ -218,12 +219,6 @@ def test_help_lists_the_options() -> None:
         assert result.returncode == 0
         assert "--nproc-per-node" in result.stdout and "--dry-run" in result.stdout
     assert "MASTER_ADDR" in launch(MULTI, "--help").stdout
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 PROBE = """

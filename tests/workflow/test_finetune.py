@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 from PIL import Image
 
 from megatron_omnibal.data.generate import qa_dataset
+from megatron_omnibal.megatron.runtime.ports import free_port
 from megatron_omnibal.models.tiny_hf import write_tiny_internvl
 from tests.finetune_runs import ITERS, ROOT, STEPS, finetune, step_status, write_config  # noqa: E402
 
@@ -179,10 +179,7 @@ def test_several_nodes_get_one_launch_script_each_that_trains(killed):
                                   "--nproc-per-node")  # fmt: skip
         assert f"--omnibal-plan {folder / 'out' / 'plan.json'}" in text
         assert os.access(script, os.X_OK)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = {**os.environ, "MASTER_PORT": port}
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
     nodes = [subprocess.Popen(["bash", str(s)], env=env) for s in scripts]
     assert [p.wait(timeout=400) for p in nodes] == [0, 0]
     assert json.loads(preflight.read_text())["ok"]  # node 0's rank 0 wrote it

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_omnibal.megatron.runtime.cpu import enable_cpu_megatron
+from megatron_omnibal.megatron.runtime.ports import free_port
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.cost_model.memory import static_bytes_per_param
 from megatron_omnibal.preflight.measure import SavedTensorTracker, sync_device
@@ -41,11 +41,8 @@ def _init_single_process() -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     if not torch.distributed.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         torch.distributed.init_process_group(backend, rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():

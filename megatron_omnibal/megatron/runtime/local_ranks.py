@@ -21,11 +21,12 @@ import atexit
 import os
 import runpy
 import signal
-import socket
 import sys
 import time
 import traceback
 from collections.abc import Sequence
+
+from megatron_omnibal.megatron.runtime.ports import free_port
 
 GRACE_S = 10.0  # how long the other ranks get to stop after one failed, before SIGKILL
 
@@ -34,12 +35,6 @@ def command(nproc: int, program: Sequence[str]) -> list[str]:
     """The command line that runs `program` (`["-m", module, *args]` or `[script, *args]`) on
     `nproc` local ranks with this interpreter."""
     return [sys.executable, "-m", __name__, f"--nproc-per-node={nproc}", *program]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_env(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
@@ -108,7 +103,7 @@ def launch(nproc: int, module: str | None, script: str | None, args: list[str]) 
     # for all ranks; a program that wants them said says it once (pretrain_vlm's note)
     quiet_fallback_warnings()
     enable_cpu_megatron()  # torch and megatron-core, imported once for every rank
-    port, run_id = _free_port(), f"local{os.getpid()}"
+    port, run_id = free_port(), f"local{os.getpid()}"
     sys.stdout.flush()
     sys.stderr.flush()
     pids: set[int] = set()
