@@ -251,11 +251,12 @@ def test_two_nodes_meet_at_the_rendezvous(tmp_path: Path) -> None:
     try:
         # A few seconds on idle cores; the margin is for a loaded machine.
         outputs = [node.communicate(timeout=180) for node in nodes]
-    finally:
+    except subprocess.TimeoutExpired:
         for node in nodes:
-            if node.poll() is None:  # torchrun stops its workers on SIGTERM
-                node.terminate()
-                node.communicate(timeout=30)
+            node.terminate()  # torchrun stops its workers on SIGTERM
+        said = [node.communicate(timeout=30) for node in nodes]
+        pytest.fail("the two nodes did not finish in 180 s; what each printed:\n"
+                    + "\n".join(f"node {r}:\n{out}{err}" for r, (out, err) in enumerate(said)))
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, err
     for rank, (out, _) in enumerate(outputs):
