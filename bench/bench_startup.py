@@ -33,7 +33,10 @@ and a two-turn conversation per line, about 300 bytes) is indexed in a fresh pro
 side, as today's list of (dataset, record) pairs (every line's text held, the code path
 before) and as the record index (megatron/stream/record_index.py: dataset and place per sample
 over the file's byte offsets): CPU s to build it, the memory it holds (RSS after minus before),
-the peak RSS, bytes per record, and how the held memory grows per 10x records.
+the peak RSS, bytes per record, and how the held memory grows per 10x records. Then, at the
+largest size, a node: --ranks local ranks each building its own index, against the node
+building it once (local rank 0) and the other ranks mapping it (the product's path):
+CPU s summed over the ranks and the node's held PSS (a shared page counted once).
 
     .venv/bin/python bench/bench_startup.py [--samples 12M] [--ranks 8] [--modes node,today]
         [--work-dir DIR] [--json PATH]
@@ -47,8 +50,10 @@ import json
 import math
 import os
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -277,6 +282,87 @@ def record_index(sizes: list[int], folder: Path) -> list[dict]:
     return rows
 
 
+# One local rank of a node finding its records (argv: project root, annotation file,
+# ranks|node, a fresh folder): `ranks` builds the index itself, `node` through
+# node_plans.node_arrays (local rank 0 builds, the others map). Once every rank holds its
+# index, each reads its PSS (the node's sum counts a shared page once); JSON on stdout.
+NODE_CHILD = """
+import json, os, sys, time
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from megatron_omnibal.data.annotations import DatasetSpec, parse_record
+from megatron_omnibal.megatron.stream.node_plans import node_arrays
+from megatron_omnibal.megatron.stream.record_index import RecordIndex
+path, way, folder = Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+rank, ranks = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+spec = DatasetSpec(path.stem, path, path.parent)
+def build():
+    return RecordIndex.build([spec.record_table()], [spec.repeats], {})
+def barrier(name):
+    (folder / f"{name}{rank}").touch()
+    while sum(1 for f in folder.iterdir() if f.name.startswith(name)) < ranks:
+        time.sleep(0.02)
+def pss_gb():
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024 / 1e9
+before, cpu = pss_gb(), time.process_time()
+if way == "node":
+    arrays, meta = node_arrays(lambda: build().to_arrays(), "record-index", {"bench": 1},
+                               local_rank=rank, folder=folder)
+    entries = RecordIndex.from_arrays(arrays, meta, lambda d: spec.record_table())
+else:
+    entries = build()
+cpu = time.process_time() - cpu
+n = len(entries)
+ids = [parse_record(entries[i][1])["id"] for i in (0, n // 2, n - 1)]
+int(entries.row.sum()) + int(entries.tables[0].starts.sum())  # every page of the index read
+barrier("held")
+held = pss_gb() - before
+barrier("measured")
+print(json.dumps({"cpu_s": cpu, "held_pss_gb": held, "ids": ids}))
+"""
+
+
+def record_index_node(lines: int, ranks: int, folder: Path) -> list[dict]:
+    """`ranks` local ranks finding the records of one annotation file, each building its own
+    index against the node building it once: CPU s summed over the ranks, node PSS held."""
+    from megatron_omnibal.megatron.stream.node_plans import default_folder
+
+    path = annotation_file(lines, folder)
+    rows = []
+    for way in ("ranks", "node"):
+        shared = Path(tempfile.mkdtemp(prefix="omnibal-bench-", dir=default_folder()))
+        try:
+            env = {**os.environ, "LOCAL_WORLD_SIZE": str(ranks),
+                   "TORCHELASTIC_RUN_ID": f"bench{os.getpid()}"}
+            procs = [subprocess.Popen(
+                [sys.executable, "-c", NODE_CHILD, str(ROOT), str(path), way, str(shared)],
+                env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True) for r in range(ranks)]
+            said = [p.communicate() for p in procs]
+        finally:
+            shutil.rmtree(shared, ignore_errors=True)
+        if any(p.returncode for p in procs):
+            raise SystemExit(f"record index of a node ({way}) failed:\n"
+                             + "\n".join(err[-1500:] for _, err in said))
+        got = [json.loads(out.strip().splitlines()[-1]) for out, _ in said]
+        if any(g["ids"] != [0, lines // 2, lines - 1] for g in got):
+            raise SystemExit(f"record index of a node ({way}): read back {got}")
+        rows.append({"way": way, "records": lines, "ranks": ranks,
+                     "cpu_s": sum(g["cpu_s"] for g in got),
+                     "node_held_gb": sum(g["held_pss_gb"] for g in got)})
+    print(f"\nrecord index of a node: {ranks} local ranks, {lines:,} records, every rank "
+          "building its own against the node building it once")
+    print(f"{'way':>7}{'CPU s, all ranks':>18}{'node PSS held GB':>18}")
+    for r in rows:
+        print(f"{r['way']:>7}{r['cpu_s']:>18.2f}{r['node_held_gb']:>18.3f}")
+    mine, node = rows
+    print(f"ranks / node: CPU {mine['cpu_s'] / node['cpu_s']:.1f}x, node memory "
+          f"{mine['node_held_gb'] / node['node_held_gb']:.1f}x")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
@@ -294,9 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.record_index:
         folder = Path(args.work_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        rows = record_index(parse_sizes(args.record_index), folder)
+        sizes = parse_sizes(args.record_index)
+        rows = record_index(sizes, folder)
+        node = record_index_node(sizes[-1], args.ranks, folder)
         if args.json:
-            Path(args.json).write_text(json.dumps({"record_index": rows}, indent=2))
+            Path(args.json).write_text(json.dumps({"record_index": rows,
+                                                   "record_index_node": node}, indent=2))
         return 0
     modes = [m.strip() for m in args.modes.split(",")]
     unknown = sorted(set(modes) - set(MODES))

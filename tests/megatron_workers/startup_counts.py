@@ -24,6 +24,7 @@ COUNTED = {  # counter: (module, function)
     "layout_validations": ("megatron_omnibal.megatron.stages.layout", "validate_layout"),
     "data_sources_opened": ("megatron_omnibal.megatron.stream.dataset", "open_source"),
     "length_file_reads": ("megatron_omnibal.data.lengths", "load_lengths"),
+    "record_indexes_built": ("megatron_omnibal.megatron.stream.record_index", "RecordIndex.build"),
 }
 COUNTS: Counter = Counter({name: 0 for name in COUNTED})
 
@@ -39,6 +40,11 @@ def _counting(name, fn):
 def install_counters() -> None:
     importlib.import_module("megatron_omnibal.megatron.training.pretrain_vlm")
     for name, (module, attr) in COUNTED.items():
+        if "." in attr:  # a class's method, replaced on the class
+            owner, method = attr.split(".")
+            cls = getattr(importlib.import_module(module), owner)
+            setattr(cls, method, staticmethod(_counting(name, getattr(cls, method))))
+            continue
         original = getattr(importlib.import_module(module), attr)
         wrapper = _counting(name, original)
         for mod in list(sys.modules.values()):

@@ -82,6 +82,7 @@ from megatron_omnibal.data.tiling import TilingError
 from megatron_omnibal.data.tokenization import TokenCounter
 from megatron_omnibal.data.video import VideoError, decode_frames, read_header
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan
+from megatron_omnibal.megatron.stream.node_plans import node_arrays
 from megatron_omnibal.megatron.stream.record_index import RecordIndex
 from megatron_omnibal.megatron.stream.source import SourceSettings
 
@@ -111,7 +112,8 @@ class RealSampleSource:
                  spec: Any, image_tiles: ImageTiles, image_root: str | os.PathLike | None = None,
                  skipped: str | os.PathLike | None = None, pixels: bool = True,
                  by_epoch: EpochLengths | None = None, energon: dict | None = None,
-                 identities: list[tuple[str, str]] | None = None) -> None:
+                 identities: list[tuple[str, str]] | None = None,
+                 local_rank: int | None = None) -> None:
         tiling = config.tiling
         if config.template not in TURN_MARKS:
             raise DatasetError(f"template {config.template!r}: training samples are built for "
@@ -149,24 +151,23 @@ class RealSampleSource:
             for s in self.specs
         ]
         self.skipped = skipped
-        self.entries = self._entries(_skipped_indices(skipped, self.specs))
+        self.entries = self._entries(_skipped_indices(skipped, self.specs), local_rank)
 
-    def _entries(self, skipped: dict[str, set[int]]) -> RecordIndex:
-        """(dataset, record) per length record, in the length file's order (record_index)."""
-        entries = RecordIndex.build(
-            [spec.record_table() for spec in self.specs], [spec.repeats for spec in self.specs],
-            {d: skipped[spec.name] for d, spec in enumerate(self.specs) if spec.name in skipped})
-        per_dataset = entries.per_dataset().tolist()
-        if self.identities is not None and len(entries) == len(self.lengths):
-            now = [raw.data for _, raw in entries]
-            moved = next((i for i, (a, b) in enumerate(zip(now, self.identities, strict=True))
-                          if tuple(a) != tuple(b)), None)
-            if moved is not None:
-                raise DatasetError(
-                    f"length record {moved} is sample {'/'.join(self.identities[moved])} in the "
-                    f"length file, {'/'.join(now[moved])} in the dataset: the dataset changed "
-                    "since the length file was made; rerun `omnibal stats`")
+    def _entries(self, skipped: dict[str, set[int]], local_rank: int | None) -> RecordIndex:
+        """(dataset, record) per length record, in the length file's order (record_index):
+        built here, or with `local_rank` once per node (node_plans.node_arrays: local rank 0
+        builds and checks it, the others map its arrays)."""
+        if local_rank is None:
+            entries = self._checked_index(skipped)
+        else:
+            key = {"data": [str(Path(s.annotation).resolve()) for s in self.specs],
+                   "skipped": str(self.skipped), "records": len(self.lengths)}
+            arrays, meta = node_arrays(lambda: self._checked_index(skipped).to_arrays(),
+                                       "record-index", key, local_rank=local_rank)
+            entries = RecordIndex.from_arrays(arrays, meta,
+                                              lambda d: self.specs[d].record_table())
         if len(entries) != len(self.lengths):
+            per_dataset = entries.per_dataset().tolist()
             detail = ", ".join(f"'{s.name}': {n}" for s, n in zip(self.specs, per_dataset,
                                                                    strict=True))
             report = (f"skipped report {self.skipped}" if skipped else
@@ -176,6 +177,23 @@ class RealSampleSource:
                 f"the length file has {len(self.lengths)} samples, the dataset gives "
                 f"{len(entries)} ({detail}; {report}): the length file was made from other "
                 "data, or its skipped report is not next to it")
+        return entries
+
+    def _checked_index(self, skipped: dict[str, set[int]]) -> RecordIndex:
+        """The record index built from the annotation files, each record checked against the
+        identity the length file recorded for it (where it recorded them)."""
+        entries = RecordIndex.build(
+            [spec.record_table() for spec in self.specs], [spec.repeats for spec in self.specs],
+            {d: skipped[spec.name] for d, spec in enumerate(self.specs) if spec.name in skipped})
+        if self.identities is not None and len(entries) == len(self.lengths):
+            now = [raw.data for _, raw in entries]
+            moved = next((i for i, (a, b) in enumerate(zip(now, self.identities, strict=True))
+                          if tuple(a) != tuple(b)), None)
+            if moved is not None:
+                raise DatasetError(
+                    f"length record {moved} is sample {'/'.join(self.identities[moved])} in the "
+                    f"length file, {'/'.join(now[moved])} in the dataset: the dataset changed "
+                    "since the length file was made; rerun `omnibal stats`")
         return entries
 
     def __len__(self) -> int:
@@ -541,13 +559,16 @@ def stored_config(lengths_path: str | os.PathLike) -> tuple[StatsConfig, dict]:
 
 
 def open_source(source: SourceSettings, lengths: LengthStats, spec: Any, pixels: bool = True,
-                check: int = 32, by_epoch: EpochLengths | None = None) -> RealSampleSource:
+                check: int = 32, by_epoch: EpochLengths | None = None,
+                local_rank: int | None = None) -> RealSampleSource:
     """The dataset of --omnibal-data PATH, checked against --omnibal-lengths and the model (no
     process group). `check` records spread over the dataset are built now, every sample
     again when drawn. `pixels`: this rank decodes images (its stage embeds patches; a source
     opened without may be switched on later by setting its `pixels`).
     `by_epoch`: the run's lengths per epoch (default: the epochs of the frame seed the length
-    file was counted with, whose epoch 0 is the file's own records)."""
+    file was counted with, whose epoch 0 is the file's own records). `local_rank`: every
+    local rank of the node opens the source now, so its record index is built once per node
+    (None: built here)."""
     where = f"--omnibal-lengths {source.lengths_path}"
     if source.text_scale != 1:
         raise DatasetError(f"--omnibal-text-scale {source.text_scale}: with a real "
@@ -571,7 +592,7 @@ def open_source(source: SourceSettings, lengths: LengthStats, spec: Any, pixels:
             source.data, config, lengths, spec, tiles, run.get("image_root"),
             skipped=report.with_name(f"{report.stem}.skipped.json"), pixels=pixels,
             by_epoch=by_epoch, energon=run.get("energon"),
-            identities=load_identities(source.lengths_path))
+            identities=load_identities(source.lengths_path), local_rank=local_rank)
     except (OSError, LengthsError) as exc:  # a missing dataset, annotation or tokenizer
         raise DatasetError(f"--omnibal-data {source.data}: {exc}") from exc
     except ValueError as exc:  # a tokenizer that cannot be loaded (the message says why)

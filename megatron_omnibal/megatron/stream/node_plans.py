@@ -20,7 +20,9 @@ of the process that owns the job on this node, and the next writer removes the f
 no longer alive. The folder (in /dev/shm: memory) so holds one plan per
 epoch the run reached, about 20 bytes per sample each. The lengths (28 bytes per sample, read,
 checked and converted for the model) are shared the same way, with their digest for the stream's
-identity (`node_lengths`). Pure numpy: no torch, no Megatron.
+identity (`node_lengths`), and so is a real data source's record index (`node_arrays`: its
+arrays and a JSONL file's line offsets, about 14 + 8 bytes per sample; a scan of the
+annotation files is a CPU second per million lines). Pure numpy: no torch, no Megatron.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def default_folder() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-OWNER = re.compile(r"^\.?omnibal-(?:epoch-plan|lengths)-(?:.+-)?pid(\d+)-")
+KINDS = ("epoch-plan", "lengths", "record-index")  # the folders this module writes
+OWNER = re.compile(rf"^\.?omnibal-(?:{'|'.join(KINDS)})-(?:.+-)?pid(\d+)-")
 
 
 def job_id() -> str:
@@ -161,28 +164,41 @@ class NodeLengths(NamedTuple):
     sha256: str
 
 
-def node_lengths(
-    make: Callable[[], LengthStats], key: dict, *, local_rank: int, folder: Path | None = None
-) -> NodeLengths:
-    """The run's lengths and their digest, made once per node: `make()` (read, checked and
-    converted for the model) and the digest on local rank 0, written next to the epoch plans
-    under a name from the job and `key`; the other local ranks map them (they rely on its
-    checks: when it fails, torchrun stops them). Removed when local rank 0 exits."""
+def node_arrays(
+    make: Callable[[], tuple[dict[str, np.ndarray], dict]], kind: str, key: dict, *,
+    local_rank: int, folder: Path | None = None,
+) -> tuple[dict[str, np.ndarray], dict]:
+    """Arrays and their meta made once per node: `make()` on local rank 0, written next to the
+    epoch plans under a name from `kind` (one of KINDS), the job and `key`; every local rank
+    maps them read-only (the others rely on the writer's checks: when it fails, torchrun stops
+    them). Removed when local rank 0 exits."""
+    if kind not in KINDS:
+        raise ValueError(f"node arrays of kind {kind!r}: one of {', '.join(KINDS)}")
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    path = (folder or default_folder()) / f"omnibal-lengths-{job_id()}-{digest}"
+    path = (folder or default_folder()) / f"omnibal-{kind}-{job_id()}-{digest}"
     if local_rank == 0:
         remove_stale(path.parent)
-        lengths = make()
-        write_arrays(
-            {f: getattr(lengths, f) for f in LENGTH_FIELDS},
-            {"names": list(lengths.names), "sha256": lengths_digest(lengths)},
-            path,
-        )
-        del lengths  # the node's one copy is the mapped one, also here
+        arrays, meta = make()
+        write_arrays(arrays, meta, path)
+        del arrays  # the node's one copy is the mapped one, also here
         atexit.register(shutil.rmtree, path, True)
     else:
         wait_for(path)
-    arrays, meta = map_arrays(path)
+    return map_arrays(path)
+
+
+def node_lengths(
+    make: Callable[[], LengthStats], key: dict, *, local_rank: int, folder: Path | None = None
+) -> NodeLengths:
+    """The run's lengths and their digest, made once per node (node_arrays): `make()` (read,
+    checked and converted for the model) and the digest on local rank 0."""
+
+    def made() -> tuple[dict[str, np.ndarray], dict]:
+        lengths = make()
+        return ({f: getattr(lengths, f) for f in LENGTH_FIELDS},
+                {"names": list(lengths.names), "sha256": lengths_digest(lengths)})
+
+    arrays, meta = node_arrays(made, "lengths", key, local_rank=local_rank, folder=folder)
     return NodeLengths(LengthStats(**arrays, names=tuple(meta["names"])), meta["sha256"])
 
 

@@ -12,11 +12,12 @@ is built when a sample asks for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
-from megatron_omnibal.data.annotations import RawRecord
+from megatron_omnibal.data.annotations import JsonlRecords, RawRecord
 
 
 class RecordIndex:
@@ -46,6 +47,28 @@ class RecordIndex:
             datasets.append(np.full(len(keep) * repeat, d, d_type))
         return cls(tables, np.concatenate([np.zeros(0, d_type), *datasets]),
                    np.concatenate([np.zeros(0, r_type), *rows]))
+
+    def to_arrays(self) -> tuple[dict[str, np.ndarray], dict]:
+        """The index as arrays, a JSONL file's table as its line offsets ("starts<d>"), and
+        the meta that names those files: what one rank writes for the others of its node
+        (node_plans.node_arrays)."""
+        arrays = {"dataset": self.dataset, "row": self.row}
+        jsonl = {}
+        for d, table in enumerate(self.tables):
+            if isinstance(table, JsonlRecords):
+                arrays[f"starts{d}"] = table.starts
+                jsonl[str(d)] = str(table.path)
+        return arrays, {"tables": len(self.tables), "jsonl": jsonl}
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray], meta: dict,
+                    table_of: Callable[[int], Sequence[RawRecord]]) -> RecordIndex:
+        """The index `to_arrays` gave; `table_of(d)` makes dataset d's table where it was not
+        a JSONL file's offsets."""
+        jsonl = meta["jsonl"]
+        tables = [JsonlRecords(Path(jsonl[str(d)]), arrays[f"starts{d}"]) if str(d) in jsonl
+                  else table_of(d) for d in range(meta["tables"])]
+        return cls(tables, arrays["dataset"], arrays["row"])
 
     def per_dataset(self) -> np.ndarray:
         """Length records per dataset."""

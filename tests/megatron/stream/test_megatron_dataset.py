@@ -497,8 +497,8 @@ def test_samples_skipped_by_stats_are_left_out_in_order(data, tmp_path):
 def test_start_up_work_happens_once(data, tmp_path):
     """PP=2 through torchrun on the real dataset, counted by wrapping the functions on every
     rank (startup_counts.py): the node balances the epoch plan and reads the length file once
-    (its local rank 0; the other rank maps its files), and each rank opens the data source and
-    validates the layout once."""
+    (its local rank 0; the other rank maps its files), the data source's record index is built
+    once (the same), and each rank opens the data source and validates the layout once."""
     lengths_path = _stats(data.root / "data.json", data.root / "tok.json", INTERNVL_FLAGS,
                           tmp_path / "lengths.npz")
     lengths = load_lengths(lengths_path)
@@ -512,8 +512,8 @@ def test_start_up_work_happens_once(data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     counts = [json.loads((tmp_path / "counts" / f"counts_rank{r}.json").read_text())
               for r in (0, 1)]  # fmt: skip
-    assert [(c["epoch_plans_balanced"], c["length_file_reads"]) for c in counts] == [(1, 1),
-                                                                                     (0, 0)]
+    assert [(c["epoch_plans_balanced"], c["length_file_reads"], c["record_indexes_built"])
+            for c in counts] == [(1, 1, 1), (0, 0, 0)]
     for c in counts:
         assert (c["data_sources_opened"], c["layout_validations"], c["plan_json_reads"]) == (
             1, 1, 0), c  # fmt: skip
