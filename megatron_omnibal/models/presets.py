@@ -41,51 +41,27 @@ _PIXEL_SHUFFLE = ProjectorSpec(type="pixel_shuffle_mlp", downsample=0.5)
 # hidden 1280, SwiGLU MLP 3420 with biases, 16 heads of 80, RMSNorm eps 1e-6, qkv bias, Conv3d
 # patch embedding (14 px, 2 frames, no bias), 2D RoPE; windows of 112 px (8x8 patches) except
 # the full-attention blocks 7, 15, 23, 31; a tile here is one 2x2 merge group (28 px).
-QWEN25_VIT = VisionSpec(
-    num_layers=32,
-    hidden_size=1280,
-    ffn_hidden_size=3420,
-    num_attention_heads=16,
-    image_size=28,
-    patch_size=14,
-    norm="rmsnorm",
-    activation="silu",
-    class_token=False,
-    patch_bias=False,
-    gated_mlp=True,
-    native_resolution=True,
-    temporal_patch_size=2,
-    spatial_merge_size=2,
-    window_size=112,
-    fullatt_block_indexes=(7, 15, 23, 31),
-)
+QWEN25_VIT = _vit(32, 1280, 3420, 16, 28, 14, norm="rmsnorm", activation="silu",
+                  class_token=False, patch_bias=False, gated_mlp=True, native_resolution=True,
+                  temporal_patch_size=2, spatial_merge_size=2, window_size=112,
+                  fullatt_block_indexes=(7, 15, 23, 31))
 # Its merger: RMSNorm(1280) per patch, 2x2 patches concatenated, Linear(5120, 5120), exact GELU,
 # Linear(5120, out_hidden_size = the LLM's hidden size).
 QWEN25_MERGER = ProjectorSpec(type="patch_merger", downsample=0.5, hidden_size=5120, norm_eps=1e-6)
 
 
-def _qwen25_vl(name: str, source: str, **shape: int) -> ModelSpec:
-    """A Qwen2.5-VL (its -Instruct config.json): the Qwen2.5 LLM with qkv bias, vocab
-    152064, RMSNorm eps 1e-6, rope_theta 1e6, 128000 positions and M-RoPE sections
+def _qwen25_vl(name: str, source: str, layers: int, hidden: int, ffn: int, heads: int,
+               kv_heads: int) -> ModelSpec:
+    """A Qwen2.5-VL (its -Instruct config.json) from its LLM's shape: the Qwen2.5 LLM with qkv
+    bias, vocab 152064, RMSNorm eps 1e-6, rope_theta 1e6, 128000 positions and M-RoPE sections
     [16, 24, 24]; image tokens <|image_pad|> 151655 between <|vision_start|> 151652 and
     <|vision_end|> 151653."""
-    return ModelSpec(
-        name=name,
-        vit=QWEN25_VIT,
-        projector=QWEN25_MERGER,
-        llm=LanguageSpec(
-            **shape,
-            vocab_size=152064,
-            qkv_bias=True,
-            rotary_base=1e6,
-            max_position_embeddings=128000,
-            mrope_section=(16, 24, 24),
-        ),
-        image_token_id=151655,
-        image_start_id=151652,
-        image_end_id=151653,
-        source=source,
-    )
+    llm = _llm(layers, hidden, ffn, heads, num_query_groups=kv_heads, vocab_size=152064,
+               qkv_bias=True, rotary_base=1e6, max_position_embeddings=128000,
+               mrope_section=(16, 24, 24))
+    return ModelSpec(name=name, vit=QWEN25_VIT, projector=QWEN25_MERGER, llm=llm,
+                     image_token_id=151655, image_start_id=151652, image_end_id=151653,
+                     source=source)
 
 
 def _qwen3(layers: int, hidden: int, ffn: int, heads: int) -> LanguageSpec:
@@ -96,121 +72,88 @@ def _qwen3(layers: int, hidden: int, ffn: int, heads: int) -> LanguageSpec:
 
 _MLP2X_GELU = ProjectorSpec(type="mlp", downsample=1.0)
 
+
+def _internvl(name: str, vit: VisionSpec, llm: LanguageSpec, source: str) -> ModelSpec:
+    """An InternVL: its tower, pixel shuffle (0.5) and an MLP into the LLM."""
+    return ModelSpec(name=name, vit=vit, projector=_PIXEL_SHUFFLE, llm=llm, source=source)
+
+
+def _llava(name: str, llm: LanguageSpec, image_token_id: int, source: str) -> ModelSpec:
+    """LLaVA-1.5's recipe: CLIP-L/336 (its second-to-last layer) and a 2-layer GELU MLP."""
+    return ModelSpec(name=name, vit=CLIP_L_336, projector=_MLP2X_GELU, llm=llm,
+                     image_token_id=image_token_id, source=source)
+
 PRESETS: dict[str, ModelSpec] = {
-    "internvl-6b-20b": ModelSpec(
-        name="internvl-6b-20b",
-        vit=INTERNVIT_6B,
-        projector=_PIXEL_SHUFFLE,
-        # OpenGVLab/InternVL-Chat-V1-5 llm_config (InternLM2-chat-20B): 48 layers, 6144, 16384,
-        # 48 heads, 8 KV heads, vocab 92553, RMSNorm eps 1e-5, rope_theta 1e6.
-        llm=_llm(48, 6144, 16384, 48, num_query_groups=8, vocab_size=92553, norm_eps=1e-5,
-                 rotary_base=1e6),
-        source="OpenGVLab/InternVL-Chat-V1-5 (the OmniBal paper's 6+20B)",
-    ),
-    "internvl-6b-34b": ModelSpec(
-        name="internvl-6b-34b",
-        vit=INTERNVIT_6B,
-        projector=_PIXEL_SHUFFLE,
-        # NousResearch/Nous-Hermes-2-Yi-34B (InternVL-Chat-V1-2's LLM): 60 layers, 7168, 20480,
-        # 56 heads, 8 KV heads, vocab 64000, RMSNorm eps 1e-5, rope_theta 5e6.
-        llm=_llm(60, 7168, 20480, 56, num_query_groups=8, vocab_size=64000, norm_eps=1e-5,
-                 rotary_base=5e6, max_position_embeddings=4096),
-        source="OpenGVLab/InternVL-Chat-V1-2 (the OmniBal paper's 6+34B)",
-    ),
-    "internvl2-8b": ModelSpec(
-        name="internvl2-8b",
-        vit=INTERNVIT_300M,
-        projector=_PIXEL_SHUFFLE,
-        # OpenGVLab/InternVL2-8B llm_config (InternLM2.5-7B-chat): 32 layers, 4096, 14336,
-        # 32 heads, 8 KV heads, vocab 92553, RMSNorm eps 1e-5, rope_theta 1e6.
-        llm=_llm(32, 4096, 14336, 32, num_query_groups=8, vocab_size=92553, norm_eps=1e-5,
-                 rotary_base=1e6),
-        source="OpenGVLab/InternVL2-8B",
-    ),
-    "llava-1.5-7b": ModelSpec(
-        name="llava-1.5-7b",
-        vit=CLIP_L_336,
-        projector=_MLP2X_GELU,
-        # llava-hf/llava-1.5-7b-hf text_config (Vicuna-7B v1.5): 32 layers, 4096, 11008,
-        # 32 heads, vocab 32064 with <image> = 32000, RMSNorm eps 1e-5, 4096 positions.
-        llm=_llm(32, 4096, 11008, 32, vocab_size=32064, norm_eps=1e-5,
-                 max_position_embeddings=4096),
-        image_token_id=32000,
-        source="llava-hf/llava-1.5-7b-hf",
-    ),
-    "llava-1.5-13b": ModelSpec(
-        name="llava-1.5-13b",
-        vit=CLIP_L_336,
-        projector=_MLP2X_GELU,
-        # llava-hf/llava-1.5-13b-hf text_config (Vicuna-13B v1.5): 40 layers, 5120, 13824,
-        # 40 heads, vocab 32064.
-        llm=_llm(40, 5120, 13824, 40, vocab_size=32064, norm_eps=1e-5,
-                 max_position_embeddings=4096),
-        image_token_id=32000,
-        source="llava-hf/llava-1.5-13b-hf",
-    ),
-    "internvl3-8b": ModelSpec(
-        name="internvl3-8b",
-        vit=INTERNVIT_300M,
-        projector=_PIXEL_SHUFFLE,
-        # OpenGVLab/InternVL3-8B llm_config (Qwen2.5-7B): 28 layers, 3584, 18944, 28 heads,
-        # 4 KV heads, qkv bias, vocab 151674, RMSNorm eps 1e-6, rope_theta 1e6.
-        llm=_llm(28, 3584, 18944, 28, num_query_groups=4, vocab_size=151674, qkv_bias=True,
-                 rotary_base=1e6),
-        source="OpenGVLab/InternVL3-8B",
-    ),
-    "internvl3.5-8b": ModelSpec(
-        name="internvl3.5-8b",
-        vit=INTERNVIT_300M,
-        projector=_PIXEL_SHUFFLE,
-        # OpenGVLab/InternVL3_5-8B llm_config (Qwen3-8B): 36 layers, 4096, 12288, 32 heads of
-        # 128, 8 KV heads, per-head QK-norm, no biases, vocab 151936, rope_theta 1e6.
-        llm=_qwen3(36, 4096, 12288, 32),
-        source="OpenGVLab/InternVL3_5-8B",
-    ),
-    "internvl3.5-38b": ModelSpec(
-        name="internvl3.5-38b",
-        # InternViT-6B-448px-V2_5: the 45-layer InternViT-6B.
-        vit=INTERNVIT_6B,
-        projector=_PIXEL_SHUFFLE,
-        # OpenGVLab/InternVL3_5-38B llm_config (Qwen3-32B): 64 layers, 5120, 25600, 64 heads of
-        # 128 (8192 wide, not 5120), 8 KV heads, per-head QK-norm, vocab 151936, rope_theta 1e6.
-        llm=_qwen3(64, 5120, 25600, 64),
-        source="OpenGVLab/InternVL3_5-38B",
-    ),
-    "llava-llama3.1-8b": ModelSpec(
-        name="llava-llama3.1-8b",
-        vit=CLIP_L_336,
-        projector=_MLP2X_GELU,
-        # LLaVA-1.5's recipe on meta-llama/Llama-3.1-8B-Instruct: 32 layers, 4096, 14336,
-        # 32 heads, 8 KV heads, vocab 128256 (+1 <image>), RMSNorm eps 1e-5, rope_theta 5e5
-        # with llama3 scaling factor 8 (low 1, high 4, original 8192), 131072 positions.
-        llm=_llm(32, 4096, 14336, 32, num_query_groups=8, vocab_size=128257, norm_eps=1e-5,
-                 rotary_base=5e5, rope_scaling_factor=8.0, max_position_embeddings=131072),
-        image_token_id=128256,
-        source="meta-llama/Llama-3.1-8B-Instruct in LLaVA-1.5 (CLIP-L/336, MLP projector)",
-    ),
+    # OpenGVLab/InternVL-Chat-V1-5 llm_config (InternLM2-chat-20B): 48 layers, 6144, 16384,
+    # 48 heads, 8 KV heads, vocab 92553, RMSNorm eps 1e-5, rope_theta 1e6.
+    "internvl-6b-20b": _internvl(
+        "internvl-6b-20b", INTERNVIT_6B,
+        _llm(48, 6144, 16384, 48, num_query_groups=8, vocab_size=92553, norm_eps=1e-5,
+             rotary_base=1e6),
+        "OpenGVLab/InternVL-Chat-V1-5 (the OmniBal paper's 6+20B)"),
+    # NousResearch/Nous-Hermes-2-Yi-34B (InternVL-Chat-V1-2's LLM): 60 layers, 7168, 20480,
+    # 56 heads, 8 KV heads, vocab 64000, RMSNorm eps 1e-5, rope_theta 5e6.
+    "internvl-6b-34b": _internvl(
+        "internvl-6b-34b", INTERNVIT_6B,
+        _llm(60, 7168, 20480, 56, num_query_groups=8, vocab_size=64000, norm_eps=1e-5,
+             rotary_base=5e6, max_position_embeddings=4096),
+        "OpenGVLab/InternVL-Chat-V1-2 (the OmniBal paper's 6+34B)"),
+    # OpenGVLab/InternVL2-8B llm_config (InternLM2.5-7B-chat): 32 layers, 4096, 14336,
+    # 32 heads, 8 KV heads, vocab 92553, RMSNorm eps 1e-5, rope_theta 1e6.
+    "internvl2-8b": _internvl(
+        "internvl2-8b", INTERNVIT_300M,
+        _llm(32, 4096, 14336, 32, num_query_groups=8, vocab_size=92553, norm_eps=1e-5,
+             rotary_base=1e6),
+        "OpenGVLab/InternVL2-8B"),
+    # llava-hf/llava-1.5-7b-hf text_config (Vicuna-7B v1.5): 32 layers, 4096, 11008,
+    # 32 heads, vocab 32064 with <image> = 32000, RMSNorm eps 1e-5, 4096 positions.
+    "llava-1.5-7b": _llava(
+        "llava-1.5-7b",
+        _llm(32, 4096, 11008, 32, vocab_size=32064, norm_eps=1e-5,
+             max_position_embeddings=4096),
+        32000, "llava-hf/llava-1.5-7b-hf"),
+    # llava-hf/llava-1.5-13b-hf text_config (Vicuna-13B v1.5): 40 layers, 5120, 13824,
+    # 40 heads, vocab 32064.
+    "llava-1.5-13b": _llava(
+        "llava-1.5-13b",
+        _llm(40, 5120, 13824, 40, vocab_size=32064, norm_eps=1e-5,
+             max_position_embeddings=4096),
+        32000, "llava-hf/llava-1.5-13b-hf"),
+    # OpenGVLab/InternVL3-8B llm_config (Qwen2.5-7B): 28 layers, 3584, 18944, 28 heads,
+    # 4 KV heads, qkv bias, vocab 151674, RMSNorm eps 1e-6, rope_theta 1e6.
+    "internvl3-8b": _internvl(
+        "internvl3-8b", INTERNVIT_300M,
+        _llm(28, 3584, 18944, 28, num_query_groups=4, vocab_size=151674, qkv_bias=True,
+             rotary_base=1e6),
+        "OpenGVLab/InternVL3-8B"),
+    # OpenGVLab/InternVL3_5-8B llm_config (Qwen3-8B): 36 layers, 4096, 12288, 32 heads of
+    # 128, 8 KV heads, per-head QK-norm, no biases, vocab 151936, rope_theta 1e6.
+    "internvl3.5-8b": _internvl(
+        "internvl3.5-8b", INTERNVIT_300M,
+        _qwen3(36, 4096, 12288, 32),
+        "OpenGVLab/InternVL3_5-8B"),
+    # InternViT-6B-448px-V2_5: the 45-layer InternViT-6B.
+    # OpenGVLab/InternVL3_5-38B llm_config (Qwen3-32B): 64 layers, 5120, 25600, 64 heads of
+    # 128 (8192 wide, not 5120), 8 KV heads, per-head QK-norm, vocab 151936, rope_theta 1e6.
+    "internvl3.5-38b": _internvl(
+        "internvl3.5-38b", INTERNVIT_6B,
+        _qwen3(64, 5120, 25600, 64),
+        "OpenGVLab/InternVL3_5-38B"),
+    # LLaVA-1.5's recipe on meta-llama/Llama-3.1-8B-Instruct: 32 layers, 4096, 14336,
+    # 32 heads, 8 KV heads, vocab 128256 (+1 <image>), RMSNorm eps 1e-5, rope_theta 5e5
+    # with llama3 scaling factor 8 (low 1, high 4, original 8192), 131072 positions.
+    "llava-llama3.1-8b": _llava(
+        "llava-llama3.1-8b",
+        _llm(32, 4096, 14336, 32, num_query_groups=8, vocab_size=128257, norm_eps=1e-5,
+             rotary_base=5e5, rope_scaling_factor=8.0, max_position_embeddings=131072),
+        128256, "meta-llama/Llama-3.1-8B-Instruct in LLaVA-1.5 (CLIP-L/336, MLP projector)"),
     # Qwen/Qwen2.5-VL-7B-Instruct text part: 28 layers, 3584, 18944, 28 heads, 4 KV heads.
-    "qwen2.5-vl-7b": _qwen25_vl(
-        "qwen2.5-vl-7b",
-        "Qwen/Qwen2.5-VL-7B-Instruct",
-        num_layers=28,
-        hidden_size=3584,
-        ffn_hidden_size=18944,
-        num_attention_heads=28,
-        num_query_groups=4,
-    ),
+    "qwen2.5-vl-7b": _qwen25_vl("qwen2.5-vl-7b", "Qwen/Qwen2.5-VL-7B-Instruct",
+                                28, 3584, 18944, 28, 4),
     # Qwen/Qwen2.5-VL-72B-Instruct text part (transformers' Qwen2_5_VLTextConfig defaults are
     # this shape): 80 layers, 8192, 29568, 64 heads, 8 KV heads.
-    "qwen2.5-vl-72b": _qwen25_vl(
-        "qwen2.5-vl-72b",
-        "Qwen/Qwen2.5-VL-72B-Instruct",
-        num_layers=80,
-        hidden_size=8192,
-        ffn_hidden_size=29568,
-        num_attention_heads=64,
-        num_query_groups=8,
-    ),
+    "qwen2.5-vl-72b": _qwen25_vl("qwen2.5-vl-72b", "Qwen/Qwen2.5-VL-72B-Instruct",
+                                 80, 8192, 29568, 64, 8),
     # Tests and the demo's training: a few layers, tiny widths, 16px tiles of 4px patches -> 4
     # tokens per tile.
     "tiny": ModelSpec(
