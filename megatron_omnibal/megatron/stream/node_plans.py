@@ -87,9 +87,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
+_SWEPT: set[Path] = set()  # folders this process already swept (a writer writes several kinds)
+
+
 def remove_stale(folder: Path) -> None:
-    """Remove the plan and length folders in `folder` whose owning process is gone (a job killed
-    before its exit handlers ran)."""
+    """Remove the folders of this module's kinds in `folder` whose owning process is gone (a job
+    killed before its exit handlers ran); once per folder and process."""
+    if folder in _SWEPT:
+        return
+    _SWEPT.add(folder)
     for entry in folder.iterdir():
         owner = OWNER.match(entry.name)
         if owner and not _alive(int(owner.group(1))):

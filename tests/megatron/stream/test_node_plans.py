@@ -129,6 +129,7 @@ def test_a_killed_jobs_folders_are_removed_and_a_live_ones_kept(tmp_path) -> Non
     names = {
         f"omnibal-epoch-plan-none-node0-pid{dead}-abc-seed1-epoch0": False,
         f"omnibal-lengths-run-node0-pid{dead}-abc": False,
+        f"omnibal-record-index-run-node0-pid{dead}-abc": False,
         f".omnibal-epoch-plan-pid{dead}-abc-seed1-epoch0.tmp1": False,
         f"omnibal-epoch-plan-none-node0-pid{os.getpid()}-abc-seed1-epoch0": True,
         "omnibal-notes": True,
@@ -138,6 +139,10 @@ def test_a_killed_jobs_folders_are_removed_and_a_live_ones_kept(tmp_path) -> Non
         (tmp_path / name / "meta.json").write_text("{}")
     NodePlans(lambda e: LENGTHS, CONFIG, IDENTITY, local_rank=0, folder=tmp_path)
     assert {n: (tmp_path / n).exists() for n in names} == names
+    later = tmp_path / f"omnibal-lengths-run-node0-pid{dead}-def"
+    later.mkdir()  # the folder is swept once per process, by its first writer
+    node_plans.node_lengths(lambda: LENGTHS, {"k": 3}, local_rank=0, folder=tmp_path)
+    assert later.exists()
 
 
 def test_a_folder_left_under_the_same_name_is_replaced(tmp_path) -> None:
