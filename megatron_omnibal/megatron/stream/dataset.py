@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -112,7 +114,7 @@ class RealSampleSource:
                  spec: Any, image_tiles: ImageTiles, image_root: str | os.PathLike | None = None,
                  skipped: str | os.PathLike | None = None, pixels: bool = True,
                  by_epoch: EpochLengths | None = None, energon: dict | None = None,
-                 identities: list[tuple[str, str]] | None = None,
+                 identities: Callable[[], list[tuple[str, str]] | None] | None = None,
                  local_rank: int | None = None) -> None:
         tiling = config.tiling
         if config.template not in TURN_MARKS:
@@ -144,7 +146,7 @@ class RealSampleSource:
         self.specs, _ = read_inputs(data, image_root, options)
         _check_unchanged(self.specs, energon)
         self.files = [spec.files() for spec in self.specs]
-        self.identities = identities
+        self.identities = identities  # read where the record index is built, not per rank
         self.tilings = [
             tiling if s.max_tiles is None else
             replace(tiling, max_tiles=s.max_tiles, min_tiles=min(tiling.min_tiles, s.max_tiles))
@@ -185,15 +187,16 @@ class RealSampleSource:
         entries = RecordIndex.build(
             [spec.record_table() for spec in self.specs], [spec.repeats for spec in self.specs],
             {d: skipped[spec.name] for d, spec in enumerate(self.specs) if spec.name in skipped})
-        if self.identities is not None and len(entries) == len(self.lengths):
-            now = [raw.data for _, raw in entries]
-            moved = next((i for i, (a, b) in enumerate(zip(now, self.identities, strict=True))
-                          if tuple(a) != tuple(b)), None)
+        recorded = self.identities() if self.identities is not None else None
+        if recorded is not None and len(entries) == len(self.lengths):
+            moved = next((i for i, ((_, raw), want) in enumerate(zip(entries, recorded,
+                                                                     strict=True))
+                          if tuple(raw.data) != tuple(want)), None)
             if moved is not None:
                 raise DatasetError(
-                    f"length record {moved} is sample {'/'.join(self.identities[moved])} in the "
-                    f"length file, {'/'.join(now[moved])} in the dataset: the dataset changed "
-                    "since the length file was made; rerun `omnibal stats`")
+                    f"length record {moved} is sample {'/'.join(recorded[moved])} in the "
+                    f"length file, {'/'.join(entries[moved][1].data)} in the dataset: the "
+                    "dataset changed since the length file was made; rerun `omnibal stats`")
         return entries
 
     def __len__(self) -> int:
@@ -592,7 +595,7 @@ def open_source(source: SourceSettings, lengths: LengthStats, spec: Any, pixels:
             source.data, config, lengths, spec, tiles, run.get("image_root"),
             skipped=report.with_name(f"{report.stem}.skipped.json"), pixels=pixels,
             by_epoch=by_epoch, energon=run.get("energon"),
-            identities=load_identities(source.lengths_path), local_rank=local_rank)
+            identities=partial(load_identities, source.lengths_path), local_rank=local_rank)
     except (OSError, LengthsError) as exc:  # a missing dataset, annotation or tokenizer
         raise DatasetError(f"--omnibal-data {source.data}: {exc}") from exc
     except ValueError as exc:  # a tokenizer that cannot be loaded (the message says why)
