@@ -23,8 +23,9 @@ until the bound exceeds the best step found.
 
 from __future__ import annotations
 
+import functools
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -159,6 +160,12 @@ def same_parallel_baseline(setting: Setting) -> tuple[Partition, StepResult, boo
     return part, setting.predict(part, setting.fixed), problem.fits(part)
 
 
+@functools.cache
+def _inflight(rank: int, pp: int, vpp: int, micro_batches: int) -> np.ndarray:
+    """inflight_states as an array (in-flight states x chunks), made once per schedule."""
+    return np.array(inflight_states(rank, pp, vpp, micro_batches), np.float64)
+
+
 class _Layouts:
     """Memory and step bounds of every layout of one (tp, pp, dp, micro-batch size).
 
@@ -216,62 +223,72 @@ class _Layouts:
         )  # fmt: skip  (Setting.sync_ms per MiB of a stage's static memory)
 
     def fitting_recompute(
-        self, bounds: tuple[int, ...], vision: bool, top: int, vpp: int = 1
+        self, bounds: np.ndarray, vision: bool, top: int, vpp: int = 1
     ) -> np.ndarray:
-        """The --recompute-num-layers values 0..top with which every rank fits (`bounds`: of
-        the pp x vpp virtual stages; a rank's peak over its in-flight states)."""
+        """(layouts, top + 1): whether every rank fits with --recompute-num-layers 0..top, for
+        each row of `bounds` (the boundaries of the pp x vpp virtual stages of one layout; a
+        rank's peak over its in-flight states)."""
         b = np.asarray(bounds)
-        lo, hi = b[:-1], b[1:]
-        pp = len(lo) // vpp
+        lo, hi = b[:, :-1], b[:, 1:]
+        pp = lo.shape[1] // vpp
         static = self.static[hi] - self.static[lo]
         stored = self.act[hi] - self.act[lo]
-        static[0] += self.pinned[0][0]
-        stored[0] += self.pinned[0][1] - (self.vit_saved[min(hi[0], self.nv)] if vision else 0.0)
-        static[-1] += self.pinned[1][0]
-        stored[-1] += self.pinned[1][1]
+        static[:, 0] += self.pinned[0][0]
+        stored[:, 0] += self.pinned[0][1] - (
+            self.vit_saved[np.minimum(hi[:, 0], self.nv)] if vision else 0.0
+        )
+        static[:, -1] += self.pinned[1][0]
+        stored[:, -1] += self.pinned[1][1]
         llm_lo = np.maximum(lo, self.nv + 1)
-        ks = np.minimum(np.arange(top + 1)[None, :], (hi - llm_lo)[:, None])  # (pp, top + 1)
-        saved = self.llm_saved[llm_lo[:, None] + ks] - self.llm_saved[llm_lo][:, None]
-        held = stored[:, None] - saved  # (stages, top + 1) per micro-batch
-        fits = np.ones(top + 1, bool)
+        ks = np.minimum(np.arange(top + 1), (hi - llm_lo)[:, :, None])  # (layouts, stages, k)
+        saved = self.llm_saved[llm_lo[:, :, None] + ks] - self.llm_saved[llm_lo][:, :, None]
+        held = stored[:, :, None] - saved  # per micro-batch
+        fits = np.ones((len(b), top + 1), bool)
         for r in range(pp):
-            states = np.array(inflight_states(r, pp, vpp, self.setting.m), np.float64)
-            peak = static[r::pp].sum() + (states @ held[r::pp]).max(axis=0)
+            peak = static[:, r::pp].sum(axis=1)[:, None] + (
+                _inflight(r, pp, vpp, self.setting.m) @ held[:, r::pp]
+            ).max(axis=1)
             fits &= peak <= self.budget + FIT_TOLERANCE_MIB
-        return np.flatnonzero(fits)
+        return fits
 
     def lower_bound(
-        self, bounds: tuple[int, ...], vision: bool, k: int, vpp: int = 1
-    ) -> tuple[float, np.ndarray]:
-        """A lower bound on the step, and (dp,) lower bounds on each replica's pipeline: per
-        rank, the first forward reaching its first (virtual) stage, all its work, the last
-        backward leaving that stage (a rank's first and last operations are on chunk 0)."""
+        self, bounds: np.ndarray, vision: bool, k: np.ndarray, vpp: int = 1
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """For each row of `bounds` (one layout's virtual stage boundaries) with its
+        --recompute-num-layers `k`: a lower bound on the step, and (dp,) lower bounds on each
+        replica's pipeline: per rank, the first forward reaching its first (virtual) stage, all
+        its work, the last backward leaving that stage (a rank's first and last operations are
+        on chunk 0)."""
         b = np.asarray(bounds)
-        lo, hi = b[:-1], b[1:]
-        cf = self.fwd[hi] - self.fwd[lo]
+        lo, hi = b[:, :-1], b[:, 1:]
+        cf = self.fwd[hi] - self.fwd[lo]  # (layouts, stages, features)
         llm_lo = np.maximum(lo, self.nv + 1)
         cb = self.bwd[hi] - self.bwd[lo]
-        cb += self.rec_llm[np.minimum(llm_lo + k, hi)] - self.rec_llm[llm_lo]
-        cf[0] += self.first[0]
-        cb[0] += self.first[1] + (self.rec_vit[min(hi[0], self.nv)] if vision else 0.0)
-        cf[-1] += self.last[0]
-        cb[-1] += self.last[1]
-        busy = self.x_sum @ (cf + cb).T  # (dp, pp)
-        head, tail = self.x_first @ cf.T, self.x_last @ cb.T
-        if len(b) > 2:
-            out = self.out[b[1:-1] - 1].T  # (4, pp - 1)
+        cb += self.rec_llm[np.minimum(llm_lo + np.asarray(k)[:, None], hi)] - self.rec_llm[llm_lo]
+        cf[:, 0] += self.first[0]
+        cb[:, 0] += self.first[1] + (
+            self.rec_vit[np.minimum(hi[:, 0], self.nv)] if vision else 0.0
+        )
+        cf[:, -1] += self.last[0]
+        cb[:, -1] += self.last[1]
+        busy = self.x_sum @ np.swapaxes(cf + cb, 1, 2)  # (layouts, dp, stages)
+        head = self.x_first @ np.swapaxes(cf, 1, 2)
+        tail = self.x_last @ np.swapaxes(cb, 1, 2)
+        if b.shape[1] > 2:
+            out = np.swapaxes(self.out[b[:, 1:-1] - 1], 1, 2)  # (layouts, features, stages - 1)
             lat = self.p2p_latency
-            head[:, :-1] += lat + self.x_first @ out * self.p2p_scale
-            tail[:, :-1] += lat + self.x_last @ out * self.p2p_scale
-        pp = busy.shape[1] // vpp
-        before = np.cumsum(head, axis=1) - head + np.cumsum(tail, axis=1) - tail
-        busy = busy.reshape(len(busy), vpp, pp).sum(axis=1)
-        replicas = np.max(before[:, :pp] + busy, axis=1)
+            head[:, :, :-1] += lat + self.x_first @ out * self.p2p_scale
+            tail[:, :, :-1] += lat + self.x_last @ out * self.p2p_scale
+        layouts, dp, stages = busy.shape
+        pp = stages // vpp
+        before = np.cumsum(head, axis=2) - head + np.cumsum(tail, axis=2) - tail
+        busy = busy.reshape(layouts, dp, vpp, pp).sum(axis=2)
+        replicas = np.max(before[:, :, :pp] + busy, axis=2)
         static = self.static[hi] - self.static[lo]
-        static[0] += self.pinned[0][0]
-        static[-1] += self.pinned[1][0]
-        static = static.reshape(vpp, pp).sum(axis=0)
-        return float(replicas.max() + static.max() * self.sync_per_mib), replicas
+        static[:, 0] += self.pinned[0][0]
+        static[:, -1] += self.pinned[1][0]
+        static = static.reshape(layouts, vpp, pp).sum(axis=1)
+        return replicas.max(axis=1) + static.max(axis=1) * self.sync_per_mib, replicas
 
     def step_below(self, part: Partition, replica_lb: np.ndarray, cutoff: float) -> float:
         """The predicted step (as Setting.predict), or inf as soon as one replica shows it
@@ -305,35 +322,47 @@ def best_megatron_baseline(
     nv, nl, gb = model.vit.num_layers, model.llm.num_layers, request.global_batch
     budget = budget_mib(hw)
     tp = 1 if request.profile is not None else None
-    queue: list[tuple[float, int, BaselineConfig, _Layouts, np.ndarray]] = []
-    searched = fitting = 0
+    # (bound, the configuration's place in the listing: of equal bounds the first is tried first)
+    queue: list[tuple[float, tuple, tuple[BaselineConfig, int], _Layouts, np.ndarray]] = []
+    searched = fitting = listed = 0
+    visions = (False, True) if recompute else (False,)
     for t, p, d in parallel_candidates(model, hw, request.gpus, tp, None, max_pp=nl):
         if gb % d:
             continue  # Megatron needs global batch = micro-batch size x micro-batches x dp
         for mbs in divisors(gb // d) if micro_batch_sizes else [1]:
-            layouts = _Layouts(
-                make_setting(request, t, p, d, gb // d // mbs, balanced=False), budget, nv
-            )
             m = gb // d // mbs
-            for split in llm_splits(nl, p) if uneven else even_split(nl, p):
-                for v in interleaved_splits(split, m) if interleave else [1]:
-                    config = BaselineConfig(t, p, d, mbs, m, split, False, 0, v)
-                    bounds = config.bounds(nv)
-                    top = max(config.chunk_layers())
-                    for vision in (False, True) if recompute else (False,):
-                        searched += top + 1
-                        ks = layouts.fitting_recompute(bounds, vision, top if recompute else 0, v)
-                        if not len(ks):
-                            continue
-                        fitting += len(ks)
-                        k = int(ks[0])  # recompute only adds time: the least fitting is fastest
-                        config = BaselineConfig(t, p, d, mbs, m, split, vision, k, v)
-                        bound, replicas = layouts.lower_bound(bounds, vision, k, v)
-                        queue.append((bound, len(queue), config, layouts, replicas))
+            listed += 1
+            layouts = _Layouts(make_setting(request, t, p, d, m, balanced=False), budget, nv)
+            splits = llm_splits(nl, p) if uneven else even_split(nl, p)
+            chunks = [interleaved_splits(s, m) if interleave else [1] for s in splits]
+            for v in VPP_SIZES:  # the layouts of one chunk count, screened at once
+                which = [i for i, vs in enumerate(chunks) if v in vs]
+                if not which:
+                    continue
+                configs = [BaselineConfig(t, p, d, mbs, m, splits[i], False, 0, v) for i in which]
+                bounds = np.array([c.bounds(nv) for c in configs])
+                tops = np.array([max(c.chunk_layers()) for c in configs])
+                for vision in visions:
+                    searched += int(tops.sum()) + len(tops)
+                    fits = layouts.fitting_recompute(
+                        bounds, vision, int(tops.max()) if recompute else 0, v
+                    )
+                    fits &= np.arange(fits.shape[1]) <= tops[:, None]
+                    fitting += int(fits.sum())
+                    any_fit = np.flatnonzero(fits.any(axis=1))
+                    if not len(any_fit):
+                        continue
+                    # recompute only adds time: the least fitting k is fastest
+                    ks = fits[any_fit].argmax(axis=1)
+                    lows, replicas = layouts.lower_bound(bounds[any_fit], vision, ks, v)
+                    for j, k, low, reps in zip(any_fit, ks, lows, replicas, strict=True):
+                        order = (listed, which[j], v, vision)
+                        queue.append((float(low), order, (configs[j], int(k)), layouts, reps))
     heapq.heapify(queue)
     best: tuple[float, BaselineConfig, _Layouts, Partition] | None = None
     while queue and (best is None or queue[0][0] < best[0]):
-        _, _, config, layouts, lb = heapq.heappop(queue)
+        _, (*_, vision), (config, k), layouts, lb = heapq.heappop(queue)
+        config = replace(config, recompute_vision=vision, recompute_num_layers=k)
         part = evaluate_config(layouts.problem, config, nv)
         if not layouts.problem.fits(part):
             continue  # rounding at the budget's edge: the partition's own check decides
