@@ -14,6 +14,7 @@ Megatron's default split and OmniBal's BMP are here as comparison modes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from dataclasses import dataclass, field, replace
 
@@ -77,7 +78,14 @@ class Problem:
         p2p = np.broadcast_to(np.asarray(boundary_p2p_ms, np.float64), (self.units + 1,)).copy()
         p2p[0] = p2p[-1] = 0.0
         self.p2p = p2p  # p2p[b]: one transfer across the boundary before unit b
-        self.frontier = SegmentFrontier(costs)
+
+    @functools.cached_property
+    def frontier(self) -> SegmentFrontier:
+        """Cheapest recompute per segment, made on first use: with layers that differ within a
+        tower (Qwen2.5-VL's windowed and full-attention blocks, a measured profile) it is a
+        Pareto front per segment, and a problem the baseline search only evaluates at given
+        recompute counts never needs it."""
+        return SegmentFrontier(self.costs)
 
     def tables(self, pp: int) -> list[np.ndarray]:
         return [
