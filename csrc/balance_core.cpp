@@ -724,17 +724,20 @@ Packing place_samples(const Data& d, const SlotParams& p, Reservation& r, Target
     out.pack_tokens[k] += d.tok[r.heavy[k].id];
   }
   std::vector<Keyed> positive, negative;
+  constexpr i64 AHEAD = 16;  // samples read ahead (prefetched) in random order
   for (i64 q = 0; q < d.n; ++q) {
+    if (q + AHEAD < d.n) __builtin_prefetch(&r.key[d.shuffled[q + AHEAD]]);
     const i64 i = d.shuffled[q];
     if (!r.pre[i]) (r.key[i] >= 0 ? positive : negative).push_back({r.key[i], q, i});
   }
   sort_by_key(positive, true);
   sort_by_key(negative, false);
-  auto slot_of = [&](i64 q, i64 c) -> i64* {
-    for (auto& e : r.free[q])
-      if (e.first == c) return &e.second;
-    return nullptr;
-  };
+  // Open slots per pack and tile count, one row per pack (r.free's lists, looked up directly).
+  const i64 width = p.vit_budget + 1;
+  std::vector<int32_t> open(packs * width, 0);
+  for (i64 q = 0; q < packs; ++q)
+    for (const auto& [c, k] : r.free[q]) open[q * width + c] = static_cast<int32_t>(k);
+  auto slot_of = [&](i64 q, i64 c) -> int32_t* { return &open[q * width + c]; };
   // Needs only fall while positive samples are placed and only rise while negative ones are, so
   // a heap entry with a stale need is re-queued with the current one (lazy update).
   auto place = [&](const std::vector<Keyed>& items, auto cmp) {
@@ -742,9 +745,14 @@ Packing place_samples(const Data& d, const SlotParams& p, Reservation& r, Target
     std::vector<Heap> heaps(p.vit_budget + 1, Heap(cmp));
     for (i64 q = 0; q < packs; ++q)
       for (const auto& [c, k] : r.free[q])
-        if (k > 0) heaps[c].push({t.need[q], q});
+        if (open[q * width + c] > 0) heaps[c].push({t.need[q], q});
     std::vector<HeapItem> stash;
-    for (const Keyed& item : items) {
+    for (size_t n_item = 0; n_item < items.size(); ++n_item) {
+      if (n_item + AHEAD < items.size()) {
+        __builtin_prefetch(&d.vit[items[n_item + AHEAD].id]);
+        __builtin_prefetch(&d.tok[items[n_item + AHEAD].id]);
+      }
+      const Keyed& item = items[n_item];
       const i64 i = item.id, c = d.vit[i];
       Heap& heap = heaps[c];
       i64 chosen = -1;
@@ -752,8 +760,7 @@ Packing place_samples(const Data& d, const SlotParams& p, Reservation& r, Target
       while (!heap.empty()) {
         const HeapItem e = heap.top();
         heap.pop();
-        i64* k = slot_of(e.pack, c);
-        if (k == nullptr || *k == 0) continue;
+        if (*slot_of(e.pack, c) == 0) continue;
         if (e.need != t.need[e.pack]) {
           heap.push({t.need[e.pack], e.pack});
           continue;
@@ -783,7 +790,7 @@ Packing place_samples(const Data& d, const SlotParams& p, Reservation& r, Target
       out.pack_tokens[chosen] += d.tok[i];
       t.need[chosen] -= item.key;
       if (!in_slot) continue;
-      i64* k = slot_of(chosen, c);
+      int32_t* k = slot_of(chosen, c);
       *k -= 1;
       if (*k > 0) heap.push({t.need[chosen], chosen});
     }
