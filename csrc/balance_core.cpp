@@ -210,11 +210,17 @@ std::vector<i128> excess_keys(const Data& d, i64 packs) {
   return key;
 }
 
+constexpr i64 AHEAD = 16;  // samples read ahead (prefetched) where they are read in random order
+
 // Phase 0: the heavy samples, heaviest first, at most one per pack.
 std::vector<Keyed> heavy_samples(const Data& d, const SlotParams& p,
                                  const std::vector<i128>& key, i64 fill, i64 packs) {
   std::vector<Keyed> heavy;
   for (i64 r = 0; r < d.n; ++r) {
+    if (r + AHEAD < d.n) {
+      __builtin_prefetch(&d.vit[d.shuffled[r + AHEAD]]);
+      __builtin_prefetch(&d.w[d.shuffled[r + AHEAD]]);
+    }
     const i64 i = d.shuffled[r], c = d.vit[i];
     if (c == 0 || c > fill) continue;
     const i128 excess =
@@ -701,7 +707,10 @@ void sort_by_key(std::vector<Keyed>& items, bool descending) {
   }
   std::sort(order.begin(), order.end());
   std::vector<Keyed> sorted(items.size());
-  for (size_t k = 0; k < order.size(); ++k) sorted[k] = items[order[k].second];
+  for (size_t k = 0; k < order.size(); ++k) {
+    if (k + AHEAD < order.size()) __builtin_prefetch(&items[order[k + AHEAD].second]);
+    sorted[k] = items[order[k].second];
+  }
   items.swap(sorted);
 }
 
@@ -724,7 +733,6 @@ Packing place_samples(const Data& d, const SlotParams& p, Reservation& r, Target
     out.pack_tokens[k] += d.tok[r.heavy[k].id];
   }
   std::vector<Keyed> positive, negative;
-  constexpr i64 AHEAD = 16;  // samples read ahead (prefetched) in random order
   for (i64 q = 0; q < d.n; ++q) {
     if (q + AHEAD < d.n) __builtin_prefetch(&r.key[d.shuffled[q + AHEAD]]);
     const i64 i = d.shuffled[q];
@@ -917,7 +925,10 @@ std::vector<Entry> sorted_by(const i64* vit, const i64* w, const i64* w2, const 
     for (i64 v = 0; v <= hi; ++v) start[v + 1] += start[v];
     for (i64 i = 0; i < n; ++i)
       if (pack_of[i] >= 0) by_key[start[key[i]]++] = i;
-    for (const i64 i : by_key) ids[next[vit[i]]++] = i;
+    for (size_t k = 0; k < by_key.size(); ++k) {
+      if (k + AHEAD < by_key.size()) __builtin_prefetch(&vit[by_key[k + AHEAD]]);
+      ids[next[vit[by_key[k]]]++] = by_key[k];
+    }
   } else {
     for (i64 i = 0; i < n; ++i)
       if (pack_of[i] >= 0) ids[next[vit[i]]++] = i;
@@ -927,6 +938,11 @@ std::vector<Entry> sorted_by(const i64* vit, const i64* w, const i64* w2, const 
   }
   std::vector<Entry> by(ids.size());
   for (size_t k = 0; k < ids.size(); ++k) {
+    if (k + AHEAD < ids.size()) {
+      const i64 ahead = ids[k + AHEAD];
+      for (const i64* a : {w, w2, tok}) __builtin_prefetch(&a[ahead]);
+      __builtin_prefetch(&pack_of[ahead]);
+    }
     const i64 i = ids[k];
     by[k] = {w[i], w2[i], tok[i], static_cast<int32_t>(i), static_cast<int32_t>(pack_of[i])};
     at[i] = static_cast<int32_t>(k);
