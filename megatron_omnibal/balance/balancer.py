@@ -172,6 +172,7 @@ def balance(lengths: LengthStats, config: BalanceConfig, *, use_reference: bool 
     del over, regular, solo
     levels = config.all_levels
     laid = [_lay_out(config, lv, packs.stats) for lv, packs in enumerate(per_level)]
+    per_level = [(packs.samples, packs.ptr) for packs in per_level]  # the stats are done with
     del ms
     steps = [int(step.max()) + 1 if len(step) else 0 for step, _, _ in laid]
     step_level = hierarchy.interleave(steps, config.curriculum_steps, config.seed)
@@ -181,17 +182,17 @@ def balance(lengths: LengthStats, config: BalanceConfig, *, use_reference: bool 
     num_packs = int(step_start[-1])
     g_step, g_rank, g_micro, g_level, sizes = (np.zeros(num_packs, np.int64) for _ in range(5))
     places = []
-    for lv, ((step, rank, micro), packs) in enumerate(zip(laid, per_level, strict=True)):
+    for lv, ((step, rank, micro), (_, ptr)) in enumerate(zip(laid, per_level, strict=True)):
         g = np.flatnonzero(step_level == lv)[step]
         place = step_start[g] + rank * levels[lv].micro_batches + micro
         g_step[place], g_rank[place], g_micro[place], g_level[place] = g, rank, micro, lv
-        sizes[place] = np.diff(packs.ptr)
+        sizes[place] = np.diff(ptr)
         places.append(place)
     del laid
     ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     samples = np.empty(int(ptr[-1]), np.int64)
-    for packs, place in zip(per_level, places, strict=True):
-        samples[ranges(ptr[place], np.diff(packs.ptr))] = packs.samples
+    for (level_samples, level_ptr), place in zip(per_level, places, strict=True):
+        samples[ranges(ptr[place], np.diff(level_ptr))] = level_samples
     del per_level, places
     meta = dict(config.to_dict(), num_samples=len(lengths), version=PLAN_VERSION,
                 packer_version=PACKER_VERSION,
