@@ -1066,10 +1066,24 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
     extremes(over, 1, 2 * work.size() + p.partners);
     extremes(under, -1, 2 * work.size() + p.partners);
     size_t next_over = 0, next_under = 0;
-    for (i64 q0 : work) {
+    // The packs read next (the next pack of the work list, this one's partners) are fetched
+    // ahead, while this pack's scans run.
+    auto fetch = [&](i64 q) {
+      __builtin_prefetch(&st[q]);
+      __builtin_prefetch(mem.data() + first[q]);
+    };
+    for (size_t at = 0; at < work.size(); ++at) {
+      const i64 q0 = work[at];
+      if (at + 1 < work.size()) fetch(work[at + 1]);
       if (!bad(q0)) continue;
       const PackState s0 = st[q0];
       const int sign = score.sign(s0.dev, s0.dev2);
+      {
+        const Vec& ahead = sign > 0 ? under : over;
+        for (size_t k = sign > 0 ? next_under : next_over, s = 0;
+             k < ahead.size() && s < static_cast<size_t>(p.partners); ++k, ++s)
+          fetch(ahead[k]);
+      }
       i128 best = score(s0.dev, s0.dev2);
       i64 bx = -1, by = -1;
       // What a swap must keep below `best` (both packs' scores): q0's side as ranges of the
