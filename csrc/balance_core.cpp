@@ -210,11 +210,17 @@ std::vector<i128> excess_keys(const Data& d, i64 packs) {
   return key;
 }
 
+constexpr i64 AHEAD = 16;  // samples read ahead (prefetched) where they are read in random order
+
 // Phase 0: the heavy samples, heaviest first, at most one per pack.
 std::vector<Keyed> heavy_samples(const Data& d, const SlotParams& p,
                                  const std::vector<i128>& key, i64 fill, i64 packs) {
   std::vector<Keyed> heavy;
   for (i64 r = 0; r < d.n; ++r) {
+    if (r + AHEAD < d.n) {
+      __builtin_prefetch(&d.vit[d.shuffled[r + AHEAD]]);
+      __builtin_prefetch(&d.w[d.shuffled[r + AHEAD]]);
+    }
     const i64 i = d.shuffled[r], c = d.vit[i];
     if (c == 0 || c > fill) continue;
     const i128 excess =
@@ -701,7 +707,10 @@ void sort_by_key(std::vector<Keyed>& items, bool descending) {
   }
   std::sort(order.begin(), order.end());
   std::vector<Keyed> sorted(items.size());
-  for (size_t k = 0; k < order.size(); ++k) sorted[k] = items[order[k].second];
+  for (size_t k = 0; k < order.size(); ++k) {
+    if (k + AHEAD < order.size()) __builtin_prefetch(&items[order[k + AHEAD].second]);
+    sorted[k] = items[order[k].second];
+  }
   items.swap(sorted);
 }
 
@@ -725,16 +734,18 @@ Packing place_samples(const Data& d, const SlotParams& p, Reservation& r, Target
   }
   std::vector<Keyed> positive, negative;
   for (i64 q = 0; q < d.n; ++q) {
+    if (q + AHEAD < d.n) __builtin_prefetch(&r.key[d.shuffled[q + AHEAD]]);
     const i64 i = d.shuffled[q];
     if (!r.pre[i]) (r.key[i] >= 0 ? positive : negative).push_back({r.key[i], q, i});
   }
   sort_by_key(positive, true);
   sort_by_key(negative, false);
-  auto slot_of = [&](i64 q, i64 c) -> i64* {
-    for (auto& e : r.free[q])
-      if (e.first == c) return &e.second;
-    return nullptr;
-  };
+  // Open slots per pack and tile count, one row per pack (r.free's lists, looked up directly).
+  const i64 width = p.vit_budget + 1;
+  std::vector<int32_t> open(packs * width, 0);
+  for (i64 q = 0; q < packs; ++q)
+    for (const auto& [c, k] : r.free[q]) open[q * width + c] = static_cast<int32_t>(k);
+  auto slot_of = [&](i64 q, i64 c) -> int32_t* { return &open[q * width + c]; };
   // Needs only fall while positive samples are placed and only rise while negative ones are, so
   // a heap entry with a stale need is re-queued with the current one (lazy update).
   auto place = [&](const std::vector<Keyed>& items, auto cmp) {
@@ -742,9 +753,14 @@ Packing place_samples(const Data& d, const SlotParams& p, Reservation& r, Target
     std::vector<Heap> heaps(p.vit_budget + 1, Heap(cmp));
     for (i64 q = 0; q < packs; ++q)
       for (const auto& [c, k] : r.free[q])
-        if (k > 0) heaps[c].push({t.need[q], q});
+        if (open[q * width + c] > 0) heaps[c].push({t.need[q], q});
     std::vector<HeapItem> stash;
-    for (const Keyed& item : items) {
+    for (size_t n_item = 0; n_item < items.size(); ++n_item) {
+      if (n_item + AHEAD < items.size()) {
+        __builtin_prefetch(&d.vit[items[n_item + AHEAD].id]);
+        __builtin_prefetch(&d.tok[items[n_item + AHEAD].id]);
+      }
+      const Keyed& item = items[n_item];
       const i64 i = item.id, c = d.vit[i];
       Heap& heap = heaps[c];
       i64 chosen = -1;
@@ -752,8 +768,7 @@ Packing place_samples(const Data& d, const SlotParams& p, Reservation& r, Target
       while (!heap.empty()) {
         const HeapItem e = heap.top();
         heap.pop();
-        i64* k = slot_of(e.pack, c);
-        if (k == nullptr || *k == 0) continue;
+        if (*slot_of(e.pack, c) == 0) continue;
         if (e.need != t.need[e.pack]) {
           heap.push({t.need[e.pack], e.pack});
           continue;
@@ -783,7 +798,7 @@ Packing place_samples(const Data& d, const SlotParams& p, Reservation& r, Target
       out.pack_tokens[chosen] += d.tok[i];
       t.need[chosen] -= item.key;
       if (!in_slot) continue;
-      i64* k = slot_of(chosen, c);
+      int32_t* k = slot_of(chosen, c);
       *k -= 1;
       if (*k > 0) heap.push({t.need[chosen], chosen});
     }
@@ -851,6 +866,37 @@ struct Entry {
   int32_t id, pack;
 };
 
+// A pack's member as the repair reads it: the pack's members side by side (a swap exchanges one
+// for one, so each pack keeps its place), everything the scans need without a lookup per member.
+struct Member {
+  i64 w, w2, tok;
+  int32_t id, tiles;
+};
+
+// Every FENCE-th weight of a run, so that a search reads a small array and then one block of
+// the run instead of jumping across it (the run does not fit the cache).
+constexpr i64 FENCE = 16;
+
+template <class Key>
+Vec fences(const std::vector<Entry>& run, Key key) {
+  Vec out((run.size() + FENCE - 1) / FENCE);
+  for (size_t b = 0; b < out.size(); ++b) out[b] = key(run[b * FENCE]);
+  return out;
+}
+
+// std::lower_bound over run[lo, hi) (sorted by `key`) for `want`, through the fences.
+template <class Key>
+i64 fenced_lower_bound(const std::vector<Entry>& run, const Vec& fence, i64 lo, i64 hi,
+                       i64 want, Key key) {
+  const i64 b_lo = (lo + FENCE - 1) / FENCE, b_hi = (hi + FENCE - 1) / FENCE;
+  const i64 b = std::lower_bound(fence.begin() + b_lo, fence.begin() + b_hi, want) -
+                fence.begin();
+  const i64 from = b > b_lo ? (b - 1) * FENCE : lo, to = b < b_hi ? b * FENCE : hi;
+  return std::lower_bound(run.begin() + from, run.begin() + to, want,
+                          [key](const Entry& e, i64 value) { return key(e) < value; }) -
+         run.begin();
+}
+
 // Samples in packs by (tiles, weight, id), and where each tile count starts. Weights in a small
 // range (tokens, the modeled time in token units): a counting sort by weight (ids ascending
 // within one), then a stable count by tile count; else each tile count's run sorted on
@@ -879,7 +925,10 @@ std::vector<Entry> sorted_by(const i64* vit, const i64* w, const i64* w2, const 
     for (i64 v = 0; v <= hi; ++v) start[v + 1] += start[v];
     for (i64 i = 0; i < n; ++i)
       if (pack_of[i] >= 0) by_key[start[key[i]]++] = i;
-    for (const i64 i : by_key) ids[next[vit[i]]++] = i;
+    for (size_t k = 0; k < by_key.size(); ++k) {
+      if (k + AHEAD < by_key.size()) __builtin_prefetch(&vit[by_key[k + AHEAD]]);
+      ids[next[vit[by_key[k]]]++] = by_key[k];
+    }
   } else {
     for (i64 i = 0; i < n; ++i)
       if (pack_of[i] >= 0) ids[next[vit[i]]++] = i;
@@ -889,6 +938,11 @@ std::vector<Entry> sorted_by(const i64* vit, const i64* w, const i64* w2, const 
   }
   std::vector<Entry> by(ids.size());
   for (size_t k = 0; k < ids.size(); ++k) {
+    if (k + AHEAD < ids.size()) {
+      const i64 ahead = ids[k + AHEAD];
+      for (const i64* a : {w, w2, tok}) __builtin_prefetch(&a[ahead]);
+      __builtin_prefetch(&pack_of[ahead]);
+    }
     const i64 i = ids[k];
     by[k] = {w[i], w2[i], tok[i], static_cast<int32_t>(i), static_cast<int32_t>(pack_of[i])};
     at[i] = static_cast<int32_t>(k);
@@ -941,6 +995,19 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
   }
   pack_of.clear();
   pack_of.shrink_to_fit();
+  const Vec fence1 = fences(by_w, [](const Entry& e) { return e.w; });
+  const Vec fence2 = fences(by_w2, [](const Entry& e) { return e.w2; });
+  // Each pack's members side by side, in the order of pk.members (written back at the end).
+  Vec first(packs + 1, 0);
+  for (i64 q = 0; q < packs; ++q)
+    first[q + 1] = first[q] + static_cast<i64>(pk.members[q].size());
+  std::vector<Member> mem(first[packs]);
+  for (i64 q = 0; q < packs; ++q)
+    for (size_t j = 0; j < pk.members[q].size(); ++j) {
+      const i64 i = pk.members[q][j];
+      mem[first[q] + static_cast<i64>(j)] = {w[i], w2[i], tok[i], static_cast<int32_t>(i),
+                                            static_cast<int32_t>(vit[i])};
+    }
   auto off = [](i128 dv, i128 tl, int sign) {  // over (sign > 0) / under its tolerance
     return sign > 0 ? dv > tl : dv < -UNDER_FACTOR * tl;
   };
@@ -999,10 +1066,24 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
     extremes(over, 1, 2 * work.size() + p.partners);
     extremes(under, -1, 2 * work.size() + p.partners);
     size_t next_over = 0, next_under = 0;
-    for (i64 q0 : work) {
+    // The packs read next (the next pack of the work list, this one's partners) are fetched
+    // ahead, while this pack's scans run.
+    auto fetch = [&](i64 q) {
+      __builtin_prefetch(&st[q]);
+      __builtin_prefetch(mem.data() + first[q]);
+    };
+    for (size_t at = 0; at < work.size(); ++at) {
+      const i64 q0 = work[at];
+      if (at + 1 < work.size()) fetch(work[at + 1]);
       if (!bad(q0)) continue;
       const PackState s0 = st[q0];
       const int sign = score.sign(s0.dev, s0.dev2);
+      {
+        const Vec& ahead = sign > 0 ? under : over;
+        for (size_t k = sign > 0 ? next_under : next_over, s = 0;
+             k < ahead.size() && s < static_cast<size_t>(p.partners); ++k, ++s)
+          fetch(ahead[k]);
+      }
       i128 best = score(s0.dev, s0.dev2);
       i64 bx = -1, by = -1;
       // What a swap must keep below `best` (both packs' scores): q0's side as ranges of the
@@ -1016,12 +1097,11 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
         dw2 = diff_range(s0.dev2, below.lo2, below.hi2, unit);
       };
       limit();
-      // x: a member of q0 (its entry), y: a candidate in another pack q with x's tiles; taken
-      // if both packs' scores end below `best` (the best swap so far).
-      auto consider = [&](const Entry& x, const Entry& y) {
+      // x: a member of q0, y: a candidate in another pack q with x's tiles; taken if both
+      // packs' scores end below `best` (the best swap so far).
+      auto consider = [&](const Member& x, const auto& y, i64 q) {
         const i64 e1 = x.w - y.w, e2 = x.w2 - y.w2;
         if (e1 < dw1.first || e1 > dw1.second || e2 < dw2.first || e2 > dw2.second) return;
-        const i64 q = y.pack;
         if (q == q0) return;
         const PackState& s = st[q];
         if (s0.tokens - x.tok + y.tok > p.token_budget || s.tokens - y.tok + x.tok > p.token_budget)
@@ -1037,42 +1117,45 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
       // Outward from the sample that would halve q0's deviation, the first `window` candidates
       // on each side in packs not off the same way as q0 (those could not take the difference),
       // within 4 * window.
-      auto scan = [&](const std::vector<Entry>& run, const Vec& cls, const Entry& x, bool second,
-                      i64 want) {
-        const i64 c = vit[x.id], lo = cls[c], hi = cls[c + 1];
+      auto scan = [&](const std::vector<Entry>& run, const Vec& cls, const Vec& fence,
+                      const Member& x, bool second, i64 want) {
+        const i64 c = x.tiles, lo = cls[c], hi = cls[c + 1];
         const i64 k =
-            second ? std::lower_bound(run.begin() + lo, run.begin() + hi, want,
-                                      [](const Entry& e, i64 value) { return e.w2 < value; }) -
-                         run.begin()
-                   : std::lower_bound(run.begin() + lo, run.begin() + hi, want,
-                                      [](const Entry& e, i64 value) { return e.w < value; }) -
-                         run.begin();
+            second ? fenced_lower_bound(run, fence, lo, hi, want,
+                                        [](const Entry& e) { return e.w2; })
+                   : fenced_lower_bound(run, fence, lo, hi, want,
+                                        [](const Entry& e) { return e.w; });
         const char skip = sign > 0 ? OVER : UNDER;
         const Entry* e = run.data();
         for (i64 j = k, end = std::min(hi, k + 4 * p.window), taken = 0;
              j < end && taken < p.window; ++j)
           if (!(off_by[e[j].pack] & skip)) {
-            consider(x, e[j]);
+            consider(x, e[j], e[j].pack);
             taken += 1;
           }
         for (i64 j = k - 1, end = std::max(lo, k - 4 * p.window) - 1, taken = 0;
              j > end && taken < p.window; --j)
           if (!(off_by[e[j].pack] & skip)) {
-            consider(x, e[j]);
+            consider(x, e[j], e[j].pack);
             taken += 1;
           }
       };
-      for (i64 xi : pk.members[q0]) {
-        const Entry& x = by_w[at1[xi]];
-        scan(by_w, cls1, x, false, x.w - static_cast<i64>(s0.dev / (2 * unit)));
-        if (d.sum_w2 > 0) scan(by_w2, cls2, x, true, x.w2 - static_cast<i64>(s0.dev2 / (2 * unit)));
+      const Member *m0 = mem.data() + first[q0], *m0_end = mem.data() + first[q0 + 1];
+      const i64 half = static_cast<i64>(s0.dev / (2 * unit));
+      const i64 half2 = static_cast<i64>(s0.dev2 / (2 * unit));
+      for (const Member* x = m0; x != m0_end; ++x) {
+        scan(by_w, cls1, fence1, *x, false, x->w - half);
+        if (d.sum_w2 > 0) scan(by_w2, cls2, fence2, *x, true, x->w2 - half2);
       }
       const Vec& other = sign > 0 ? under : over;
       size_t& next_at = sign > 0 ? next_under : next_over;
-      for (i64 s = 0; s < p.partners && next_at < other.size(); ++s, ++next_at)
-        for (i64 xi : pk.members[q0])
-          for (i64 yi : pk.members[other[next_at]])
-            if (vit[xi] == vit[yi]) consider(by_w[at1[xi]], by_w[at1[yi]]);
+      for (i64 s = 0; s < p.partners && next_at < other.size(); ++s, ++next_at) {
+        const i64 q = other[next_at];
+        const Member *m1 = mem.data() + first[q], *m1_end = mem.data() + first[q + 1];
+        for (const Member* x = m0; x != m0_end; ++x)
+          for (const Member* y = m1; y != m1_end; ++y)
+            if (x->tiles == y->tiles) consider(*x, *y, q);
+      }
       if (bx < 0) {
         if (++fails[q0] < 8 && !queued[q0]) {  // nothing now; the packs around it may change
           queued[q0] = 1;
@@ -1090,8 +1173,11 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
       st[q].dev2 += d2;
       st[q0].tokens += ey.tok - ex.tok;
       st[q].tokens += ex.tok - ey.tok;
-      *std::find(pk.members[q0].begin(), pk.members[q0].end(), bx) = by;
-      *std::find(pk.members[q].begin(), pk.members[q].end(), by) = bx;
+      Member* mx = mem.data() + first[q0];
+      while (mx->id != bx) ++mx;
+      Member* my = mem.data() + first[q];
+      while (my->id != by) ++my;
+      std::swap(*mx, *my);
       for (auto [i, to] : {std::pair<i64, i64>{bx, q}, {by, q0}}) {
         by_w[at1[i]].pack = static_cast<int32_t>(to);
         if (d.sum_w2 > 0) by_w2[at2[i]].pack = static_cast<int32_t>(to);
@@ -1106,7 +1192,10 @@ void repair(const Data& d, const SlotParams& p, const Reservation& r, const Targ
     }
     work.swap(next);
   }
-  for (i64 q = 0; q < packs; ++q) pk.pack_tokens[q] = st[q].tokens;
+  for (i64 q = 0; q < packs; ++q) {
+    pk.pack_tokens[q] = st[q].tokens;
+    for (i64 j = first[q]; j < first[q + 1]; ++j) pk.members[q][j - first[q]] = mem[j].id;
+  }
 }
 
 struct SlotResult {

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_omnibal.balance import hierarchy, histograms, layout
-from megatron_omnibal.balance.checks import check_plan, gather_rows, pack_sums
+from megatron_omnibal.balance import hierarchy, layout
+from megatron_omnibal.balance.checks import check_plan
 from megatron_omnibal.balance.config import (
     DEFAULT_COST,
     ISF_THRESHOLD_MARGIN,
@@ -32,7 +32,7 @@ from megatron_omnibal.balance.config import (
     PackCost,
 )
 from megatron_omnibal.balance.core import permutation
-from megatron_omnibal.balance.packing import big, pack_level, packs_needed
+from megatron_omnibal.balance.packing import Packs, PackStats, big, pack_level, packs_needed
 from megatron_omnibal.balance.plan_io import PLAN_VERSION, BalancePlan, ranges
 from megatron_omnibal.data.lengths import LengthStats
 
@@ -75,12 +75,12 @@ def time_weight(ms: np.ndarray, tokens: np.ndarray) -> np.ndarray:
 
 
 def _level_packs(lengths: LengthStats, config: BalanceConfig, ms: np.ndarray,
-                 regular: np.ndarray, solo: np.ndarray, use_reference: bool
-                 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per level (ascending): (samples, pack_ptr) of its packs, as global sample indices; solo
-    packs of oversize samples join the top level."""
+                 regular: np.ndarray, solo: np.ndarray, use_reference: bool) -> list[Packs]:
+    """Per level (ascending): its packs, as global sample indices; solo packs of oversize
+    samples join the top level."""
     levels = config.all_levels
-    vit, tok = lengths.vit, lengths.tokens
+    vit, tok, ds = lengths.vit, lengths.tokens, lengths.dataset
+    datasets = max(len(lengths.names), 1)
     time = time_weight(ms, tok)
     level_of = np.full(len(lengths), -1, np.int16)
     every = len(regular) == len(lengths)  # no oversize sample: views, no copies
@@ -90,8 +90,10 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, ms: np.ndarray,
     order = permutation(len(lengths), config.seed ^ _TOP_UP_SALT) if len(levels) > 1 else None
     pending = np.zeros(len(lengths), bool)
     pending[regular] = True
-    out: list[tuple[np.ndarray, np.ndarray]] = [(np.zeros(0, np.int64), np.zeros(1, np.int64))
-                                                for _ in levels]
+    none = np.zeros(0, np.int64)
+    out = [Packs(none, np.zeros(1, np.int64),
+                 PackStats.of(none, np.zeros(1, np.int64), none, none, ms[:0], none, datasets))
+           for _ in levels]
     for lv in range(len(levels) - 1, -1, -1):
         level = levels[lv]
         own = np.flatnonzero(pending & (level_of == lv))
@@ -118,40 +120,36 @@ def _level_packs(lengths: LengthStats, config: BalanceConfig, ms: np.ndarray,
                      else level.token_budget - ISF_THRESHOLD_MARGIN)
         got = pack_level(*((vit, tok, time) if whole else
                            (vit[members], tok[members], time[members])), optional,
-                         vit_budget=level.vit_budget, token_budget=level.token_budget,
+                         *((ms, ds) if whole else (ms[members], ds[members])),
+                         datasets=datasets, vit_budget=level.vit_budget,
+                         token_budget=level.token_budget,
                          per_step=per_step, algorithm=config.algorithm,
                          repair=config.mode == "random", seed=config.seed + 7919 * lv,
                          isf_rounds=config.isf_rounds, isf_threshold=threshold,
                          min_packs=packs, offset=len(extra), use_reference=use_reference)
         samples = got.samples if whole else members[got.samples]
-        ptr = got.ptr
+        ptr, stats = got.ptr, got.stats
         del members, optional, got
         pending[slice(None) if whole else samples] = False
-        if len(extra):
+        if len(extra):  # one sample a pack: its own figures (a time summed from 0.0, as bincount)
             samples = np.concatenate([samples, extra]).astype(np.int64, copy=False)
             ptr = np.concatenate([ptr, ptr[-1] + np.arange(1, len(extra) + 1)]).astype(np.int64)
-        out[lv] = (samples, ptr)
+            stats = PackStats.concat([stats, PackStats(vit[extra], tok[extra], ms[extra] + 0.0,
+                                                       ds[extra].astype(np.int64))])
+        out[lv] = Packs(samples, ptr, stats)
     if pending.any():  # pack_level places every non-optional sample; this cannot happen
         raise RuntimeError(f"balance: {int(pending.sum())} samples were not packed")
     return out
 
 
-def _lay_out(lengths: LengthStats, config: BalanceConfig, ms: np.ndarray, lv: int,
-             samples: np.ndarray, ptr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _lay_out(config: BalanceConfig, lv: int, stats: PackStats
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(step within the level, rank, micro) of each of one level's packs (layout.layout)."""
-    num = len(ptr) - 1
-    pack_id = np.repeat(np.arange(num), np.diff(ptr))
-    # each sample's time and dataset side by side (bit for bit), gathered as one 16-byte row
-    picked = gather_rows(np.stack([ms.view(np.int64), lengths.dataset.astype(np.int64)], axis=1),
-                         samples)
-    pack_time = np.bincount(pack_id, picked[:, 0].view(np.float64), num)
-    dominant = histograms.most_frequent(pack_id, picked[:, 1], num, max(len(lengths.names), 1))
-    del pack_id, picked
     level = config.all_levels[lv]
-    vit, tokens = pack_sums(np.stack([lengths.vit, lengths.tokens], axis=1), samples, ptr).T
+    vit, tokens = stats.vit, stats.tokens
     solo = (vit > level.vit_budget) | (tokens > level.token_budget)  # only oversize='solo' packs
-    return layout.layout(vit, tokens, pack_time, config.dp_size, level.micro_batches,
-                         config.mode, config.seed + lv, dominant,
+    return layout.layout(vit, tokens, stats.time, config.dp_size, level.micro_batches,
+                         config.mode, config.seed + lv, stats.dataset,
                          None if config.algorithm == "isf" else config.tail_tolerance, solo)
 
 
@@ -173,8 +171,8 @@ def balance(lengths: LengthStats, config: BalanceConfig, *, use_reference: bool 
     per_level = _level_packs(lengths, config, ms, regular, solo, use_reference)
     del over, regular, solo
     levels = config.all_levels
-    laid = [_lay_out(lengths, config, ms, lv, samples, ptr)
-            for lv, (samples, ptr) in enumerate(per_level)]
+    laid = [_lay_out(config, lv, packs.stats) for lv, packs in enumerate(per_level)]
+    per_level = [(packs.samples, packs.ptr) for packs in per_level]  # the stats are done with
     del ms
     steps = [int(step.max()) + 1 if len(step) else 0 for step, _, _ in laid]
     step_level = hierarchy.interleave(steps, config.curriculum_steps, config.seed)

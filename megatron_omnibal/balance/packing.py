@@ -2,7 +2,9 @@
 packs of one step, by the slot-balancing core or by OmniBal's ISF.
 
 Large inputs are packed in strided chunks of about CHUNK samples (each chunk a cross-section of
-the data): the same quality as one such chunk, in linear time.
+the data): the same quality as one such chunk, in linear time. What the layout needs of each pack
+(tiles, tokens, modeled time, dominant dataset) is summed there too, from the chunk's arrays
+(in cache) rather than by a gather across the whole data.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_omnibal.balance import core
+from megatron_omnibal.balance import core, histograms
+from megatron_omnibal.balance.checks import pack_sums
 
 CHUNK = 80_000   # samples packed together (larger inputs: chunks of this size)
 MAX_RETRIES = 64
@@ -20,12 +23,39 @@ LPT_GROWTH = 32  # token balancing short of room retries with at least 1/32 more
 
 
 @dataclass(frozen=True)
+class PackStats:
+    """Per pack: tiles, tokens, modeled time (ms, summed in sample order from 0.0, as
+    np.bincount sums it) and most frequent dataset (the smallest on ties)."""
+
+    vit: np.ndarray
+    tokens: np.ndarray
+    time: np.ndarray
+    dataset: np.ndarray
+
+    @staticmethod
+    def of(samples: np.ndarray, ptr: np.ndarray, vit: np.ndarray, tokens: np.ndarray,
+           ms: np.ndarray, dataset: np.ndarray, datasets: int) -> PackStats:
+        """The stats of packs (samples, ptr) over positions of the per-sample arrays."""
+        num = len(ptr) - 1
+        pack_id = np.repeat(np.arange(num), np.diff(ptr))
+        v, t = pack_sums(np.stack([vit, tokens], axis=1), samples, ptr).T
+        return PackStats(v, t, np.bincount(pack_id, ms[samples], num),
+                         histograms.most_frequent(pack_id, dataset[samples], num, datasets))
+
+    @staticmethod
+    def concat(parts: list[PackStats]) -> PackStats:
+        return PackStats(*(np.concatenate([getattr(p, f) for p in parts])
+                           for f in ("vit", "tokens", "time", "dataset")))
+
+
+@dataclass(frozen=True)
 class Packs:
     """Packs as positions into the arrays they were made from: pack p is
-    samples[ptr[p]:ptr[p+1]]."""
+    samples[ptr[p]:ptr[p+1]]; `stats` per pack."""
 
     samples: np.ndarray
     ptr: np.ndarray
+    stats: PackStats
 
 
 def big(vit: np.ndarray, tokens: np.ndarray, vit_budget: int, token_budget: int) -> np.ndarray:
@@ -67,19 +97,22 @@ def split_to_multiple(samples: np.ndarray, ptr: np.ndarray, per_step: int,
 
 
 def pack_level(vit: np.ndarray, tokens: np.ndarray, weight2: np.ndarray, optional: np.ndarray,
-               *, vit_budget: int, token_budget: int, per_step: int, algorithm: str,
-               repair: bool, seed: int, isf_rounds: int, isf_threshold: int,
-               min_packs: int = 0, offset: int = 0, use_reference: bool = False) -> Packs:
+               ms: np.ndarray, dataset: np.ndarray, *, datasets: int, vit_budget: int,
+               token_budget: int, per_step: int, algorithm: str, repair: bool, seed: int,
+               isf_rounds: int, isf_threshold: int, min_packs: int = 0, offset: int = 0,
+               use_reference: bool = False) -> Packs:
     """Pack every sample whose `optional` flag is off into packs (at least `min_packs`) whose
     count plus `offset` (packs of this level made elsewhere) is a multiple of `per_step`;
     optional samples (GreedyFill's top-up) go where there is room, the others are left out.
     Tokens are balanced, `weight2` (the modeled time) beside them. Every sample must fit the
-    budgets on its own."""
+    budgets on its own. `ms` (modeled time) and `dataset` (of `datasets`) only go into the
+    packs' stats."""
     n = len(vit)
     if n == 0:
         empty = np.zeros(0, np.int64)
         count = -(-(max(min_packs, 0) + offset) // per_step) * per_step - offset
-        return Packs(empty, np.zeros(count + 1, np.int64))
+        ptr = np.zeros(count + 1, np.int64)
+        return Packs(empty, ptr, PackStats.of(empty, ptr, vit, tokens, ms, dataset, datasets))
     if algorithm == "isf":
         samples, ptr = core.pack_isf(vit, tokens, vit_budget=vit_budget,
                                      token_budget=token_budget, threshold=isf_threshold,
@@ -88,14 +121,14 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight2: np.ndarray, optiona
         short = max(min_packs - (len(ptr) - 1), 0)
         short = -(-short // per_step) * per_step
         ptr = np.concatenate([ptr, np.full(short, ptr[-1])]).astype(np.int64)
-        return Packs(samples, ptr)
+        return Packs(samples, ptr, PackStats.of(samples, ptr, vit, tokens, ms, dataset, datasets))
     # Tokens bind before tiles (full packs would hold more tiles than the tokens leave room
     # for): tiles follow the tokens, packs are balanced by tokens alone (core.pack_lpt, which
     # uses no tokens-per-tile band).
     by_tokens = int(tokens.sum()) * vit_budget > int(vit.sum()) * token_budget
     band = (0, 0) if by_tokens else core.ratio_band(vit, tokens)
     k = max(1, round(n / CHUNK))
-    out_samples, out_sizes, filled = np.empty(n, np.int64), [], 0
+    out_samples, out_sizes, out_stats, filled = np.empty(n, np.int64), [], [], 0
     placed, scale = offset, 1.0  # scale: packs the last chunk needed over its budgets' bound
     for i in range(k):
         part = slice(i, n, k)  # strided: each chunk a cross-section (no gathers)
@@ -141,7 +174,10 @@ def pack_level(vit: np.ndarray, tokens: np.ndarray, weight2: np.ndarray, optiona
         out_samples[filled:filled + len(samples)] = samples * k + i  # chunk position -> input
         filled += len(samples)
         out_sizes.append(np.diff(ptr))
+        out_stats.append(PackStats.of(samples, ptr, pv, pt, np.ascontiguousarray(ms[part]),
+                                      np.ascontiguousarray(dataset[part]), datasets))
         placed += len(ptr) - 1
         scale = (len(ptr) - 1) / bound
     sizes = np.concatenate(out_sizes)
-    return Packs(out_samples[:filled], np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+    return Packs(out_samples[:filled], np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+                 PackStats.concat(out_stats))

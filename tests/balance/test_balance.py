@@ -324,3 +324,27 @@ def test_random_configurations_keep_every_invariant(trial):
         ref = balance(lengths, config, use_reference=True)
         assert np.array_equal(ref.samples, plan.samples)
         assert np.array_equal(ref.pack_ptr, plan.pack_ptr)
+
+
+def test_pack_stats_summed_per_chunk_equal_sums_over_the_whole_data(subset, monkeypatch):
+    """pack_level sums each chunk's pack figures from the chunk's arrays; they must equal the
+    figures computed over the whole data afterwards, bit for bit (the layout orders by them)."""
+    from megatron_omnibal.balance import packing
+    from megatron_omnibal.balance.balancer import sample_ms, time_weight
+
+    monkeypatch.setattr(packing, "CHUNK", 1000)  # 6 strided chunks
+    vit, tok = subset.vit.astype(np.int64), subset.tokens.astype(np.int64)
+    ms = sample_ms(subset, PackCost(tile_ms=(0.5,), token_ms=(0.01,), attention_ms=(3e-6,)))
+    got = packing.pack_level(vit, tok, time_weight(ms, tok), np.zeros(len(subset), bool), ms,
+                             subset.dataset, datasets=len(subset.names), vit_budget=18,
+                             token_budget=6016, per_step=8, algorithm="default", repair=True,
+                             seed=0, isf_rounds=10, isf_threshold=5888)
+    num = len(got.ptr) - 1
+    pid = np.repeat(np.arange(num), np.diff(got.ptr))
+    for mine, values in ((got.stats.vit, vit), (got.stats.tokens, tok)):
+        assert np.array_equal(mine, np.bincount(pid, values[got.samples], num).astype(np.int64))
+    assert np.array_equal(got.stats.time.view(np.int64),
+                          np.bincount(pid, ms[got.samples], num).view(np.int64))
+    table = np.zeros((num, len(subset.names)), np.int64)
+    np.add.at(table, (pid, subset.dataset[got.samples]), 1)
+    assert np.array_equal(got.stats.dataset, table.argmax(axis=1))
