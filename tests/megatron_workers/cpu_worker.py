@@ -345,6 +345,39 @@ def training_import() -> None:
     )
 
 
+def startup_checks() -> None:
+    """Megatron's parser takes its help texts from the sources once per process (the same texts
+    as megatron's own reader); a torch_dist writer's results queue lives in a forked process
+    (a spawned one has another command line: a fresh interpreter)."""
+    import argparse
+    import inspect
+    import multiprocessing
+
+    import psutil
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.training.argument_utils import ArgumentGroupFactory
+    from megatron.training.arguments import add_megatron_arguments
+
+    read = ArgumentGroupFactory._get_field_docstrings
+    factory = ArgumentGroupFactory(TransformerConfig)
+    docs = read(factory, TransformerConfig)
+    obs["field_docs_same"] = bool(docs) and docs == read.__wrapped__(factory, TransformerConfig)
+    add_megatron_arguments(argparse.ArgumentParser())
+    calls, getsource = [], inspect.getsource
+    inspect.getsource = lambda *a, **k: calls.append(a) or getsource(*a, **k)
+    try:
+        add_megatron_arguments(argparse.ArgumentParser())
+    finally:
+        inspect.getsource = getsource
+    obs["getsource_calls_second_parser"] = len(calls)
+    before = {p.pid for p in multiprocessing.active_children()}
+    filesystem_async.get_write_results_queue()
+    mine = psutil.Process().cmdline()
+    obs["results_queue_processes_forked"] = [psutil.Process(p.pid).cmdline() == mine
+                                             for p in multiprocessing.active_children()
+                                             if p.pid not in before]  # fmt: skip
+
+
 def compile_checks() -> None:
     """TORCHDYNAMO_DISABLE=1 (launch.py sets it): megatron.core's jit_fuser functions are the
     plain ones, and neither importing megatron.core nor training loaded torch._inductor's
@@ -370,6 +403,7 @@ if __name__ == "__main__":
     tracker_checks()
     clip_check()
     training_import()
+    startup_checks()
     for pp, rec, drop in ((1, False, 0.0), (2, False, 0.0), (2, False, 0.1), (2, True, 0.1)):
         obs[f"gpt_pp{pp}_recompute{int(rec)}_dropout{drop}"] = gpt_run(pp, rec, drop)
         dist.barrier()

@@ -11,8 +11,7 @@ again at the same limit, fits.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,12 +21,12 @@ import torch
 
 from megatron_omnibal.balance.config import Level
 from megatron_omnibal.data.lengths import load_lengths
-from megatron_omnibal.megatron.runtime import local_ranks
 from megatron_omnibal.preflight.measure import SavedTensorTracker
 from megatron_omnibal.preflight.packs import worst_packs
 from megatron_omnibal.preflight.report import Limits, build_report
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "megatron_workers"))
 
 
 def test_tracker_counts_each_saved_storage_once_until_the_graph_is_freed() -> None:
@@ -120,11 +119,11 @@ FLAGS = ["--omnibal", "--omnibal-model", "tiny", "--omnibal-text-scale", "8",
 
 
 def _preflight(nproc, out, flags, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    cmd = local_ranks.command(
-        nproc, ["-m", "megatron_omnibal.preflight", *FLAGS, *flags, "--out", str(out)])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                          cwd=out.parent)  # fmt: skip
+    """The preflight on `nproc` local ranks (local_ranks, forked from the tests' rank server)."""
+    from launch import run_local
+
+    program = ["-m", "megatron_omnibal.preflight", *FLAGS, *flags, "--out", str(out)]
+    proc = run_local(nproc, program, timeout, cwd=out.parent)
     report = json.loads(out.read_text()) if out.exists() else None
     return proc, report
 

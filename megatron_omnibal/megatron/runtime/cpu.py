@@ -313,6 +313,7 @@ def _patch_megatron() -> None:
 
     _patch_clip_grads()
     _patch_optimizer_param_types()
+    _patch_write_results_queue()
     _patch_megatron_training()
 
 
@@ -450,6 +451,27 @@ def _patch_optimizer_param_types() -> None:
         cls.load_state_dict = load_state_dict
 
 
+def _patch_write_results_queue() -> None:
+    # dist_checkpointing/strategies/filesystem_async.py: FileSystemWriterAsync (every torch_dist
+    # save, a synchronous one too) makes its results queue with a multiprocessing Manager
+    # started by "spawn", a fresh interpreter that re-imports the main module (the training
+    # script: torch and Megatron again, about 4 CPU s per rank and run). Spawn keeps a CUDA
+    # context out of the child; on a CPU there is none, and a forked Manager (what
+    # training/async_utils.py asks for in its async worker) starts at no cost.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    orig = filesystem_async.get_write_results_queue
+    if getattr(orig, "__omnibal_cpu__", False):
+        return
+
+    @functools.wraps(orig)
+    def get_write_results_queue(mp_mode: str = "fork") -> Any:
+        return orig(mp_mode)
+
+    get_write_results_queue.__omnibal_cpu__ = True  # type: ignore[attr-defined]
+    filesystem_async.get_write_results_queue = get_write_results_queue
+
+
 def _with_cuda_type_names(init: Any) -> Any:
     @functools.wraps(init)
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -479,6 +501,7 @@ def _patch_megatron_training() -> None:
     initialize_megatron.__omnibal_cpu__ = True  # type: ignore[attr-defined]
     initialize.initialize_megatron = initialize_megatron
     training.initialize_megatron = initialize_megatron
+    _read_field_docs_once()
 
     # training/arguments.py validate_args calls utils/common_utils.py get_device_arch_version()
     # (torch.cuda.get_device_properties) when TP or CP > 1: no CUDA arch on a CPU (0, as on a
@@ -495,6 +518,29 @@ def _patch_megatron_training() -> None:
     common_utils.get_device_arch_version = get_device_arch_version
     training_utils.get_device_arch_version = get_device_arch_version
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+def _read_field_docs_once() -> None:
+    # training/argument_utils.py ArgumentGroupFactory takes each config dataclass's help texts
+    # from its source (inspect.getsource parses the class's whole module), and a training
+    # process builds Megatron's parser three times (pretrain_vlm's check, arguments.py
+    # parse_args, ft_integration.setup's parse_args): about 1 CPU s of each rank's start on
+    # this CPU. A class's source does not change while it runs: read once, a copy handed out.
+    from megatron.training.argument_utils import ArgumentGroupFactory
+
+    read = ArgumentGroupFactory._get_field_docstrings
+    if getattr(read, "__omnibal_cpu__", False):
+        return
+    cache: dict[type, dict[str, str]] = {}
+
+    @functools.wraps(read)
+    def get_field_docstrings(self: Any, src_cfg_class: type) -> dict[str, str]:
+        if src_cfg_class not in cache:
+            cache[src_cfg_class] = read(self, src_cfg_class)
+        return dict(cache[src_cfg_class])
+
+    get_field_docstrings.__omnibal_cpu__ = True  # type: ignore[attr-defined]
+    ArgumentGroupFactory._get_field_docstrings = get_field_docstrings  # type: ignore[method-assign]
 
 
 def enable_cpu_megatron() -> bool:

@@ -21,6 +21,7 @@ import io
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -30,8 +31,9 @@ import torch
 
 pytestmark = pytest.mark.megatron
 
-from megatron_omnibal.megatron.runtime import local_ranks  # noqa: E402
 from tests import hf_models  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
 
@@ -149,15 +151,17 @@ def _lengths(path: Path) -> Path:
 def _train(
     out: Path, model: Path, ckpt: Path, lengths: Path, *flags: str, nproc: int = 2
 ) -> None:
-    cmd = local_ranks.command(nproc, [
+    from launch import run_local
+
+    program = [
            "-m", "megatron_omnibal.pretrain_vlm", "--omnibal", "--omnibal-model", str(model),
            "--omnibal-lengths", str(lengths), "--omnibal-vit-budget", "8",
            "--omnibal-token-budget", "120", "--micro-batch-size", "1", "--global-batch-size",
            "2", "--transformer-impl", "local", "--seed", "3", "--train-iters", "3",
            "--lr", "1e-2", "--min-lr", "1e-2", "--lr-decay-style", "constant", "--clip-grad",
            "0", "--num-workers", "0", "--pretrained-checkpoint", str(ckpt), "--save",
-           str(out), "--save-interval", "3", *flags])  # fmt: skip
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+           str(out), "--save-interval", "3", *flags]  # fmt: skip
+    proc = run_local(nproc, program, 600, ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 

@@ -71,6 +71,13 @@ def test_disabled_compile_skips_dynamo_and_enabled_compile_still_wraps(obs: list
         assert o["compile_enabled_wraps"] is True
 
 
+def test_help_texts_are_read_once_and_the_checkpoint_queue_is_forked(obs: list[dict]) -> None:
+    for o in obs:
+        assert o["field_docs_same"] is True
+        assert o["getsource_calls_second_parser"] == 0
+        assert o["results_queue_processes_forked"] == [True]
+
+
 def test_cuda_device_uses_land_on_cpu(obs: list[dict]) -> None:
     o = obs[0]
     for key in (

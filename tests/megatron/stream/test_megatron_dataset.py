@@ -33,12 +33,14 @@ from megatron_omnibal.data.generate import (
     write_meta,
 )
 from megatron_omnibal.data.lengths import load_lengths, save_lengths
-from megatron_omnibal.megatron.runtime import local_ranks
 from megatron_omnibal.megatron.stream.dataset import DatasetError, open_source
 from megatron_omnibal.megatron.stream.loader import SampleLoadError
 from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.models.presets import PRESETS
 from megatron_omnibal.models.spec import ModelSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+from launch import run_local  # noqa: E402
 
 SPEC = PRESETS["tiny"]  # 16-pixel tiles, 4 tokens per tile, vocab 128, image token 127
 # The tiny model with LLaVA's MLP projector: 16-pixel tiles, (16/4)^2 = 16 tokens per tile.
@@ -432,12 +434,9 @@ def test_pretrain_vlm_trains_on_the_dataset_skips_or_stops_at_a_bad_image(data, 
     assert "holds no stats configuration" in refused[1]["error"][0]
 
     report = tmp_path / "bad_samples.jsonl"
-    proc = subprocess.run(
-        local_ranks.command(2, [
-            str(WORKERS / "train_record.py"), str(tmp_path / "run"), *flags,
-            "--omnibal-bad-sample", "skip", "--omnibal-bad-sample-report", str(report)]),
-        env={**env, "OMNIBAL_WATCH_DIR": str(root / "img")}, capture_output=True, text=True,
-        timeout=240)
+    proc = run_local(2, [WORKERS / "train_record.py", tmp_path / "run", *flags,
+                         "--omnibal-bad-sample", "skip", "--omnibal-bad-sample-report", report],
+                     240, {**env, "OMNIBAL_WATCH_DIR": str(root / "img")})  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ranks = {}
     for p in (tmp_path / "run").glob("rank*.json"):
@@ -462,9 +461,7 @@ def test_pretrain_vlm_trains_on_the_dataset_skips_or_stops_at_a_bad_image(data, 
     assert "cannot decode image" in skipped[0]["reason"]
     assert "1 sample(s) could not be loaded and were skipped" in proc.stderr
 
-    proc = subprocess.run(
-        local_ranks.command(2, [str(WORKERS / "train_record.py"), str(tmp_path / "stop"), *flags]),
-        env=env, capture_output=True, text=True, timeout=240)
+    proc = run_local(2, [WORKERS / "train_record.py", tmp_path / "stop", *flags], 240, env)
     assert proc.returncode != 0
     stops = [x for x in proc.stderr.splitlines() if x.startswith("pretrain_vlm: error:")]
     assert stops and "sample 0 (id a0)" in stops[0] and "cannot decode image" in stops[0]
@@ -505,10 +502,7 @@ def test_start_up_work_happens_once(data, tmp_path):
     flags = _entry_flags(data.root / "data.json", lengths_path, lengths, 1)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1",
            "OMNIBAL_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run(
-        local_ranks.command(2, [str(WORKERS / "startup_counts.py"), str(tmp_path / "counts"),
-                                *flags]),
-        env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = run_local(2, [WORKERS / "startup_counts.py", tmp_path / "counts", *flags], 300, env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     counts = [json.loads((tmp_path / "counts" / f"counts_rank{r}.json").read_text())
               for r in (0, 1)]  # fmt: skip

@@ -10,7 +10,6 @@ was made is refused naming the change."""
 import json
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +19,6 @@ import pytest
 
 from megatron_omnibal.data.generate import train_tokenizer
 from megatron_omnibal.data.lengths import load_identities, load_lengths
-from megatron_omnibal.megatron.runtime import local_ranks
 from megatron_omnibal.megatron.stream.dataset import DatasetError, open_source
 from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.models.presets import PRESETS
@@ -28,6 +26,7 @@ from tests.energon_data import prepare_vqa, write_vqa_dataset
 from tests.megatron.stream.test_megatron_dataset import _entry_flags, _stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+from launch import run_local  # noqa: E402
 from run_records import records as _records  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -123,8 +122,7 @@ def _epoch_steps(lengths_path):
 
 def _torchrun(out, flags, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    cmd = local_ranks.command(2, [str(WORKER), str(out), *flags])
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_local(2, [WORKER, out, *flags], timeout, env)
 
 
 def _ok(proc):

@@ -12,7 +12,7 @@ model (16-pixel tiles, 4 tokens per tile).
 import json
 import os
 import random
-import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +26,6 @@ from megatron_omnibal.data.frames import frame_indices
 from megatron_omnibal.data.generate import image_array, save_image, write_jsonl, write_meta
 from megatron_omnibal.data.lengths import load_lengths
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan, run_lengths
-from megatron_omnibal.megatron.runtime import local_ranks
 from megatron_omnibal.megatron.stream.data import BalancedDataIterator
 from megatron_omnibal.megatron.stream.dataset import open_source
 from megatron_omnibal.megatron.stream.loader import (
@@ -45,6 +44,9 @@ from tests.megatron.stream.test_megatron_dataset import (
     _tokenizer,
 )
 from tests.video_files import frame_of, write_video
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+from launch import run_local  # noqa: E402
 
 SPEC = PRESETS["tiny"]
 FLAGS = "--model tiny --max-tiles 6 --system-prompt 'you help' --min-frames 2 --max-frames 5"
@@ -312,9 +314,7 @@ def test_pretrain_vlm_pp2_trains_two_epochs_of_images_and_videos(data, tmp_path)
              "--transformer-impl", "local", "--seed", "5", "--log-interval", "1",
              "--num-workers", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    proc = subprocess.run(
-        local_ranks.command(2, [str(WORKERS / "train_record.py"), str(tmp_path / "run"), *flags]),
-        env=env, capture_output=True, text=True, timeout=300)
+    proc = run_local(2, [WORKERS / "train_record.py", tmp_path / "run", *flags], 300, env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ranks = {}
     for p in (tmp_path / "run").glob("rank*.json"):

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from megatron_omnibal.data.lengths import load_lengths
-from megatron_omnibal.megatron.runtime import local_ranks
 from tests.dp_runs import dp_epoch_steps
 from tests.dp_runs import tiny_training_flags as _flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+from launch import run_local  # noqa: E402
 from run_records import assert_same_grads  # noqa: E402
 from run_records import records as _records  # noqa: E402
 from run_records import step_grads as _grads  # noqa: E402
@@ -34,9 +34,10 @@ def _torchrun(nproc, out, flags, timeout=240, torchrun=False):
     """The worker on local ranks (megatron/runtime/local_ranks.py), or under real torchrun."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     program = [str(WORKER), str(out), *flags]
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", *program] if torchrun
-           else local_ranks.command(nproc, program))  # fmt: skip
+    if not torchrun:
+        return run_local(nproc, program, timeout, env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", *program]  # fmt: skip
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -182,9 +183,7 @@ def _levels_plan(path, lengths_file):
 
 def _level_run(nproc, out, flags):
     env = {**os.environ, "OMNIBAL_TEST_WEIGHTS": "11", "OMNIBAL_TEST_GRADS": "1"}
-    cmd = local_ranks.command(nproc, [str(WORKER), str(out), *flags])
-    proc = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"},
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = run_local(nproc, [WORKER, out, *flags], 300, env)
     _ok(proc)
     (out / "stdout.txt").write_text(proc.stdout)
     return _records(out)
