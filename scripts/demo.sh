@@ -15,7 +15,9 @@
 # Usage: scripts/demo.sh [data|balance|train|compare ...]   (default: all four, in this order)
 # Environment: DEMO_OUT (default out/demo), DEMO_SAMPLES (generated samples, 1200), DEMO_STEPS
 # (training steps, 40), DEMO_COMPARE_STEPS (steps per compared run, 8; the first is not timed),
-# PYTHON (interpreter, default $VENV/bin/python), VENV (virtual environment, default .venv).
+# PYTHON (interpreter, default $VENV/bin/python), VENV (virtual environment, default .venv),
+# TORCHRUN (starts the training's and the compared runs' ranks, default torchrun of PYTHON; the
+# tests give local_ranks, see docs/launch.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-${VENV:-.venv}/bin/python}
