@@ -55,6 +55,7 @@ Usage: python bench/bench_megatron.py [--shapes 6+20b,llava-7b] [--steps 12] [--
        [--runs baseline,+data,+partition,+recompute,baseline-vpp2,plan-vpp2]
        [--work-dir DIR] [--json PATH]
        (also its own torchrun worker: --worker baseline|balanced OUT -- FLAGS)
+Environment: TORCHRUN starts the runs' ranks (default: torchrun of this interpreter).
 """
 
 from __future__ import annotations
@@ -156,8 +157,12 @@ def common_flags(lengths: Path, micro: int, steps: int) -> list[str]:
 
 
 def torchrun(mode: str, out: Path, flags: list[str]) -> dict:
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={PP}",
-         __file__, "--worker", mode, str(out), "--", *flags], timeout=1800)  # fmt: skip
+    """One training run on PP local ranks: torchrun of this interpreter, or $TORCHRUN (split on
+    spaces, as the launch scripts read it; the tests give local_ranks, docs/launch.md)."""
+    launcher = os.environ.get("TORCHRUN", "").split() or [sys.executable, "-m",
+                                                          "torch.distributed.run"]  # fmt: skip
+    run([*launcher, "--standalone", f"--nproc-per-node={PP}", __file__, "--worker", mode,
+         str(out), "--", *flags], timeout=1800)  # fmt: skip
     return json.loads((out / "rank0.json").read_text())
 
 

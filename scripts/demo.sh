@@ -14,14 +14,18 @@
 #            mode of bench/bench_megatron.py); pipeline Gantt PNGs of both (`omnibal simulate`)
 # Usage: scripts/demo.sh [data|balance|train|compare ...]   (default: all four, in this order)
 # Environment: DEMO_OUT (default out/demo), DEMO_SAMPLES (generated samples, 1200), DEMO_STEPS
-# (training steps, 40), DEMO_COMPARE_STEPS (steps per compared run, 8; the first is not timed),
-# PYTHON (interpreter, default $VENV/bin/python), VENV (virtual environment, default .venv).
+# (training steps, 40), DEMO_BATCH (training's global batch, 32), DEMO_COMPARE_STEPS (steps per
+# compared run, 8; the first is not timed),
+# PYTHON (interpreter, default $VENV/bin/python), VENV (virtual environment, default .venv),
+# TORCHRUN (starts the training's and the compared runs' ranks, default torchrun of PYTHON; the
+# tests give local_ranks, see docs/launch.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-${VENV:-.venv}/bin/python}
 OUT=${DEMO_OUT:-out/demo}
 SAMPLES=${DEMO_SAMPLES:-1200}
 STEPS=${DEMO_STEPS:-40}
+BATCH=${DEMO_BATCH:-32}
 COMPARE_STEPS=${DEMO_COMPARE_STEPS:-8}
 EXAMPLE=examples/data/internvl_subset.npz
 # the generated data's system prompt: words its tokenizer knows (one definition, in generate.py)
@@ -89,7 +93,7 @@ iters: $STEPS
 lr: 5e-3
 min_lr: 5e-4
 warmup: 5
-global_batch: 32
+global_batch: $BATCH
 save_interval: $STEPS
 log_interval: 5
 seed: 1

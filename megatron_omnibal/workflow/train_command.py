@@ -88,9 +88,10 @@ def launch_command(
 
 
 def launch_env(config: FinetuneConfig) -> dict[str, str]:
-    """The launcher's environment: torchrun of this interpreter (a virtual environment need
-    not be on PATH), and the config's rendezvous unless the environment sets one."""
-    env = {"TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
+    """The launcher's environment: $TORCHRUN if set (as the launch scripts read it), else
+    torchrun of this interpreter (a virtual environment need not be on PATH); the config's
+    rendezvous unless the environment sets one."""
+    env = {"TORCHRUN": os.environ.get("TORCHRUN") or f"{sys.executable} -m torch.distributed.run"}
     if config.nodes > 1:
         env["MASTER_ADDR"] = os.environ.get("MASTER_ADDR", config.master_addr or "")
         env["MASTER_PORT"] = os.environ.get("MASTER_PORT", str(config.master_port))

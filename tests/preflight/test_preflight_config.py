@@ -11,25 +11,17 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_omnibal.data.generate import qa_dataset
 from megatron_omnibal.workflow.config import config_from_dict, preflight_flags
-from tests.finetune_runs import ROOT, finetune, step_status, write_config  # noqa: E402
+from tests.finetune_runs import finetune, omnibal, step_status, write_config  # noqa: E402
 
 
 def _omnibal_preflight(config: Path, *flags: str):
-    import os
-    import subprocess
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_omnibal.cli", "preflight", str(config), *flags],
-        capture_output=True, text=True, timeout=400, cwd=ROOT, env=env,
-    )  # fmt: skip
+    return omnibal("preflight", config, *flags)
 
 
 def test_the_preflight_key_is_checked_when_the_config_is_read(tmp_path) -> None:

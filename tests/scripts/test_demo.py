@@ -20,6 +20,7 @@ from PIL import Image
 
 from megatron_omnibal.data.generate import COLOURS, NUMBERS, qa_dataset
 from megatron_omnibal.data.lengths import load_lengths
+from tests.finetune_runs import LOCAL_RANKS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -162,15 +163,18 @@ def test_demo_refuses_an_unknown_section_and_training_without_data(tmp_path):
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_demo_trains_on_the_generated_data_and_compares_step_times(tmp_path):
-    """The training section (`omnibal finetune`) on the generated samples (30 steps: the loss
-    must fall well below its start, since the answers are learnable) and the step-time section
+    """The training section (`omnibal finetune`) on the generated samples (30 steps of 16
+    samples, half the demo's batch: the loss must fall well below its start, since the answers
+    are learnable; it ends near half of it) and the step-time section
     at its fewest steps. The condensed log must hold every logged iteration of Megatron's own
     log; the export must pass compare-hf; the step-time report both runs, with the baseline's
-    fixed-size batches and the plan's stages."""
+    fixed-size batches and the plan's stages. The ranks of both start with local_ranks as
+    $TORCHRUN (real torchrun: tests/scripts/test_scripts_launch.py)."""
     out = tmp_path / "demo"
     proc = _demo(out, "data", timeout=120, DEMO_SAMPLES="400")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = _demo(out, "train", "compare", timeout=900, DEMO_STEPS="30", DEMO_COMPARE_STEPS="4")
+    proc = _demo(out, "train", "compare", timeout=900, DEMO_STEPS="30", DEMO_BATCH="16",
+                 DEMO_COMPARE_STEPS="4", TORCHRUN=LOCAL_RANKS)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     log = (out / "finetune" / "logs" / "train.log").read_text()
     losses = [float(x) for x in re.findall(r"iteration +\d+/ +30 \|.*?lm loss: ([0-9.E+-]+)", log)]

@@ -221,6 +221,40 @@ def test_help_lists_the_options() -> None:
     assert "MASTER_ADDR" in launch(MULTI, "--help").stdout
 
 
+def test_local_ranks_takes_the_single_node_launch_and_refuses_several_nodes() -> None:
+    """local_ranks as $TORCHRUN (how the tests run the workflow's CPU launches): it reads the
+    command line each launcher builds for one node as torchrun would (processes, program, its
+    flags in order); several nodes it refuses, naming why."""
+    from megatron_omnibal.megatron.runtime import local_ranks
+
+    torchrun = f"python -m {local_ranks.__name__}"
+    flags = ["--lr", "1", "--", "-m", "x"]
+    expected = (3, "megatron_omnibal.pretrain_vlm", None, ["--lr", "1", "-m", "x", *GLOO])
+    one_node = [
+        (SINGLE, {}),
+        (MULTI, {"NNODES": "1", "MASTER_ADDR": "127.0.0.1"}),
+        (MULTI, {"NNODES": "1", "RDZV_BACKEND": "c10d", "RDZV_ENDPOINT": "h:1", "RDZV_ID": "j"}),
+    ]
+    for script, env in one_node:
+        got = dry_run(script, "--cpu", "--nproc-per-node", "3", *flags, TORCHRUN=torchrun, **env)
+        launcher = ["python", "-m", local_ranks.__name__]
+        assert got[: len(CPU_ENV) + 3] == CPU_ENV + launcher
+        assert local_ranks.parse(got[len(CPU_ENV) + 3 :]) == expected, got
+    got = dry_run(MULTI, "--cpu", *flags, TORCHRUN=torchrun, NNODES="2", NODE_RANK="1",
+                  MASTER_ADDR="h")  # fmt: skip
+    with pytest.raises(ValueError, match="--nnodes 2: local_ranks runs one node"):
+        local_ranks.parse(got[len(CPU_ENV) + 3 :])
+    for argv, message in (
+        (["--node-rank=1", "--nproc-per-node=2", "a.py"], "--node-rank 1: local_ranks runs one"),
+        (["--max-restarts", "3", "--nproc-per-node=2", "a.py"], "--max-restarts: not an option"),
+        (["--nproc-per-node", "2", "--rdzv-id"], "--rdzv-id needs a value"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            local_ranks.parse(argv)
+    assert local_ranks.parse(["--nproc_per_node=2", "--standalone", "w.py", "--nnodes", "2"]) == (
+        2, None, "w.py", ["--nnodes", "2"])  # fmt: skip
+
+
 PROBE = """
 import json, os, sys
 keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")

@@ -22,7 +22,16 @@ from PIL import Image
 from megatron_omnibal.data.generate import qa_dataset
 from megatron_omnibal.megatron.runtime.ports import free_port
 from megatron_omnibal.models.tiny_hf import write_tiny_internvl
-from tests.finetune_runs import ITERS, ROOT, STEPS, finetune, step_status, write_config  # noqa: E402
+from tests.finetune_runs import (  # noqa: E402
+    ITERS,
+    ROOT,
+    STEPS,
+    TORCHRUN,
+    finetune,
+    run_env,
+    step_status,
+    write_config,
+)
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -104,11 +113,10 @@ def killed(first_run):
     the new run is written and before the last one (its preflight turned off in the config)."""
     folder, _, _ = first_run
     config = write_config(folder, "lr.yaml", lr=5e-4, preflight=False)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "megatron_omnibal.cli", "finetune", str(config), "--until",
          "train"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env=env,
+        env=run_env(),
     )  # fmt: skip
     tracker = folder / "out/checkpoints/train/latest_checkpointed_iteration.txt"
     deadline = time.time() + 300
@@ -160,11 +168,14 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(killed):
 
 def test_several_nodes_get_one_launch_script_each_that_trains(killed):
     """Two nodes of one process each (PP=2 across them, a static rendezvous on this machine):
-    the scripts run scripts/launch_multi_node.sh, the preflight then training; run together
-    they train to the end, and the next `omnibal finetune` takes the checkpoint as done."""
+    the scripts run scripts/launch_multi_node.sh, the preflight then training, with real
+    torchrun; run together they train to the end, and the next `omnibal finetune` takes the
+    checkpoint as done."""
     folder, _, _, _ = killed
-    config = write_config(folder, "nodes.yaml", gpus_per_node=1, nodes=2, master_addr="127.0.0.1")
-    proc = finetune(config, "--until", "train")
+    iters = 4  # two checkpoints, as in the single-node runs; each step costs both real launches
+    config = write_config(folder, "nodes.yaml", gpus_per_node=1, nodes=2, master_addr="127.0.0.1",
+                          iters=iters, preflight={"typical_steps": 1})  # fmt: skip
+    proc = finetune(config, "--until", "train", TORCHRUN=TORCHRUN)
     assert proc.returncode == 0, proc.stderr
     assert step_status(proc.stdout) == dict.fromkeys(("stats", "plan", "convert"), "skipped")
     assert "[preflight] several nodes: runs in the launch scripts, before training" in proc.stdout
@@ -178,12 +189,13 @@ def test_several_nodes_get_one_launch_script_each_that_trains(killed):
         assert check < text.index(f"launch_multi_node.sh --nnodes 2 --node-rank {rank} --cpu "
                                   "--nproc-per-node")  # fmt: skip
         assert f"--omnibal-plan {folder / 'out' / 'plan.json'}" in text
+        assert f"export TORCHRUN='{TORCHRUN}'" in text
         assert os.access(script, os.X_OK)
     env = {**os.environ, "MASTER_PORT": str(free_port())}
     nodes = [subprocess.Popen(["bash", str(s)], env=env) for s in scripts]
     assert [p.wait(timeout=400) for p in nodes] == [0, 0]
     assert json.loads(preflight.read_text())["ok"]  # node 0's rank 0 wrote it
-    assert _tracker(folder) == str(ITERS)
-    assert "iteration        8/       8" in (folder / "out/logs/train.node1.log").read_text()
+    assert _tracker(folder) == str(iters)
+    assert f"iteration {iters:8d}/{iters:8d}" in (folder / "out/logs/train.node1.log").read_text()
     proc = finetune(config, "--until", "train")
     assert proc.returncode == 0 and step_status(proc.stdout)["train"] == "skipped", proc.stdout

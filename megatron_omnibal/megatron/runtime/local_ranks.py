@@ -13,6 +13,11 @@ its parent initialised, so the caller hides the GPUs.
 
     python -m megatron_omnibal.megatron.runtime.local_ranks --nproc-per-node N \\
         (-m MODULE | SCRIPT) [ARGS...]
+
+It also takes the command line of a single-node torchrun (`--standalone`, `--nnodes 1`,
+`--node-rank 0`, `--rdzv-*`), so it can stand in for torchrun as the launch scripts' $TORCHRUN
+(scripts/launch_single_node.sh --cpu): the ranks then meet at a free local port, whatever
+rendezvous was named. Several nodes need torchrun: `--nnodes` above 1 is refused.
 """
 
 from __future__ import annotations
@@ -128,29 +133,48 @@ def launch(nproc: int, module: str | None, script: str | None, args: list[str]) 
             signal.signal(sig, handler)
 
 
-USAGE = "usage: python -m megatron_omnibal.megatron.runtime.local_ranks --nproc-per-node N " \
-    "(-m MODULE | SCRIPT) [ARGS...]"
+USAGE = ("usage: python -m megatron_omnibal.megatron.runtime.local_ranks [--standalone] "
+         "[--nnodes 1] --nproc-per-node N (-m MODULE | SCRIPT) [ARGS...]")
+# torchrun's options of one node that change nothing here (the ranks meet at a free local port)
+IGNORED = {"--standalone": 0, "--rdzv-backend": 1, "--rdzv-endpoint": 1, "--rdzv-id": 1}
+ONE_NODE = {"--nnodes": ("1", "1:1"), "--node-rank": ("0",)}
 
 
 def parse(argv: Sequence[str]) -> tuple[int, str | None, str | None, list[str]]:
     """(nproc, module, script, args) of the command line; ValueError with the usage if bad.
-    Everything after the module or script is the program's own (as with torchrun)."""
-    argv = list(argv)
-    if argv and argv[0].startswith("--nproc-per-node="):
-        argv[:1] = argv[0].split("=", 1)
-    if len(argv) < 3 or argv[0] != "--nproc-per-node":
+    Options come first, in torchrun's spellings (`--nproc_per_node=2` too); everything after
+    the module or script is the program's own (as with torchrun)."""
+    argv, nproc = list(argv), None
+    while argv and argv[0].startswith("--"):
+        name, has_value, value = argv.pop(0).partition("=")
+        name = name.replace("_", "-")
+        if name not in ("--nproc-per-node", *IGNORED, *ONE_NODE):
+            raise ValueError(f"{name}: not an option of one node's torchrun that local_ranks "
+                             f"takes\n{USAGE}")  # fmt: skip
+        if not has_value and IGNORED.get(name, 1):
+            if not argv:
+                raise ValueError(f"{name} needs a value\n{USAGE}")
+            value = argv.pop(0)
+        if name in ONE_NODE and value not in ONE_NODE[name]:
+            raise ValueError(f"{name} {value}: local_ranks runs one node (use torchrun for "
+                             "several)")  # fmt: skip
+        if name == "--nproc-per-node":
+            nproc = _count(value)
+    if nproc is None or not argv or argv[0] == "-m" and len(argv) < 2:
         raise ValueError(USAGE)
+    if argv[0] == "-m":
+        return nproc, argv[1], None, argv[2:]
+    return nproc, None, argv[0], argv[1:]
+
+
+def _count(value: str) -> int:
     try:
-        nproc = int(argv[1])
+        nproc = int(value)
     except ValueError:
-        raise ValueError(f"--nproc-per-node: not a number: {argv[1]!r}") from None
+        raise ValueError(f"--nproc-per-node: not a number: {value!r}") from None
     if nproc < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {nproc}")
-    if argv[2] == "-m":
-        if len(argv) < 4:
-            raise ValueError(USAGE)
-        return nproc, argv[3], None, argv[4:]
-    return nproc, None, argv[2], argv[3:]
+    return nproc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
