@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
@@ -102,16 +100,15 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="omnibal-compare-") as tmp:
         work = Path(tmp)
         torch.save([asdict(s) for s in samples], work / "samples.pt")
-        cmd = local_ranks.command(tp * len(layouts), [
+        program = [
             "-m", "megatron_omnibal.megatron.compare.compare_worker", "--ckpt", str(ckpt.path),
             "--format", ckpt.format, "--spec", json.dumps(hf.spec.to_dict()), "--tp", str(tp),
             "--ckpt-pp", str(ckpt.pp), "--stages", json.dumps([st.to_dict() for st in layouts]),
             "--samples", str(work / "samples.pt"), "--out", str(work),
-        ])  # fmt: skip
+        ]  # fmt: skip
         if args.sequence_parallel:
-            cmd.append("--sequence-parallel")
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            program.append("--sequence-parallel")
+        proc = local_ranks.run(tp * len(layouts), program)
         if proc.returncode:
             sys.stderr.write(proc.stderr[-4000:])
             raise ValueError("the Megatron stages failed (their output is above)")

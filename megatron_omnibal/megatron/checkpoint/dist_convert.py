@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,14 +33,11 @@ def write_dist_checkpoint(
 ) -> list[Path]:
     """Run the TP x PP worker processes; returns the files written."""
     stages = json.dumps([st.to_dict() for st in layouts])
-    cmd = local_ranks.command(tp * len(layouts), [
-        "-m", "megatron_omnibal.megatron.checkpoint.dist_convert",
-        "--hf", str(hf.path), "--out", str(out), "--tp", str(tp), "--stages", stages,
-    ])  # fmt: skip
+    program = ["-m", "megatron_omnibal.megatron.checkpoint.dist_convert",
+               "--hf", str(hf.path), "--out", str(out), "--tp", str(tp), "--stages", stages]
     if dtype:
-        cmd += ["--dtype", dtype]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        program += ["--dtype", dtype]
+    proc = local_ranks.run(tp * len(layouts), program)
     if proc.returncode:
         lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln]
         raise RuntimeError(

@@ -9,7 +9,7 @@ forks the ranks, which share those pages copy-on-write. Each rank sees the envir
 would give it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID, ...), so a
 program runs unchanged under either. As under torchrun, the first rank to fail stops the others
 and its exit code is the launcher's. Only for CPU ranks: a forked process cannot use CUDA that
-its parent initialised, so the caller hides the GPUs.
+its parent initialised, so `run` hides the GPUs.
 
     python -m megatron_omnibal.megatron.runtime.local_ranks --nproc-per-node N \\
         (-m MODULE | SCRIPT) [ARGS...]
@@ -26,6 +26,7 @@ import atexit
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -40,6 +41,13 @@ def command(nproc: int, program: Sequence[str]) -> list[str]:
     """The command line that runs `program` (`["-m", module, *args]` or `[script, *args]`) on
     `nproc` local ranks with this interpreter."""
     return [sys.executable, "-m", __name__, f"--nproc-per-node={nproc}", *program]
+
+
+def run(nproc: int, program: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    """`program` on `nproc` CPU ranks launched in a process of their own, GPUs hidden and one
+    thread each, its output captured."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command(nproc, program), env=env, capture_output=True, text=True)
 
 
 def rank_env(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
