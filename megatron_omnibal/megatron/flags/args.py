@@ -33,7 +33,11 @@ from megatron_omnibal.megatron.stages.layout import (
     level_recompute,
 )
 from megatron_omnibal.megatron.stream.data_identity import lengths_digest
-from megatron_omnibal.megatron.stream.node_plans import NodeLengths, node_lengths
+from megatron_omnibal.megatron.stream.node_plans import (
+    NodeLengths,
+    node_lengths,
+    shared_local_rank,
+)
 from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.planner.plan_file.plan import Plan, PlanError
 from megatron_omnibal.planner.plan_file.plan import load_plan as read_plan
@@ -556,10 +560,9 @@ def _node_lengths(
     """_load_lengths and their digest once per node when torchrun starts several local ranks:
     local rank 0 reads, checks, converts and digests them, the others map its copy
     (node_plans.node_lengths)."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    path = args.omnibal_lengths
+    local_rank, path = shared_local_rank(), args.omnibal_lengths
     try:
-        stat = os.stat(path) if path is not None and local_ranks > 1 else None
+        stat = os.stat(path) if path is not None and local_rank is not None else None
     except OSError:
         stat = None
     if stat is None:  # one rank, or no file (every rank reports it)
@@ -573,7 +576,7 @@ def _node_lengths(
     return node_lengths(
         lambda: _load_lengths(args, plan, tokens_per_tile),
         key,
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        local_rank=local_rank,
     )
 
 

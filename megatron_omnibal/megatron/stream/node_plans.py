@@ -67,6 +67,14 @@ KINDS = ("epoch-plan", "lengths", "record-index")  # the folders this module wri
 OWNER = re.compile(rf"^\.?omnibal-(?:{'|'.join(KINDS)})-(?:.+-)?pid(\d+)-")
 
 
+def shared_local_rank() -> int | None:
+    """This process's local rank when torchrun started several on the node (one of them makes
+    what all of them map), else None: a lone process makes its own."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) < 2:
+        return None
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def job_id() -> str:
     """The job's id on this node: torchrun's run id and node rank (several "nodes" may share one
     host) and the pid of the torchrun agent that started this node's ranks (the run id of a static

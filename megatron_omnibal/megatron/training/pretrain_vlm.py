@@ -145,10 +145,11 @@ def prepare(argv: list[str]) -> tuple[list[str], OmnibalSettings, Any, ResumePla
 
         # configuration, count and a spread of samples (from their text: no image opened);
         # the ranks that decode images switch pixels on when they build their iterator
-        node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1  # every local rank is here
-        source = open_source(
+        from megatron_omnibal.megatron.stream.node_plans import shared_local_rank
+
+        source = open_source(  # on every local rank: its record index made once per node
             settings.source, settings.lengths, spec, pixels=False, by_epoch=settings.by_epoch,
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")) if node else None,
+            local_rank=shared_local_rank(),
         )
     resume = check_resume(settings, spec.vit.num_attention_heads)
     if len(settings.layouts) > 1:  # Megatron builds, numbers and counts the layers as laid out

@@ -154,3 +154,16 @@ def test_a_folder_left_under_the_same_name_is_replaced(tmp_path) -> None:
     (folder / "stale.npy").write_bytes(b"x")
     _same(writer(0), balance(LENGTHS, CONFIG))
     assert not (folder / "stale.npy").exists()
+
+
+def test_only_a_process_among_several_on_its_node_shares(monkeypatch) -> None:
+    """Under torchrun with several local ranks, a rank's local rank decides who writes; a lone
+    process (no torchrun, or one rank per node) makes its own."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert node_plans.shared_local_rank() is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert node_plans.shared_local_rank() is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert node_plans.shared_local_rank() == 2
