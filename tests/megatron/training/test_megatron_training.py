@@ -18,7 +18,7 @@ from tests.dp_runs import dp_epoch_steps
 from tests.dp_runs import tiny_training_flags as _flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
-from launch import run_local  # noqa: E402
+from launch import run_local, run_ranks  # noqa: E402
 from run_records import assert_same_grads  # noqa: E402
 from run_records import records as _records  # noqa: E402
 from run_records import step_grads as _grads  # noqa: E402
@@ -31,14 +31,9 @@ EXAMPLE = ROOT / "examples" / "data" / "internvl_subset.npz"
 
 
 def _torchrun(nproc, out, flags, timeout=240, torchrun=False):
-    """The worker on local ranks (megatron/runtime/local_ranks.py), or under real torchrun."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    program = [str(WORKER), str(out), *flags]
-    if not torchrun:
-        return run_local(nproc, program, timeout, env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", *program]  # fmt: skip
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    """The worker on local ranks (launch.py run_ranks), or under real torchrun."""
+    code, stdout, stderr = run_ranks(WORKER, nproc, [out, *flags], timeout, torchrun=torchrun)
+    return subprocess.CompletedProcess([WORKER, out, *flags], code, stdout, stderr)
 
 
 def _ok(proc):
