@@ -16,7 +16,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_omnibal.data.conversations import ROLES, ImageStyle, video_style
+from megatron_omnibal.data.conversations import ImageStyle, video_style
 
 _CACHE_TEXT_CHARS = 512  # remember counts of pieces up to this long
 _CACHE_ENTRIES = 1 << 18
@@ -113,16 +113,6 @@ class TokenCounter:
             # len(encoding) counts tokens without building the list of ids
             return [len(e) for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
         return [len(x) for x in self.hf(texts, add_special_tokens=False)["input_ids"]]
-
-    def render_chat(self, turns: list[tuple[str, str]], system: str | None) -> str:
-        """The conversation rendered by the tokenizer's own chat template (the `hf` template)."""
-        if self.hf is None or not getattr(self.hf, "chat_template", None):
-            raise ValueError(f"{self.path}: the 'hf' template needs a tokenizer directory with "
-                             "a chat template")
-        messages = [{"role": ROLES[role], "content": text} for role, text in turns]
-        if system is not None and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": system})
-        return self.hf.apply_chat_template(messages, tokenize=False)
 
     def _single_id(self, token: str) -> bool:
         return self._encode(token) is not None
