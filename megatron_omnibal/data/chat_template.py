@@ -9,10 +9,13 @@ What the template is handed:
   `<image>` (the way Qwen's own fine-tuning and LLaMA-Factory write LLaVA-format data);
 - a template that renders only typed parts (llava-hf's) gets `{"type": "text"}`,
   `{"type": "image"}` and `{"type": "video"}` parts in the placeholders' order, as a processor's
-  user writes them, and writes each image its own way; a newline right after a placeholder is
-  dropped (LLaVA data's `<image>\\n`: these templates write their own).
+  user writes them, and writes each image its own way; the whitespace next to a placeholder is
+  dropped (LLaVA data's `<image>\\n`: these templates write their own around an image).
 Either way the rendered text must hold one image-context token per image, which the model's
-processor then repeats per image token (the caller counts them, training spells them out).
+processor then repeats per image token (the caller counts them, training spells them out). The
+text is tokenized as a processor tokenizes a rendered conversation: with the tokenizer's own
+special tokens (llava-hf's BOS), unless the text already starts with its BOS (Llama-3's
+template writes it).
 
 The loss: where the template has `{% generation %}` markers, exactly the tokens transformers'
 `apply_chat_template(..., return_assistant_tokens_mask=True)` marks, one marked span per
@@ -81,11 +84,10 @@ class HfChatTemplate:
                 text = self._render(messages, False)
             except SampleError:
                 continue
-            if question in text and answer in text and "'type'" not in text:
+            if question in text and "'type'" not in text:
                 return parts
         raise ValueError(f"{self.where}: its chat template renders neither string contents nor "
-                         "typed parts ({'type': 'text', 'text': ...}) of a user and an assistant "
-                         "message")
+                         "typed parts ({'type': 'text', 'text': ...}) of a user message")
 
     def render(self, turns: list[tuple[str, str]], media: Sequence[Media]) -> ChatText:
         """The conversation (placeholders in place, `media` in their order) and its answers'
@@ -102,7 +104,8 @@ class HfChatTemplate:
         spans = self._marked(messages, text, len(answers)) if self.markers else \
             self._turn_by_turn(messages, text, answers)
         self._check_media(text, media)
-        return ChatText([text], spans, specials=False)
+        bos = getattr(self.tokenizer, "bos_token", None)
+        return ChatText([text], spans, specials=not (bos and text.startswith(bos)))
 
     def messages(self, turns: list[tuple[str, str]], media: Sequence[Media]) -> list[dict]:
         """The messages handed to the template (a system message first when one is set)."""
@@ -122,12 +125,15 @@ class HfChatTemplate:
         if not parts:
             return {"role": role, "content": text}
         content = []
-        for k, piece in enumerate(PLACEHOLDERS.split(text)):
+        pieces = PLACEHOLDERS.split(text)
+        for k, piece in enumerate(pieces):
             if k % 2:
                 content.append(dict(queues[piece].pop(0).part))
                 continue
-            if k and piece.startswith("\n"):
-                piece = piece[1:]
+            if k:
+                piece = piece.lstrip()
+            if k < len(pieces) - 1:
+                piece = piece.rstrip()
             if piece:
                 content.append({"type": "text", "text": piece})
         return {"role": role, "content": content}

@@ -16,7 +16,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_omnibal.data.conversations import ImageStyle, video_style
+import numpy as np
+
+from megatron_omnibal.data.conversations import ChatText, ImageStyle, video_style
 
 _CACHE_TEXT_CHARS = 512  # remember counts of pieces up to this long
 _CACHE_ENTRIES = 1 << 18
@@ -113,6 +115,31 @@ class TokenCounter:
             # len(encoding) counts tokens without building the list of ids
             return [len(e) for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
         return [len(x) for x in self.hf(texts, add_special_tokens=False)["input_ids"]]
+
+    def encode_chat(self, chat: ChatText) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, answer flags) of a rendered conversation, the tokens `count` counts:
+        pieces encoded apart, the tokenizer's specials once where the template does not write
+        them. A token is an answer's when it overlaps an answer span, as transformers' assistant
+        mask marks it. Needs the fast (Rust) tokenizer, whose offsets locate the answers."""
+        from tokenizers import Encoding
+
+        backend = self.backend
+        if backend is None:
+            raise ValueError(f"{self.path}: training samples need a fast tokenizer (token "
+                             "offsets locate the answers)")
+        encodings = backend.encode_batch(chat.pieces, add_special_tokens=False)
+        flags, start = [], 0
+        for piece, enc in zip(chat.pieces, encodings, strict=True):
+            flags.extend(any(a < start + e and start + s < b for a, b in chat.answers)
+                         for s, e in enc.offsets)
+            start += len(piece)
+        merged = Encoding.merge(encodings, growing_offsets=True)
+        if not chat.specials:
+            return np.asarray(merged.ids, np.int64), np.asarray(flags, bool)
+        full = backend.post_process(merged)
+        target = np.zeros(len(full.ids), bool)
+        target[np.array([s is not None for s in full.sequence_ids], bool)] = flags
+        return np.asarray(full.ids, np.int64), target
 
     def _single_id(self, token: str) -> bool:
         return self._encode(token) is not None

@@ -253,7 +253,7 @@ class RealSampleSource:
             chat = self.text.render(turns, media)
         except conv.SampleError as exc:
             raise DatasetError(f"{self.describe(index)}: {exc}") from exc
-        ids, target = self._tokenize(chat)
+        ids, target = self.counter.encode_chat(chat)
         return (*self._expand(index, ids, target, tiles), images, tiles, videos, sample)
 
     def frame_counts(self, index: int, epoch: int, n_videos: int) -> np.ndarray:
@@ -275,28 +275,6 @@ class RealSampleSource:
                                    "`omnibal stats`")
             return list(tiles)
         return [int(self.lengths.image_flags[index])] if n_images else []
-
-    def _tokenize(self, chat: conv.ChatText) -> tuple[np.ndarray, np.ndarray]:
-        """Ids as `omnibal stats` counted them (pieces apart, the tokenizer's specials once
-        where the template does not write them) and answer flags (tokens that overlap an
-        answer span, as transformers' assistant mask marks them)."""
-        from tokenizers import Encoding
-
-        backend = self.counter.backend
-        encodings = backend.encode_batch(chat.pieces, add_special_tokens=False)
-        flags, start = [], 0
-        for piece, enc in zip(chat.pieces, encodings, strict=True):
-            flags.extend(any(a < start + e and start + s < b for a, b in chat.answers)
-                         for s, e in enc.offsets)
-            start += len(piece)
-        merged = Encoding.merge(encodings, growing_offsets=True)
-        if not chat.specials:
-            return np.asarray(merged.ids, np.int64), np.asarray(flags, bool)
-        full = backend.post_process(merged)
-        target = np.zeros(len(full.ids), bool)
-        own = np.array([s is not None for s in full.sequence_ids], bool)
-        target[own] = flags
-        return np.asarray(full.ids, np.int64), target
 
     def _expand(self, index: int, ids: np.ndarray, target: np.ndarray,
                 tiles: list[int]) -> tuple[np.ndarray, np.ndarray]:
