@@ -118,16 +118,17 @@ def byte_level_tokenizer(path: Path, template: str, specials: list[str], *,
     return path
 
 
-def model_tokenizer(path: Path, template: str, specials: list[str], ids: dict[str, int],
-                    *, bos: str | None = None, eos: str | None = None,
+def model_tokenizer(path: Path, tokenizer_json: Path, template: str, ids: dict[str, int], *,
+                    bos: str | None = None, eos: str | None = None,
                     bos_processor: bool = False) -> Path:
-    """A word-level tokenizer directory small enough for a tiny model's vocabulary: `specials`
-    first, words, fillers, then the model's own tokens at the ids `ids` names (in order)."""
-    from tokenizers import processors
+    """A dataset's tokenizer (data/generate.py's, smaller than a tiny model's vocabulary) saved
+    into checkpoint directory `path` with `template`: fillers up to the model's own tokens,
+    which get the ids `ids` names (in order)."""
+    from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
 
+    tok = Tokenizer.from_file(str(tokenizer_json))
     first = min(ids.values())
-    tok = train_tokenizer(corpus(), first - 8, specials)
     tok.add_tokens([f"filler{k}" for k in range(first - tok.get_vocab_size())])
     tok.add_special_tokens(list(ids))
     assert {t: tok.token_to_id(t) for t in ids} == ids, "the model's token ids"
@@ -135,7 +136,7 @@ def model_tokenizer(path: Path, template: str, specials: list[str], ids: dict[st
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
-                                 unk_token="<unk>" if "<unk>" in specials else None)
+                                 unk_token="<unk>")
     hf.chat_template = template
     hf.save_pretrained(str(path))
     return path
