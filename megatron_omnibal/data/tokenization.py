@@ -1,9 +1,10 @@
 """Token counts with the model's own tokenizer, loaded from a local path (nothing downloaded).
 
-A directory is loaded with transformers' AutoTokenizer (its chat template included); a
-`tokenizer.json` file with the `tokenizers` library. A directory whose tokenizer comes with its own
-Python code (tokenizer_config.json `auto_map`, e.g. InternLM2's for InternVL2.5) is loaded only
-with `trust_remote_code`: that code runs on this machine. Image tokens the tokenizer lacks are added
+A directory is loaded with transformers' AutoTokenizer (its chat template included, or the
+processor's chat_template.json where the tokenizer has none); a `tokenizer.json` file with the
+`tokenizers` library. A directory whose tokenizer comes with its own Python code
+(tokenizer_config.json `auto_map`, e.g. InternLM2's for InternVL2.5) is loaded only with
+`trust_remote_code`: that code runs on this machine. Image tokens the tokenizer lacks are added
 as special tokens, as InternVL's training script does before training, so that counting here
 matches what the model will see. Encoding goes through the Rust backend in batches.
 """
@@ -54,6 +55,8 @@ class TokenCounter:
             except (OSError, ValueError, ImportError) as exc:
                 raise ValueError(f"{path}: cannot load a tokenizer ({exc})") from exc
             self.backend = self.hf.backend_tokenizer if self.hf.is_fast else None
+            if not getattr(self.hf, "chat_template", None):
+                self.hf.chat_template = _processor_template(path)
         else:
             raise FileNotFoundError(f"{path}: no tokenizer directory or tokenizer.json file")
         video = video_style(image_style)
@@ -163,6 +166,17 @@ class TokenCounter:
         if five - one != 4:
             raise ValueError(f"{self.path}: '{context}' is not encoded as one token per "
                              "occurrence; image tokens cannot be counted")
+
+
+def _processor_template(path: Path) -> str | None:
+    """The chat template a checkpoint keeps for its processor only (chat_template.json, as
+    some llava-hf releases do), which AutoTokenizer does not load but the processor uses."""
+    try:
+        doc = json.loads((path / "chat_template.json").read_text())
+    except (OSError, ValueError):
+        return None
+    template = doc.get("chat_template") if isinstance(doc, dict) else None
+    return template if isinstance(template, str) and template else None
 
 
 def _custom_code(path: Path) -> str | None:

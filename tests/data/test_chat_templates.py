@@ -12,6 +12,7 @@ tokens training encodes; templates that cannot train are refused, naming the rec
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -137,6 +138,21 @@ def test_llava_hf_parts_template_matches_its_processor(tokenizers, marked):
         assert np.repeat(ids, counts).tolist() == want["input_ids"][0]
         assert np.repeat(flags, counts).astype(int).tolist() == want["assistant_masks"][0]
         assert counted == len(ids) and ids[0] == tok.bos_token_id
+
+
+def test_a_template_kept_for_the_processor_only_is_used(tokenizers, tmp_path):
+    """Some llava-hf releases keep their template in chat_template.json, which AutoTokenizer
+    does not load (their processor does): rendered with it all the same."""
+    plain, marked, style = tokenizers["llava_hf"]
+    path = tmp_path / "tok"
+    shutil.copytree(marked, path)
+    (path / "chat_template.jinja").unlink()
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": ct.LLAVA_HF}))
+    assert _ours(path, style, ONE_IMAGE, 1)[0].tolist() == _ours(marked, style, ONE_IMAGE,
+                                                                 1)[0].tolist()
 
 
 def test_a_system_prompt_the_template_drops_is_refused(tmp_path):
