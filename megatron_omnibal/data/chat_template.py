@@ -101,7 +101,7 @@ class HfChatTemplate:
                                   f"{system.strip()[:40]!r}); give no system prompt or "
                                   "another template")
         answers = [t for role, t in turns if role == "gpt"]
-        spans = self._marked(messages, text, len(answers)) if self.markers else \
+        spans = self._marked(messages, len(answers)) if self.markers else \
             self._turn_by_turn(messages, text, answers)
         self._check_media(text, media)
         bos = getattr(self.tokenizer, "bos_token", None)
@@ -122,6 +122,7 @@ class HfChatTemplate:
 
     @staticmethod
     def _message(role: str, text: str, queues: Any, parts: bool) -> dict:
+        """The string, or typed parts with the next media of `queues` at each placeholder."""
         if not parts:
             return {"role": role, "content": text}
         content = []
@@ -147,6 +148,7 @@ class HfChatTemplate:
 
     def _turn_by_turn(self, messages: list[dict], text: str,
                       answers: list[str]) -> list[tuple[int, int]]:
+        """Each answer's span: what rendering through it adds to the prompt before it."""
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -168,7 +170,7 @@ class HfChatTemplate:
             spans.append((len(before), len(through)))
         return spans
 
-    def _marked(self, messages: list[dict], text: str, answers: int) -> list[tuple[int, int]]:
+    def _marked(self, messages: list[dict], answers: int) -> list[tuple[int, int]]:
         """Spans of the tokens transformers marks inside {% generation %} blocks."""
         try:
             out = self.tokenizer.apply_chat_template(
