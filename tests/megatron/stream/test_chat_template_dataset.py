@@ -1,11 +1,16 @@
-"""Training samples of a checkpoint that carries its own chat template (llava-hf's form), against
-its processor, and the template's checks shared by `omnibal stats` and training.
+"""Training samples of checkpoints that carry their own chat template (llava-hf's and
+Qwen2.5-VL-Instruct's forms) against transformers, and the template's checks shared by
+`omnibal stats` and training.
 
-A tiny llava checkpoint with the generated dataset's tokenizer and llava-hf's template
-(tests/chat_templates.py), measured by the real `omnibal stats` CLI (which picks `hf`). Oracle:
-transformers' LlavaProcessor.apply_chat_template on each record (BOS added, `<image>` repeated
-per image token, the assistant mask from the template's generation markers): every sample's
-tokens must equal its ids and its labels the next token where the mask is set.
+Tiny checkpoints with the generated dataset's tokenizer and a template of the released form
+(tests/chat_templates.py), measured by the real `omnibal stats` CLI (which picks `hf`). Oracles:
+LlavaProcessor.apply_chat_template on each record (BOS added, `<image>` repeated per image
+token, the assistant mask from the template's generation markers); for Qwen2.5-VL the
+tokenizer's apply_chat_template of the record with each image spelled out as its processor
+does (`<|vision_start|>` + `<|image_pad|>` x merge groups of Qwen2VLImageProcessor's grid +
+`<|vision_end|>`), its mask from the same template with markers around each answer and its
+`<|im_end|>\n`. Every sample's tokens must equal the oracle's ids and its labels the next token
+where the mask is set.
 """
 
 import json
@@ -25,6 +30,8 @@ from tests import chat_templates as ct
 from tests import hf_models
 
 IGNORE = -100
+QWEN_PRE = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 9, "patch_size": 14,
+            "merge_size": 2, "temporal_patch_size": 2}
 
 
 @pytest.fixture(autouse=True)
@@ -43,9 +50,27 @@ def data(tmp_path_factory):
     assert cli_main(["stats", str(made.meta), "--model", str(ckpt), "--out", str(lengths),
                      "--system-prompt", SYSTEM_PROMPT, "--workers", "1",
                      "--no-progress"]) == 0  # fmt: skip
-    records = [json.loads(line) for name in ("pictures", "numbers")
-               for line in (root / "data" / f"{name}.jsonl").read_text().splitlines()]
-    return made, ckpt, lengths, records
+    return made, ckpt, lengths, _records(root)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen_hf")
+    made = qa_dataset(root / "data", samples=12, images=4, seed=5)
+    ckpt = hf_models.qwen2_5_vl(root / "ckpt", llm_layers=1).path
+    (ckpt / "preprocessor_config.json").write_text(json.dumps(QWEN_PRE))
+    ids = {"<|image_pad|>": hf_models.QWEN_IMAGE, "<|video_pad|>": hf_models.QWEN_VIDEO,
+           "<|vision_start|>": hf_models.QWEN_START, "<|vision_end|>": hf_models.QWEN_END}
+    ct.model_tokenizer(ckpt, made.tokenizer, ct.QWEN2_5_VL, ids, eos="<|im_end|>")
+    lengths = root / "lengths.npz"
+    assert cli_main(["stats", str(made.meta), "--model", str(ckpt), "--out", str(lengths),
+                     "--workers", "1", "--no-progress"]) == 0
+    return made, ckpt, lengths, _records(root)
+
+
+def _records(root):
+    return [json.loads(line) for name in ("pictures", "numbers")
+            for line in (root / "data" / f"{name}.jsonl").read_text().splitlines()]
 
 
 def _source(made, ckpt, lengths, tokenizer=None):
@@ -85,6 +110,42 @@ def test_samples_equal_the_llava_processor_with_its_chat_template(data):
         labels = np.where(mask[1:] == 1, ids[1:], IGNORE).tolist() + [IGNORE]
         assert sample.labels.tolist() == labels, record["id"]
         assert (sample.labels != IGNORE).any()
+
+
+def test_qwen_samples_equal_its_chat_template_with_the_processors_image_pads(qwen):
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    made, ckpt, lengths, records = qwen
+    source = _source(made, ckpt, lengths)
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    processor = Qwen2VLImageProcessorPil(**QWEN_PRE)
+    role = {"human": "user", "gpt": "assistant"}
+    assert len(source) == len(records)
+    for index, record in enumerate(records):
+        names = record.get("image") or []
+        pads = [int(processor(Image.open(made.meta.parent / "images" / n).convert("RGB"))[
+            "image_grid_thw"].prod()) // 4 for n in ([names] if isinstance(names, str) else names)]
+        messages = []
+        for turn in record["conversations"]:
+            text = turn["value"]
+            while "<image>" in text:
+                text = text.replace("<image>", "<|vision_start|>" + "<|image_pad|>" * pads.pop(0)
+                                    + "<|vision_end|>", 1)
+            messages.append({"role": role[turn["from"]], "content": text})
+        want = tok.apply_chat_template(messages, chat_template=ct.QWEN2_5_VL_MARKED,
+                                       tokenize=True, return_dict=True,
+                                       return_assistant_tokens_mask=True)
+        ids, mask = np.asarray(want["input_ids"]), np.asarray(want["assistant_masks"])
+        sample = source(index)
+        assert sample.tokens.tolist() == ids.tolist(), record["id"]
+        labels = np.where(mask[1:] == 1, ids[1:], IGNORE).tolist() + [IGNORE]
+        assert sample.labels.tolist() == labels, record["id"]
+        assert (sample.labels != IGNORE).any()
+        rendered = tok.apply_chat_template(messages, tokenize=False)  # its default system
+        assert rendered.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>")
 
 
 def test_another_or_no_chat_template_is_refused_as_stats_refuses_it(data, tmp_path, capsys):
