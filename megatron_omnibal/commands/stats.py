@@ -7,6 +7,7 @@ import os
 import sys
 
 from megatron_omnibal.cli_args import output_file_type, positive_float, positive_int
+from megatron_omnibal.data.conversations import TEMPLATES
 from megatron_omnibal.models.presets import PRESETS
 
 # Every output may go into a directory that does not exist yet: it is created when written.
@@ -36,9 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="length file: .npz (one file), or .json (a meta file naming one "
                              "length file per dataset, in --format); the configuration of this "
                              "run is stored in it")
-    parser.add_argument("--template", choices=["internvl2_5", "vicuna_v1", "qwen2_vl", "hf"],
-                        help="chat template (default: the model's); 'hf' uses the tokenizer's "
-                             "own chat template")
+    parser.add_argument("--template", choices=TEMPLATES,
+                        help="chat template (default: the model's: a checkpoint's own where it "
+                             "ships one); 'hf' renders with the tokenizer's own chat template, "
+                             "the others are built in (InternVL2.5, LLaVA-1.5's Vicuna, "
+                             "Qwen2-VL's ChatML)")
     parser.add_argument("--system-prompt", default=None,
                         help="system message (default: the template's own)")
     parser.add_argument("--tiling", choices=["dynamic", "fixed", "anyres", "native"],
@@ -182,7 +185,7 @@ def build_config(args: argparse.Namespace):
     native_video = replace(side.native_video, **video)
     template = args.template or side.template
     if template is None:
-        raise ValueError(f"{side.template_note}: give --template (internvl2_5, vicuna_v1, or "
+        raise ValueError(f"{side.template_note}: give --template ({', '.join(TEMPLATES)}; "
                          "hf for the tokenizer's own chat template)")
     tokenizer = args.tokenizer or side.tokenizer
     if tokenizer is None:

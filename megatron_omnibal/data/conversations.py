@@ -11,6 +11,11 @@ Image tokens are counted, not spelled out: a placeholder is rendered with ONE im
 token and `extra` carries the other n - 1. That is exact because the context token is an added
 special token (checked when the tokenizer loads, see tokenization.py), and it keeps a sample with
 12 tiles from costing a 3,000-token string.
+
+A rendered conversation is a `ChatText`: the pieces the tokenizer encodes apart, the character
+spans the loss covers (each answer and what closes its turn: `<|im_end|>\n`, `</s>`, as InternVL
+and LLaVA train) and whether the tokenizer adds its per-sequence special tokens. `omnibal stats`
+counts its tokens and training encodes the same pieces, so the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -27,11 +32,25 @@ VICUNA_SYSTEM = ("A chat between a curious human and an artificial intelligence 
                  "The assistant gives helpful, detailed, and polite answers to the human's "
                  "questions.")
 QWEN_SYSTEM = "You are a helpful assistant."
-TEMPLATES = ("internvl2_5", "vicuna_v1", "qwen2_vl", "hf")
+DEFAULT_SYSTEM = {"internvl2_5": INTERNVL_SYSTEM, "vicuna_v1": VICUNA_SYSTEM,
+                  "qwen2_vl": QWEN_SYSTEM}
+BUILT_IN = ("internvl2_5", "vicuna_v1", "qwen2_vl")
+TEMPLATES = (*BUILT_IN, "hf")  # hf: the checkpoint tokenizer's own chat template
 
 
 class SampleError(ValueError):
     """A record that cannot be turned into a training sample (the message says why)."""
+
+
+@dataclass(frozen=True)
+class ChatText:
+    """A conversation as the tokenizer sees it: `pieces` are encoded apart and concatenated,
+    `answers` are character spans of "".join(pieces) that carry the loss, `specials`: the
+    tokenizer adds its per-sequence special tokens (a checkpoint's own template writes them)."""
+
+    pieces: list[str]
+    answers: list[tuple[int, int]]
+    specials: bool = True
 
 
 @dataclass(frozen=True)
@@ -53,6 +72,31 @@ QWEN_VL_IMAGE = ImageStyle("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 QWEN_VL_VIDEO = ImageStyle("<|vision_start|>", "<|video_pad|>", "<|vision_end|>")
 
 
+@dataclass(frozen=True)
+class Media:
+    """One image or video of a sample, as its placeholder becomes text: `text` inline in the
+    turn, or `part` for a chat template that takes typed content parts."""
+
+    placeholder: str
+    text: str
+    part: tuple[tuple[str, str], ...]  # the part's items: (("type", "image"),)
+
+    @classmethod
+    def image(cls, style: ImageStyle) -> Media:
+        return cls(IMAGE_PLACEHOLDER, style.compact(), (("type", "image"),))
+
+    @classmethod
+    def native_video(cls, style: ImageStyle) -> Media:
+        """A whole video in the model's own video tokens (Qwen2.5-VL)."""
+        return cls(VIDEO_PLACEHOLDER, style.compact(), (("type", "video"),))
+
+    @classmethod
+    def frames(cls, frames: int, style: ImageStyle) -> Media:
+        """A video as `frames` labelled images (InternVL): text to every template."""
+        text = video_text(frames, style)
+        return cls(VIDEO_PLACEHOLDER, text, (("type", "text"), ("text", text)))
+
+
 def video_style(style: ImageStyle) -> ImageStyle | None:
     """How a whole video appears for a model that takes videos natively (Qwen2.5-VL: its own
     pad token); None: videos are frames, each an image."""
@@ -67,6 +111,15 @@ def frame_label(k: int) -> str:
 def video_text(frames: int, style: ImageStyle) -> str:
     """A video of `frames` frames, each an image in its compact form."""
     return "".join(frame_label(k) + style.compact() for k in range(1, frames + 1))
+
+
+def expand_media(turns: list[tuple[str, str]], media: Sequence[Media]) -> list[tuple[str, str]]:
+    """Each placeholder spelled as its media's inline text (images and videos counted apart)."""
+    for placeholder in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER):
+        mine = [m.text for m in media if m.placeholder == placeholder]
+        if mine:
+            turns = expand_images(turns, mine, placeholder)
+    return turns
 
 
 def expand_images(turns: list[tuple[str, str]], image_text: Sequence[str],
@@ -86,40 +139,48 @@ def expand_images(turns: list[tuple[str, str]], image_text: Sequence[str],
     return out
 
 
-def render(turns: list[tuple[str, str]], template: str, system: str | None) -> list[str]:
-    """The text pieces the tokenizer encodes separately, for the built-in templates.
+def render(turns: list[tuple[str, str]], template: str, system: str | None) -> ChatText:
+    """The text pieces the tokenizer encodes separately and the answers' spans, for the
+    built-in templates.
 
     internvl2_5 tokenizes every turn on its own (as InternVL's training loader does), so it
-    returns one piece per turn; vicuna_v1 (LLaVA-1.5) and qwen2_vl (the ChatML of Qwen2-VL and
-    Qwen2.5-VL's chat template, system "You are a helpful assistant.") return the whole prompt as
-    one piece, as their processors tokenize it.
-    The `hf` template is rendered by the tokenizer itself (tokenization.py).
+    has one piece per turn; vicuna_v1 (LLaVA-1.5) and qwen2_vl (the ChatML of Qwen2-VL and
+    Qwen2.5-VL's chat template, system "You are a helpful assistant.") the whole prompt as one
+    piece, as their processors tokenize it.
+    The `hf` template is rendered by the tokenizer's own (chat_template.py).
     """
-    if template == "internvl2_5":
-        pieces = []
-        if turns[0][0] == "system":
-            system, turns = turns[0][1], turns[1:]
-        elif system is None:
-            system = INTERNVL_SYSTEM
-        if system is not None:
-            pieces.append(f"<|im_start|>system\n{system}<|im_end|>\n")
-        for role, text in turns:
-            pieces.append(f"<|im_start|>{ROLES[role]}\n{text}<|im_end|>\n")
-        return pieces
-    if template == "qwen2_vl":
-        if turns[0][0] == "system":
-            system, turns = turns[0][1], turns[1:]
-        elif system is None:
-            system = QWEN_SYSTEM
-        return ["".join(f"<|im_start|>{ROLES[role]}\n{text}<|im_end|>\n"
-                        for role, text in [("system", system), *turns])]
+    if template not in BUILT_IN:
+        raise ValueError(f"unknown template {template!r} (choose from {', '.join(TEMPLATES)})")
+    if turns[0][0] == "system":
+        system, turns = turns[0][1], turns[1:]
+    elif system is None:
+        system = DEFAULT_SYSTEM[template]
     if template == "vicuna_v1":
-        if turns[0][0] == "system":
-            system, turns = turns[0][1], turns[1:]
-        elif system is None:
-            system = VICUNA_SYSTEM
-        text = system + " "
+        parts = [(system + " ", False)]
         for role, value in turns:
-            text += f"USER: {value} " if role == "human" else f"ASSISTANT: {value}</s>"
-        return [text]
-    raise ValueError(f"unknown template {template!r} (choose from {', '.join(TEMPLATES)})")
+            parts += ([(f"USER: {value} ", False)] if role == "human" else
+                      [("ASSISTANT: ", False), (f"{value}</s>", True)])
+        return _chat_text(parts, one_piece=True)
+    parts = [(f"<|im_start|>system\n{system}<|im_end|>\n", False)]
+    for role, text in turns:
+        parts.append((f"<|im_start|>{ROLES[role]}\n", False))
+        parts.append((f"{text}<|im_end|>\n", role == "gpt"))
+    return _chat_text(parts, one_piece=template == "qwen2_vl", turn_pieces=2)
+
+
+def _chat_text(parts: list[tuple[str, bool]], one_piece: bool, turn_pieces: int = 1
+               ) -> ChatText:
+    """Pieces (the whole text, or one per turn of `turn_pieces` parts after the system's) and
+    the spans of the parts flagged as answers."""
+    answers, start = [], 0
+    for text, answer in parts:
+        if answer:
+            answers.append((start, start + len(text)))
+        start += len(text)
+    if one_piece:
+        return ChatText(["".join(t for t, _ in parts)], answers)
+    first = len(parts) % turn_pieces
+    pieces = [t for t, _ in parts[:first]] + [
+        "".join(t for t, _ in parts[k:k + turn_pieces])
+        for k in range(first, len(parts), turn_pieces)]
+    return ChatText(pieces, answers)

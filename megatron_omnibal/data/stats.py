@@ -60,6 +60,7 @@ from megatron_omnibal.data.lengths import (
 from megatron_omnibal.data.native_video import native_video
 from megatron_omnibal.data.records import Video, read_sample
 from megatron_omnibal.data.sample_files import LoadedSample
+from megatron_omnibal.data.sample_text import SampleText
 from megatron_omnibal.data.stats_config import StatsConfig, config_to_dict
 from megatron_omnibal.data.tiling import TilingConfig, TilingError, image_tiles
 from megatron_omnibal.data.tokenization import TokenCounter
@@ -154,9 +155,8 @@ def _compute(specs: list[DatasetSpec], is_meta: bool, config: StatsConfig, on_er
              image_root: str | os.PathLike | None) -> StatsResult:
     counter = TokenCounter(config.tokenizer, config.image_style, config.trust_remote_code)
     plan = video_plan(config, counter)
-    _STATE.update(config=config, counter=counter, plan=plan)
-    if config.template == "hf":
-        counter.render_chat([("human", "check"), ("gpt", "check")], config.system)
+    text = SampleText(config, counter)  # a template that cannot train stops here
+    _STATE.update(config=config, counter=counter, plan=plan, text=text)
     records = [read_records(spec) for spec in specs]
     total = sum(len(r) for r in records)
     tasks = _tasks(specs, records, config, chunk_size)
@@ -201,6 +201,8 @@ def _compute(specs: list[DatasetSpec], is_meta: bool, config: StatsConfig, on_er
     if config.tiling.mode != "native":  # Qwen2.5-VL's videos are the same every epoch
         datasets, videos = _first_epoch_frames(datasets, videos, plan, config.frame_seed)
     stored = _stored_config(config, counter, specs, is_meta, image_root)
+    if text.template_sha is not None:
+        stored["chat_template_sha"] = text.template_sha
     stored["frame_tokens"] = list(plan.frame_tokens)
     return StatsResult(specs, datasets, skipped, [len(r) for r in records],
                        time.perf_counter() - start, is_meta, counter.added, multi, stored,
@@ -322,7 +324,8 @@ def _run_chunk(task: tuple) -> _ChunkOut:
         try:
             sample = files.sample(raw)
             ids[k] = _sample_id(sample.record)
-            pieces, extra, per_image, found = _measure(sample, tiling, config, counter)
+            pieces, extra, per_image, found = _measure(sample, tiling, config, counter,
+                                                       _STATE["text"])
         except (conv.SampleError, ImageHeaderError, ImageDecodeError, VideoError) as exc:
             ok[k] = False
             errors.append(Skipped(name, raw.index, raw.line, ids[k], str(exc)))
@@ -369,7 +372,8 @@ def _sample_id(record: dict) -> str | None:
     return None if value is None else str(value)
 
 
-def _measure(sample: LoadedSample, tiling: TilingConfig, config: StatsConfig, counter: TokenCounter
+def _measure(sample: LoadedSample, tiling: TilingConfig, config: StatsConfig,
+             counter: TokenCounter, text: SampleText
              ) -> tuple[list[str], int, list[int], list[tuple[int, float, int]]]:
     """(text pieces, image tokens beyond one per image, tiles of each image, (frames, fps,
     tiles) of each video) of a sample; an InternVL video is rendered with one frame, a
@@ -379,19 +383,17 @@ def _measure(sample: LoadedSample, tiling: TilingConfig, config: StatsConfig, co
     extra = 0
     if videos and tiling.mode == "native":
         found = [native_video_of(sample.video_path(v.path), v, config) for v in videos]
-        turns = conv.expand_images(turns, [conv.video_style(style).compact()] * len(videos),
-                                   conv.VIDEO_PLACEHOLDER)
+        media = [conv.Media.native_video(conv.video_style(style))] * len(videos)
         extra += sum(units - 1 for *_, units in found)
     elif videos:
         found = [(*video_frames(sample.video_path(v.path), v, config), 1) for v in videos]
         if not (style.start and style.end):
             raise conv.SampleError("video samples need a model whose images have start and "
                                    "end tokens (InternVL); this one's have none")
-        turns = conv.expand_images(turns, [conv.video_text(1, style)] * len(videos),
-                                   conv.VIDEO_PLACEHOLDER)
+        media = [conv.Media.frames(1, style)] * len(videos)
         extra += len(videos) * (config.tiling.tokens_per_tile - 1)
     else:
-        found = []
+        found, media = [], [conv.Media.image(style)] * len(images)
     per_image = []
     for rel in images:
         width, height = sample.image_size(rel)
@@ -407,14 +409,10 @@ def _measure(sample: LoadedSample, tiling: TilingConfig, config: StatsConfig, co
             raise conv.SampleError(f"image {sample.where(rel)}: {exc}") from None
         per_image.append(n_tiles)
         extra += n_tokens - 1
-    if images:
-        turns = conv.expand_images(turns, [style.compact()] * len(images))
-    if config.template == "hf":
-        pieces = [counter.render_chat(turns, config.system)]
-    else:
-        pieces = conv.render(turns, config.template, config.system)
+    chat = text.render(turns, media)
+    if chat.specials:
         extra += counter.specials
-    return pieces, extra, per_image, found
+    return chat.pieces, extra, per_image, found
 
 
 def native_video_of(path: str, video: Video, config: StatsConfig) -> tuple[int, float, int]:

@@ -1,9 +1,10 @@
 """Token counts with the model's own tokenizer, loaded from a local path (nothing downloaded).
 
-A directory is loaded with transformers' AutoTokenizer (its chat template included); a
-`tokenizer.json` file with the `tokenizers` library. A directory whose tokenizer comes with its own
-Python code (tokenizer_config.json `auto_map`, e.g. InternLM2's for InternVL2.5) is loaded only
-with `trust_remote_code`: that code runs on this machine. Image tokens the tokenizer lacks are added
+A directory is loaded with transformers' AutoTokenizer (its chat template included, or the
+processor's chat_template.json where the tokenizer has none); a `tokenizer.json` file with the
+`tokenizers` library. A directory whose tokenizer comes with its own Python code
+(tokenizer_config.json `auto_map`, e.g. InternLM2's for InternVL2.5) is loaded only with
+`trust_remote_code`: that code runs on this machine. Image tokens the tokenizer lacks are added
 as special tokens, as InternVL's training script does before training, so that counting here
 matches what the model will see. Encoding goes through the Rust backend in batches.
 """
@@ -16,7 +17,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_omnibal.data.conversations import ROLES, ImageStyle, video_style
+import numpy as np
+
+from megatron_omnibal.data.conversations import ChatText, ImageStyle, video_style
 
 _CACHE_TEXT_CHARS = 512  # remember counts of pieces up to this long
 _CACHE_ENTRIES = 1 << 18
@@ -52,6 +55,8 @@ class TokenCounter:
             except (OSError, ValueError, ImportError) as exc:
                 raise ValueError(f"{path}: cannot load a tokenizer ({exc})") from exc
             self.backend = self.hf.backend_tokenizer if self.hf.is_fast else None
+            if not getattr(self.hf, "chat_template", None):
+                self.hf.chat_template = _processor_template(path)
         else:
             raise FileNotFoundError(f"{path}: no tokenizer directory or tokenizer.json file")
         video = video_style(image_style)
@@ -114,15 +119,30 @@ class TokenCounter:
             return [len(e) for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
         return [len(x) for x in self.hf(texts, add_special_tokens=False)["input_ids"]]
 
-    def render_chat(self, turns: list[tuple[str, str]], system: str | None) -> str:
-        """The conversation rendered by the tokenizer's own chat template (the `hf` template)."""
-        if self.hf is None or not getattr(self.hf, "chat_template", None):
-            raise ValueError(f"{self.path}: the 'hf' template needs a tokenizer directory with "
-                             "a chat template")
-        messages = [{"role": ROLES[role], "content": text} for role, text in turns]
-        if system is not None and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": system})
-        return self.hf.apply_chat_template(messages, tokenize=False)
+    def encode_chat(self, chat: ChatText) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, answer flags) of a rendered conversation, the tokens `count` counts:
+        pieces encoded apart, the tokenizer's specials once where the template does not write
+        them. A token is an answer's when it overlaps an answer span, as transformers' assistant
+        mask marks it. Needs the fast (Rust) tokenizer, whose offsets locate the answers."""
+        from tokenizers import Encoding
+
+        backend = self.backend
+        if backend is None:
+            raise ValueError(f"{self.path}: training samples need a fast tokenizer (token "
+                             "offsets locate the answers)")
+        encodings = backend.encode_batch(chat.pieces, add_special_tokens=False)
+        flags, start = [], 0
+        for piece, enc in zip(chat.pieces, encodings, strict=True):
+            flags.extend(any(a < start + e and start + s < b for a, b in chat.answers)
+                         for s, e in enc.offsets)
+            start += len(piece)
+        merged = Encoding.merge(encodings, growing_offsets=True)
+        if not chat.specials:
+            return np.asarray(merged.ids, np.int64), np.asarray(flags, bool)
+        full = backend.post_process(merged)
+        target = np.zeros(len(full.ids), bool)
+        target[np.array([s is not None for s in full.sequence_ids], bool)] = flags
+        return np.asarray(full.ids, np.int64), target
 
     def _single_id(self, token: str) -> bool:
         return self._encode(token) is not None
@@ -146,6 +166,17 @@ class TokenCounter:
         if five - one != 4:
             raise ValueError(f"{self.path}: '{context}' is not encoded as one token per "
                              "occurrence; image tokens cannot be counted")
+
+
+def _processor_template(path: Path) -> str | None:
+    """The chat template a checkpoint keeps for its processor only (chat_template.json, as
+    some llava-hf releases do), which AutoTokenizer does not load but the processor uses."""
+    try:
+        doc = json.loads((path / "chat_template.json").read_text())
+    except (OSError, ValueError):
+        return None
+    template = doc.get("chat_template") if isinstance(doc, dict) else None
+    return template if isinstance(template, str) and template else None
 
 
 def _custom_code(path: Path) -> str | None:

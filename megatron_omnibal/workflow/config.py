@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_omnibal.data.conversations import TEMPLATES
 from megatron_omnibal.megatron.stages.finetune import PARTS
 
 DEVICES = ("cuda", "cpu")
@@ -30,6 +31,7 @@ class FinetuneConfig:
     tokenizer: str | None = None  # default: the model directory's
     trust_remote_code: bool = False
     system_prompt: str | None = None  # default: the chat template's own
+    template: str | None = None  # chat template; default: the checkpoint's own, as stats picks
     hardware: str = "H100-80G"  # GPU preset or a JSON/YAML hardware file, for the plan
     nodes: int = 1
     gpus_per_node: int = 8
@@ -63,6 +65,8 @@ class FinetuneConfig:
         for key in ("image_root", "tokenizer", "system_prompt", "master_addr"):
             value = getattr(self, key)
             _expect(value is None or isinstance(value, str), key, "a string", value)
+        _expect(self.template is None or self.template in TEMPLATES, "template",
+                f"one of {', '.join(TEMPLATES)}", self.template)
         _expect(
             isinstance(self.trust_remote_code, bool),
             "trust_remote_code",

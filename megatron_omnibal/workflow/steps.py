@@ -54,6 +54,7 @@ def _stats(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Ste
         ("--image-root", config.image_root),
         ("--tokenizer", config.tokenizer),
         ("--system-prompt", config.system_prompt),
+        ("--template", config.template),
     ):
         if value is not None:
             cmd += [flag, value]

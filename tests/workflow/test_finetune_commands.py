@@ -10,13 +10,14 @@ def test_dry_run_lists_every_command_and_runs_nothing(tmp_path):
     made = qa_dataset(tmp_path / "data", samples=40, images=11)
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
-    config = write_config(tmp_path, "run.yaml", tp=1)
+    config = write_config(tmp_path, "run.yaml", tp=1, template="qwen2_vl")
     proc = finetune(config, "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert step_status(proc.stdout) == {}
     lines = dict(re.findall(r"^\[([a-z-]+)\] would run; log .*\n  (.*)$", proc.stdout, re.M))
     assert list(lines) == list(STEPS)
     assert f"stats {made.meta} --model {tmp_path / 'hf'}" in lines["stats"]
+    assert "--template qwen2_vl" in lines["stats"]
     assert "plan " in lines["plan"] and "--tp 1 --pp 2" in lines["plan"]
     assert "convert hf-to-megatron" in lines["convert"]
     assert "launch_single_node.sh --cpu --nproc-per-node 2 -- --omnibal" in lines["train"]

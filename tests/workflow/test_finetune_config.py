@@ -56,6 +56,8 @@ def test_an_unknown_key_is_named_with_the_known_ones(folder):
         ("seed: -1\n", "seed: expected a non-negative integer"),
         ("image_root: nowhere\n", "image_root: no such folder"),
         ("hardware: [H100]\n", "hardware: expected a preset name or a file"),
+        ("template: chatml\n", "template: expected one of internvl2_5, vicuna_v1, qwen2_vl, hf, "
+                                "got 'chatml'"),
     ],
 )
 def test_a_bad_value_is_named_with_its_key_and_file(folder, text, message):

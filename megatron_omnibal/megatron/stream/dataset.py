@@ -4,10 +4,12 @@ The balancer plans micro-batches from the length file (vit_num, token_num, image
 sample); the samples it then draws must have exactly those lengths, or the balance (and the
 planned memory) is fiction. So this source rebuilds what `omnibal stats` used from the
 configuration stored in the length file: the record reader, the tiling, the chat template and
-the tokenizer (image tokens added the same way, checked by fingerprint). It renders each
-conversation, spells out tokens_per_tile image tokens per real tile, sets the loss on assistant
-answers only and compares every sample with its length record: a mismatch stops the run naming
-the sample and both counts.
+the tokenizer (image tokens added the same way, checked by fingerprint; a checkpoint's own chat
+template checked by its hash). It renders each conversation through the same path as stats
+(data/sample_text.py: any template stats accepts, the checkpoint's own included), spells out
+tokens_per_tile image tokens per real tile, sets the loss on assistant answers only (the spans
+the template gives) and compares every sample with its length record: a mismatch stops the run
+naming the sample and both counts.
 
 Only ranks that embed patches (`pixels=True`) open image files: they decode and tile them and
 check the tile count against the length file. The other ranks take each image's tile count from
@@ -74,6 +76,7 @@ from megatron_omnibal.data.native_patches import (
 from megatron_omnibal.data.native_video import native_video
 from megatron_omnibal.data.records import Video, read_sample
 from megatron_omnibal.data.sample_files import LoadedSample
+from megatron_omnibal.data.sample_text import SampleText
 from megatron_omnibal.data.stats_config import (
     StatsConfig,
     StatsConfigError,
@@ -92,15 +95,6 @@ if TYPE_CHECKING:
     from megatron_omnibal.megatron.stream.batch import Sample
 
 IGNORE_INDEX = -100  # the same value as batch.IGNORE_INDEX (batch.py imports torch)
-# Where each turn's text sits in the rendered template: (before, after) the turn's value. The
-# loss covers an answer and what closes it (<|im_end|>\n, </s>), as InternVL and LLaVA train.
-CHATML_MARKS = {"human": ("<|im_start|>user\n", "<|im_end|>\n"),
-                "gpt": ("<|im_start|>assistant\n", "<|im_end|>\n")}
-TURN_MARKS = {
-    "internvl2_5": CHATML_MARKS,
-    "qwen2_vl": CHATML_MARKS,
-    "vicuna_v1": {"human": ("USER: ", " "), "gpt": ("ASSISTANT: ", "</s>")},
-}
 
 
 class DatasetError(ValueError):
@@ -117,9 +111,6 @@ class RealSampleSource:
                  identities: Callable[[], list[tuple[str, str]] | None] | None = None,
                  local_rank: int | None = None) -> None:
         tiling = config.tiling
-        if config.template not in TURN_MARKS:
-            raise DatasetError(f"template {config.template!r}: training samples are built for "
-                               f"the {' and '.join(TURN_MARKS)} templates only")
         self.config = config
         self.lengths = lengths
         self.tokens_per_tile = spec.tokens_per_tile
@@ -137,6 +128,7 @@ class RealSampleSource:
         if self.counter.backend is None:
             raise DatasetError(f"{config.tokenizer}: training samples need a fast tokenizer "
                                "(token offsets locate the answers)")
+        self.text = SampleText(config, self.counter)  # the template, as stats checked it
         self.context_id = self.counter.backend.token_to_id(config.image_style.context)
         video = conv.video_style(config.image_style) if self.native else None
         self.video_context_id = (self.counter.backend.token_to_id(video.context) if video
@@ -248,21 +240,20 @@ class RealSampleSource:
         except conv.SampleError as exc:
             raise DatasetError(f"{self.describe(index)}: {exc}") from exc
         tiles = self._tiles(index, len(images))
-        if images:
-            turns = conv.expand_images(turns, [self.config.image_style.compact()] * len(images))
+        style = self.config.image_style
+        media = [conv.Media.image(style)] * len(images)
         if videos and self.native:  # whole videos: the merge groups the length file counts
             tiles = self.frame_counts(index, epoch, len(videos)).tolist()
-            turns = conv.expand_images(
-                turns, [conv.video_style(self.config.image_style).compact()] * len(videos),
-                conv.VIDEO_PLACEHOLDER)
+            media = [conv.Media.native_video(conv.video_style(style))] * len(videos)
         elif videos:
             counts = self.frame_counts(index, epoch, len(videos))
             tiles = [1] * int(counts.sum())
-            turns = conv.expand_images(
-                turns, [conv.video_text(int(n), self.config.image_style) for n in counts],
-                conv.VIDEO_PLACEHOLDER)
-        pieces = conv.render(turns, self.config.template, self.config.system)
-        ids, target = self._tokenize(index, pieces, turns)
+            media = [conv.Media.frames(int(n), style) for n in counts]
+        try:
+            chat = self.text.render(turns, media)
+        except conv.SampleError as exc:
+            raise DatasetError(f"{self.describe(index)}: {exc}") from exc
+        ids, target = self.counter.encode_chat(chat)
         return (*self._expand(index, ids, target, tiles), images, tiles, videos, sample)
 
     def frame_counts(self, index: int, epoch: int, n_videos: int) -> np.ndarray:
@@ -284,28 +275,6 @@ class RealSampleSource:
                                    "`omnibal stats`")
             return list(tiles)
         return [int(self.lengths.image_flags[index])] if n_images else []
-
-    def _tokenize(self, index: int, pieces: list[str],
-                  turns: list[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray]:
-        """Ids as `omnibal stats` counted them (pieces apart, specials once) and answer flags."""
-        from tokenizers import Encoding
-
-        backend = self.counter.backend
-        spans = _answer_spans("".join(pieces), turns, self.config.template)
-        if spans is None:
-            raise DatasetError(f"{self.describe(index)}: cannot find the turns in the rendered "
-                               f"{self.config.template} text")
-        encodings = backend.encode_batch(pieces, add_special_tokens=False)
-        flags, start = [], 0
-        for piece, enc in zip(pieces, encodings, strict=True):
-            flags.extend(any(a < start + e and start + s < b for a, b in spans)
-                         for s, e in enc.offsets)
-            start += len(piece)
-        full = backend.post_process(Encoding.merge(encodings, growing_offsets=True))
-        target = np.zeros(len(full.ids), bool)
-        own = np.array([s is not None for s in full.sequence_ids], bool)
-        target[own] = flags
-        return np.asarray(full.ids, np.int64), target
 
     def _expand(self, index: int, ids: np.ndarray, target: np.ndarray,
                 tiles: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -482,25 +451,6 @@ class RealSampleSource:
             self.check(int(index), *self.measure(int(index)))
 
 
-def _answer_spans(text: str, turns: list[tuple[str, str]],
-                  template: str) -> list[tuple[int, int]] | None:
-    """Character spans of the answers (and their closing marks) in the rendered text."""
-    marks = TURN_MARKS[template]
-    spans, cursor = [], 0
-    for role, value in turns:
-        if role == "system":
-            continue
-        before, after = marks[role]
-        needle = before + value + after
-        pos = text.find(needle, cursor)
-        if pos < 0:
-            return None
-        if role == "gpt":
-            spans.append((pos + len(before), pos + len(needle)))
-        cursor = pos + len(needle)
-    return spans
-
-
 def _record_id(raw: RawRecord) -> str | None:
     try:
         value = parse_record(raw).get("id")
@@ -606,5 +556,11 @@ def open_source(source: SourceSettings, lengths: LengthStats, spec: Any, pixels:
             f"tokenizer {config.tokenizer} is not the one {where} was counted with (fingerprint "
             f"{fingerprint}, stored {run.get('tokenizer_fingerprint')}); give the same "
             "tokenizer with --omnibal-tokenizer or rerun `omnibal stats`")
+    sha, stored = opened.text.template_sha, run.get("chat_template_sha")
+    if sha is not None and stored is not None and sha != stored:
+        raise DatasetError(
+            f"tokenizer {config.tokenizer} has another chat template (sha {sha}) than the one "
+            f"{where} was counted with (sha {stored}); give the same tokenizer with "
+            "--omnibal-tokenizer or rerun `omnibal stats`")
     opened.check_spread(check)
     return opened
