@@ -128,10 +128,11 @@ def matches(target: str, name: str) -> bool:
     )
 
 
-def lora_layers(spec: ModelSpec, lora: LoraSpec, where: str = "LoRA targets") -> dict[
-        str, LoraLayer]:  # fmt: skip
+def lora_layers(
+    spec: ModelSpec, lora: LoraSpec, where: str = "LoRA targets", rank_where: str = "LoRA rank"
+) -> dict[str, LoraLayer]:
     """{model-wide name: layer} of the adapted layers; raises LoraError naming a target that
-    matches no layer or a layer narrower than the rank."""
+    matches no layer (`where` names the setting) or a layer narrower than the rank."""
     layers = linear_layers(spec)
     chosen: dict[str, LoraLayer] = {}
     for target in lora.targets:
@@ -147,7 +148,7 @@ def lora_layers(spec: ModelSpec, lora: LoraSpec, where: str = "LoRA targets") ->
         width = min(layer.in_features, layer.out_features)
         if lora.rank > width:
             raise LoraError(
-                f"{where}: rank {lora.rank} is above the width of {layer.name} "
+                f"{rank_where} {lora.rank} is above the width of {layer.name} "
                 f"({layer.in_features} -> {layer.out_features}): at most {width}"
             )
     return dict(sorted(chosen.items(), key=lambda kv: _order(kv[0])))
@@ -158,18 +159,22 @@ def _order(name: str) -> tuple[int, int, str]:
     return (0 if tower == "vit" else 1, int(index), rest)
 
 
-def check_frozen(spec: ModelSpec, lora: LoraSpec, frozen: frozenset[str] | set[str]) -> None:
+def check_frozen(
+    spec: ModelSpec, lora: LoraSpec, frozen: frozenset[str] | set[str],
+    where: str = "LoRA targets", train_where: str = "LoRA train",
+) -> None:  # fmt: skip
     """Refuse adapters (or full training) on a part another setting freezes, naming both."""
     for layer in lora_layers(spec, lora).values():
         if layer.tower in frozen:
             raise LoraError(
-                f"LoRA on {layer.name}: the {layer.tower.upper()} is frozen by --omnibal-freeze "
+                f"{where}: LoRA on {layer.name}, but the {layer.tower.upper()} is frozen by "
+                f"--omnibal-freeze "
                 f"{layer.tower} (drop it there or leave the layer out of the LoRA targets)"
             )
     for part in lora.train:
         if part in frozen:
             raise LoraError(
-                f"LoRA train {part}: the part is frozen by --omnibal-freeze {part}"
+                f"{train_where} {part}: the part is frozen by --omnibal-freeze {part}"
             )
 
 

@@ -90,6 +90,8 @@ def main(
     # Saved with Megatron's args in every checkpoint: the export reads the model and layout.
     args.omnibal_model_spec = json.dumps(spec.to_dict())
     args.omnibal_stages = json.dumps([st.to_dict() for st in settings.layouts])
+    if settings.lora is not None:  # the export merges or writes the adapters from this
+        args.omnibal_lora = json.dumps(settings.lora.to_dict())
     from megatron_omnibal.megatron.stream.loader import SampleLoadError
 
     try:
@@ -139,6 +141,8 @@ def prepare(argv: list[str]) -> tuple[list[str], OmnibalSettings, Any, ResumePla
     settings = validate_omnibal_args(
         args, plan, vit_layers=spec.vit.num_layers, tokens_per_tile=spec.tokens_per_tile
     )
+    if settings.lora is not None:
+        _check_lora(settings, spec, args)
     source = None
     if settings.data != "synthetic":
         from megatron_omnibal.megatron.stream.dataset import open_source
@@ -155,6 +159,25 @@ def prepare(argv: list[str]) -> tuple[list[str], OmnibalSettings, Any, ResumePla
     if len(settings.layouts) > 1:  # Megatron builds, numbers and counts the layers as laid out
         argv += ["--pipeline-model-parallel-layout", megatron_layout_flag(settings.layouts)]
     return argv, settings, spec, resume, source
+
+
+def _check_lora(settings: OmnibalSettings, spec: Any, args: argparse.Namespace) -> None:
+    """LoRA's targets and rank against the model, its parts against --omnibal-freeze, and
+    the local layer specs it is built on."""
+    from megatron_omnibal.megatron.flags.lora_args import check_lora_model
+    from megatron_omnibal.models.lora import LoraError
+
+    try:
+        check_lora_model(settings.lora, spec, settings.finetune.freeze)
+    except LoraError as exc:
+        raise OmnibalArgsError(str(exc)) from exc
+    from megatron_omnibal.megatron.stages.layer_specs import HAVE_TE
+
+    if HAVE_TE and getattr(args, "transformer_impl", "transformer_engine") != "local":
+        raise OmnibalArgsError(
+            "--omnibal-lora-rank: LoRA adapters are built on megatron-core's local linear "
+            "layers; add --transformer-impl local"
+        )
 
 
 def _parsed(
@@ -502,6 +525,8 @@ def _model_provider(
         pg_collection=pg_collection,
         finetune=settings.finetune,
         level_recompute=settings.level_recompute,
+        lora=settings.lora,
+        seed=settings.seed,
     )
     if vp_stage is not None:
         built.append(chunk)
