@@ -38,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tolerance", type=_tolerance, default=1e-4,
                         help="largest relative difference (default 1e-4, fp32)")  # fmt: skip
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the probe inputs")
+    parser.add_argument("--adapter", type=Path, default=None,
+                        help="a LoRA checkpoint's PEFT adapter directory: transformers runs "
+                        "HF_DIR (the base model) with it through peft")  # fmt: skip
+    parser.add_argument("--base", type=Path, default=None,
+                        help="an adapter-only LoRA checkpoint: the HF base model it trained on "
+                        "(default with --adapter: HF_DIR)")  # fmt: skip
 
 
 def _layout(args: argparse.Namespace, ckpt) -> tuple[list, int]:
@@ -96,7 +102,20 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.ckpt_dir} holds another model than {args.hf_dir}")
     layouts, tp = _layout(args, ckpt)
     samples = probe_samples(hf.spec, args.seed)
-    ref = reference(load_model(hf), hf, samples)
+    model = load_model(hf)
+    if args.adapter is not None:
+        if ckpt.lora is None:
+            raise ValueError(f"--adapter: {args.ckpt_dir} holds no LoRA adapters")
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(args.adapter)).base_model.model.eval()
+    base = args.base or (args.hf_dir if args.adapter is not None else None)
+    if ckpt.adapters_only and base is None:
+        raise ValueError(
+            f"{args.ckpt_dir} holds LoRA adapters only: give --base HF_DIR (the model it "
+            "trained on) or --adapter with HF_DIR the base"
+        )
+    ref = reference(model, hf, samples)
     with tempfile.TemporaryDirectory(prefix="omnibal-compare-") as tmp:
         work = Path(tmp)
         torch.save([asdict(s) for s in samples], work / "samples.pt")
@@ -108,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
         ]  # fmt: skip
         if args.sequence_parallel:
             program.append("--sequence-parallel")
+        if ckpt.lora is not None:
+            program += ["--lora", json.dumps(ckpt.lora.to_dict())]
+            if ckpt.adapters_only:
+                program += ["--base-hf", str(base)]
         proc = local_ranks.run(tp * len(layouts), program)
         if proc.returncode:
             sys.stderr.write(proc.stderr[-4000:])
@@ -132,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         llm_pp_layers=[st.num_llm_layers for st in layouts],
         sequence_parallel=args.sequence_parallel,
         checkpoint_format=ckpt.format,
+        lora=None if ckpt.lora is None else ckpt.lora.to_dict(),
+        adapter=None if args.adapter is None else str(args.adapter),
     )
     print(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1

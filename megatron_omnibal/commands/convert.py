@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="largest safetensors shard (default 5GB)")  # fmt: skip
     to_hf.add_argument("--force", action="store_true", help="write into an existing --out")
     to_hf.add_argument("--no-progress", action="store_true", help="no progress bar")
+    to_hf.add_argument("--adapter-out", type=output_dir, default=None,
+                       help="LoRA checkpoints: the PEFT adapter directory (adapter_config.json, "
+                       "adapter_model.safetensors; default: OUT-adapter); --out gets the "
+                       "merged model")  # fmt: skip
 
 
 def _out_dir(path: Path, force: bool) -> None:
@@ -190,6 +194,10 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
             f"{args.ckpt_dir} holds another model than --like {args.like} (model specs differ)"
         )
     _out_dir(args.out, args.force)
+    if ckpt.lora is not None:
+        return _export_lora(args, ckpt, like)
+    if args.adapter_out is not None:
+        raise ValueError(f"--adapter-out: {ckpt.path} holds no LoRA adapters")
     with _bar(len(canonical_shapes(like)), "export", args.no_progress) as bar:
         shards = export_hf(
             canonical_groups(ckpt), like, args.out, _dtype(args.dtype), args.max_shard_size,
@@ -199,8 +207,48 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_lora(args: argparse.Namespace, ckpt, like) -> int:
+    """A LoRA checkpoint: the merged model into --out (base weights of an adapter-only
+    checkpoint from --like, the model the run started from) and the PEFT adapter into
+    --adapter-out."""
+    from megatron_omnibal.megatron.checkpoint.checkpoint_reader import canonical_groups
+    from megatron_omnibal.models.hf_export import export_hf
+    from megatron_omnibal.models.hf_weights import (
+        SafetensorsReader,
+        canonical_shapes,
+        canonical_tensors,
+    )
+    from megatron_omnibal.models.lora import is_adapter
+    from megatron_omnibal.models.lora_export import merge_groups, with_base, write_peft_adapter
+
+    adapter_out = args.adapter_out or args.out.with_name(args.out.name + "-adapter")
+    _out_dir(adapter_out, args.force)
+    adapters: dict = {}
+
+    def keep_adapters(groups):
+        for group in groups:
+            adapters.update({n: t for n, t in group.items() if is_adapter(n)})
+            yield group
+
+    groups = keep_adapters(canonical_groups(ckpt))
+    if ckpt.adapters_only:
+        groups = with_base(groups, canonical_tensors(like, SafetensorsReader(like)))
+    with _bar(len(canonical_shapes(like)), "export", args.no_progress) as bar:
+        shards = export_hf(
+            merge_groups(groups, ckpt.spec, ckpt.lora), like, args.out, _dtype(args.dtype),
+            args.max_shard_size, bar.update,
+        )  # fmt: skip
+    modules = write_peft_adapter(adapters, like, ckpt.lora, adapter_out, _dtype(args.dtype))
+    print(f"wrote {args.out} (merged: W + {ckpt.lora.alpha:g}/{ckpt.lora.rank} B A) from "
+          f"{ckpt.path} ({len(shards)} safetensors shard(s)) and the PEFT adapter "
+          f"{adapter_out} ({len(modules)} modules)")  # fmt: skip
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     args.out = Path(args.out)
+    if getattr(args, "adapter_out", None) is not None:
+        args.adapter_out = Path(args.adapter_out)
     if args.direction == "hf-to-megatron":
         return _hf_to_megatron(args)
     return _megatron_to_hf(args)

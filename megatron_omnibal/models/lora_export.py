@@ -144,7 +144,7 @@ def peft_tensors(
             module = modules.get(hf_name[: -len(".weight")])
             if module is None:
                 raise WeightsError(f"{hf_name}: no module of the {like.family} model holds it")
-            out[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+            out[f"base_model.model.{module}.lora_A.weight"] = a.clone()  # one copy each
             out[f"base_model.model.{module}.lora_B.weight"] = piece.contiguous()
     return out
 

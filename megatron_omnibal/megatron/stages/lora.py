@@ -23,6 +23,8 @@ so a run starts from the same adapters at any layout: A as PEFT draws it (unifor
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -42,6 +44,7 @@ from megatron_omnibal.megatron.stages.model import VLMStage, global_name
 from megatron_omnibal.models.lora import LoraLayer, LoraSpec, lora_layers
 
 LORA_PARAM = "omnibal_lora"  # attribute marking adapter parameters
+VIEWS = ("all", "base", "trainable")  # what a LoRA stage's checkpoint state holds
 
 
 def initial_adapter(layer: LoraLayer, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +84,50 @@ def apply_lora(stage: VLMStage, lora: LoraSpec, seed: int = 0) -> list[str]:
     for first in (stage.patch_embed, stage.embedding):
         if first is not None:
             first.register_forward_hook(_input_requires_grad)
+    stage.lora_view = "all"
+    for method in ("sharded_state_dict", "state_dict_for_save_checkpoint"):
+        setattr(stage, method, partial(_viewed, stage, getattr(stage, method)))
     return adapted
+
+
+def _viewed(stage: VLMStage, method: Any, *args: Any, **kwargs: Any) -> dict:
+    """The stage's checkpoint state as its `lora_view` says: all of it; the base (no
+    adapters: what --pretrained-checkpoint holds); or what trains (adapters and the parts
+    trained in full: an adapter-only save)."""
+    state = method(*args, **kwargs)
+    view = stage.lora_view
+    if view == "all":
+        return state
+    prefix = kwargs.get("prefix", args[0] if args else "")
+    params = dict(stage.named_parameters())
+    out = {}
+    for key, value in state.items():
+        param = params.get(key[len(prefix):]) if key.startswith(prefix) else None
+        adapter = param is not None and getattr(param, LORA_PARAM, False)
+        keep = (not adapter) if view == "base" else (param is not None and param.requires_grad)
+        if keep:
+            out[key] = value
+    return out
+
+
+@contextmanager
+def checkpoint_view(chunks: Sequence[torch.nn.Module], view: str) -> Iterator[None]:
+    """Within the block, the LoRA stages among `chunks` (wrapped or not) save and load the
+    `view` of their state (VIEWS); stages without adapters are left alone."""
+    if view not in VIEWS:
+        raise ValueError(f"checkpoint view {view!r}: one of {', '.join(VIEWS)}")
+    stages = []
+    for chunk in chunks:
+        while not isinstance(chunk, VLMStage) and hasattr(chunk, "module"):
+            chunk = chunk.module
+        if hasattr(chunk, "lora_view"):
+            stages.append((chunk, chunk.lora_view))
+            chunk.lora_view = view
+    try:
+        yield
+    finally:
+        for stage, before in stages:
+            stage.lora_view = before
 
 
 def _input_requires_grad(_module: torch.nn.Module, _args: tuple, output: Any) -> Any:

@@ -44,6 +44,7 @@ from megatron_omnibal.megatron.stages.layout import (
     megatron_layout_flag,
     rank_stages,
 )
+from megatron_omnibal.megatron.training.lora_checkpoints import install_lora_checkpoints
 
 RANK0_GRACE_S = 5.0  # how long other ranks let rank 0 print an error they all found
 ForwardStep = Callable[[Any, Any], Any]
@@ -92,6 +93,7 @@ def main(
     args.omnibal_stages = json.dumps([st.to_dict() for st in settings.layouts])
     if settings.lora is not None:  # the export merges or writes the adapters from this
         args.omnibal_lora = json.dumps(settings.lora.to_dict())
+        args.omnibal_lora_save = settings.lora_save
     from megatron_omnibal.megatron.stream.loader import SampleLoadError
 
     try:
@@ -376,6 +378,7 @@ def train(
     _run_steps_of_their_levels()
     args.calculate_per_token_loss = True  # losses are token sums; Megatron divides globally
     install_vit_lr_override(settings.finetune.vit_lr_mult)
+    install_lora_checkpoints(settings)
     args.variable_seq_lengths = True  # balanced micro-batches differ in shape
     args.eval_iters = 0  # the balanced stream is for training; there is no validation split
     # Megatron saves its argument namespace in every checkpoint: the next resume checks this.
