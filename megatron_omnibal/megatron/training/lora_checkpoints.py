@@ -41,14 +41,15 @@ def install_lora_checkpoints(settings: OmnibalSettings) -> None:
                 return load(model, optimizer, scheduler, *args, **{**kwargs, "strict": False})
         if saved_view == "all":
             return load(model, optimizer, scheduler, *args, **kwargs)
-        finetune = margs.finetune
+        finetune, step = margs.finetune, margs.ckpt_step
         margs.finetune = True  # the base alone: no optimizer, RNG or iteration from it
+        margs.ckpt_step = None  # --ckpt-step names the run's own checkpoint, not the base's
         try:
             with checkpoint_view(model, "base"):
                 load(model, None, None, *args,
                      **{**kwargs, "strict": False, "load_arg": "pretrained_checkpoint"})
         finally:
-            margs.finetune = finetune
+            margs.finetune, margs.ckpt_step = finetune, step
         with checkpoint_view(model, "trainable"):
             return load(model, optimizer, scheduler, *args, **{**kwargs, "strict": False})
 
