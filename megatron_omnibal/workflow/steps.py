@@ -173,17 +173,23 @@ def planned_iterations(config: FinetuneConfig, paths: OutputPaths) -> int | str:
 def _export(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Step:
     cmd = [*OMNIBAL, "convert", "megatron-to-hf", str(paths.train_checkpoint), "--like",
            config.model, "--out", str(paths.export), "--force", "--no-progress"]  # fmt: skip
+    outputs: tuple[Path, ...] = (paths.export / "config.json",)
+    if config.lora is not None:  # the merged model, and the PEFT adapter beside it
+        cmd += ["--adapter-out", str(paths.adapter)]
+        outputs += (paths.adapter / "adapter_config.json",)
     return Step(
         name="export",
         command=cmd,
         log=paths.log("export"),
         inputs=(paths.train_checkpoint / TRACKER, paths.state("train"), *_model_files(config)),
-        outputs=(paths.export / "config.json",),
+        outputs=outputs,
     )
 
 
 def _compare(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Step:
     cmd = [*OMNIBAL, "compare-hf", str(paths.export), str(paths.train_checkpoint)]
+    if config.lora is not None:  # the merged export, and the base with the adapter (peft)
+        cmd += ["--adapter", str(paths.adapter), "--base", config.model]
 
     def incomplete() -> str | None:
         try:
