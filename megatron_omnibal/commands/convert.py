@@ -210,7 +210,7 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
 def _export_lora(args: argparse.Namespace, ckpt, like) -> int:
     """A LoRA checkpoint: the merged model into --out (base weights of an adapter-only
     checkpoint from --like, the model the run started from) and the PEFT adapter into
-    --adapter-out."""
+    --adapter-out (not for a run that trained parts in full: the merged model holds those)."""
     from megatron_omnibal.megatron.checkpoint.checkpoint_reader import canonical_groups
     from megatron_omnibal.models.hf_export import export_hf
     from megatron_omnibal.models.hf_weights import (
@@ -221,8 +221,16 @@ def _export_lora(args: argparse.Namespace, ckpt, like) -> int:
     from megatron_omnibal.models.lora import is_adapter
     from megatron_omnibal.models.lora_export import merge_groups, with_base, write_peft_adapter
 
-    adapter_out = args.adapter_out or args.out.with_name(args.out.name + "-adapter")
-    _out_dir(adapter_out, args.force)
+    lora = ckpt.lora
+    adapter_out = None
+    if not lora.train:
+        adapter_out = args.adapter_out or args.out.with_name(args.out.name + "-adapter")
+        _out_dir(adapter_out, args.force)
+    elif args.adapter_out is not None:
+        raise ValueError(
+            f"--adapter-out: {ckpt.path} trained {', '.join(lora.train)} in full beside the "
+            "adapters; a PEFT adapter would leave that out (the merged model --out holds it)"
+        )
     adapters: dict = {}
 
     def keep_adapters(groups):
@@ -235,13 +243,16 @@ def _export_lora(args: argparse.Namespace, ckpt, like) -> int:
         groups = with_base(groups, canonical_tensors(like, SafetensorsReader(like)))
     with _bar(len(canonical_shapes(like)), "export", args.no_progress) as bar:
         shards = export_hf(
-            merge_groups(groups, ckpt.spec, ckpt.lora), like, args.out, _dtype(args.dtype),
+            merge_groups(groups, ckpt.spec, lora), like, args.out, _dtype(args.dtype),
             args.max_shard_size, bar.update,
         )  # fmt: skip
-    modules = write_peft_adapter(adapters, like, ckpt.lora, adapter_out, _dtype(args.dtype))
-    print(f"wrote {args.out} (merged: W + {ckpt.lora.alpha:g}/{ckpt.lora.rank} B A) from "
-          f"{ckpt.path} ({len(shards)} safetensors shard(s)) and the PEFT adapter "
-          f"{adapter_out} ({len(modules)} modules)")  # fmt: skip
+    written = f"wrote {args.out} (merged: W + {lora.alpha:g}/{lora.rank} B A) from {ckpt.path} " \
+        f"({len(shards)} safetensors shard(s))"
+    if adapter_out is None:
+        print(f"{written}; no PEFT adapter: {', '.join(lora.train)} trained in full")
+        return 0
+    modules = write_peft_adapter(adapters, like, lora, adapter_out, _dtype(args.dtype))
+    print(f"{written} and the PEFT adapter {adapter_out} ({len(modules)} modules)")
     return 0
 
 

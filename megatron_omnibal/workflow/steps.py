@@ -174,7 +174,7 @@ def _export(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> St
     cmd = [*OMNIBAL, "convert", "megatron-to-hf", str(paths.train_checkpoint), "--like",
            config.model, "--out", str(paths.export), "--force", "--no-progress"]  # fmt: skip
     outputs: tuple[Path, ...] = (paths.export / "config.json",)
-    if config.lora is not None:  # the merged model, and the PEFT adapter beside it
+    if _peft_adapter(config):  # the merged model, and the PEFT adapter beside it
         cmd += ["--adapter-out", str(paths.adapter)]
         outputs += (paths.adapter / "adapter_config.json",)
     return Step(
@@ -188,7 +188,7 @@ def _export(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> St
 
 def _compare(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Step:
     cmd = [*OMNIBAL, "compare-hf", str(paths.export), str(paths.train_checkpoint)]
-    if config.lora is not None:  # the merged export, and the base with the adapter (peft)
+    if _peft_adapter(config):  # the merged export, and the base with the adapter (peft)
         cmd += ["--adapter", str(paths.adapter), "--base", config.model]
 
     def incomplete() -> str | None:
@@ -208,6 +208,12 @@ def _compare(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> S
         ok_codes=(0, 1),  # 1 with a verdict: above the tolerance, which the report shows
         incomplete=incomplete,
     )
+
+
+def _peft_adapter(config: FinetuneConfig) -> bool:
+    """Whether the run's export includes a PEFT adapter: LoRA with no part trained in full."""
+    lora = config.lora_spec
+    return lora is not None and not lora.train
 
 
 def _plan_digest(paths: OutputPaths) -> str:

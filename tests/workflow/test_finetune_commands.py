@@ -60,14 +60,19 @@ def test_a_lora_run_trains_adapters_and_exports_both(tmp_path):
     qa_dataset(tmp_path / "data", samples=40, images=11)
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
-    lora = {"rank": 16, "alpha": 32, "targets": ["linear_qkv", "vit.*"], "train": ["projector"]}
+    lora = {"rank": 16, "alpha": 32, "targets": ["linear_qkv", "vit.*"]}
     proc = finetune(write_config(tmp_path, "run.yaml", tp=1, lora=lora), "--dry-run")
     assert proc.returncode == 0, proc.stderr
     lines = dict(re.findall(r"^\[([a-z-]+)\] would run; log .*\n  (.*)$", proc.stdout, re.M))
     assert ("--omnibal-lora-rank 16 --omnibal-lora-alpha 32.0 --omnibal-lora-dropout 0.05 "
-            "--omnibal-lora-targets 'linear_qkv,vit.*' --omnibal-lora-train projector"
+            "--omnibal-lora-targets 'linear_qkv,vit.*'"
             in lines["train"])  # fmt: skip
     assert f"--pretrained-checkpoint {tmp_path / 'out/checkpoints/start'}" in lines["train"]
     assert f"--adapter-out {tmp_path / 'out/hf-adapter'}" in lines["export"]
     assert (f"--adapter {tmp_path / 'out/hf-adapter'} --base {tmp_path / 'hf'}"
             in lines["compare-hf"])  # fmt: skip
+    trained = {**lora, "train": ["projector"]}  # trained in full: the merged export holds it
+    proc = finetune(write_config(tmp_path, "run2.yaml", tp=1, lora=trained), "--dry-run")
+    lines = dict(re.findall(r"^\[([a-z-]+)\] would run; log .*\n  (.*)$", proc.stdout, re.M))
+    assert "--omnibal-lora-train projector" in lines["train"]
+    assert "--adapter" not in lines["export"] and "--adapter" not in lines["compare-hf"]
