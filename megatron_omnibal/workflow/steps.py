@@ -79,6 +79,11 @@ def _plan(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Step
     for flag, value in (("--tp", config.tp), ("--pp", config.pp)):
         if value is not None:
             cmd += [flag, str(value)]
+    lora = config.lora_spec
+    if lora is not None:  # planned with LoRA's memory and time
+        cmd += ["--lora-rank", str(lora.rank), "--lora-targets", ",".join(lora.targets)]
+        if lora.train:
+            cmd += ["--lora-train", ",".join(lora.train)]
     inputs = (paths.lengths, paths.state("stats"), *_model_files(config))
     if Path(config.hardware).is_file():
         inputs += (Path(config.hardware),)

@@ -68,6 +68,7 @@ def test_a_lora_run_trains_adapters_and_exports_both(tmp_path):
             "--omnibal-lora-targets 'linear_qkv,vit.*'"
             in lines["train"])  # fmt: skip
     assert f"--pretrained-checkpoint {tmp_path / 'out/checkpoints/start'}" in lines["train"]
+    assert "--lora-rank 16 --lora-targets 'linear_qkv,vit.*'" in lines["plan"]
     assert f"--adapter-out {tmp_path / 'out/hf-adapter'}" in lines["export"]
     assert (f"--adapter {tmp_path / 'out/hf-adapter'} --base {tmp_path / 'hf'}"
             in lines["compare-hf"])  # fmt: skip
