@@ -86,3 +86,25 @@ def test_bad_lora_requests_name_the_flag():
         PlanRequest(**kw, lora=LoraSpec(rank=64, alpha=8))
     with pytest.raises(ValueError, match="--lora-rank with --profile"):
         PlanRequest(**kw, lora=LoraSpec(rank=4, alpha=8), profile={"layers": []})
+
+
+def test_omnibal_plan_takes_the_lora_flags(tmp_path, capsys):
+    from megatron_omnibal.cli import main
+    from megatron_omnibal.data.lengths import from_arrays, save_lengths
+    from megatron_omnibal.planner.plan_file.plan import load_plan
+
+    rng = np.random.default_rng(0)
+    vit = rng.integers(1, 4, 200)
+    lengths = tmp_path / "lengths.npz"
+    save_lengths(from_arrays(vit, vit * 4 + rng.integers(20, 200, 200)), lengths)
+    args = ["plan", "--model", "tiny", "--hardware", "A100-80G", "--gpus", "2", "--tp", "1",
+            "--pp", "2", "--lengths", str(lengths), "--global-batch", "16"]  # fmt: skip
+    memory = {}
+    for name, extra in (("full", []), ("lora", ["--lora-rank", "4", "--lora-targets",
+                                                "linear_qkv,vit.*"])):  # fmt: skip
+        out = tmp_path / f"{name}.json"
+        assert main([*args, *extra, "--out", str(out)]) == 0
+        memory[name] = [s.peak_memory_gib for s in load_plan(out).stages]
+    assert sum(memory["lora"]) < sum(memory["full"])
+    assert main([*args, "--lora-train", "projector", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--lora-targets / --lora-train need --lora-rank" in capsys.readouterr().err
