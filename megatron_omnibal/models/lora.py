@@ -123,9 +123,7 @@ def matches(target: str, name: str) -> bool:
     target = target.strip()
     if target.startswith(("vit.", "llm.", "*")):
         return fnmatch.fnmatchcase(name, target)
-    return fnmatch.fnmatchcase(name, f"llm.layers.*.{target}") or fnmatch.fnmatchcase(
-        name, f"llm.layers.*.*.{target}"
-    )
+    return fnmatch.fnmatchcase(name, f"llm.layers.*.{target}")
 
 
 def lora_layers(

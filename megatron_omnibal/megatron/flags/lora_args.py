@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from megatron_omnibal.cli_args import positive_float
+from megatron_omnibal.cli_args import positive_float, positive_int
 from megatron_omnibal.models.lora import (
     DEFAULT_TARGETS,
     TRAINABLE_PARTS,
@@ -31,16 +31,6 @@ def _names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def _rank(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _dropout(text: str) -> float:
     try:
         value = float(text)
@@ -54,7 +44,7 @@ def _dropout(text: str) -> float:
 def add_lora_args(group: Any) -> None:
     """The LoRA flags (in the --omnibal argument group)."""
     group.add_argument(
-        "--omnibal-lora-rank", type=_rank, default=None, metavar="R",
+        "--omnibal-lora-rank", type=positive_int, default=None, metavar="R",
         help="train LoRA adapters of rank R beside the frozen base weights (default: no LoRA, "
         "full-parameter training)",
     )  # fmt: skip

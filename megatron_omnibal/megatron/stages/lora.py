@@ -39,7 +39,7 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from megatron_omnibal.megatron.stages.finetune import _MODULES
+from megatron_omnibal.megatron.stages.finetune import PART_MODULES
 from megatron_omnibal.megatron.stages.model import VLMStage, global_name
 from megatron_omnibal.models.lora import LoraLayer, LoraSpec, lora_layers
 
@@ -76,7 +76,7 @@ def apply_lora(stage: VLMStage, lora: LoraSpec, seed: int = 0) -> list[str]:
             continue
         _attach(module, layer, lora, seed)
         adapted.append(name)
-    trained = {m for part in lora.train for m in _MODULES[part]}
+    trained = {m for part in lora.train for m in PART_MODULES[part]}
     for top, module in stage.named_children():
         for p in module.parameters():
             if not getattr(p, LORA_PARAM, False) and top not in trained:

@@ -175,7 +175,8 @@ def _lora_cases(run: list[str]) -> list[tuple[list[str], str]]:
     return [
         ([*lora, "--omnibal-lora-targets", "linear_qkv,attn.q_proj"],
          "--omnibal-lora-targets: 'attn.q_proj' matches no layer of the model"),
-        ([*run, "--omnibal-lora-rank", "0"], "argument --omnibal-lora-rank: must be >= 1, got 0"),
+        ([*run, "--omnibal-lora-rank", "0"],
+         "argument --omnibal-lora-rank: must be a positive integer, got 0"),
         ([*run, "--omnibal-lora-rank", "40"],
          "--omnibal-lora-rank 40 is above the width of llm.layers.0.self_attention.linear_qkv "
          "(32 -> 64): at most 32"),
