@@ -5,9 +5,10 @@ sequence parallelism, exported, and checked against the trained Megatron stages'
 
 Oracles: transformers' forward of the merged export, and of the base model with the adapter
 through `peft` itself, both equal the trained stages' (compare-hf, 1e-4); an adapter whose
-fused B is split into q, k, v contiguously instead of per KV group fails that check, and so does
-the base model alone (the adapters changed the model). An adapter-only checkpoint (the base
-from --pretrained-checkpoint) of the same run exports the same merged model and adapter.
+fused B is split into q, k, v contiguously instead of per KV group fails that check (its logits
+differ by more than 1e-3: the adapters change the model far above the tolerance). An
+adapter-only checkpoint (the base from --pretrained-checkpoint) of the same run exports the same
+merged model and adapter.
 """
 
 from __future__ import annotations
@@ -69,14 +70,11 @@ def test_merged_and_peft_exports_equal_the_trained_stages(run: dict) -> None:
     assert len(changed) == 4 * 6 + 4 * 7  # ViT: q, k, v, proj, fc1, fc2; LLM: + gate/up
 
 
-def test_peft_adapter_config_and_the_base_alone(run: dict) -> None:
-    """The adapter's config names every adapted HF module; the base model without it is far
-    from the trained stages (so the check above is one of the adapter)."""
+def test_peft_adapter_config(run: dict) -> None:
+    """The adapter's config names every adapted HF module."""
     config = json.loads((run["adapter_full"] / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
     assert len(config["target_modules"]) == 4 * 6 + 4 * 7
-    alone = _compare(run["base"], run["trained_full"])
-    assert not alone["ok"] and alone["logits"]["max_rel"] > 1e-2, alone
 
 
 def test_contiguous_qkv_split_fails_the_check(run: dict, tmp_path: Path) -> None:
