@@ -210,7 +210,8 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
 def _export_lora(args: argparse.Namespace, ckpt, like) -> int:
     """A LoRA checkpoint: the merged model into --out (base weights of an adapter-only
     checkpoint from --like, the model the run started from) and the PEFT adapter into
-    --adapter-out (not for a run that trained parts in full: the merged model holds those)."""
+    --adapter-out (the parts trained in full as its modules_to_save; none where PEFT cannot
+    hold the run: the merged model then holds it all)."""
     from megatron_omnibal.megatron.checkpoint.checkpoint_reader import canonical_groups
     from megatron_omnibal.models.hf_export import export_hf
     from megatron_omnibal.models.hf_weights import (
@@ -218,24 +219,32 @@ def _export_lora(args: argparse.Namespace, ckpt, like) -> int:
         canonical_shapes,
         canonical_tensors,
     )
-    from megatron_omnibal.models.lora import is_adapter
-    from megatron_omnibal.models.lora_export import merge_groups, with_base, write_peft_adapter
+    from megatron_omnibal.models.lora import is_adapter, peft_refusal
+    from megatron_omnibal.models.lora_export import (
+        merge_groups,
+        trained_part,
+        with_base,
+        write_peft_adapter,
+    )
 
     lora = ckpt.lora
+    refusal = peft_refusal(lora)
     adapter_out = None
-    if not lora.train:
+    if refusal is None:
         adapter_out = args.adapter_out or args.out.with_name(args.out.name + "-adapter")
         _out_dir(adapter_out, args.force)
     elif args.adapter_out is not None:
-        raise ValueError(
-            f"--adapter-out: {ckpt.path} trained {', '.join(lora.train)} in full beside the "
-            "adapters; a PEFT adapter would leave that out (the merged model --out holds it)"
-        )
+        raise ValueError(f"--adapter-out: {ckpt.path}: {refusal}")
     adapters: dict = {}
+    trained: dict = {}
 
     def keep_adapters(groups):
         for group in groups:
-            adapters.update({n: t for n, t in group.items() if is_adapter(n)})
+            for name, tensor in group.items():
+                if is_adapter(name):
+                    adapters[name] = tensor
+                elif trained_part(name) in lora.train:
+                    trained[name] = tensor
             yield group
 
     groups = keep_adapters(canonical_groups(ckpt))
@@ -249,9 +258,9 @@ def _export_lora(args: argparse.Namespace, ckpt, like) -> int:
     written = f"wrote {args.out} (merged: W + {lora.alpha:g}/{lora.rank} B A) from {ckpt.path} " \
         f"({len(shards)} safetensors shard(s))"
     if adapter_out is None:
-        print(f"{written}; no PEFT adapter: {', '.join(lora.train)} trained in full")
+        print(f"{written}; no PEFT adapter: {refusal}")
         return 0
-    modules = write_peft_adapter(adapters, like, lora, adapter_out, _dtype(args.dtype))
+    modules = write_peft_adapter(adapters, like, lora, adapter_out, _dtype(args.dtype), trained)
     print(f"{written} and the PEFT adapter {adapter_out} ({len(modules)} modules)")
     return 0
 

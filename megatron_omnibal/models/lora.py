@@ -185,3 +185,15 @@ def adapter_parameters(spec: ModelSpec, lora: LoraSpec) -> int:
     """The number of adapter parameters of the model (TP = 1, no padding)."""
     return sum(lora.rank * (layer.in_features + layer.out_features)
                for layer in lora_layers(spec, lora).values())  # fmt: skip
+
+
+def peft_refusal(lora: LoraSpec) -> str | None:
+    """Why a PEFT adapter cannot hold this run (None: it can). Parts trained in full become
+    PEFT's modules_to_save, which cannot hold adapters of their own or be the whole LLM."""
+    if "llm" in lora.train:
+        return ("the LLM was trained in full beside the adapters: a PEFT adapter cannot hold "
+                "it (the merged model does)")  # fmt: skip
+    if "vit" in lora.train and any(t.strip().startswith(("vit.", "*")) for t in lora.targets):
+        return ("the ViT was trained in full and has adapters: PEFT's modules_to_save cannot "
+                "hold adapters (the merged model holds both)")  # fmt: skip
+    return None

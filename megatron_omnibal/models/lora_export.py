@@ -22,7 +22,7 @@ import torch
 from megatron_omnibal.models.hf_config import HFModel
 from megatron_omnibal.models.hf_reference import NATIVE
 from megatron_omnibal.models.hf_weights import WeightsError, rules_for, to_file_name
-from megatron_omnibal.models.lora import LoraSpec, is_adapter, lora_layers
+from megatron_omnibal.models.lora import LoraSpec, is_adapter, lora_layers, peft_refusal
 from megatron_omnibal.models.spec import ModelSpec
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -91,14 +91,14 @@ def adapters_of(groups: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch
     return {n: t for g in groups for n, t in g.items() if is_adapter(n)}
 
 
-def hf_module_names(like: HFModel) -> dict[str, str]:
-    """{HF weight name (hf_weights' rule style, without `.weight`): the module's name in the
-    model class transformers builds}. For a remote-code family the file's own names."""
+def hf_param_names(like: HFModel) -> dict[str, str]:
+    """{HF tensor name (hf_weights' rule style): the parameter's name in the model class
+    transformers builds (on the meta device: no memory)}, matched by the longest common tail
+    of dotted names. For a remote-code family the file's own names."""
     from megatron_omnibal.models.hf_weights import SafetensorsReader
 
     style = SafetensorsReader(like).style
-    names = {r for rule in rules_for(like) for r in rule.hf if r.endswith(".weight")}
-    file_names = {n[: -len(".weight")]: to_file_name(n, style)[: -len(".weight")] for n in names}
+    file_names = {n: to_file_name(n, style) for rule in rules_for(like) for n in rule.hf}
     if like.family not in NATIVE:
         return file_names
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -106,27 +106,26 @@ def hf_module_names(like: HFModel) -> dict[str, str]:
     config = AutoConfig.from_pretrained(like.path, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
-    modules = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    params = [n.split(".") for n, _ in model.named_parameters()]
     out = {}
     for rule_name, file_name in file_names.items():
         tail = file_name.split(".")
         best, score, tied = None, -1, False
-        for m in modules:
-            parts = m.split(".")
+        for parts in params:
             common = 0
             while common < min(len(parts), len(tail)) and parts[-1 - common] == tail[-1 - common]:
                 common += 1
             if common > score:
-                best, score, tied = m, common, False
+                best, score, tied = parts, common, False
             elif common == score:
                 tied = True
         if best is not None and score >= 2 and not tied:
-            out[rule_name] = best
+            out[rule_name] = ".".join(best)
     return out
 
 
 def peft_tensors(
-    adapters: Mapping[str, torch.Tensor], like: HFModel, modules: Mapping[str, str]
+    adapters: Mapping[str, torch.Tensor], like: HFModel, names: Mapping[str, str]
 ) -> dict[str, torch.Tensor]:
     """PEFT's `base_model.model.<module>.lora_A/lora_B.weight` tensors of the adapters."""
     rules = {r.canonical: r for r in rules_for(like)}
@@ -140,36 +139,85 @@ def peft_tensors(
         if rule is None:
             raise WeightsError(f"{layer}: no Hugging Face weight of {like.path} matches it")
         for hf_name, piece in zip(rule.hf, rule.to_hf(b), strict=True):
-            module = modules.get(hf_name[: -len(".weight")])
-            if module is None:
+            param = names.get(hf_name)
+            if param is None:
                 raise WeightsError(f"{hf_name}: no module of the {like.family} model holds it")
+            module = param[: -len(".weight")]
             out[f"base_model.model.{module}.lora_A.weight"] = a.clone()  # one copy each
             out[f"base_model.model.{module}.lora_B.weight"] = piece.contiguous()
     return out
 
 
+def saved_modules(
+    trained: Mapping[str, torch.Tensor], like: HFModel, names: Mapping[str, str]
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The parts trained in full as PEFT's `modules_to_save`: their tensors under
+    `base_model.model.<parameter>` and each part's module (the longest common prefix of its
+    parameters, e.g. model.multi_modal_projector)."""
+    rules = {r.canonical: r for r in rules_for(like)}
+    tensors: dict[str, torch.Tensor] = {}
+    by_part: dict[str, list[list[str]]] = {}
+    for name, tensor in trained.items():
+        rule = rules.get(name)
+        if rule is None:
+            raise WeightsError(f"{name}: no Hugging Face tensor of {like.path} matches it")
+        for hf_name, piece in zip(rule.hf, rule.to_hf(tensor), strict=True):
+            param = names.get(hf_name)
+            if param is None:
+                raise WeightsError(f"{hf_name}: no parameter of the {like.family} model is it")
+            tensors[f"base_model.model.{param}"] = piece.contiguous()
+            by_part.setdefault(trained_part(name), []).append(param.split(".")[:-1])
+    modules = []
+    for part, paths in sorted(by_part.items()):
+        prefix = paths[0]
+        for path in paths[1:]:
+            common = 0
+            while common < min(len(prefix), len(path)) and prefix[common] == path[common]:
+                common += 1
+            prefix = prefix[:common]
+        if not prefix:
+            raise WeightsError(f"the {part}'s parameters share no module of the model")
+        modules.append(".".join(prefix))
+    return tensors, modules
+
+
+_PART_PREFIXES = {
+    "vit": ("patch_embed.", "vit.", "vit_final_norm."),
+    "projector": ("projector.",),
+}
+
+
+def trained_part(name: str) -> str:
+    """The part (vit, projector) a canonical tensor belongs to ('' for others)."""
+    return next((p for p, pre in _PART_PREFIXES.items() if name.startswith(pre)), "")
+
+
 def write_peft_adapter(
     adapters: Mapping[str, torch.Tensor], like: HFModel, lora: LoraSpec, out: Path,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, trained: Mapping[str, torch.Tensor] | None = None,
 ) -> list[str]:  # fmt: skip
     """adapter_config.json + adapter_model.safetensors that `peft.PeftModel.from_pretrained(
-    base, out)` loads on `like`'s model. Returns the adapted HF module names."""
+    base, out)` loads on `like`'s model; `trained`: the canonical tensors of the parts trained
+    in full, saved as PEFT's modules_to_save. Returns the adapted HF module names."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
-    if lora.train:
-        raise WeightsError(
-            f"the run trained {', '.join(lora.train)} in full beside the adapters: a PEFT "
-            "adapter would leave that out; use the merged checkpoint"
-        )
-    tensors = peft_tensors(adapters, like, hf_module_names(like))
-    if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    reason = peft_refusal(lora)
+    if reason is not None:
+        raise WeightsError(reason)
+    names = hf_param_names(like)
+    tensors = peft_tensors(adapters, like, names)
     targets = sorted({k[len("base_model.model."): -len(".lora_A.weight")]
                       for k in tensors if k.endswith(".lora_A.weight")})  # fmt: skip
+    modules: list[str] = []
+    if lora.train:
+        full, modules = saved_modules(trained or {}, like, names)
+        tensors.update(full)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
     config = LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-        bias="none", base_model_name_or_path=str(like.path),
+        bias="none", base_model_name_or_path=str(like.path), modules_to_save=modules or None,
     )  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out))

@@ -216,9 +216,11 @@ def _compare(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> S
 
 
 def _peft_adapter(config: FinetuneConfig) -> bool:
-    """Whether the run's export includes a PEFT adapter: LoRA with no part trained in full."""
+    """Whether the run's export includes a PEFT adapter (LoRA that PEFT can hold)."""
+    from megatron_omnibal.models.lora import peft_refusal
+
     lora = config.lora_spec
-    return lora is not None and not lora.train
+    return lora is not None and peft_refusal(lora) is None
 
 
 def _plan_digest(paths: OutputPaths) -> str:

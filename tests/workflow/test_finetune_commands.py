@@ -72,8 +72,8 @@ def test_a_lora_run_trains_adapters_and_exports_both(tmp_path):
     assert f"--adapter-out {tmp_path / 'out/hf-adapter'}" in lines["export"]
     assert (f"--adapter {tmp_path / 'out/hf-adapter'} --base {tmp_path / 'hf'}"
             in lines["compare-hf"])  # fmt: skip
-    trained = {**lora, "train": ["projector"]}  # trained in full: the merged export holds it
+    trained = {**lora, "train": ["vit"]}  # the ViT in full and with adapters: no PEFT adapter
     proc = finetune(write_config(tmp_path, "run2.yaml", tp=1, lora=trained), "--dry-run")
     lines = dict(re.findall(r"^\[([a-z-]+)\] would run; log .*\n  (.*)$", proc.stdout, re.M))
-    assert "--omnibal-lora-train projector" in lines["train"]
+    assert "--omnibal-lora-train vit" in lines["train"]
     assert "--adapter" not in lines["export"] and "--adapter" not in lines["compare-hf"]

@@ -1,7 +1,8 @@
 """A LoRA run exported as a PEFT adapter and as a merged model, end to end on a tiny random
 InternVL (InternViT-6B-like tower: 3 heads padded to 4 at TP=2; Qwen2 LLM with qkv bias, GQA,
-tied head): converted, trained with adapters on every linear layer of both towers at TP=2 with
-sequence parallelism, exported, and checked against the trained Megatron stages' logits.
+tied head): converted, trained with adapters on every linear layer of both towers and the
+projector in full at TP=2 with sequence parallelism, exported, and checked against the trained
+Megatron stages' logits.
 
 Oracles: transformers' forward of the merged export, and of the base model with the adapter
 through `peft` itself, both equal the trained stages' (compare-hf, 1e-4); an adapter whose
@@ -25,7 +26,9 @@ from tests.megatron.checkpoint.test_hf_convert import _lengths, _train, omnibal,
 pytestmark = pytest.mark.megatron
 
 LORA = ["--omnibal-lora-rank", "4", "--omnibal-lora-alpha", "8", "--omnibal-lora-dropout", "0",
-        "--omnibal-lora-targets", "linear_qkv,linear_proj,linear_fc1,linear_fc2,vit.*"]  # fmt: skip
+        "--omnibal-lora-targets", "linear_qkv,linear_proj,linear_fc1,linear_fc2,vit.*",
+        "--omnibal-lora-train", "projector"]  # fmt: skip
+PROJECTOR = 6  # LayerNorm, fc1, fc2: weights and biases, trained in full
 LAYOUT = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
           "--omnibal-vit-pp-layers", "4", "--omnibal-llm-pp-layers", "4"]  # fmt: skip
 
@@ -63,18 +66,25 @@ def test_merged_and_peft_exports_equal_the_trained_stages(run: dict) -> None:
     original, merged = tensors(run["base"]), tensors(run["merged_full"])
     assert set(merged) == set(original)
     changed = {n for n, t in original.items() if not torch.equal(merged[n], t)}
+    projector = {n for n in changed if n.startswith("multi_modal_projector.")}
     adapted = ("q_proj", "k_proj", "v_proj", "o_proj", "projection_layer", "gate_proj",
                "up_proj", "down_proj", "fc1", "fc2")  # fmt: skip
-    assert changed and all(n.rsplit(".", 2)[-2] in adapted and n.endswith(".weight")
-                           for n in changed), sorted(changed)  # fmt: skip
-    assert len(changed) == 4 * 6 + 4 * 7  # ViT: q, k, v, proj, fc1, fc2; LLM: + gate/up
+    assert len(projector) == PROJECTOR
+    assert all(n.rsplit(".", 2)[-2] in adapted and n.endswith(".weight")
+               for n in changed - projector), sorted(changed)  # fmt: skip
+    assert len(changed - projector) == 4 * 6 + 4 * 7  # ViT: q, k, v, proj, fc1, fc2; + gate/up
 
 
 def test_peft_adapter_config(run: dict) -> None:
-    """The adapter's config names every adapted HF module."""
+    """The adapter's config names every adapted HF module, and the projector trained in full
+    as PEFT's modules_to_save."""
     config = json.loads((run["adapter_full"] / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
     assert len(config["target_modules"]) == 4 * 6 + 4 * 7
+    assert config["modules_to_save"] == ["model.multi_modal_projector"]
+    saved = tensors(run["adapter_full"])
+    assert sum(k.startswith("base_model.model.model.multi_modal_projector.") for k in saved) \
+        == PROJECTOR
 
 
 def test_contiguous_qkv_split_fails_the_check(run: dict, tmp_path: Path) -> None:
@@ -102,7 +112,8 @@ def test_contiguous_qkv_split_fails_the_check(run: dict, tmp_path: Path) -> None
 
 
 def test_adapter_only_checkpoint_exports_the_same(run: dict) -> None:
-    """The adapters-only save holds no base weight; its exports equal the full save's."""
+    """The adapters-only save holds no base weight (the adapters and the projector trained in
+    full); its exports equal the full save's."""
     from megatron_omnibal.megatron.checkpoint.checkpoint_reader import (
         canonical_groups,
         open_checkpoint,
@@ -111,8 +122,10 @@ def test_adapter_only_checkpoint_exports_the_same(run: dict) -> None:
     ckpt = open_checkpoint(run["trained_adapters"])
     assert ckpt.adapters_only and not open_checkpoint(run["trained_full"]).adapters_only
     names = {n for g in canonical_groups(ckpt) for n in g}
-    assert names and all(n.endswith((".lora_a", ".lora_b")) for n in names)
-    assert len(names) == 2 * (4 * 4 + 4 * 4)
+    adapters = {n for n in names if n.endswith((".lora_a", ".lora_b"))}
+    assert len(adapters) == 2 * (4 * 4 + 4 * 4)
+    assert len(names - adapters) == PROJECTOR
+    assert all(n.startswith("projector.") for n in names - adapters)
     for kind in ("merged", "adapter"):
         full, only = tensors(run[f"{kind}_full"]), tensors(run[f"{kind}_adapters"])
         assert set(full) == set(only)
