@@ -14,11 +14,13 @@ export TORCHDYNAMO_DISABLE ?= 1
 
 all: build
 
-$(INSTALLED): requirements.txt Makefile
+$(INSTALLED): requirements.txt constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -r requirements.txt
+	# constraints.txt pins torch: no requirement (peft, Energon) may replace the CPU build.
+	grep -qx "torch==$(TORCH_VERSION)" constraints.txt || { echo "constraints.txt must pin torch==$(TORCH_VERSION)"; exit 1; }
+	$(PY) -m pip install -q -c constraints.txt -r requirements.txt
 	# megatron-core >0.16.1 declares Python >=3.12 but runs on 3.11; the whole test suite runs on it.
 	$(PY) -m pip install -q --no-deps --ignore-requires-python megatron-core==$(MCORE_VERSION)
 	# `import megatron.core` imports triton (moe/ops/paged_stash.py); it imports fine on CPU.

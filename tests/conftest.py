@@ -24,6 +24,8 @@ LONGEST_FIRST = (
     "tests/preflight/test_preflight.py",
     "tests/megatron/checkpoint/test_hf_import.py",
     "tests/megatron/training/test_megatron_training.py",
+    "tests/megatron/checkpoint/test_lora_export.py",
+    "tests/megatron/training/test_megatron_lora_resume.py",
 )
 
 

@@ -38,6 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tolerance", type=_tolerance, default=1e-4,
                         help="largest relative difference (default 1e-4, fp32)")  # fmt: skip
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the probe inputs")
+    parser.add_argument("--adapter", type=Path, default=None,
+                        help="a LoRA checkpoint's PEFT adapter directory: transformers runs "
+                        "the base model with it through peft (the base: --base, else HF_DIR); "
+                        "with --base, HF_DIR (the merged export) is checked too")  # fmt: skip
+    parser.add_argument("--base", type=Path, default=None,
+                        help="the HF base model a LoRA checkpoint trained on (the base "
+                        "weights of an adapter-only checkpoint; default with --adapter: "
+                        "HF_DIR)")  # fmt: skip
 
 
 def _layout(args: argparse.Namespace, ckpt) -> tuple[list, int]:
@@ -96,7 +104,25 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.ckpt_dir} holds another model than {args.hf_dir}")
     layouts, tp = _layout(args, ckpt)
     samples = probe_samples(hf.spec, args.seed)
-    ref = reference(load_model(hf), hf, samples)
+    if args.adapter is not None and ckpt.lora is None:
+        raise ValueError(f"--adapter: {args.ckpt_dir} holds no LoRA adapters")
+    base = args.base or (args.hf_dir if args.adapter is not None else None)
+    if ckpt.adapters_only and base is None:
+        raise ValueError(
+            f"{args.ckpt_dir} holds LoRA adapters only: give --base HF_DIR (the model it "
+            "trained on) or --adapter with HF_DIR the base"
+        )
+    refs = {}  # report section: transformers' outputs
+    if args.adapter is None or args.base is not None:
+        refs["hf"] = reference(load_model(hf), hf, samples)
+    if args.adapter is not None:
+        from peft import PeftModel
+
+        base_hf = read_hf(base)
+        if base_hf.spec != hf.spec:
+            raise ValueError(f"--base {base} is another model than {args.hf_dir}")
+        peft_model = PeftModel.from_pretrained(load_model(base_hf), str(args.adapter))
+        refs["adapter"] = reference(peft_model.base_model.model.eval(), base_hf, samples)
     with tempfile.TemporaryDirectory(prefix="omnibal-compare-") as tmp:
         work = Path(tmp)
         torch.save([asdict(s) for s in samples], work / "samples.pt")
@@ -108,6 +134,10 @@ def run(args: argparse.Namespace) -> int:
         ]  # fmt: skip
         if args.sequence_parallel:
             program.append("--sequence-parallel")
+        if ckpt.lora is not None:
+            program += ["--lora", json.dumps(ckpt.lora.to_dict())]
+            if ckpt.adapters_only:
+                program += ["--base-hf", str(base)]
         proc = local_ranks.run(tp * len(layouts), program)
         if proc.returncode:
             sys.stderr.write(proc.stderr[-4000:])
@@ -117,12 +147,19 @@ def run(args: argparse.Namespace) -> int:
             got.update(torch.load(f))
     flags = torch.cat([s.image_flags for s in samples]).bool()
     vit = got["vit"] if hf.spec.vit.native_resolution else got["vit"][flags]  # native: patches
-    report = {
-        "logits": _difference(got["logits"], ref["logits"]),
-        "vit": _difference(vit, ref["vit"]),
-        "llm": _difference(got["llm"], ref["llm"]),
+    sections = {
+        name: {
+            "logits": _difference(got["logits"], ref["logits"]),
+            "vit": _difference(vit, ref["vit"]),
+            "llm": _difference(got["llm"], ref["llm"]),
+        }
+        for name, ref in refs.items()
     }
-    worst = max(v["max_rel"] for v in report.values())
+    report = dict(sections.pop("hf", None) or sections.pop("adapter"))
+    if sections:  # the merged export above, the base with the adapter here
+        report["adapter"] = sections["adapter"]
+    worst = max(v["max_rel"] for part in (report, report.get("adapter", {}))
+                for k, v in part.items() if k in ("logits", "vit", "llm"))  # fmt: skip
     report.update(
         tolerance=args.tolerance,
         ok=worst <= args.tolerance,
@@ -132,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
         llm_pp_layers=[st.num_llm_layers for st in layouts],
         sequence_parallel=args.sequence_parallel,
         checkpoint_format=ckpt.format,
+        lora=None if ckpt.lora is None else ckpt.lora.to_dict(),
+        adapter_dir=None if args.adapter is None else str(args.adapter),
     )
     print(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1

@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="largest safetensors shard (default 5GB)")  # fmt: skip
     to_hf.add_argument("--force", action="store_true", help="write into an existing --out")
     to_hf.add_argument("--no-progress", action="store_true", help="no progress bar")
+    to_hf.add_argument("--adapter-out", type=output_dir, default=None,
+                       help="LoRA checkpoints: the PEFT adapter directory (adapter_config.json, "
+                       "adapter_model.safetensors; default: OUT-adapter); --out gets the "
+                       "merged model")  # fmt: skip
 
 
 def _out_dir(path: Path, force: bool) -> None:
@@ -190,6 +194,10 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
             f"{args.ckpt_dir} holds another model than --like {args.like} (model specs differ)"
         )
     _out_dir(args.out, args.force)
+    if ckpt.lora is not None:
+        return _export_lora(args, ckpt, like)
+    if args.adapter_out is not None:
+        raise ValueError(f"--adapter-out: {ckpt.path} holds no LoRA adapters")
     with _bar(len(canonical_shapes(like)), "export", args.no_progress) as bar:
         shards = export_hf(
             canonical_groups(ckpt), like, args.out, _dtype(args.dtype), args.max_shard_size,
@@ -199,8 +207,68 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_lora(args: argparse.Namespace, ckpt, like) -> int:
+    """A LoRA checkpoint: the merged model into --out (base weights of an adapter-only
+    checkpoint from --like, the model the run started from) and the PEFT adapter into
+    --adapter-out (the parts trained in full as its modules_to_save; none where PEFT cannot
+    hold the run: the merged model then holds it all)."""
+    from megatron_omnibal.megatron.checkpoint.checkpoint_reader import canonical_groups
+    from megatron_omnibal.models.hf_export import export_hf
+    from megatron_omnibal.models.hf_weights import (
+        SafetensorsReader,
+        canonical_shapes,
+        canonical_tensors,
+    )
+    from megatron_omnibal.models.lora import is_adapter, peft_refusal
+    from megatron_omnibal.models.lora_export import (
+        merge_groups,
+        trained_part,
+        with_base,
+        write_peft_adapter,
+    )
+
+    lora = ckpt.lora
+    refusal = peft_refusal(lora)
+    adapter_out = None
+    if refusal is None:
+        adapter_out = args.adapter_out or args.out.with_name(args.out.name + "-adapter")
+        _out_dir(adapter_out, args.force)
+    elif args.adapter_out is not None:
+        raise ValueError(f"--adapter-out: {ckpt.path}: {refusal}")
+    adapters: dict = {}
+    trained: dict = {}
+
+    def keep_adapters(groups):
+        for group in groups:
+            for name, tensor in group.items():
+                if is_adapter(name):
+                    adapters[name] = tensor
+                elif trained_part(name) in lora.train:
+                    trained[name] = tensor
+            yield group
+
+    groups = keep_adapters(canonical_groups(ckpt))
+    if ckpt.adapters_only:
+        groups = with_base(groups, canonical_tensors(like, SafetensorsReader(like)))
+    with _bar(len(canonical_shapes(like)), "export", args.no_progress) as bar:
+        shards = export_hf(
+            merge_groups(groups, ckpt.spec, lora), like, args.out, _dtype(args.dtype),
+            args.max_shard_size, bar.update,
+        )  # fmt: skip
+    written = f"wrote {args.out} (merged: W + {lora.alpha:g}/{lora.rank} B A) from {ckpt.path} " \
+        f"({len(shards)} safetensors shard(s))"
+    if adapter_out is None:
+        print(f"{written}; no PEFT adapter: {refusal}")
+        return 0
+    modules = write_peft_adapter(adapters, like, lora, adapter_out, _dtype(args.dtype), trained)
+    print(f"{written} and the PEFT adapter {adapter_out} ({len(modules)} modules)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     args.out = Path(args.out)
+    if getattr(args, "adapter_out", None) is not None:
+        args.adapter_out = Path(args.adapter_out)
     if args.direction == "hf-to-megatron":
         return _hf_to_megatron(args)
     return _megatron_to_hf(args)

@@ -69,6 +69,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", type=output_file, default="plan.json", help="where to write the plan"
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--lora-rank", type=positive_int, default=None, metavar="R",
+        help="plan a LoRA run (pretrain_vlm's --omnibal-lora-rank): base weights frozen "
+        "(no gradient, no optimizer state), adapters of rank R trained; the baseline too",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lora-targets", default=None, metavar="GLOBS",
+        help="the layers LoRA adapts, as --omnibal-lora-targets (default: the LLM's linear_qkv, "
+        "linear_proj, linear_fc1, linear_fc2)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lora-train", default=None, metavar="PARTS",
+        help="parts trained in full beside the adapters, as --omnibal-lora-train",
+    )  # fmt: skip
 
 
 def headline(plan) -> str:
@@ -197,6 +211,22 @@ def _vpp(text: str) -> int | None:
         ) from None
 
 
+def _lora(args: argparse.Namespace):
+    """The LoRA of --lora-* (None without --lora-rank)."""
+    from megatron_omnibal.models.lora import DEFAULT_TARGETS, LoraSpec
+
+    if args.lora_rank is None:
+        if args.lora_targets or args.lora_train:
+            raise ValueError("--lora-targets / --lora-train need --lora-rank")
+        return None
+    names = lambda text: tuple(t.strip() for t in text.split(",") if t.strip())  # noqa: E731
+    return LoraSpec(
+        rank=args.lora_rank, alpha=float(2 * args.lora_rank),  # alpha prices nothing
+        targets=names(args.lora_targets) if args.lora_targets else DEFAULT_TARGETS,
+        train=names(args.lora_train) if args.lora_train else (),
+    )  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_omnibal.models.resolve import read_mapping, resolve_model
     from megatron_omnibal.planner.cost_model.config_files import resolve_hardware
@@ -223,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
         profile_path=str(Path(args.profile).resolve()) if args.profile else None,
         plan_path=args.out,
         levels=args.levels,
+        lora=_lora(args),
     )
     plan = make_plan(request, progress=sys.stderr.isatty())
     save_plan(plan, args.out)

@@ -15,6 +15,7 @@ from typing import Any
 
 from megatron_omnibal.data.conversations import TEMPLATES
 from megatron_omnibal.megatron.stages.finetune import PARTS
+from megatron_omnibal.models.lora import LoraError, LoraSpec
 
 DEVICES = ("cuda", "cpu")
 PATH_KEYS = ("model", "data", "output", "image_root", "tokenizer")
@@ -53,6 +54,7 @@ class FinetuneConfig:
     seed: int = 42
     megatron_args: tuple[str, ...] = ()  # passed through to Megatron, last
     preflight: bool | dict[str, Any] = True  # the preflight step: off, on, or on with options
+    lora: dict[str, Any] | None = None  # LoRA adapters: rank, alpha, dropout, targets, train
 
     def __post_init__(self) -> None:
         for key in ("model", "data", "output"):
@@ -135,6 +137,12 @@ class FinetuneConfig:
             self.preflight,
         )
         preflight_flags(self.preflight)  # an unknown option or a bad value stops here
+        self.lora_spec  # noqa: B018 - a bad `lora` setting stops here
+
+    @property
+    def lora_spec(self) -> LoraSpec | None:
+        """The `lora` mapping as LoRA settings (None: full-parameter training)."""
+        return lora_spec(self.lora)
 
     @property
     def gpus(self) -> int:
@@ -172,6 +180,38 @@ def preflight_flags(setting: bool | dict[str, Any]) -> list[str]:
             raise ValueError(f"preflight.{key}: {exc}") from exc
         flags += [f"--{key.replace('_', '-')}", str(value)]
     return flags
+
+
+LORA_KEYS = ("rank", "alpha", "dropout", "targets", "train")
+LORA_DEFAULTS = {"alpha": 32.0, "dropout": 0.05}  # as --omnibal-lora-alpha / -dropout
+
+
+def lora_spec(setting: dict[str, Any] | None) -> LoraSpec | None:
+    """`lora:` of the config (rank required; alpha, dropout, targets, train as the
+    --omnibal-lora-* flags default them), each key checked."""
+    if setting is None:
+        return None
+    _expect(isinstance(setting, dict), "lora", "a mapping with rank, alpha, ...", setting)
+    unknown = [k for k in setting if k not in LORA_KEYS]
+    if unknown:
+        raise ValueError(f"lora: unknown key(s) {', '.join(map(repr, unknown))} (known: "
+                         f"{', '.join(LORA_KEYS)})")  # fmt: skip
+    _expect("rank" in setting and _is_int(setting["rank"], 1), "lora.rank",
+            "a positive integer", setting.get("rank"))  # fmt: skip
+    values = {**LORA_DEFAULTS, **setting}
+    for key in ("alpha", "dropout"):
+        values[key] = _number(values[key])
+        _expect(_is_number(values[key]), f"lora.{key}", "a number", values[key])
+    for key in ("targets", "train"):
+        if isinstance(values.get(key), str):
+            values[key] = [t.strip() for t in values[key].split(",")]
+        if key in values:
+            _expect(isinstance(values[key], list) and all(isinstance(t, str) for t in values[key]),
+                    f"lora.{key}", "a list of names", values[key])  # fmt: skip
+    try:
+        return LoraSpec.from_dict(values)
+    except LoraError as exc:
+        raise ValueError(f"lora: {exc}") from exc
 
 
 def _is_int(value: Any, low: int) -> bool:
@@ -237,7 +277,26 @@ def load_config(path: str | Path) -> FinetuneConfig:
     except TypeError as exc:  # e.g. a key given a mapping where a value belongs
         raise ValueError(f"{path}: {exc}") from exc
     _check_paths(config, path)
+    _check_lora(config, path)
     return config
+
+
+def _check_lora(config: FinetuneConfig, path: Path) -> None:
+    """LoRA's targets and rank against the model, its parts against `freeze`."""
+    if config.lora_spec is None:
+        return
+    from megatron_omnibal.models.hf_config import read_hf
+    from megatron_omnibal.models.lora import check_frozen, lora_layers
+
+    try:
+        spec = read_hf(config.model).spec
+    except ValueError:  # not a model `omnibal stats` can read: its step says why
+        return
+    try:
+        lora_layers(spec, config.lora_spec, "lora.targets", "lora.rank")
+        check_frozen(spec, config.lora_spec, set(config.freeze), "lora.targets", "lora.train")
+    except LoraError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
 
 
 def _check_paths(config: FinetuneConfig, path: Path) -> None:

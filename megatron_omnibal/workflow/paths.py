@@ -41,6 +41,11 @@ class OutputPaths:
         return self.root / "hf"
 
     @property
+    def adapter(self) -> Path:
+        """A LoRA run's PEFT adapter (the merged model is `export`)."""
+        return self.root / "hf-adapter"
+
+    @property
     def compare(self) -> Path:
         return self.root / "compare_hf.json"
 

@@ -80,6 +80,11 @@ def _plan(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Step
     for flag, value in (("--tp", config.tp), ("--pp", config.pp)):
         if value is not None:
             cmd += [flag, str(value)]
+    lora = config.lora_spec
+    if lora is not None:  # planned with LoRA's memory and time
+        cmd += ["--lora-rank", str(lora.rank), "--lora-targets", ",".join(lora.targets)]
+        if lora.train:
+            cmd += ["--lora-train", ",".join(lora.train)]
     inputs = (paths.lengths, paths.state("stats"), *_model_files(config))
     if Path(config.hardware).is_file():
         inputs += (Path(config.hardware),)
@@ -174,17 +179,23 @@ def planned_iterations(config: FinetuneConfig, paths: OutputPaths) -> int | str:
 def _export(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Step:
     cmd = [*OMNIBAL, "convert", "megatron-to-hf", str(paths.train_checkpoint), "--like",
            config.model, "--out", str(paths.export), "--force", "--no-progress"]  # fmt: skip
+    outputs: tuple[Path, ...] = (paths.export / "config.json",)
+    if _peft_adapter(config):  # the merged model, and the PEFT adapter beside it
+        cmd += ["--adapter-out", str(paths.adapter)]
+        outputs += (paths.adapter / "adapter_config.json",)
     return Step(
         name="export",
         command=cmd,
         log=paths.log("export"),
         inputs=(paths.train_checkpoint / TRACKER, paths.state("train"), *_model_files(config)),
-        outputs=(paths.export / "config.json",),
+        outputs=outputs,
     )
 
 
 def _compare(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Step:
     cmd = [*OMNIBAL, "compare-hf", str(paths.export), str(paths.train_checkpoint)]
+    if _peft_adapter(config):  # the merged export, and the base with the adapter (peft)
+        cmd += ["--adapter", str(paths.adapter), "--base", config.model]
 
     def incomplete() -> str | None:
         try:
@@ -203,6 +214,14 @@ def _compare(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> S
         ok_codes=(0, 1),  # 1 with a verdict: above the tolerance, which the report shows
         incomplete=incomplete,
     )
+
+
+def _peft_adapter(config: FinetuneConfig) -> bool:
+    """Whether the run's export includes a PEFT adapter (LoRA that PEFT can hold)."""
+    from megatron_omnibal.models.lora import peft_refusal
+
+    lora = config.lora_spec
+    return lora is not None and peft_refusal(lora) is None
 
 
 def _plan_digest(paths: OutputPaths) -> str:

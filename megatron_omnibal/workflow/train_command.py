@@ -51,6 +51,13 @@ def training_flags(config: FinetuneConfig, paths: OutputPaths, iters: int | str)
         flags += ["--omnibal-freeze", ",".join(config.freeze)]
     if config.vit_lr_mult != 1.0:
         flags += ["--omnibal-vit-lr-mult", str(config.vit_lr_mult)]
+    lora = config.lora_spec
+    if lora is not None:  # adapter-only checkpoints: the base is --pretrained-checkpoint
+        flags += ["--omnibal-lora-rank", str(lora.rank), "--omnibal-lora-alpha", str(lora.alpha),
+                  "--omnibal-lora-dropout", str(lora.dropout),
+                  "--omnibal-lora-targets", ",".join(lora.targets)]  # fmt: skip
+        if lora.train:
+            flags += ["--omnibal-lora-train", ",".join(lora.train)]
     if config.tokenizer:
         flags += ["--omnibal-tokenizer", config.tokenizer]
     if config.trust_remote_code:

@@ -94,6 +94,8 @@ def _record_grads(names: dict) -> None:
     by_id = STATE["grad_names"] = {id(p): n for n, p in names.items()}
 
     def hook(optimizer, _args, _kwargs):
+        STATE["optimizer_params"] = sorted({by_id[id(p)] for group in optimizer.param_groups
+                                            for p in group["params"] if id(p) in by_id})
         GRADS.append({by_id[id(p)]: p.grad.detach().clone() for group in optimizer.param_groups
                       for p in group["params"] if id(p) in by_id and p.grad is not None})
 
@@ -188,6 +190,8 @@ def run() -> int:
         "recomputed": dict(STATE["recomputed"]),
         # Megatron's FLOPs of one sample (its throughput figure), from the run's arguments.
         "flops_per_sample": num_floating_point_operations(get_args(), 1),
+        # OMNIBAL_TEST_GRADS: the model-wide names of the parameters the optimizer holds
+        "optimizer_params": STATE.get("optimizer_params"),
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     if GRADS:

@@ -55,3 +55,26 @@ def test_with_node_rank_set_a_node_runs_its_part_of_training(tmp_path):
     assert "--gpus 8" in proc.stdout  # the plan is for all nodes' GPUs
     proc = finetune(config, "--dry-run", NODE_RANK="2", MASTER_ADDR="10.0.0.1")
     assert proc.returncode == 2 and "NODE_RANK=2 is not a node rank of 2 nodes" in proc.stderr
+
+
+def test_a_lora_run_trains_adapters_and_exports_both(tmp_path):
+    qa_dataset(tmp_path / "data", samples=40, images=11)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    lora = {"rank": 16, "alpha": 32, "targets": ["linear_qkv", "vit.*"]}
+    proc = finetune(write_config(tmp_path, "run.yaml", tp=1, lora=lora), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(re.findall(r"^\[([a-z-]+)\] would run; log .*\n  (.*)$", proc.stdout, re.M))
+    assert ("--omnibal-lora-rank 16 --omnibal-lora-alpha 32.0 --omnibal-lora-dropout 0.05 "
+            "--omnibal-lora-targets 'linear_qkv,vit.*'"
+            in lines["train"])  # fmt: skip
+    assert f"--pretrained-checkpoint {tmp_path / 'out/checkpoints/start'}" in lines["train"]
+    assert "--lora-rank 16 --lora-targets 'linear_qkv,vit.*'" in lines["plan"]
+    assert f"--adapter-out {tmp_path / 'out/hf-adapter'}" in lines["export"]
+    assert (f"--adapter {tmp_path / 'out/hf-adapter'} --base {tmp_path / 'hf'}"
+            in lines["compare-hf"])  # fmt: skip
+    trained = {**lora, "train": ["vit"]}  # the ViT in full and with adapters: no PEFT adapter
+    proc = finetune(write_config(tmp_path, "run2.yaml", tp=1, lora=trained), "--dry-run")
+    lines = dict(re.findall(r"^\[([a-z-]+)\] would run; log .*\n  (.*)$", proc.stdout, re.M))
+    assert "--omnibal-lora-train vit" in lines["train"]
+    assert "--adapter" not in lines["export"] and "--adapter" not in lines["compare-hf"]

@@ -96,3 +96,51 @@ def test_from_after_until_is_a_usage_error(folder, capsys):
     assert main(["finetune", str(path), "--from", "train", "--until", "plan"]) == 2
     assert "--from train comes after --until plan" in capsys.readouterr().err
     assert not (folder / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("lora: {alpha: 8}\n", "lora.rank: expected a positive integer, got None"),
+        ("lora: {rank: 4, ranks: 2}\n", "lora: unknown key(s) 'ranks' (known: rank, alpha"),
+        ("lora: {rank: 4, dropout: 1.5}\n", "lora: LoRA dropout must be in [0, 1), got 1.5"),
+        ("lora: {rank: 4, targets: 7}\n", "lora.targets: expected a list of names, got 7"),
+        ("lora: 8\n", "lora: expected a mapping with rank"),
+    ],
+)
+def test_a_bad_lora_setting_is_named(folder, text, message):
+    path = _write(folder, text)
+    with pytest.raises(ValueError) as err:
+        load_config(path)
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """A folder whose model is a real (tiny) InternVL checkpoint."""
+    from tests import hf_models
+
+    folder = tmp_path_factory.mktemp("lora_config")
+    hf_models.internvl(folder / "model", six_b=False)
+    (folder / "data.json").write_text("[]")
+    return folder
+
+
+def test_lora_takes_the_flags_defaults_and_is_checked_against_the_model(vlm):
+    config = load_config(_write(vlm, "lora: {rank: 8, targets: 'linear_qkv, vit.*'}\n"))
+    lora = config.lora_spec
+    assert (lora.rank, lora.alpha, lora.dropout) == (8, 32.0, 0.05)
+    assert lora.targets == ("linear_qkv", "vit.*") and lora.train == ()
+    for text, message in (
+        ("lora: {rank: 4, targets: [q_proj]}\n",
+         "lora.targets: 'q_proj' matches no layer of the model"),
+        ("lora: {rank: 64}\n", "lora.rank 64 is above the width of llm.layers.0"),
+        ("freeze: [llm]\nlora: {rank: 4}\n", "lora.targets: LoRA on llm.layers.0.mlp.linear_fc1, "
+         "but the LLM is frozen by --omnibal-freeze llm"),
+        ("freeze: [projector]\nlora: {rank: 4, train: [projector]}\n",
+         "lora.train projector: the part is frozen by --omnibal-freeze projector"),
+    ):  # fmt: skip
+        path = _write(vlm, text)
+        with pytest.raises(ValueError) as err:
+            load_config(path)
+        assert str(path) in str(err.value) and message in str(err.value), str(err.value)

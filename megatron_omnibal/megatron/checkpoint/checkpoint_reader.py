@@ -30,6 +30,7 @@ from megatron_omnibal.megatron.checkpoint.hf_checkpoint import MODEL_FILE, TRACK
 from megatron_omnibal.megatron.checkpoint.stage_weights import TIED_HEAD, to_global
 from megatron_omnibal.megatron.checkpoint.tp_shard import unshard
 from megatron_omnibal.megatron.stages.layout import layout_from_dicts
+from megatron_omnibal.models.lora import LoraSpec
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
@@ -54,6 +55,17 @@ class Checkpoint:
     tp: int
     iteration: int
     pp: int  # pipeline ranks (fewer than the layouts with virtual stages)
+    lora: LoraSpec | None = None  # a LoRA run's adapters (pretrain_vlm's --omnibal-lora-*)
+    adapters_only: bool = False  # its checkpoints hold the adapters, not the base weights
+
+
+def _lora_from_args(saved: Any) -> tuple[LoraSpec | None, bool]:
+    """The LoRA a checkpoint was trained with, and whether it holds the adapters only."""
+    text = getattr(saved, "omnibal_lora", None)
+    if text is None:
+        return None, False
+    return LoraSpec.from_dict(json.loads(text)), getattr(saved, "omnibal_lora_save", "full") \
+        == "adapters"
 
 
 def _iteration_dir(root: Path, iteration: int | None) -> tuple[Path, int]:
@@ -111,6 +123,7 @@ def open_checkpoint(root: str | Path, iteration: int | None = None) -> Checkpoin
     else:
         raise CheckpointError(f"{path}: neither a torch nor a torch_dist checkpoint")
     record = root / MODEL_FILE
+    lora, adapters_only = None, False
     if record.is_file():
         info = json.loads(record.read_text())
         spec, layouts = _record(info, str(record))
@@ -120,13 +133,15 @@ def open_checkpoint(root: str | Path, iteration: int | None = None) -> Checkpoin
 
         common = dist_checkpointing.load_common_state_dict(str(path))
         spec, layouts, tp, pp = _from_args(common.get("args"), str(path))
+        lora, adapters_only = _lora_from_args(common.get("args"))
     else:
         first = next(iter(sorted(path.glob("mp_rank_*"))))
         state = torch.load(first / "model_optim_rng.pt", map_location="cpu", weights_only=False)
         spec, layouts, tp, pp = _from_args(state.get("args"), str(first))
+        lora, adapters_only = _lora_from_args(state.get("args"))
     if pp < 1 or len(layouts) % pp:
         raise CheckpointError(f"{path}: {len(layouts)} stages do not divide over PP {pp}")
-    return Checkpoint(path, fmt, spec, tuple(layouts), tp, it, pp)
+    return Checkpoint(path, fmt, spec, tuple(layouts), tp, it, pp, lora, adapters_only)
 
 
 def _torch_stage(ckpt: Checkpoint, stage: int) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ import torch
 
 from megatron_omnibal.megatron.stages.layout import embedding_ranks
 from megatron_omnibal.megatron.stream.batch import MicroBatch
+from megatron_omnibal.models.lora import LoraSpec
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
@@ -32,9 +33,10 @@ def init_parallel(layouts: Sequence[StageLayout], tp: int) -> None:
 
 
 def build_stage(
-    spec: ModelSpec, layouts: Sequence[StageLayout], sequence_parallel: bool = False
+    spec: ModelSpec, layouts: Sequence[StageLayout], sequence_parallel: bool = False,
+    lora: LoraSpec | None = None,
 ) -> torch.nn.Module:
-    """This rank's VLMStage (after init_parallel)."""
+    """This rank's VLMStage (after init_parallel), with `lora`'s adapters."""
     from megatron.core import parallel_state as ps
 
     from megatron_omnibal.megatron.stages.provider import vlm_model_provider
@@ -46,14 +48,37 @@ def build_stage(
         rank == 0,
         rank == pp - 1,
         config_overrides={"sequence_parallel": sequence_parallel},
+        lora=lora,
     )
 
 
-def load_megatron_checkpoint(model: torch.nn.Module, path: Path, fmt: str, pp: int) -> None:
+def load_hf_base(model: torch.nn.Module, hf_dir: Path) -> None:
+    """Fill the stage's base weights from a Hugging Face checkpoint (the base an adapter-only
+    LoRA checkpoint trained on); the adapters keep their values."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_omnibal.megatron.checkpoint.stage_weights import load_into
+    from megatron_omnibal.megatron.stages.model import global_named_parameters
+    from megatron_omnibal.models.hf_config import read_hf
+    from megatron_omnibal.models.hf_weights import SafetensorsReader, canonical_tensors
+    from megatron_omnibal.models.lora import is_adapter
+
+    hf = read_hf(hf_dir)
+    wanted = {n for n in global_named_parameters(model) if not is_adapter(n)}
+    wanted.add("embedding.word_embeddings.weight")  # a tied head's source
+    tensors = dict(canonical_tensors(hf, SafetensorsReader(hf), lambda n: n in wanted))
+    load_into(model, model.spec, tensors, ps.get_tensor_model_parallel_world_size(),
+              ps.get_tensor_model_parallel_rank(), skip=is_adapter)  # fmt: skip
+
+
+def load_megatron_checkpoint(
+    model: torch.nn.Module, path: Path, fmt: str, pp: int, adapters_only: bool = False
+) -> None:
     """Fill `model` from an iteration directory of a Megatron checkpoint: a torch-format
     checkpoint at this very layout (its `pp` ranks' files; with model chunks, fewer ranks than
     stages, this rank's stage is virtual stage v, chunk v // pp of rank v % pp's file), or a
-    torch_dist checkpoint at any layout."""
+    torch_dist checkpoint at any layout. `adapters_only`: the checkpoint holds what a LoRA run
+    trained (the base weights are in the model already)."""
     from megatron.core import parallel_state as ps
 
     from megatron_omnibal.megatron.checkpoint.hf_checkpoint import rank_dir
@@ -63,11 +88,19 @@ def load_megatron_checkpoint(model: torch.nn.Module, path: Path, fmt: str, pp: i
         f = rank_dir(path, ps.get_tensor_model_parallel_rank(), stage % pp, pp)
         state = torch.load(f / "model_optim_rng.pt", map_location="cpu", weights_only=False)
         chunked = ps.get_pipeline_model_parallel_world_size() > pp
-        model.load_state_dict(state[f"model{stage // pp}" if chunked else "model"], strict=True)
+        model.load_state_dict(state[f"model{stage // pp}" if chunked else "model"],
+                              strict=not adapters_only)  # fmt: skip
         return
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    if adapters_only:
+        from megatron_omnibal.megatron.stages.lora import checkpoint_view
+
+        with checkpoint_view([model], "trainable"):
+            wanted = model.sharded_state_dict()
+    else:
+        wanted = model.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": wanted}, str(path))
     model.load_state_dict(loaded["model"], strict=False)
 
 

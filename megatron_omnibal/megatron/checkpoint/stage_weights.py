@@ -9,7 +9,7 @@ so the converter can stream a stage at a time and tests can check it against rea
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -94,14 +94,19 @@ def stage_state_dict(
     return out
 
 
-def load_into(model: torch.nn.Module, spec: ModelSpec, tensors: Mapping[str, torch.Tensor],
-              tp: int, rank: int) -> None:  # fmt: skip
+def load_into(
+    model: torch.nn.Module, spec: ModelSpec, tensors: Mapping[str, torch.Tensor], tp: int,
+    rank: int, skip: Callable[[str], bool] = lambda n: False,
+) -> None:  # fmt: skip
     """Copy canonical tensors into a built stage (`model`: megatron.model.VLMStage) at TP rank
-    `rank`; every parameter must be given, with the shape the module has."""
+    `rank`; every parameter but those `skip` names must be given, with the shape the module
+    has."""
     from megatron_omnibal.megatron.stages.model import global_named_parameters
 
     params = global_named_parameters(model)
     for name, param in params.items():
+        if skip(name):
+            continue
         src = source(name, spec)
         if src not in tensors:
             raise KeyError(f"no tensor for parameter {name} (canonical {src})")

@@ -11,6 +11,10 @@ modules megatron-core really builds. Layouts:
 - the ViT's heads are padded to a multiple of TP with zero dummy heads (qkv rows, attention
   output columns, QK-norm weights), which must still be zero when a checkpoint is exported.
 Everything else is replicated, the LLM's per-head QK-norm weights (Qwen3) included.
+
+LoRA adapters (`<linear>.lora_a` [rank, in], `<linear>.lora_b` [out, rank]) follow their base
+layer: beside a column-parallel weight A is whole and B split (and padded) like the weight's
+rows; beside a row-parallel weight A is split (and padded) like the weight's columns and B whole.
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ class ShardError(ValueError):
 
 def _kind(name: str) -> tuple[str, str]:
     """(tower, role) of a canonical tensor: tower vit | llm | projector | other."""
+    for suffix in (".lora_a", ".lora_b"):
+        if name.endswith(suffix):
+            tower, role = _kind(name[: -len(suffix)] + ".weight")
+            split_by_rows = role in ("qkv", "column")
+            if (suffix == ".lora_b") == split_by_rows:
+                return tower, role
+            return tower, "replicated"
     m = _LAYER.match(name)
     tower = m.group(1) if m else ("projector" if name.startswith("projector.") else "other")
     rest = name[m.end() :] if m else name

@@ -4,7 +4,9 @@ layout, one forward pass of the probe samples, its outputs saved for the compari
 python -m megatron_omnibal.megatron.runtime.local_ranks --nproc-per-node N
 -m megatron_omnibal.megatron.compare.compare_worker
 --ckpt ITERATION_DIR --format torch|torch_dist --spec JSON --tp T --ckpt-pp P --stages JSON
-[--sequence-parallel] --samples FILE --out DIR
+[--sequence-parallel] [--lora JSON [--base-hf DIR]] --samples FILE --out DIR
+(--lora: the stages get the checkpoint's LoRA adapters; --base-hf: an adapter-only checkpoint's
+base weights, from that HF checkpoint)
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--ckpt-pp", type=int, required=True)
     parser.add_argument("--stages", required=True)
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--lora", default=None)
+    parser.add_argument("--base-hf", type=Path, default=None)
     parser.add_argument("--samples", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -40,10 +44,12 @@ def main(argv: Sequence[str]) -> None:
         build_stage,
         forward_outputs,
         init_parallel,
+        load_hf_base,
         load_megatron_checkpoint,
     )
     from megatron_omnibal.megatron.stages.layout import layout_from_dicts
     from megatron_omnibal.megatron.stream.batch import Sample, collate
+    from megatron_omnibal.models.lora import LoraSpec
     from megatron_omnibal.models.spec import ModelSpec
 
     dist.init_process_group("gloo")
@@ -52,8 +58,12 @@ def main(argv: Sequence[str]) -> None:
         json.loads(args.stages), spec.vit.num_layers, spec.llm.num_layers, "--stages"
     )
     init_parallel(layouts, args.tp)
-    model = build_stage(spec, layouts, args.sequence_parallel)
-    load_megatron_checkpoint(model, args.ckpt, args.format, args.ckpt_pp)
+    lora = None if args.lora is None else LoraSpec.from_dict(json.loads(args.lora))
+    model = build_stage(spec, layouts, args.sequence_parallel, lora)
+    if args.base_hf is not None:
+        load_hf_base(model, args.base_hf)
+    load_megatron_checkpoint(model, args.ckpt, args.format, args.ckpt_pp,
+                             adapters_only=args.base_hf is not None)  # fmt: skip
     model.float()
     samples = [Sample(**s) for s in torch.load(args.samples)]
     outputs = forward_outputs(model, collate(samples), spec.llm.vocab_size)

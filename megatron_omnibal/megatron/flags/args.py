@@ -23,6 +23,7 @@ from megatron_omnibal.balance.config import (
 from megatron_omnibal.cli_args import non_negative_int, pack_cost, positive_float, positive_int
 from megatron_omnibal.data.lengths import LengthsError, LengthStats, load_lengths
 from megatron_omnibal.data.video_lengths import EpochLengths, run_lengths
+from megatron_omnibal.megatron.flags.lora_args import add_lora_args, lora_save, lora_settings
 from megatron_omnibal.megatron.runtime.stderr import write_line
 from megatron_omnibal.megatron.stages.finetune import FinetuneSettings, add_finetune_args
 from megatron_omnibal.megatron.stages.layout import (
@@ -39,6 +40,7 @@ from megatron_omnibal.megatron.stream.node_plans import (
     shared_local_rank,
 )
 from megatron_omnibal.megatron.stream.source import SourceSettings
+from megatron_omnibal.models.lora import LoraError, LoraSpec
 from megatron_omnibal.planner.plan_file.plan import Plan, PlanError
 from megatron_omnibal.planner.plan_file.plan import load_plan as read_plan
 from megatron_omnibal.planner.plan_file.provenance import lengths_sha256
@@ -82,6 +84,8 @@ class OmnibalSettings:
     balance: BalanceConfig  # seed: Megatron's --seed (epoch e balances with seed + e)
     by_epoch: EpochLengths  # each epoch's lengths (videos redraw their frames), read once
     finetune: FinetuneSettings
+    lora: LoraSpec | None = None  # --omnibal-lora-*: adapters instead of full training
+    lora_save: str = "full"  # adapters | full: what a LoRA run's checkpoints hold
     precision: str  # bf16 | fp16 | fp32, as Megatron's flags say
     peak_tflops: float | None  # --omnibal-peak-tflops
     vocab_size: int | None  # --vocab-size: the model's, before Megatron pads it
@@ -309,6 +313,7 @@ def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "the working directory; .dpN per data-parallel replica when DP > 1)",
     )
     add_finetune_args(g)
+    add_lora_args(g)
     g.add_argument(
         "--omnibal-allow-data-change",
         action="store_true",
@@ -400,6 +405,11 @@ def validate_omnibal_args(
         )
     except ValueError as exc:
         raise OmnibalArgsError(str(exc)) from exc
+    try:
+        lora = lora_settings(args)
+        saves = lora_save(args) if lora is not None else "full"
+    except LoraError as exc:
+        raise OmnibalArgsError(str(exc)) from exc
     return OmnibalSettings(
         layouts=tuple(layouts),
         vpp=vpp,
@@ -415,6 +425,8 @@ def validate_omnibal_args(
         balance=balance,
         by_epoch=run_lengths(args.omnibal_lengths, lengths, balance.seed),
         finetune=finetune,
+        lora=lora,
+        lora_save=saves,
         precision=run_precision(args),
         peak_tflops=args.omnibal_peak_tflops,
         vocab_size=getattr(args, "vocab_size", None),

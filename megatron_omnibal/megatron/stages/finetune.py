@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # annotations only: megatron/flags/args.py imports this modul
 
 PARTS = ("vit", "projector", "llm")
 # Which stage submodules make up each part (models.spec order: ViT, projector, LLM).
-_MODULES = {
+PART_MODULES = {
     "vit": ("patch_embed", "vit", "vit_final_norm"),
     "projector": ("projector",),
     "llm": ("embedding", "llm", "output_layer"),
@@ -75,7 +75,7 @@ def add_finetune_args(group: Any) -> None:
 
 def apply_to_stage(stage: torch.nn.Module, settings: FinetuneSettings) -> None:
     """Freeze the stage's parameters of frozen parts; mark its ViT parameters."""
-    for part, names in _MODULES.items():
+    for part, names in PART_MODULES.items():
         for name in names:
             module = getattr(stage, name, None)
             if module is None:

@@ -16,6 +16,7 @@ from megatron_omnibal.megatron.stages.configs import stage_configs
 from megatron_omnibal.megatron.stages.finetune import FinetuneSettings, apply_to_stage
 from megatron_omnibal.megatron.stages.layout import LayoutError, rank_stages
 from megatron_omnibal.megatron.stages.model import VLMStage
+from megatron_omnibal.models.lora import LoraSpec
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
@@ -30,6 +31,8 @@ def vlm_model_provider(
     pg_collection: ProcessGroupCollection | None = None,
     finetune: FinetuneSettings | None = None,
     level_recompute: Sequence[Sequence[tuple[int, int]]] = (),
+    lora: LoraSpec | None = None,
+    seed: int = 0,
 ) -> VLMStage:
     """This rank's stage, or with virtual stages (pp x vpp `layouts`, interleaved 1F1B) its
     model chunk `vp_stage`: virtual stage vp_stage x pp + rank. pre_process/post_process are
@@ -38,7 +41,8 @@ def vlm_model_provider(
     pg_collection is megatron.training's (None: parallel_state's groups); `finetune` freezes
     parts and marks the ViT for its learning-rate multiplier; `level_recompute[stage]` the
     stage's (ViT, LLM) recompute per packing level (layout.level_recompute; empty: the
-    layout's counts throughout)."""
+    layout's counts throughout); `lora` gives the targeted layers adapters (initial values
+    from `seed` and each layer's name) and freezes the rest but `lora.train`'s parts."""
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     if len(layouts) != pp * vpp:
@@ -65,6 +69,10 @@ def vlm_model_provider(
         level_recompute=level_recompute[virtual] if level_recompute else (),
         vp_stage=vp_stage,
     )
+    if lora is not None:
+        from megatron_omnibal.megatron.stages.lora import apply_lora
+
+        apply_lora(stage, lora, seed)
     if finetune is not None:
         apply_to_stage(stage, finetune)
     return stage

@@ -44,6 +44,7 @@ from megatron_omnibal.megatron.stages.layout import (
     megatron_layout_flag,
     rank_stages,
 )
+from megatron_omnibal.megatron.training.lora_checkpoints import install_lora_checkpoints
 
 RANK0_GRACE_S = 5.0  # how long other ranks let rank 0 print an error they all found
 ForwardStep = Callable[[Any, Any], Any]
@@ -90,6 +91,9 @@ def main(
     # Saved with Megatron's args in every checkpoint: the export reads the model and layout.
     args.omnibal_model_spec = json.dumps(spec.to_dict())
     args.omnibal_stages = json.dumps([st.to_dict() for st in settings.layouts])
+    if settings.lora is not None:  # the export merges or writes the adapters from this
+        args.omnibal_lora = json.dumps(settings.lora.to_dict())
+        args.omnibal_lora_save = settings.lora_save
     from megatron_omnibal.megatron.stream.loader import SampleLoadError
 
     try:
@@ -139,6 +143,8 @@ def prepare(argv: list[str]) -> tuple[list[str], OmnibalSettings, Any, ResumePla
     settings = validate_omnibal_args(
         args, plan, vit_layers=spec.vit.num_layers, tokens_per_tile=spec.tokens_per_tile
     )
+    if settings.lora is not None:
+        _check_lora(settings, spec, args)
     source = None
     if settings.data != "synthetic":
         from megatron_omnibal.megatron.stream.dataset import open_source
@@ -155,6 +161,25 @@ def prepare(argv: list[str]) -> tuple[list[str], OmnibalSettings, Any, ResumePla
     if len(settings.layouts) > 1:  # Megatron builds, numbers and counts the layers as laid out
         argv += ["--pipeline-model-parallel-layout", megatron_layout_flag(settings.layouts)]
     return argv, settings, spec, resume, source
+
+
+def _check_lora(settings: OmnibalSettings, spec: Any, args: argparse.Namespace) -> None:
+    """LoRA's targets and rank against the model, its parts against --omnibal-freeze, and
+    the local layer specs it is built on."""
+    from megatron_omnibal.megatron.flags.lora_args import check_lora_model
+    from megatron_omnibal.models.lora import LoraError
+
+    try:
+        check_lora_model(settings.lora, spec, settings.finetune.freeze)
+    except LoraError as exc:
+        raise OmnibalArgsError(str(exc)) from exc
+    from megatron_omnibal.megatron.stages.layer_specs import HAVE_TE
+
+    if HAVE_TE and getattr(args, "transformer_impl", "transformer_engine") != "local":
+        raise OmnibalArgsError(
+            "--omnibal-lora-rank: LoRA adapters are built on megatron-core's local linear "
+            "layers; add --transformer-impl local"
+        )
 
 
 def _parsed(
@@ -353,6 +378,7 @@ def train(
     _run_steps_of_their_levels()
     args.calculate_per_token_loss = True  # losses are token sums; Megatron divides globally
     install_vit_lr_override(settings.finetune.vit_lr_mult)
+    install_lora_checkpoints(settings)
     args.variable_seq_lengths = True  # balanced micro-batches differ in shape
     args.eval_iters = 0  # the balanced stream is for training; there is no validation split
     # Megatron saves its argument namespace in every checkpoint: the next resume checks this.
@@ -502,6 +528,8 @@ def _model_provider(
         pg_collection=pg_collection,
         finetune=settings.finetune,
         level_recompute=settings.level_recompute,
+        lora=settings.lora,
+        seed=settings.seed,
     )
     if vp_stage is not None:
         built.append(chunk)

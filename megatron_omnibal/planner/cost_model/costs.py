@@ -94,6 +94,18 @@ class CostModel:
     # one transfer across a stage boundary as a profile measured it (its `p2p_ms`); None: the
     # hardware's latency plus the bytes over the pipeline link
     p2p_ms: float | None = None
+    # static MiB (priced as static_mib is: static_bytes_per_param) of the parameters whose
+    # gradients data parallelism reduces, per unit and of the pinned work; None: all of them.
+    # A LoRA run reduces its adapters' gradients only (lora_costs.py)
+    sync_mib: np.ndarray | None = None
+    first_sync_mib: float | None = None
+    last_sync_mib: float | None = None
+
+    def sync(self) -> tuple[np.ndarray, float, float]:
+        """(per unit, first, last) static MiB whose gradients DP reduces."""
+        if self.sync_mib is None:
+            return self.static_mib, self.first_static_mib, self.last_static_mib
+        return self.sync_mib, float(self.first_sync_mib), float(self.last_sync_mib)
 
     def at(self, features: np.ndarray) -> LayerCosts:
         """Costs at one micro-batch (features (4,)) or many ((M, 4) -> arrays (U, M))."""

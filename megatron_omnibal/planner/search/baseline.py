@@ -191,6 +191,9 @@ class _Layouts:
         self.first, self.last, self.out = cm.first, cm.last, cm.output
         act, ckpt = np.asarray(peak.activation_mib), np.asarray(peak.checkpoint_mib)
         self.static = prefix(cm.static_mib)
+        synced, first_sync, last_sync = cm.sync()
+        self.synced = prefix(synced)  # what DP reduces: every parameter, or LoRA's adapters
+        self.pinned_sync = (first_sync, last_sync)
         self.act = prefix(act)
         self.vit_saved = prefix(np.where(vit, act - ckpt, 0.0))
         self.llm_saved = prefix(np.where(llm, act - ckpt, 0.0))
@@ -284,9 +287,9 @@ class _Layouts:
         before = np.cumsum(head, axis=2) - head + np.cumsum(tail, axis=2) - tail
         busy = busy.reshape(layouts, dp, vpp, pp).sum(axis=2)
         replicas = np.max(before[:, :, :pp] + busy, axis=2)
-        static = self.static[hi] - self.static[lo]
-        static[:, 0] += self.pinned[0][0]
-        static[:, -1] += self.pinned[1][0]
+        static = self.synced[hi] - self.synced[lo]
+        static[:, 0] += self.pinned_sync[0]
+        static[:, -1] += self.pinned_sync[1]
         static = static.reshape(layouts, vpp, pp).sum(axis=1)
         return replicas.max(axis=1) + static.max(axis=1) * self.sync_per_mib, replicas
 

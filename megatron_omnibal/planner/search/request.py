@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from megatron_omnibal.balance.config import Level
 from megatron_omnibal.data.lengths import LengthStats
+from megatron_omnibal.models.lora import LoraError, LoraSpec, lora_layers
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.cost_model.hardware import Hardware
 from megatron_omnibal.planner.plan_file.plan import MODES
@@ -44,6 +45,7 @@ class PlanRequest:
     profile_path: str | None = None
     plan_path: str = "plan.json"
     levels: str | None = None
+    lora: LoraSpec | None = None  # LoRA: frozen base weights, adapters trained (lora_costs.py)
 
     def __post_init__(self) -> None:
         for flag, value in (("--gpus", self.gpus), ("--global-batch", self.global_batch)):
@@ -65,6 +67,16 @@ class PlanRequest:
                     raise ValueError(f"--levels: {exc} (or 'auto')") from None
         if self.profile is None and self.profile_path is not None:
             raise ValueError("profile_path without a profile")
+        if self.lora is not None:
+            if self.profile is not None:
+                raise ValueError(
+                    "--lora-rank with --profile: a measured profile prices full training; plan "
+                    "LoRA with the FLOPs model"
+                )
+            try:
+                lora_layers(self.model, self.lora, "--lora-targets", "--lora-rank")
+            except LoraError as exc:
+                raise ValueError(str(exc)) from exc
         if self.profile is not None and self.tp not in (None, 1):
             raise ValueError(
                 f"--tp {self.tp}: a measured profile is for TP = 1 (one GPU per layer)"

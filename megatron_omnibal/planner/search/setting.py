@@ -23,6 +23,7 @@ from megatron_omnibal.planner.cost_model.costs import (
     profile_cost_model,
 )
 from megatron_omnibal.planner.cost_model.hardware import Hardware
+from megatron_omnibal.planner.cost_model.lora_costs import lora_costs
 from megatron_omnibal.planner.cost_model.memory import GIB_MIB, static_bytes_per_param
 from megatron_omnibal.planner.cost_model.workload import (
     balanced_features,
@@ -123,13 +124,14 @@ class Setting:
             self.hw.network_gbs if self.tp * self.dp > self.hw.gpus_per_node else self.hw.nvlink_gbs
         )
         per_param = static_bytes_per_param(self.dp)
-        cm, units = self.model, len(self.model.names)
+        units = len(self.model.names)
+        synced, first, last = self.model.sync()
         pp = len(stages) // vpp
         rank_static = np.zeros(pp)
         for v, (lo, hi) in enumerate(stages):
-            static = float(np.sum(cm.static_mib[lo:hi]))
-            static += cm.first_static_mib if lo == 0 else 0.0
-            static += cm.last_static_mib if hi == units else 0.0
+            static = float(np.sum(synced[lo:hi]))
+            static += first if lo == 0 else 0.0
+            static += last if hi == units else 0.0
             rank_static[v % pp] += static
         params = float(rank_static.max()) * MIB / per_param
         return (self.dp - 1) / self.dp * params * 6 / (bw * 1e9) * 1e3
@@ -227,8 +229,9 @@ def cost_model(request: PlanRequest, tp: int, dp: int) -> CostModel:
     """The FLOPs model at (tp, dp), or the request's measured profile (TP 1) re-sharded for dp."""
     model = request.model
     if request.profile is None:
-        return analytic_costs(model, request.hardware, tp, dp,
-                              image_tiles=request.lengths.image_flags)
+        costs = analytic_costs(model, request.hardware, tp, dp,
+                               image_tiles=request.lengths.image_flags)  # fmt: skip
+        return costs if request.lora is None else lora_costs(costs, model, request.lora, tp, dp)
     units = partition_units(model)
     cm = profile_cost_model(request.profile, request.profile_path or "profile", dp)
     if len(cm.names) != units:

@@ -166,6 +166,31 @@ def cases(tmp_path_factory):
          f"--omnibal-levels / the plan's data.levels with --omnibal-plan {plan_vpp} "
          "(interleaved 1F1B): level 1/64 x3 runs 3 micro-batches per step, not a multiple of "
          "--pipeline-model-parallel-size 2"),
+    ] + _lora_cases([*base, *counts, "--omnibal-llm-pp-layers", "1,3"])  # fmt: skip
+
+
+def _lora_cases(run: list[str]) -> list[tuple[list[str], str]]:
+    """LoRA settings the tiny model cannot take, each refused naming the flag and layer."""
+    lora = [*run, "--omnibal-lora-rank", "4"]
+    return [
+        ([*lora, "--omnibal-lora-targets", "linear_qkv,attn.q_proj"],
+         "--omnibal-lora-targets: 'attn.q_proj' matches no layer of the model"),
+        ([*run, "--omnibal-lora-rank", "0"],
+         "argument --omnibal-lora-rank: must be a positive integer, got 0"),
+        ([*run, "--omnibal-lora-rank", "40"],
+         "--omnibal-lora-rank 40 is above the width of llm.layers.0.self_attention.linear_qkv "
+         "(32 -> 64): at most 32"),
+        ([*lora, "--omnibal-lora-targets", "vit.*.linear_fc2", "--omnibal-lora-rank", "33"],
+         "--omnibal-lora-rank 33 is above the width of vit.layers.0.mlp.linear_fc2 (64 -> 32)"),
+        ([*lora, "--omnibal-freeze", "llm"],
+         "--omnibal-lora-targets: LoRA on llm.layers.0.mlp.linear_fc1, but the LLM is frozen "
+         "by --omnibal-freeze llm"),
+        ([*lora, "--omnibal-lora-train", "projector", "--omnibal-freeze", "projector"],
+         "--omnibal-lora-train projector: the part is frozen by --omnibal-freeze projector"),
+        ([*lora, "--omnibal-lora-train", "head"],
+         "--omnibal-lora-*: LoRA train: unknown part(s) head"),
+        ([*lora, "--omnibal-lora-save", "adapters"],
+         "--omnibal-lora-save adapters: the base weights must come from --pretrained-checkpoint"),
     ]  # fmt: skip
 
 
