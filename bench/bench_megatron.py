@@ -627,7 +627,7 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
 
         from megatron_omnibal.megatron.stream.batch import SyntheticSamples
         from megatron_omnibal.megatron.stream.data import BalancedDataIterator
-        from megatron_omnibal.megatron.training.pretrain_vlm import filler_sample
+        from megatron_omnibal.megatron.stream.iterators import filler_sample
 
         args = get_args()
         sampler = FixedBatches(len(settings.lengths), baseline_batch,

@@ -32,6 +32,7 @@ from megatron_omnibal.megatron.stages.layout import (
     layout_from_counts,
     layout_from_plan,
     level_recompute,
+    rank_stages,
 )
 from megatron_omnibal.megatron.stream.data_identity import lengths_digest
 from megatron_omnibal.megatron.stream.node_plans import (
@@ -141,6 +142,12 @@ class OmnibalSettings:
     @property
     def seed(self) -> int:
         return self.balance.seed
+
+    def decodes_pixels(self, pp_rank: int) -> bool:
+        """Whether pipeline rank `pp_rank` holds the patch embedding in one of its chunks
+        (its stream decodes images; the others get shape-only tiles)."""
+        stages = rank_stages(len(self.layouts), self.pp_size, pp_rank)
+        return any(self.layouts[v].patch_embed for v in stages)
 
     @property
     def level_recompute(self) -> tuple[tuple[tuple[int, int], ...], ...]:
