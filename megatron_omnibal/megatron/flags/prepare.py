@@ -104,11 +104,12 @@ def _open_source(settings: OmnibalSettings, spec: Any) -> Any:
 def _check_lora(settings: OmnibalSettings, spec: Any, args: argparse.Namespace) -> None:
     """LoRA's targets and rank against the model, its parts against --omnibal-freeze, and
     the local layer specs it is built on."""
-    from megatron_omnibal.megatron.flags.lora_args import check_lora_model
-    from megatron_omnibal.models.lora import LoraError
+    from megatron_omnibal.models.lora import LoraError, check_frozen, lora_layers
 
+    lora, frozen = settings.lora, settings.finetune.freeze
     try:
-        check_lora_model(settings.lora, spec, settings.finetune.freeze)
+        lora_layers(spec, lora, "--omnibal-lora-targets", "--omnibal-lora-rank")
+        check_frozen(spec, lora, frozen, "--omnibal-lora-targets", "--omnibal-lora-train")
     except LoraError as exc:
         raise OmnibalArgsError(str(exc)) from exc
     from megatron_omnibal.megatron.stages.layer_specs import HAVE_TE
