@@ -26,9 +26,11 @@ def frame_of(pixels: np.ndarray) -> int:
 
 def write_video(path: Path, frames: int, fps: int = 10, size: tuple[int, int] = (64, 48),
                 gop: int = 12, times: list[int] | None = None,
-                container_options: dict[str, str] | None = None) -> Path:
+                container_options: dict[str, str] | None = None,
+                options: dict[str, str] | None = None) -> Path:
     """A video of `frames` flat-coloured frames (width x height `size`), in the format its
-    suffix names (`times`: each frame's time in 1/fps units, for a variable rate)."""
+    suffix names (`times`: each frame's time in 1/fps units, for a variable rate; `options`:
+    the encoder's)."""
 
     def picture(k: int) -> np.ndarray:
         img = np.empty((size[1], size[0], 3), np.uint8)
@@ -36,7 +38,8 @@ def write_video(path: Path, frames: int, fps: int = 10, size: tuple[int, int] = 
         return img
 
     return generate.write_video(path, CODECS[path.suffix.lstrip(".")], frames, fps, size, gop,
-                                picture, times=times, container_options=container_options)
+                                picture, options, times=times,
+                                container_options=container_options)
 
 
 def add_audio(path: Path, seconds: float) -> Path:

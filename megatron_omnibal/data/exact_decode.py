@@ -20,11 +20,19 @@ whose frame count is an estimate) gets the frame shown at that time: the last on
 
 from __future__ import annotations
 
+import sys
 from bisect import bisect_left, bisect_right
 
 import numpy as np
 
 _MAX_REORDER = 16  # frames a decode-order timestamp can lag its presentation (H.264's limit)
+
+
+def _in_loader_worker() -> bool:
+    """Whether this process is a torch DataLoader worker (FFmpeg's automatic thread count is
+    every core, in every worker: 8 workers on a 64-core node would run 512 decoder threads)."""
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and data.get_worker_info() is not None
 
 
 class ExactDecoder:
@@ -34,7 +42,10 @@ class ExactDecoder:
 
     def __init__(self, container, fps: float, where: str, drop: bool = True) -> None:
         stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
+        if _in_loader_worker():  # the workers are the parallelism: one thread each
+            stream.codec_context.thread_count = 1
+        else:
+            stream.thread_type = "AUTO"
         self.container, self.stream, self.context = container, stream, stream.codec_context
         self.fps, self.where, self.drop = fps, where, drop
         self.base, self.tb = stream.start_time or 0, float(stream.time_base)
@@ -73,7 +84,7 @@ class ExactDecoder:
                 self.read_at = max(self.read_at, at)
             if packet.is_keyframe and at is not None and (buffer or self.fed):
                 if any(w < at for w in self.unfed):  # a leading frame of an open GOP, a gap
-                    self._feed(buffer)
+                    self._feed(buffer, whole=True)
                 else:
                     self._drain(at)
                 buffer = []
@@ -81,8 +92,10 @@ class ExactDecoder:
             if at in self.unfed:
                 self._feed(buffer)
                 buffer = []
-                if self._skip_ahead():
-                    buffer = []
+                if not self.unfed:  # every wanted frame decoded: out of the decoder with them
+                    self._drain(None)
+                    break
+                self._skip_ahead()
         return self.got
 
     def _seek(self, ts: int, read_at: int) -> None:
@@ -108,10 +121,11 @@ class ExactDecoder:
         self._seek(key, self.read_at)
         return True
 
-    def _feed(self, buffer: list, final: bool = False) -> None:
-        """Decode `buffer`: the packets nothing refers to are dropped undecoded unless their
-        frame is wanted or may be the one shown at a wanted time no frame starts at (one the
-        buffer reads past, or any at the `final` end)."""
+    def _feed(self, buffer: list, final: bool = False, whole: bool = False) -> None:
+        """Decode `buffer` up to its last packet needed (`whole`: all of it, as decoding goes
+        on after it): the packets nothing refers to are dropped undecoded unless their frame is
+        wanted or may be the one shown at a wanted time no frame starts at (one the buffer
+        reads past, or any at the `final` end)."""
         if not buffer:
             return
         at = [self._at(p) for p in buffer]
@@ -124,7 +138,8 @@ class ExactDecoder:
             k = bisect_right(times, (w, len(buffer))) - 1
             if k >= 0 and times[k][0] > self.last_at:
                 keep.add(times[k][1])
-        for i, packet in enumerate(buffer):
+        end = len(buffer) if whole else max(keep, default=-1) + 1
+        for i, packet in enumerate(buffer[:end]):
             kept = not self.drop or at[i] is None or packet.is_keyframe or i in keep
             if not kept:
                 self.dropped.append(at[i])

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -52,14 +52,36 @@ def _rate(value: object) -> float:
     return rate if math.isfinite(rate) and rate > 0 else 0.0
 
 
-def _open(path: str | os.PathLike):
+@dataclass(frozen=True)
+class VideoBytes:
+    """A video held in memory (a member of a Megatron-Energon sample): its name, for messages
+    (`str()` gives it), and its bytes, read by PyAV from memory."""
+
+    name: str
+    data: bytes = field(repr=False)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+VideoSource = str | os.PathLike | VideoBytes
+
+
+def _where(source: VideoSource) -> str:
+    return source.name if isinstance(source, VideoBytes) else os.fspath(source)
+
+
+def _open(source: VideoSource):
+    import io
+
     import av
 
-    where = os.fspath(path)
-    if not os.path.isfile(where):
+    where = _where(source)
+    if not isinstance(source, VideoBytes) and not os.path.isfile(where):
         raise VideoError(f"cannot open video {where}: no such file")
     try:
-        container = av.open(where)
+        container = av.open(io.BytesIO(source.data) if isinstance(source, VideoBytes)
+                            else where)
     except (av.FFmpegError, OSError, ValueError) as exc:
         raise VideoError(f"cannot open video {where}: {exc}") from exc
     if not container.streams.video:
@@ -115,11 +137,11 @@ def _tail_frames(container, stream, fps: float, duration: float) -> int | None:
     return None if last is None else int(round((last - base) * tb * fps)) + 1
 
 
-def read_header(path: str | os.PathLike) -> VideoHeader:
+def read_header(path: VideoSource) -> VideoHeader:
     """The header of the video at `path`, without decoding a frame."""
     import av
 
-    where = os.fspath(path)
+    where = _where(path)
     container = _open(path)
     try:
         return _header(container, where)
@@ -137,7 +159,7 @@ class DecodedFrames:
     decoded: int
 
 
-def decode_frames(path: str | os.PathLike, indices: list[int] | np.ndarray) -> DecodedFrames:
+def decode_frames(path: VideoSource, indices: list[int] | np.ndarray) -> DecodedFrames:
     """The frames `indices` (repeats allowed, any order) of the video at `path`.
 
     Exactly the frames any exact decoder must decode are decoded (data/exact_decode.py): for
@@ -152,7 +174,7 @@ def decode_frames(path: str | os.PathLike, indices: list[int] | np.ndarray) -> D
 
     from megatron_omnibal.data.exact_decode import ExactDecoder
 
-    where = os.fspath(path)
+    where = _where(path)
     wanted = sorted({int(i) for i in indices})
     if not wanted:
         raise ValueError(f"video {where}: no frame asked for")
@@ -187,13 +209,13 @@ def _check_end(decoder, header: VideoHeader, wanted: list[int], where: str) -> N
                          "truncated or corrupt")
 
 
-def count_frames(path: str | os.PathLike) -> int:
+def count_frames(path: VideoSource) -> int:
     """Frames of the video at `path` that decode: the last frame's index + 1, found by
     decoding from the last keyframe to the end (the count `--verify-images` trusts where the
     container stores none)."""
     import av
 
-    where = os.fspath(path)
+    where = _where(path)
     container = _open(path)
     try:
         header = _header(container, where, count_tail=False)

@@ -36,6 +36,38 @@ def test_frames_nothing_refers_to_are_not_decoded_unless_wanted(tmp_path):
     assert got.decoded < 75  # all 90 frames lie on the way
 
 
+def test_exactly_the_frames_an_exact_decoder_must_decode(tmp_path):
+    """Long GOPs (a keyframe every 60 frames, none between) with B-frames: for each wanted
+    frame, the packets from the later of its keyframe and the previous wanted frame are
+    decoded (decode order), less the unwanted ones nothing refers to (those FFmpeg's NONREF
+    skip leaves out, found by one decode of the whole video): no frame more, no frame less."""
+    import av
+
+    path = write_video(tmp_path / "long.mp4", 240, fps=30, gop=60,
+                       options={"x264-params": "scenecut=0:keyint=60"})
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        tb = float(stream.time_base)
+        packets = [(round(p.pts * tb * 30), p.is_keyframe) for p in container.demux(stream)
+                   if p.size]
+        container.seek(0)
+        stream.codec_context.skip_frame = "NONREF"
+        refs = {round(f.pts * tb * 30) for f in container.decode(stream)}
+    assert sum(key for _, key in packets) == 4 and len(refs) < 150  # long GOPs, B-frames
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        wanted = sorted({int(i) for i in rng.choice(240, 8, replace=False)})
+        need = set()
+        for w in wanted:
+            d = next(i for i, (at, _) in enumerate(packets) if at == w)
+            k = max(i for i in range(d + 1) if packets[i][1])
+            need.update(i for i in range(k, d + 1)
+                        if packets[i][0] in refs or packets[i][0] in wanted)
+        got = decode_frames(path, wanted)
+        assert got.decoded == len(need)
+        assert [frame_of(p) for p in got.pixels] == [w % 64 for w in wanted]
+
+
 def test_a_time_without_a_frame_takes_the_frame_shown_then(tmp_path):
     """A variable-rate video (gaps in its frame times): the frame of a time no frame starts at
     is the last one shown before it, as a player shows it."""
