@@ -103,23 +103,21 @@ class ExactDecoder:
         self.packets = self.container.demux(self.stream)
         self.read_at = read_at
 
-    def _skip_ahead(self) -> bool:
+    def _skip_ahead(self) -> None:
         """Seek to the keyframe before the next wanted frame when it lies more than a second
-        past what was read and the container's index names it; True if it did."""
+        past what was read and the container's index names it."""
         if not self.unfed or min(self.unfed) <= self.read_at + max(self.fps, 1.0):
-            return False
+            return
         entries = self.stream.index_entries
         target = self.base + int((min(self.unfed) - 0.5 - _MAX_REORDER) / self.fps / self.tb) \
             - self.shift
         found = entries.search_timestamp(target, backward=True) if len(entries) else -1
         if found < 0 or not entries[found].is_keyframe:
-            return False
+            return
         key = entries[found].timestamp
-        if self._index(key) <= self.read_at + 1:
-            return False
-        self._drain(self._index(key))
-        self._seek(key, self.read_at)
-        return True
+        if self._index(key) > self.read_at + 1:
+            self._drain(self._index(key))
+            self._seek(key, self.read_at)
 
     def _feed(self, buffer: list, final: bool = False, whole: bool = False) -> None:
         """Decode `buffer` up to its last packet needed (`whole`: all of it, as decoding goes
