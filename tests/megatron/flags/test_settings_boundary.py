@@ -17,6 +17,7 @@ SCANNED = ("megatron", "preflight")  # the Megatron layer and the tool built on 
 ENTRY_MODULES = {
     "megatron_omnibal.megatron.training.pretrain_vlm",  # parses, validates, trains
     "megatron_omnibal.megatron.flags.args",  # the --omnibal* flags -> OmnibalSettings
+    "megatron_omnibal.megatron.flags.optimizer_args",  # Megatron's optimizer flags checked
     "megatron_omnibal.preflight.run",  # the preflight's entry on pretrain_vlm
 }
 # (module, function): Megatron calls these with its namespace.
