@@ -57,6 +57,7 @@ from megatron_omnibal.data.lengths import (
 )
 from megatron_omnibal.data.native.video import native_video
 from megatron_omnibal.data.sample.config import StatsConfig, config_to_dict
+from megatron_omnibal.data.sample.media import SampleMedia, dataset_tiling, sample_media
 from megatron_omnibal.data.sample.text import SampleText
 from megatron_omnibal.data.text import conversations as conv
 from megatron_omnibal.data.text.tokenization import TokenCounter
@@ -290,10 +291,7 @@ def _stored_config(config: StatsConfig, counter: TokenCounter, specs: list[Datas
 def _tasks(specs: list[DatasetSpec], records: list[list[RawRecord]], config: StatsConfig,
            chunk_size: int) -> Iterator[tuple]:
     for d, (spec, recs) in enumerate(zip(specs, records, strict=True)):
-        tiling = config.tiling
-        if spec.max_tiles is not None:
-            tiling = replace(tiling, max_tiles=spec.max_tiles,
-                             min_tiles=min(tiling.min_tiles, spec.max_tiles))
+        tiling = dataset_tiling(config.tiling, spec.max_tiles)
         for chunk in chunks(recs, chunk_size):
             yield d, spec.name, spec.files(), tiling, chunk
 
@@ -326,18 +324,17 @@ def _run_chunk(task: tuple) -> _ChunkOut:
         try:
             sample = files.sample(raw)
             ids[k] = _sample_id(sample.record)
-            pieces, extra, per_image, found = _measure(sample, tiling, config, counter,
-                                                       _STATE["text"])
+            pieces, extra, media, found = _measure(sample, tiling, config, counter,
+                                                   _STATE["text"])
         except (conv.SampleError, ImageHeaderError, ImageDecodeError, VideoError) as exc:
             ok[k] = False
             errors.append(Skipped(name, raw.index, raw.line, ids[k], str(exc)))
             continue
         tokens[k] = extra
         # InternVL: one frame per video (see _first_epoch_frames); Qwen2.5-VL: its merge groups
-        flags[k] = sum(per_image) + sum(row[2] for row in found)
-        vit[k] = flags[k] if per_image or found else int(config.dummy_tile)
-        if len(per_image) > 1:
-            multi[k] = tuple(per_image)
+        vit[k], flags[k] = media.vision(config.dummy_tile)
+        if not found and len(media.units) > 1:
+            multi[k] = tuple(media.units)
         if found:
             videos[k] = found
         if found and tiling.mode != "native":
@@ -376,26 +373,21 @@ def _sample_id(record: dict) -> str | None:
 
 def _measure(sample: LoadedSample, tiling: TilingConfig, config: StatsConfig,
              counter: TokenCounter, text: SampleText
-             ) -> tuple[list[str], int, list[int], list[tuple[int, float, int]]]:
-    """(text pieces, image tokens beyond one per image, tiles of each image, (frames, fps,
-    tiles) of each video) of a sample; an InternVL video is rendered with one frame, a
-    Qwen2.5-VL video whole."""
+             ) -> tuple[list[str], int, SampleMedia, list[tuple[int, float, int]]]:
+    """(text pieces, image tokens beyond one per image, its media (tiles of each image),
+    (frames, fps, tiles) of each video) of a sample; an InternVL video is rendered with one
+    frame, a Qwen2.5-VL video whole."""
     images, videos, turns = read_sample(sample.record, config.extra_keys)
-    style = config.image_style
+    native = tiling.mode == "native"
     extra = 0
-    if videos and tiling.mode == "native":
+    if videos and native:
         found = [native_video_of(sample.video_path(v.path), v, config) for v in videos]
-        media = [conv.Media.native_video(conv.video_style(style))] * len(videos)
         extra += sum(units - 1 for *_, units in found)
     elif videos:
         found = [(*video_frames(sample.video_path(v.path), v, config), 1) for v in videos]
-        if not (style.start and style.end):
-            raise conv.SampleError("video samples need a model whose images have start and "
-                                   "end tokens (InternVL); this one's have none")
-        media = [conv.Media.frames(1, style)] * len(videos)
         extra += len(videos) * (config.tiling.tokens_per_tile - 1)
     else:
-        found, media = [], [conv.Media.image(style)] * len(images)
+        found = []
     per_image = []
     for rel in images:
         width, height = sample.image_size(rel)
@@ -411,10 +403,11 @@ def _measure(sample: LoadedSample, tiling: TilingConfig, config: StatsConfig,
             raise conv.SampleError(f"image {sample.where(rel)}: {exc}") from None
         per_image.append(n_tiles)
         extra += n_tokens - 1
-    chat = text.render(turns, media)
+    media = sample_media(config.image_style, native, per_image, [units for *_, units in found])
+    chat = text.render(turns, media.media)
     if chat.specials:
         extra += counter.specials
-    return chat.pieces, extra, per_image, found
+    return chat.pieces, extra, media, found
 
 
 def native_video_of(path: str, video: Video, config: StatsConfig) -> tuple[int, float, int]:

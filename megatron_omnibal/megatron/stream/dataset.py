@@ -78,6 +78,7 @@ from megatron_omnibal.data.sample.config import (
     check_model,
     config_from_dict,
 )
+from megatron_omnibal.data.sample.media import SampleMedia, dataset_tiling, sample_media
 from megatron_omnibal.data.sample.text import SampleText
 from megatron_omnibal.data.text import conversations as conv
 from megatron_omnibal.data.text.tokenization import TokenCounter
@@ -136,11 +137,7 @@ class RealSampleSource:
         _check_unchanged(self.specs, energon)
         self.files = [spec.files() for spec in self.specs]
         self.identities = identities  # read where the record index is built, not per rank
-        self.tilings = [
-            tiling if s.max_tiles is None else
-            replace(tiling, max_tiles=s.max_tiles, min_tiles=min(tiling.min_tiles, s.max_tiles))
-            for s in self.specs
-        ]
+        self.tilings = [dataset_tiling(tiling, s.max_tiles) for s in self.specs]
         self.skipped = skipped
         self.entries = self._entries(_skipped_indices(skipped, self.specs), local_rank)
 
@@ -216,9 +213,9 @@ class RealSampleSource:
                 "data, tokenizer or `omnibal stats` flags)")
 
     def render(self, index: int, epoch: int = 0, sample: LoadedSample | None = None) -> tuple[
-            np.ndarray, np.ndarray, list[str], list[int], list[Video], LoadedSample]:
-        """(token ids, loss flags per token, image names, tiles per image (per frame of a
-        video), videos, the loaded sample) of a sample as `epoch` trains it; `sample`: the
+            np.ndarray, np.ndarray, list[str], SampleMedia, list[Video], LoadedSample]:
+        """(token ids, loss flags per token, image names, its media (tiles per image, per frame
+        of a video), videos, the loaded sample) of a sample as `epoch` trains it; `sample`: the
         sample already read (by another loader), else it is read here.
 
         Image placeholders are already expanded to the model's image token id. Tiles per image
@@ -237,21 +234,15 @@ class RealSampleSource:
         except conv.SampleError as exc:
             raise DatasetError(f"{self.describe(index)}: {exc}") from exc
         tiles = self._tiles(index, len(images))
-        style = self.config.image_style
-        media = [conv.Media.image(style)] * len(images)
-        if videos and self.native:  # whole videos: the merge groups the length file counts
-            tiles = self.frame_counts(index, epoch, len(videos)).tolist()
-            media = [conv.Media.native_video(conv.video_style(style))] * len(videos)
-        elif videos:
-            counts = self.frame_counts(index, epoch, len(videos))
-            tiles = [1] * int(counts.sum())
-            media = [conv.Media.frames(int(n), style) for n in counts]
+        # frames per video (a native video's merge groups) the length file plans for `epoch`
+        units = self.frame_counts(index, epoch, len(videos)).tolist() if videos else []
         try:
-            chat = self.text.render(turns, media)
+            media = sample_media(self.config.image_style, self.native, tiles, units)
+            chat = self.text.render(turns, media.media)
         except conv.SampleError as exc:
             raise DatasetError(f"{self.describe(index)}: {exc}") from exc
         ids, target = self.counter.encode_chat(chat)
-        return (*self._expand(index, ids, target, tiles), images, tiles, videos, sample)
+        return (*self._expand(index, ids, target, media.units), images, media, videos, sample)
 
     def frame_counts(self, index: int, epoch: int, n_videos: int) -> np.ndarray:
         """Frames each video of sample `index` trains on in `epoch` (from the epoch plan; a
@@ -294,9 +285,9 @@ class RealSampleSource:
 
     def measure(self, index: int, epoch: int = 0) -> tuple[int, int, int]:
         """(vit_num, token_num, image_flags) of a sample as built from its text."""
-        ids, _, images, tiles, videos, _ = self.render(index, epoch)
-        real = sum(tiles)
-        return (real if images or videos else int(self.config.dummy_tile)), len(ids), real
+        ids, _, _, media, _, _ = self.render(index, epoch)
+        vit, real = media.vision(self.config.dummy_tile)
+        return vit, len(ids), real
 
     def __call__(self, index: int, epoch: int = 0, sample: LoadedSample | None = None
                  ) -> Sample:
@@ -305,9 +296,9 @@ class RealSampleSource:
         from megatron_omnibal.megatron.stream.batch import Sample, shape_only_images
         from megatron_omnibal.megatron.stream.loader import SampleLoadError
 
-        ids, target, names, tiles, videos, sample = self.render(index, epoch, sample)
-        real = sum(tiles)
-        vit = real if names or videos else int(self.config.dummy_tile)
+        ids, target, names, media, videos, sample = self.render(index, epoch, sample)
+        tiles = media.units
+        vit, real = media.vision(self.config.dummy_tile)
         self.check(index, vit, len(ids), real, epoch)
         labels = np.full(len(ids), IGNORE_INDEX, np.int64)
         labels[:-1] = np.where(target[1:], ids[1:], IGNORE_INDEX)
