@@ -29,11 +29,11 @@ from megatron_omnibal.data.lengths import LengthStats
 SEQ_LEN_GRID = 64  # candidate maximum sequence lengths are multiples of this
 
 
-def fill_in_order(tokens: list[int], start: int, end: int, max_seq_len: int,
-                  prefix: list[int]) -> list[list[int]]:
+def fill_in_order(start: int, end: int, max_seq_len: int, prefix: list[int]
+                  ) -> list[list[int]]:
     """Packs of positions start..end-1 (in order) as [first, last + 1) ranges: each pack takes
     samples while their sum stays within max_seq_len, at least one. `prefix[k]` is the sum of
-    tokens[:k]."""
+    the tokens of positions before k."""
     packs, at = [], start
     while at < end:
         stop = min(end, max(at + 1, bisect_right(prefix, prefix[at] + max_seq_len) - 1))
@@ -63,36 +63,45 @@ def split_to_multiple(packs: list[list[int]], multiple: int) -> list[list[int]]:
     return out
 
 
+def step_packs(tokens: np.ndarray, samples_per_step: int, max_seq_len: int, multiple: int
+               ) -> list[list[list[int]]]:
+    """Per global batch: its packs as [first, last + 1) ranges over positions of `tokens` (the
+    samples in training order), filled in order and split to a multiple. Batches of
+    `samples_per_step`, the last one also taking the remainder."""
+    n = len(tokens)
+    prefix = np.concatenate([[0], np.cumsum(tokens)]).tolist()
+    num_steps = max(1, n // samples_per_step)
+    out = []
+    for step in range(num_steps):
+        start = step * samples_per_step
+        end = n if step == num_steps - 1 else start + samples_per_step
+        out.append(split_to_multiple(fill_in_order(start, end, max_seq_len, prefix), multiple))
+    return out
+
+
+def _check_sizes(dp_size: int, samples_per_step: int, max_seq_len: int, microbatch_group: int
+                 ) -> None:
+    if min(dp_size, samples_per_step, max_seq_len, microbatch_group) < 1:
+        raise ValueError("dp_balanced: dp_size, samples_per_step, max_seq_len and "
+                         "microbatch_group must be >= 1")
+
+
 def dp_balanced(lengths: LengthStats, *, dp_size: int, samples_per_step: int,
                 max_seq_len: int, microbatch_group: int = 1, seed: int = 0) -> BalancePlan:
     """One epoch as dp_balanced trains it: the shuffled samples cut into global batches of
     `samples_per_step` (the last one also takes the remainder, where Megatron's sampler would
     drop it: every sample is trained once), each packed and dealt as the module docstring
-    says. The plan's steps have a varying number of micro-batches
-    (meta["micro_batches"] holds each step's)."""
-    n = len(lengths)
-    if dp_size < 1 or samples_per_step < 1 or max_seq_len < 1 or microbatch_group < 1:
-        raise ValueError("dp_balanced: dp_size, samples_per_step, max_seq_len and "
-                         "microbatch_group must be >= 1")
-    multiple = dp_size * microbatch_group
-    order = permutation(n, seed)
-    tokens = lengths.tokens[order].tolist()
-    prefix = np.concatenate([[0], np.cumsum(lengths.tokens[order])]).tolist()
-    ranges, steps, ranks, micros, per_step = [], [], [], [], []
-    num_steps = max(1, n // samples_per_step)
-    for step in range(num_steps):
-        start = step * samples_per_step
-        end = n if step == num_steps - 1 else start + samples_per_step
-        packs = split_to_multiple(fill_in_order(tokens, start, end, max_seq_len, prefix),
-                                  multiple)
-        k = np.arange(len(packs))
-        ranges += packs
-        steps.append(np.full(len(packs), step))
-        ranks.append(k % dp_size)
-        micros.append(k // dp_size)
-        per_step.append(len(packs) // dp_size)
-    bounds = np.array(ranges, np.int64).reshape(-1, 2)
-    step, rank, micro = (np.concatenate(x).astype(np.int64) for x in (steps, ranks, micros))
+    says. The plan's steps have a varying number of micro-batches (meta["micro_batches"] holds
+    each step's)."""
+    _check_sizes(dp_size, samples_per_step, max_seq_len, microbatch_group)
+    order = permutation(len(lengths), seed)
+    per_step = step_packs(lengths.tokens[order], samples_per_step, max_seq_len,
+                          dp_size * microbatch_group)
+    counts = np.array([len(packs) for packs in per_step], np.int64)
+    bounds = np.array([r for packs in per_step for r in packs], np.int64).reshape(-1, 2)
+    step = np.repeat(np.arange(len(counts)), counts)
+    k = np.arange(len(step)) - np.repeat(np.cumsum(counts) - counts, counts)
+    rank, micro = k % dp_size, k // dp_size
     stored = np.lexsort((micro, rank, step))  # packs in (step, rank, micro) order
     bounds, step, rank, micro = bounds[stored], step[stored], rank[stored], micro[stored]
     sizes = bounds[:, 1] - bounds[:, 0]
@@ -102,7 +111,7 @@ def dp_balanced(lengths: LengthStats, *, dp_size: int, samples_per_step: int,
                        meta={"dp": dp_size, "algorithm": "dp_balanced", "seed": seed,
                              "max_seq_len": max_seq_len, "samples_per_step": samples_per_step,
                              "microbatch_group": microbatch_group,
-                             "micro_batches": per_step})
+                             "micro_batches": (counts // dp_size).tolist()})
 
 
 def largest_pack(plan: BalancePlan, lengths: LengthStats) -> tuple[int, int]:
@@ -117,15 +126,21 @@ def equal_memory_max_seq_len(lengths: LengthStats, *, vit_budget: int, token_bud
                              dp_size: int, samples_per_step: int, microbatch_group: int = 1,
                              seed: int = 0) -> int:
     """The largest maximum sequence length (a multiple of SEQ_LEN_GRID, at most the token
-    budget, at least the longest sample) whose dp_balanced packs all stay within both budgets:
-    it packs by tokens only, so at the token budget its packs can hold more tiles than the
-    vision encoder's memory allows. Scanned down from the token budget; at the lower end
-    (packs of one sample over the tile budget: no length helps) the longest sample's length."""
-    longest = int(lengths.tokens.max())
-    top = token_budget // SEQ_LEN_GRID * SEQ_LEN_GRID
-    for length in range(top, longest - 1, -SEQ_LEN_GRID):
-        plan = dp_balanced(lengths, dp_size=dp_size, samples_per_step=samples_per_step,
-                           max_seq_len=length, microbatch_group=microbatch_group, seed=seed)
-        if largest_pack(plan, lengths)[0] <= vit_budget:
+    budget) whose dp_balanced packs all stay within both budgets: it packs by tokens only, so at
+    the token budget its packs can hold more tiles than the vision encoder's memory allows.
+    Scanned down from the token budget. A sample longer than the length is a pack of its own,
+    as dp_balanced makes it (within the budgets, as every sample is); the grid's least length
+    if none keeps the tiles."""
+    _check_sizes(dp_size, samples_per_step, token_budget, microbatch_group)
+    order = permutation(len(lengths), seed)
+    tokens = lengths.tokens[order]
+    tiles = np.concatenate([[0], np.cumsum(lengths.vit[order])])
+    length = token_budget // SEQ_LEN_GRID * SEQ_LEN_GRID
+    while length > SEQ_LEN_GRID:
+        packs = np.array([r for step in step_packs(tokens, samples_per_step, length,
+                                                   dp_size * microbatch_group)
+                          for r in step], np.int64)
+        if (tiles[packs[:, 1]] - tiles[packs[:, 0]]).max() <= vit_budget:
             return length
-    return longest
+        length -= SEQ_LEN_GRID
+    return SEQ_LEN_GRID
