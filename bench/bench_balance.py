@@ -91,6 +91,13 @@ from megatron_omnibal.planner.cost_model.hardware import get_hardware  # noqa: E
 from megatron_omnibal.planner.packing import levels as hbp  # noqa: E402
 from megatron_omnibal.planner.packing.pack_cost import model_pack_cost, pack_cost  # noqa: E402
 from megatron_omnibal.planner.search.partition import Problem, search  # noqa: E402
+from megatron_omnibal.planner.search.request import PlanRequest  # noqa: E402
+from megatron_omnibal.planner.search.setting import (  # noqa: E402
+    budget_mib,
+    choose_partition,
+    draw_batch,
+    make_setting,
+)
 
 EXAMPLE = ROOT / "examples" / "data" / "internvl_subset.npz"
 REFERENCE_CYTHON_S = {(18, 6016): 7.7, (9, 4096): 146.5}  # 50 rounds, threshold budget - 128,
@@ -232,6 +239,68 @@ def against_dp_balanced(datasets: list[tuple[str, object, tuple[int, int]]], dps
                      "search_cpu_s": search_cpu, "arms": arms,
                      "epoch_speedup_vs_equal_memory": ref / arms["ours"]["epoch_s"]})
     return rows
+
+
+def dp_balanced_features(stats, index: np.ndarray, dp: int, max_seq_len: int) -> np.ndarray:
+    """(dp, m', 4) planner features of dp_balanced's packs of the global batch `index` (one
+    step; m' = its packs / dp), rank by rank in micro-batch order."""
+    sub = stats.subset(index)
+    plan = dp_balanced(sub, dp_size=dp, samples_per_step=len(index), max_seq_len=max_seq_len)
+    tok = sub.tokens.astype(np.float64)
+    sums = [pack_totals(plan, x) for x in (sub.vit, tok, tok * tok)]
+    order = np.lexsort((plan.pack_micro, plan.pack_rank))
+    return workload_features(*sums)[order].reshape(dp, plan.num_packs // dp, 4)
+
+
+def ablation_against_dp_balanced(stats, pps=(4, 8)) -> list[dict]:
+    """The planner's ablation (6+20B on 128 A100-80G, TP 1, m = 4 x PP, its global batch of
+    1,024 real samples) with dp_balanced in place of random padded batches: Megatron's layout
+    (ViT on stage 0, every layer recomputed) on dp_balanced's packs (equal memory: its length
+    the largest whose packs over the epoch keep the plan's budgets), then our balanced
+    micro-batches, the searched partition, per-stage recompute; and dp_balanced's packs with
+    the partition and recompute searched for them. Modeled (FLOPs and pipeline simulator)."""
+    hw = get_hardware("A100-80G")
+    req = PlanRequest(model=get_preset("internvl-6b-20b"), hardware=hw, lengths=stats,
+                      gpus=128, global_batch=1024)
+    out = []
+    for pp in pps:
+        m, dp = 4 * pp, 128 // pp
+        setting = make_setting(req, 1, pp, dp, m)
+        vb, tb = setting.vit_budget, setting.token_budget
+        length = equal_memory_max_seq_len(stats, vit_budget=vb, token_budget=tb, dp_size=dp,
+                                          samples_per_step=req.global_batch)
+        packs = dp_balanced_features(stats, draw_batch(req), dp, length)
+        rows = []
+        for label, mode, feats, recompute in (
+                ("random padded (Megatron layout, full recompute)", "megatron", setting.fixed,
+                 True),
+                ("dp_balanced (Megatron layout, full recompute)", "megatron", packs, True),
+                ("+data: our micro-batches", "megatron", setting.balanced, True),
+                ("+partition (searched, full recompute)", "exact", setting.balanced, False),
+                ("+recompute (per stage): the plan", "exact", setting.balanced, True),
+                ("dp_balanced, partition + recompute searched for it", "exact", packs, True)):
+            part, _ = choose_partition(setting, mode, feats, recompute=recompute)
+            res = setting.predict(part, feats)
+            rows.append({"step": label, "step_s": res.step_ms / 1e3,
+                         "bubble": res.bubble_fraction, "micro_batches": feats.shape[1],
+                         "peak_gib": float(part.memory_mib.max()) / 1024,
+                         "fits": bool(part.memory_mib.max() <= budget_mib(hw) + 1e-6)})
+        out.append({"pp": pp, "dp": dp, "m": m, "budgets": [vb, tb],
+                    "dp_balanced_max_seq_len": length, "rows": rows})
+    return out
+
+
+def _print_ablation(rows: list[dict]) -> None:
+    print("\nmodeled ablation against dp_balanced: 6+20B on 128 x A100-80G, TP 1, global batch "
+          "1,024 real samples")
+    for c in rows:
+        print(f"  PP {c['pp']} DP {c['dp']} m {c['m']}, budgets {tuple(c['budgets'])}, "
+              f"dp_balanced max length {c['dp_balanced_max_seq_len']}")
+        ref = c["rows"][1]["step_s"]
+        for r in c["rows"]:
+            print(f"    {r['step']:<52}{r['step_s']:>7.2f} s{ref / r['step_s']:>7.2f}x  bubble "
+                  f"{r['bubble']:.3f}  m {r['micro_batches']:>3}  peak {r['peak_gib']:.1f} GiB"
+                  f"{'' if r['fits'] else ' (over memory)'}")
 
 
 def _print_against(rows: list[dict]) -> None:
@@ -473,7 +542,9 @@ def dp_balanced_sections(mix_n: int, dps, real=None) -> dict:
     data = [("real InternVL", real, BUDGETS)] + [(n, x, auto_budget(x)) for n, x in mixes]
     against = against_dp_balanced(data, dps)
     _print_against(against)
-    return {"heavy_text_tail": heavy, "dp_balanced": against}
+    modeled = ablation_against_dp_balanced(real)
+    _print_ablation(modeled)
+    return {"heavy_text_tail": heavy, "dp_balanced": against, "dp_balanced_ablation": modeled}
 
 
 def main(argv: list[str] | None = None) -> int:
