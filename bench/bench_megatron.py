@@ -28,10 +28,10 @@ InternVL lengths (a random subset of the shipped data):
                runs' samples per step, packed in order up to its maximum sequence length chosen
                at equal memory (the largest whose packs keep the plan's tile and token budgets),
                dealt to the DP ranks in turn. Megatron with that scheduler runs each global
-               batch's pack count / DP micro-batches; here every step runs the bench's
-               micro-batch count, each rank taking its dp_balanced packs in their order (the
+               batch's pack count / DP micro-batches; here every step runs the mean of those
+               counts (rounded), each rank taking its dp_balanced packs in their order (the
                packs and their pairing across DP ranks are dp_balanced's, the step boundaries
-               fall elsewhere)
+               fall a little elsewhere)
 
 Predictions use the planner's pipeline simulator and stage accounting on exactly the
 micro-batches each timed step trained on (recorded by the worker), with layer costs from
@@ -278,7 +278,7 @@ def interleaved_baseline(setting, spec, plan):
 
 
 def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
-    from megatron_omnibal.balance.dp_balanced import equal_memory_max_seq_len
+    from megatron_omnibal.balance.dp_balanced import dp_balanced, equal_memory_max_seq_len
     from megatron_omnibal.data.lengths import load_lengths, save_lengths
     from megatron_omnibal.megatron.stream.data import model_lengths
     from megatron_omnibal.models.spec import ModelSpec
@@ -392,17 +392,23 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
                                        args.run_repeats, dp), megatron_part, True)  # fmt: skip
     if "dp_balanced" in args.runs:
         # the balanced runs' samples per step (rank 0's micro-batches, times DP), its maximum
-        # sequence length at equal memory
+        # sequence length at equal memory, and as many micro-batches per step as its global
+        # batches make on average (so that its steps train about as many samples)
         per_step = round(dp * float(np.mean([sum(map(len, step)) for step in balanced])))
         max_len = equal_memory_max_seq_len(lengths, vit_budget=plan.data.vit_budget,
                                            token_budget=plan.data.token_budget, dp_size=dp,
                                            samples_per_step=per_step, seed=RUN_SEED)
-        flags = [*base, *budgets, *layout_flags(megatron_part, nv), "--omnibal-dp-balanced",
-                 f"{per_step},{max_len}"]  # fmt: skip
+        packed = dp_balanced(lengths, dp_size=dp, samples_per_step=per_step,
+                             max_seq_len=max_len, seed=RUN_SEED)
+        m_dpb = max(1, round(float(np.mean(packed.meta["micro_batches"]))))
+        flags = [*common_flags(lengths_file, m_dpb, args.steps, dp), "--omnibal-model",
+                 str(model_file), *budgets, *layout_flags(megatron_part, nv),
+                 "--omnibal-dp-balanced", f"{per_step},{max_len}"]  # fmt: skip
         results["dp_balanced"] = (measure("dp_balanced", tmp / "dp_balanced", flags,
                                           args.warmup, args.run_repeats, dp),
                                   megatron_part, False)  # fmt: skip
-        dp_balanced_setting = {"samples_per_step": per_step, "max_seq_len": max_len}
+        dp_balanced_setting = {"samples_per_step": per_step, "max_seq_len": max_len,
+                               "micro_batches": m_dpb}
     if "baseline-vpp2" in args.runs:
         flags = [*base, "--omnibal-plan", str(tmp / "baseline_vpp2.json"), "--omnibal-precision",
                  "fp32", "--omnibal-baseline-batch", str(batch)]  # fmt: skip
@@ -460,7 +466,7 @@ def print_shape(res: dict) -> None:
     at = ", ".join(f"{p['tiles']} tiles / {p['tokens']} tokens" for p in res["profiles_at"])
     dpb = res.get("dp_balanced")
     dpb = (f"; dp_balanced {dpb['samples_per_step']} samples/step, max length "
-           f"{dpb['max_seq_len']}" if dpb else "")
+           f"{dpb['max_seq_len']}, {dpb['micro_batches']} micro-batches/step" if dpb else "")
     print(f"\n{res['shape']}: vision {res['vision_share_measured']:.0%} of the layer cost "
           f"(profiles at {at}); PP={PP} x DP={res['dp']}, {res['micro_batches']} "
           f"micro-batches/step{dpb}; budgets "
