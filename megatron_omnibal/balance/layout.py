@@ -121,7 +121,7 @@ def light_packs(sizes: np.ndarray, rest: np.ndarray, per_step: int, tolerance: f
     largest beyond what is allowed (ties: least time)."""
     dims = sizes.shape[1]
     free = np.ones(len(sizes), bool)
-    orders = [rest[np.lexsort((sizes[rest, -1], sizes[rest, j]))] for j in range(dims)]
+    orders: list[np.ndarray | None] = [None] * dims  # sorted when first needed
     at = [0] * dims
     top = sizes[rest].max(axis=0)
     lack = top * len(rest) - sizes[rest].sum(axis=0)
@@ -135,6 +135,8 @@ def light_packs(sizes: np.ndarray, rest: np.ndarray, per_step: int, tolerance: f
         j = int(np.argmax(beyond))
         if beyond[j] <= 0:
             break
+        if orders[j] is None:
+            orders[j] = rest[np.lexsort((sizes[rest, -1], sizes[rest, j]))]
         o, k, pick = orders[j], at[j], []
         while len(pick) < per_step:
             if free[o[k]]:
