@@ -180,7 +180,17 @@ def torchrun(mode: str, out: Path, flags: list[str], dp: int = 1) -> dict:
                                                           "torch.distributed.run"]  # fmt: skip
     run([*launcher, "--standalone", f"--nproc-per-node={PP * dp}", __file__, "--worker", mode,
          str(out), "--", *flags], timeout=1800)  # fmt: skip
-    return json.loads((out / "rank0.json").read_text())
+    return {**json.loads((out / "rank0.json").read_text()),
+            "step_samples": step_samples(out, PP * dp)}
+
+
+def step_samples(out: Path, ranks: int) -> list[float]:
+    """Samples each step trained over all DP replicas: every rank records its replica's
+    micro-batches, and each replica's PP ranks see the same ones."""
+    per_rank = [[sum(map(len, step)) for step in
+                 json.loads((out / f"rank{r}.json").read_text())["micro_indices"]]
+                for r in range(ranks)]  # fmt: skip
+    return (np.sum(per_rank, axis=0) / PP).tolist()
 
 
 def step_features(lengths, micro_indices: list[list[int]], padded: bool) -> np.ndarray:
@@ -255,7 +265,8 @@ def measure(mode: str, out: Path, flags: list[str], warmup: int, repeats: int = 
         times = np.array(rec["train_step_ms"][warmup:])
         medians.append(float(statistics.median(times)))
         if first is None:
-            first = {"times_ms": times.tolist(), "micro_indices": rec["micro_indices"][warmup:]}
+            first = {"times_ms": times.tolist(), "micro_indices": rec["micro_indices"][warmup:],
+                     "step_samples": rec["step_samples"][warmup:]}
     return {**first, "median_step_ms": float(statistics.median(medians)),
             "run_medians_ms": [round(t, 1) for t in medians],
             "load_average": [round(load, 2), round(os.getloadavg()[0], 2)]}  # fmt: skip
@@ -384,6 +395,7 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
     # Fixed-size baseline: as many samples per step as the balanced runs took on average.
     balanced = [idx for got, _, _ in results.values() for idx in got["micro_indices"]]
     per_micro = np.mean([len(i) for step in balanced for i in step])
+    balanced_steps = [n for got, _, _ in results.values() for n in got["step_samples"]]
     batch = max(1, round(float(per_micro)))
     if "baseline" in args.runs:
         flags = [*base, *budgets, *layout_flags(megatron_part, nv), "--omnibal-baseline-batch",
@@ -391,10 +403,10 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
         results["baseline"] = (measure("baseline", tmp / "baseline", flags, args.warmup,
                                        args.run_repeats, dp), megatron_part, True)  # fmt: skip
     if "dp_balanced" in args.runs:
-        # the balanced runs' samples per step (rank 0's micro-batches, times DP), its maximum
-        # sequence length at equal memory, and as many micro-batches per step as its global
-        # batches make on average (so that its steps train about as many samples)
-        per_step = round(dp * float(np.mean([sum(map(len, step)) for step in balanced])))
+        # the balanced runs' samples per step (every DP replica's), its maximum sequence length
+        # at equal memory, and as many micro-batches per step as its global batches make on
+        # average (so that its steps train about as many samples)
+        per_step = round(float(np.mean(balanced_steps)))
         max_len = equal_memory_max_seq_len(lengths, vit_budget=plan.data.vit_budget,
                                            token_budget=plan.data.token_budget, dp_size=dp,
                                            samples_per_step=per_step, seed=RUN_SEED)
@@ -419,7 +431,7 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
     rows = []
     for label in (s for s in STEPS if s in results):
         got, part, padded = results[label]
-        samples = float(np.mean([sum(map(len, step)) for step in got["micro_indices"]]))
+        samples = float(np.mean(got["step_samples"]))  # over every DP replica
         row = {"step": label, "measured_ms": round(got["median_step_ms"], 1),
                "samples_per_step": round(samples, 2),
                "samples_per_s": round(1000 * samples / got["median_step_ms"], 2)}  # fmt: skip
