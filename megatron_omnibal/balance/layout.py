@@ -123,7 +123,9 @@ def light_packs(sizes: np.ndarray, rest: np.ndarray, per_step: int, tolerance: f
     free = np.ones(len(sizes), bool)
     orders: list[np.ndarray | None] = [None] * dims  # sorted when first needed
     at = [0] * dims
-    top = sizes[rest].max(axis=0)
+    # the largest pack a random step draws (about its 1 - 1/per_step quantile), not the rest's
+    # largest: that one grows with the number of packs
+    top = np.quantile(sizes[rest], 1.0 - 1.0 / per_step, axis=0, method="higher")
     lack = top * len(rest) - sizes[rest].sum(axis=0)
     # tiles: a lack every rank shares, however many packs it has; tokens and time: a rank's
     # load sums its micro_batches packs, which dilutes one light pack
