@@ -90,8 +90,8 @@ def tail_bands(sizes: np.ndarray, per_step: int, tolerance: float, micro_batches
       micro_batches packs, which dilutes one pack's excess), in as many whole steps as they
       fill (topped up with the next most over);
     - then the light packs (light_packs): while what the other packs lack against the largest
-      in tiles, tokens or time adds up to more than the tolerance, a step's worth of the packs
-      lowest in that size;
+      a random step draws, in tiles, tokens or time, adds up to more than the tolerance, a
+      step's worth of the packs lowest in that size;
     - both kinds grouped together by nearest_groups, so each such step holds packs alike in
       every size.
     """
@@ -115,10 +115,10 @@ def tail_bands(sizes: np.ndarray, per_step: int, tolerance: float, micro_batches
 def light_packs(sizes: np.ndarray, rest: np.ndarray, per_step: int, tolerance: float,
                 micro_batches: int = 1) -> np.ndarray:
     """The lightest packs of `rest`, a step's worth at a time, while what the packs left lack
-    against the largest of them, in any size (tiles, tokens, time), adds up to more than
-    `tolerance` of it: a light pack lowers its step's mean, which raises the step's max/mean as
-    a heavy pack does. Each step's worth is the packs lowest in the size whose lack is then the
-    largest beyond what is allowed (ties: least time)."""
+    against the largest pack a random step of them draws, in any size (tiles, tokens, time),
+    adds up to more than `tolerance` of it: a light pack lowers its step's mean, which raises
+    the step's max/mean as a heavy pack does. Each step's worth is the packs lowest in the size
+    whose lack is then the largest beyond what is allowed (ties: least time)."""
     dims = sizes.shape[1]
     free = np.ones(len(sizes), bool)
     orders: list[np.ndarray | None] = [None] * dims  # sorted when first needed
