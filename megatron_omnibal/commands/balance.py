@@ -70,10 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --model: tensor parallel size")
     parser.add_argument("--tail-tolerance", type=fraction, default=0.015,
                         help="random mode: packs over the mean tokens or modeled time (or the "
-                             "full tiles) by more than this share, and the packs with the "
-                             "fewest tiles while their lack costs more than it, get steps of "
-                             "their own among packs alike (default 0.015; smaller: tighter "
-                             "balance, more steps with a skewed dataset mix)")
+                             "full tiles) by more than this share, and the lightest packs "
+                             "while what they lack in tiles, tokens or time costs more than "
+                             "it, get steps of their own among packs alike (default 0.015; "
+                             "smaller: tighter balance, more steps with a skewed dataset mix)")
     parser.add_argument("--levels", metavar="V/T[xM],..",
                         help="packing levels (hierarchical balance packing), ascending, the "
                              "last one the budgets; xM: micro-batches per rank of its steps "
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         save_plan(plan, args.out)
         print(f"wrote {args.out}")
     if args.png:
-        from megatron_omnibal.data.plots import plot_balance
+        from megatron_omnibal.data.stats.plots import plot_balance
 
         print(f"wrote {plot_balance(plan, base_plan, lengths, args.png)}")
     if args.json_out:
