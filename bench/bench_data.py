@@ -136,9 +136,9 @@ def measure(root: Path, layout: str, pixels: bool, workers: int, micro: int) -> 
     from megatron_omnibal.data.video_lengths import run_lengths
     from megatron_omnibal.megatron.stream.data import BalancedDataIterator
     from megatron_omnibal.megatron.stream.dataset import open_source
+    from megatron_omnibal.megatron.stream.iterators import filler_sample
     from megatron_omnibal.megatron.stream.loader import MicroBatchDataset
     from megatron_omnibal.megatron.stream.source import SourceSettings
-    from megatron_omnibal.megatron.training.pretrain_vlm import filler_sample
     from megatron_omnibal.models.presets import get_preset
 
     preset, _, vit_budget, token_budget = LAYOUTS[layout]
@@ -255,9 +255,9 @@ def measure_energon(root: Path, own_loader: bool, workers: int, samples: int,
     from megatron_omnibal.data.lengths import load_identities, load_lengths
     from megatron_omnibal.megatron.stream.data import BalancedDataIterator
     from megatron_omnibal.megatron.stream.dataset import open_source
+    from megatron_omnibal.megatron.stream.iterators import filler_sample
     from megatron_omnibal.megatron.stream.loader import MicroBatchDataset
     from megatron_omnibal.megatron.stream.source import SourceSettings
-    from megatron_omnibal.megatron.training.pretrain_vlm import filler_sample
     from megatron_omnibal.models.presets import get_preset
 
     preset, _, vit_budget, token_budget = LAYOUTS["internvl"]

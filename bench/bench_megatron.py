@@ -726,8 +726,8 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
 
         from megatron_omnibal.megatron.stream.batch import SyntheticSamples
         from megatron_omnibal.megatron.stream.data import BalancedDataIterator
+        from megatron_omnibal.megatron.stream.iterators import filler_sample
         from megatron_omnibal.megatron.stream.loader import MicroBatchDataset
-        from megatron_omnibal.megatron.training.pretrain_vlm import filler_sample
 
         args = get_args()
         dp_size = parallel_state.get_data_parallel_world_size()

@@ -99,7 +99,9 @@ def worker(mode: str, out: Path, flags: list[str]) -> None:
     from megatron_omnibal.megatron.runtime.compat import ensure_typing_override
     from megatron_omnibal.megatron.runtime.cpu import enable_cpu_megatron
     from megatron_omnibal.megatron.runtime.notes import quiet_fallback_warnings
+    from megatron_omnibal.megatron.stream import iterators
     from megatron_omnibal.megatron.training import pretrain_vlm
+    from megatron_omnibal.megatron.training.run_log import install_run_log
 
     quiet_fallback_warnings()  # as pretrain_vlm.main starts
     enable_cpu_megatron()
@@ -107,10 +109,10 @@ def worker(mode: str, out: Path, flags: list[str]) -> None:
     if mode == "today":  # each rank its own node's only rank: it reads the lengths itself
         os.environ["LOCAL_WORLD_SIZE"] = "1"
     _, settings, spec, resume, source = pretrain_vlm.prepare(flags)
-    plans = pretrain_vlm.node_plans(settings, resume) if mode == "node" else None
-    pretrain_vlm._install_iteration_log(settings, resume, spec, plans)
-    ranks = pretrain_vlm.StageRanks(dp=settings.rank, pp=0, tp=0, model_size=1)
-    iterator, _ = pretrain_vlm.data_iterator(
+    plans = iterators.node_plans(settings, resume) if mode == "node" else None
+    install_run_log(settings, resume, spec, plans, lambda _: None)
+    ranks = iterators.StageRanks(dp=settings.rank, pp=0, tp=0, model_size=1)
+    iterator, _ = iterators.data_iterator(
         settings, spec, ranks, 0, origin=resume.origin, plans=plans, source=source
     )
     first = [next(iterator) for _ in range(iterator.micro_batches_of_next_step())]

@@ -108,10 +108,10 @@ def build_stream(meter: StepMeter, opts: PreflightOptions, settings: Any, spec: 
     from megatron.training import get_args
 
     from megatron_omnibal.megatron.stream.batch import collate, synthetic_sample
-    from megatron_omnibal.megatron.training.pretrain_vlm import build_data_iterators
+    from megatron_omnibal.megatron.stream.iterators import build_data_iterators
 
     args = get_args()
-    typical, _, _ = build_data_iterators(settings, spec)
+    typical, _, _ = build_data_iterators(settings, spec, iteration=lambda: args.iteration)
     packs = worst_packs(settings.balance.all_levels, spec.tokens_per_tile)
     pixels = settings.layouts[parallel_state.get_pipeline_model_parallel_rank()].patch_embed
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_omnibal.data.text.conversations import TEMPLATES
+from megatron_omnibal.megatron.flags.declarations import config_key, config_settings, setting
 from megatron_omnibal.megatron.stages.finetune import PARTS
 from megatron_omnibal.models.lora import LoraError, LoraSpec
 
@@ -48,7 +49,7 @@ class FinetuneConfig:
     warmup: float = 0.03  # a fraction of the steps (< 1), or a number of steps
     global_batch: int = 128  # samples per step the plan aims at
     freeze: tuple[str, ...] = ()  # parts kept fixed: vit, projector, llm
-    vit_lr_mult: float = 1.0
+    vit_lr_mult: float = setting("--omnibal-vit-lr-mult").default
     save_interval: int = 500
     log_interval: int = 10
     seed: int = 42
@@ -182,8 +183,11 @@ def preflight_flags(setting: bool | dict[str, Any]) -> list[str]:
     return flags
 
 
-LORA_KEYS = ("rank", "alpha", "dropout", "targets", "train")
-LORA_DEFAULTS = {"alpha": 32.0, "dropout": 0.05}  # as --omnibal-lora-alpha / -dropout
+# the `lora` mapping's keys and defaults: those of the --omnibal-lora-* flags they set
+LORA_KEYS = tuple(config_key(s, "lora") for s in config_settings("lora"))
+LORA_DEFAULTS = {
+    config_key(s, "lora"): s.default for s in config_settings("lora") if s.default is not None
+}
 
 
 def lora_spec(setting: dict[str, Any] | None) -> LoraSpec | None:

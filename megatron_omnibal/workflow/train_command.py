@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_omnibal.megatron.flags.declarations import config_key, config_settings
 from megatron_omnibal.workflow.config import FinetuneConfig
 from megatron_omnibal.workflow.paths import OutputPaths
 
@@ -47,24 +48,25 @@ def training_flags(config: FinetuneConfig, paths: OutputPaths, iters: int | str)
         flags += ["--lr-warmup-iters", str(int(config.warmup))]
     else:
         flags += ["--lr-warmup-fraction", str(config.warmup)]
-    if config.freeze:
-        flags += ["--omnibal-freeze", ",".join(config.freeze)]
-    if config.vit_lr_mult != 1.0:
-        flags += ["--omnibal-vit-lr-mult", str(config.vit_lr_mult)]
-    lora = config.lora_spec
-    if lora is not None:  # adapter-only checkpoints: the base is --pretrained-checkpoint
-        flags += ["--omnibal-lora-rank", str(lora.rank), "--omnibal-lora-alpha", str(lora.alpha),
-                  "--omnibal-lora-dropout", str(lora.dropout),
-                  "--omnibal-lora-targets", ",".join(lora.targets)]  # fmt: skip
-        if lora.train:
-            flags += ["--omnibal-lora-train", ",".join(lora.train)]
-    if config.tokenizer:
-        flags += ["--omnibal-tokenizer", config.tokenizer]
+    flags += config_flags(config)
     if config.trust_remote_code:
         flags.append("--trust-remote-code")
     if config.device == "cpu":
         flags += ["--transformer-impl", "local"]
     return flags + list(config.megatron_args)
+
+
+def config_flags(config: FinetuneConfig) -> list[str]:
+    """The --omnibal* flags of the config's keys that set them (flags/declarations.py: the
+    config key of each setting; a key at its flag's default adds nothing)."""
+    flags = []
+    for s in config_settings():
+        flags += s.argv(getattr(config, s.config_key))
+    lora = config.lora_spec
+    if lora is not None:  # adapter-only checkpoints: the base is --pretrained-checkpoint
+        for s in config_settings("lora"):
+            flags += s.argv(getattr(lora, config_key(s, "lora")))
+    return flags
 
 
 def launch_command(

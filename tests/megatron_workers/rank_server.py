@@ -25,6 +25,7 @@ PRELOAD = (
     "torch._dynamo",
     "megatron.core.tokenizers.text.libraries",
     "megatron_omnibal.megatron.training.pretrain_vlm",
+    "megatron_omnibal.megatron.stream.iterators",
     "megatron_omnibal.megatron.training.throughput",
     "megatron_omnibal.megatron.training.training_log",
     "megatron_omnibal.megatron.stream.data",

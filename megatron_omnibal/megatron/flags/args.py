@@ -13,25 +13,22 @@ import os
 from dataclasses import dataclass, replace
 
 from megatron_omnibal.balance.config import (
-    ALGORITHMS,
-    MODES,
-    OVERSIZE,
     BalanceConfig,
     Level,
     PackCost,
 )
-from megatron_omnibal.cli_args import non_negative_int, pack_cost, positive_float, positive_int
 from megatron_omnibal.data.lengths import LengthsError, LengthStats, load_lengths
 from megatron_omnibal.data.video_lengths import EpochLengths, run_lengths
-from megatron_omnibal.megatron.flags.lora_args import add_lora_args, lora_save, lora_settings
+from megatron_omnibal.megatron.flags.declarations import BAD_SAMPLE, PRECISIONS, add_settings
 from megatron_omnibal.megatron.runtime.stderr import write_line
-from megatron_omnibal.megatron.stages.finetune import FinetuneSettings, add_finetune_args
+from megatron_omnibal.megatron.stages.finetune import FinetuneSettings
 from megatron_omnibal.megatron.stages.layout import (
     LayoutError,
     StageLayout,
     layout_from_counts,
     layout_from_plan,
     level_recompute,
+    rank_stages,
 )
 from megatron_omnibal.megatron.stream.data_identity import lengths_digest
 from megatron_omnibal.megatron.stream.node_plans import (
@@ -45,8 +42,6 @@ from megatron_omnibal.planner.plan_file.plan import Plan, PlanError
 from megatron_omnibal.planner.plan_file.plan import load_plan as read_plan
 from megatron_omnibal.planner.plan_file.provenance import lengths_sha256
 
-BAD_SAMPLE = ("error", "skip")
-PRECISIONS = ("bf16", "fp16", "fp32")
 # Megatron's own ways of splitting the layers; --omnibal sets the layout itself.
 MEGATRON_LAYOUT_FLAGS = (
     ("--pipeline-model-parallel-layout", "pipeline_model_parallel_layout"),
@@ -142,6 +137,12 @@ class OmnibalSettings:
     def seed(self) -> int:
         return self.balance.seed
 
+    def decodes_pixels(self, pp_rank: int) -> bool:
+        """Whether pipeline rank `pp_rank` holds the patch embedding in one of its chunks
+        (its stream decodes images; the others get shape-only tiles)."""
+        stages = rank_stages(len(self.layouts), self.pp_size, pp_rank)
+        return any(self.layouts[v].patch_embed for v in stages)
+
     @property
     def level_recompute(self) -> tuple[tuple[tuple[int, int], ...], ...]:
         """Per stage, its (ViT, LLM) recompute in a step of each packing level (empty without
@@ -151,191 +152,11 @@ class OmnibalSettings:
         return level_recompute(self.layouts, self.balance.levels)
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers like 30,15,0,0, got '{text}'"
-        ) from exc
-    if any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"layer counts must be >= 0, got '{text}'")
-    return values
-
-
 def add_omnibal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the --omnibal* flags (usable as megatron.training's `extra_args_provider`)."""
-    g = parser.add_argument_group("omnibal", "balanced VLM training (megatron-omnibal)")
-    g.add_argument(
-        "--omnibal",
-        action="store_true",
-        help="train the VLM with balanced data, a planned split and planned recompute",
-    )
-    g.add_argument(
-        "--omnibal-plan",
-        metavar="PLAN.json",
-        default=None,
-        help="plan from `omnibal plan`: stage layout, recompute and data budgets; its parallel "
-        "sizes, batch, precision, model shape and length file are filled in where not given",
-    )
-    g.add_argument(
-        "--omnibal-lengths",
-        metavar="FILE",
-        default=None,
-        help="per-sample length statistics of the training data (vit_num, token_num; "
-        "default: the file the plan was made from)",
-    )
-    g.add_argument(
-        "--omnibal-vit-pp-layers",
-        type=_int_list,
-        default=None,
-        metavar="N,N,..",
-        help="ViT layers per pipeline stage, e.g. 30,15,0,0 (instead of a plan)",
-    )
-    g.add_argument(
-        "--omnibal-llm-pp-layers",
-        type=_int_list,
-        default=None,
-        metavar="N,N,..",
-        help="LLM layers per pipeline stage, e.g. 0,10,19,19 (instead of a plan)",
-    )
-    g.add_argument(
-        "--omnibal-vit-recompute",
-        type=_int_list,
-        default=None,
-        metavar="N,N,..",
-        help="ViT layers to recompute per stage, at every packing level (default: the plan's, "
-        "per level with levels, else none)",
-    )
-    g.add_argument(
-        "--omnibal-llm-recompute",
-        type=_int_list,
-        default=None,
-        metavar="N,N,..",
-        help="LLM layers to recompute per stage, at every packing level (default: the plan's, "
-        "per level with levels, else none)",
-    )
-    g.add_argument(
-        "--omnibal-vit-budget",
-        type=positive_int,
-        default=None,
-        help="image tiles per micro-batch the balancer aims at (default: the plan's)",
-    )
-    g.add_argument(
-        "--omnibal-token-budget",
-        type=positive_int,
-        default=None,
-        help="LLM tokens per micro-batch the balancer aims at (default: the plan's)",
-    )
-    g.add_argument(
-        "--omnibal-mode",
-        choices=MODES,
-        default="random",
-        help="random: shuffle samples each epoch; grouped: keep dataset groups together",
-    )
-    g.add_argument(
-        "--omnibal-algorithm",
-        choices=ALGORITHMS,
-        default="default",
-        help="balancer: fill-and-complete (default) or OmniBal's ISF",
-    )
-    g.add_argument(
-        "--omnibal-oversize",
-        choices=OVERSIZE,
-        default="error",
-        help="a sample above a budget: error, a micro-batch of its own, or skip it",
-    )
-    g.add_argument(
-        "--omnibal-cost",
-        type=pack_cost,
-        default=None,
-        metavar="A,B,C",
-        help="modeled time of a pack, A*tiles + B*tokens + C*sum(len^2) (default: the plan's "
-        "data.pack_cost); steps are formed to even it out across ranks",
-    )
-    g.add_argument(
-        "--omnibal-levels",
-        default=None,
-        metavar="V/TxM,..",
-        help="packing levels (tiles/tokens x micro-batches per rank), ascending, the last the "
-        "budgets and --global-batch-size / DP micro-batches; each step runs its level's "
-        "micro-batches (default: the plan's data.levels with their per-stage recompute, else "
-        "one level)",
-    )
-    g.add_argument(
-        "--omnibal-curriculum-steps",
-        type=non_negative_int,
-        default=0,
-        help="with levels: this many steps of the shortest level open each epoch",
-    )
-    g.add_argument(
-        "--omnibal-model",
-        default=None,
-        metavar="NAME|FILE",
-        help="model dimensions: a preset (tiny, small, or a planner preset) or a "
-        "model_spec JSON/YAML file (default: the plan's model_spec)",
-    )
-    g.add_argument(
-        "--omnibal-precision",
-        choices=PRECISIONS,
-        default=None,
-        help="training precision (default: Megatron's --bf16 / --fp16 where given, else the "
-        "plan's, bf16; fp32 without a plan)",
-    )
-    g.add_argument(
-        "--omnibal-data",
-        default="synthetic",
-        metavar="synthetic|PATH",
-        help="sample source: 'synthetic' (deterministic random samples shaped like the "
-        "lengths) or the dataset the length file was computed from (LLaVA JSON/JSONL, "
-        "InternVL meta, or a Megatron-Energon folder or metadataset: its split and task "
-        "encoder are the ones `omnibal stats` used)",
-    )
-    g.add_argument(
-        "--omnibal-tokenizer",
-        default=None,
-        metavar="PATH",
-        help="with --omnibal-data PATH: the tokenizer `omnibal stats` counted with, where it is "
-        "now (default: the path stored in the length file; checked by fingerprint)",
-    )
-    g.add_argument(
-        "--omnibal-bad-sample",
-        choices=BAD_SAMPLE,
-        default="error",
-        help="a sample whose image cannot be loaded: stop naming it (default), or skip it on "
-        "every rank of its replica, log it and list it in the report",
-    )
-    g.add_argument(
-        "--omnibal-bad-sample-report",
-        default=None,
-        metavar="FILE.jsonl",
-        help="report of skipped samples (default: omnibal_bad_samples.jsonl in --save, else in "
-        "the working directory; .dpN per data-parallel replica when DP > 1)",
-    )
-    add_finetune_args(g)
-    add_lora_args(g)
-    g.add_argument(
-        "--omnibal-allow-data-change",
-        action="store_true",
-        help="resume from a checkpoint trained on another data stream (other lengths, budgets, "
-        "seed, DP size or balancer options): start a new epoch plan at the checkpoint's "
-        "consumed samples instead of refusing",
-    )
-    g.add_argument(
-        "--omnibal-text-scale",
-        type=positive_int,
-        default=1,
-        help="synthetic data only: divide each sample's text tokens by this (a CPU dry run of "
-        "long real lengths on a small model)",
-    )
-    g.add_argument(
-        "--omnibal-peak-tflops",
-        type=positive_float,
-        default=None,
-        metavar="TFLOPS",
-        help="peak dense TFLOP/s of one GPU at the run's precision, for the MFU in the log "
-        "(default: known A100/H100/H200 at BF16/FP16; otherwise MFU is n/a)",
-    )
+    """Add the --omnibal* flags (usable as megatron.training's `extra_args_provider`), as
+    declarations.py declares them."""
+    group = parser.add_argument_group("omnibal", "balanced VLM training (megatron-omnibal)")
+    add_settings(group)
     return parser
 
 
@@ -392,24 +213,7 @@ def validate_omnibal_args(
         level_recompute(layouts, balance.levels)
     except LayoutError as exc:
         raise OmnibalArgsError(f"--omnibal-levels / the plan's data.levels: {exc}") from exc
-    source = SourceSettings(
-        data=args.omnibal_data,
-        lengths_path=str(args.omnibal_lengths),
-        tokenizer=args.omnibal_tokenizer,
-        text_scale=args.omnibal_text_scale,
-        trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
-    )
-    try:
-        finetune = FinetuneSettings(
-            freeze=frozenset(args.omnibal_freeze), vit_lr_mult=args.omnibal_vit_lr_mult
-        )
-    except ValueError as exc:
-        raise OmnibalArgsError(str(exc)) from exc
-    try:
-        lora = lora_settings(args)
-        saves = lora_save(args) if lora is not None else "full"
-    except LoraError as exc:
-        raise OmnibalArgsError(str(exc)) from exc
+    finetune, lora, saves = _training_parts(args)
     return OmnibalSettings(
         layouts=tuple(layouts),
         vpp=vpp,
@@ -418,7 +222,13 @@ def validate_omnibal_args(
         tp_size=args.tensor_model_parallel_size,
         world_size=int(getattr(args, "world_size", 1)),
         rank=int(getattr(args, "rank", 0)),
-        source=source,
+        source=SourceSettings(
+            data=args.omnibal_data,
+            lengths_path=str(args.omnibal_lengths),
+            tokenizer=args.omnibal_tokenizer,
+            text_scale=args.omnibal_text_scale,
+            trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
+        ),
         lengths=lengths,
         lengths_sha256=lengths_sha256,
         plan=plan,
@@ -441,6 +251,25 @@ def validate_omnibal_args(
         log_interval=args.log_interval,
         tensorboard_log_interval=args.tensorboard_log_interval,
     )
+
+
+def _training_parts(
+    args: argparse.Namespace,
+) -> tuple[FinetuneSettings, LoraSpec | None, str]:
+    """What is trained: the frozen parts and the ViT's learning rate, LoRA (None: every
+    weight not frozen) and what a LoRA run's checkpoints hold."""
+    try:
+        finetune = FinetuneSettings(
+            freeze=frozenset(args.omnibal_freeze), vit_lr_mult=args.omnibal_vit_lr_mult
+        )
+    except ValueError as exc:
+        raise OmnibalArgsError(str(exc)) from exc
+    try:
+        lora = lora_settings(args)
+        saves = lora_save(args) if lora is not None else "full"
+    except LoraError as exc:
+        raise OmnibalArgsError(str(exc)) from exc
+    return finetune, lora, saves
 
 
 def run_precision(args: argparse.Namespace) -> str:
@@ -686,3 +515,29 @@ def _run_levels(levels: tuple[Level, ...], micro: int) -> tuple[Level, ...]:
     top = levels[-1].micro_batches
     return tuple(replace(lv, micro_batches=max(1, round(lv.micro_batches * micro / top)))
                  for lv in levels)
+
+
+def lora_settings(args: argparse.Namespace) -> LoraSpec | None:
+    """The run's LoRA (None without --omnibal-lora-rank); raises LoraError naming the flag."""
+    if getattr(args, "omnibal_lora_rank", None) is None:
+        return None
+    try:
+        return LoraSpec(
+            rank=args.omnibal_lora_rank, alpha=args.omnibal_lora_alpha,
+            dropout=args.omnibal_lora_dropout, targets=tuple(args.omnibal_lora_targets),
+            train=tuple(args.omnibal_lora_train),
+        )  # fmt: skip
+    except LoraError as exc:
+        raise LoraError(f"--omnibal-lora-*: {exc}") from exc
+
+
+def lora_save(args: argparse.Namespace) -> str:
+    """adapters | full, checked against --pretrained-checkpoint."""
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    save = args.omnibal_lora_save or ("adapters" if pretrained else "full")
+    if save == "adapters" and not pretrained:
+        raise LoraError(
+            "--omnibal-lora-save adapters: the base weights must come from "
+            "--pretrained-checkpoint (an adapter-only save does not hold them)"
+        )
+    return save

@@ -13,8 +13,6 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from megatron_omnibal.cli_args import positive_float
-
 if TYPE_CHECKING:  # annotations only: megatron/flags/args.py imports this module without torch
     import torch
 
@@ -46,31 +44,6 @@ class FinetuneSettings:
             raise ValueError(f"--omnibal-vit-lr-mult must be > 0, got {self.vit_lr_mult}")
         if "vit" in self.freeze and self.vit_lr_mult != 1.0:
             raise ValueError("--omnibal-vit-lr-mult has no effect with --omnibal-freeze vit")
-
-
-def _parts(text: str) -> list[str]:
-    # A plain list: Megatron pickles args into checkpoints, which torch.load reads weights-only.
-    return sorted({p.strip() for p in text.split(",") if p.strip()})
-
-
-def add_finetune_args(group: Any) -> None:
-    """The fine-tuning flags (in the --omnibal argument group)."""
-    group.add_argument(
-        "--omnibal-freeze",
-        type=_parts,
-        default=[],
-        metavar="PARTS",
-        help="comma-separated parts to keep fixed: vit, projector, llm (no gradient, no "
-        "optimizer state)",
-    )
-    group.add_argument(
-        "--omnibal-vit-lr-mult",
-        type=positive_float,
-        default=1.0,
-        metavar="X",
-        help="the ViT's learning rate (and min lr) is X times the others' (InternVL trains its "
-        "ViT at 0.1x)",
-    )
 
 
 def apply_to_stage(stage: torch.nn.Module, settings: FinetuneSettings) -> None:

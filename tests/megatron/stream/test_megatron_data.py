@@ -17,13 +17,13 @@ from megatron_omnibal.balance.sampler import BalancedBatchSampler
 from megatron_omnibal.data.lengths import LengthsError, from_arrays, load_lengths
 from megatron_omnibal.megatron.stream.batch import is_shape_only, synthetic_sample
 from megatron_omnibal.megatron.stream.data import BalancedDataIterator, model_lengths
+from megatron_omnibal.megatron.stream.iterators import filler_sample
 from megatron_omnibal.megatron.stream.loader import (
     BadSampleChannel,
     BadSamplePolicy,
     MicroBatchDataset,
     SampleLoadError,
 )
-from megatron_omnibal.megatron.training.pretrain_vlm import filler_sample
 from megatron_omnibal.models.presets import PRESETS
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "data" / "internvl_subset.npz"

@@ -28,13 +28,13 @@ from megatron_omnibal.data.lengths import load_lengths
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan, run_lengths
 from megatron_omnibal.megatron.stream.data import BalancedDataIterator
 from megatron_omnibal.megatron.stream.dataset import open_source
+from megatron_omnibal.megatron.stream.iterators import filler_sample
 from megatron_omnibal.megatron.stream.loader import (
     BadSamplePolicy,
     MicroBatchDataset,
     SampleLoadError,
 )
 from megatron_omnibal.megatron.stream.source import SourceSettings
-from megatron_omnibal.megatron.training.pretrain_vlm import filler_sample
 from megatron_omnibal.models.presets import PRESETS
 from tests.megatron.stream.test_megatron_dataset import (
     _fresh_tokenizer,
