@@ -30,7 +30,7 @@ from megatron_omnibal.data.native_video import (
 )
 from megatron_omnibal.data.tiling import TilingConfig, TilingError
 from megatron_omnibal.data.video import VideoError
-from tests.video_files import write_video
+from tests.helpers.video_files import write_video
 
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.3, 0.25)
 

@@ -24,7 +24,7 @@ from megatron_omnibal.data.lengths import load_lengths, load_videos
 from megatron_omnibal.data.stats import StatsError, compute_stats, write_outputs
 from megatron_omnibal.data.stats_config import StatsConfig
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan
-from tests.video_files import write_video
+from tests.helpers.video_files import write_video
 
 WORDS = ["the", "video", "shows", "a", "cat", "dog", "what", "is", "in", "frame", "red", "1",
          "2", "?", "."]
