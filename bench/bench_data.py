@@ -17,14 +17,12 @@ micro-batch per worker, so worker start-up is not counted; first-stage cases the
 `--repeats` interleaved runs of 60 micro-batches, as single runs varied by 10-20% on this
 machine), and CPU seconds per sample spent on the training process's own thread
 (time.thread_time: what a training step would lose).
-The video layout also reports frames decoded per frame trained (in the no-worker run: the
-decoder seeks to the keyframe before a planned frame when it lies further ahead than the
-longest keyframe interval seen, else decodes on, and skips B-frames not planned; every frame
-from that keyframe to the planned one is decoded).
+The video layout also reports frames decoded per frame trained (in the no-worker run; the
+decoder decodes exactly the frames an exact decoder must, data/exact_decode.py: for each
+planned frame, those from the later of its keyframe and the previous planned frame, B-frames
+not planned left out; bench/bench_video.py checks that against the bound and torchcodec).
 Targets on a 2-core machine: 2 workers >= 1.6x no worker; a later-stage rank >= 10x the first
-stage's (both without workers). The goal of at most 1.5 frames decoded per frame trained is out
-of reach under InternVL's 'rand' sampling on long-GOP video (it holds for all-intra video or
-keyframes closer than the sampled frames), so the figure is reported, not targeted.
+stage's (both without workers).
 
 An Energon section then compares, on a prepared Energon dataset of `--energon-samples` records
 over pictures of 300-800 pixels, the balanced path's samples/s (planned samples fetched by key) with

@@ -2,8 +2,9 @@
 export-energon`), so a team can move its data either way.
 
 Each record becomes one WebDataset sample of a CrudeWebdataset (data/energon_source.py reads it
-back): `KEY.json` holds the record with each image path replaced by its member name, and
-`KEY.<k>.<ext>` the k-th image's bytes as they are (no re-encoding). Keys are the record's
+back): `KEY.json` holds the record with each image and video path replaced by its member name,
+`KEY.<k>.<ext>` the k-th image's bytes and `KEY.v<k>.<ext>` the k-th video's, as they are (no
+re-encoding; a video's `clip` stays in the record). Keys are the record's
 position (`s000000042`), shards hold `shard_size` samples. The folder is then prepared as
 `energon prepare` does (Energon's own index writer, everything in the train split, image sizes
 in the media metadata) with a dataset.yaml naming CrudeWebdataset. An InternVL meta file gives
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from megatron_omnibal.data.annotations import DatasetSpec, parse_record, read_inputs
 from megatron_omnibal.data.conversations import SampleError
-from megatron_omnibal.data.energon_source import IMAGE_EXTENSIONS, is_energon
+from megatron_omnibal.data.energon_source import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, is_energon
 from megatron_omnibal.data.records import read_sample
 
 DATASET_YAML = ("__module__: megatron.energon\n__class__: CrudeWebdataset\n"
@@ -96,20 +97,21 @@ def _write_shards(spec: DatasetSpec, folder: Path, shard_size: int,
                     images, videos, _ = read_sample(record, extra_keys)
                 except SampleError as exc:
                     raise ExportError(f"{where}: {exc}") from exc
-                if videos:
-                    raise ExportError(f"{where}: video samples cannot be exported")
                 key = f"s{raw.index:09d}"
                 names = {}
-                for k, rel in enumerate(images):
+                media = [("image", rel, f"{k}", IMAGE_EXTENSIONS) for k, rel in enumerate(images)]
+                media += [("video", v.path, f"v{k}", VIDEO_EXTENSIONS)
+                          for k, v in enumerate(videos)]
+                for kind, rel, member, extensions in media:
                     ext = Path(rel).suffix.lower().lstrip(".")
-                    if ext not in IMAGE_EXTENSIONS:
-                        raise ExportError(f"{where}: image {rel}: extension '{ext}' is none "
-                                          f"of {', '.join(IMAGE_EXTENSIONS)}")
-                    names[rel] = f"{k}.{ext}"
+                    if ext not in extensions:
+                        raise ExportError(f"{where}: {kind} {rel}: extension '{ext}' is none "
+                                          f"of {', '.join(extensions)}")
+                    names[rel] = f"{member}.{ext}"
                     try:
                         data = (Path(spec.image_root) / rel).read_bytes()
                     except OSError as exc:
-                        raise ExportError(f"{where}: cannot read image {rel} ({exc})") from exc
+                        raise ExportError(f"{where}: cannot read {kind} {rel} ({exc})") from exc
                     _add(tf, f"{key}.{names[rel]}", data)
                 _add(tf, f"{key}.json", json.dumps(_renamed(record, names),
                                                    ensure_ascii=False).encode())
@@ -117,9 +119,10 @@ def _write_shards(spec: DatasetSpec, folder: Path, shard_size: int,
 
 
 def _renamed(record: dict, names: dict[str, str]) -> dict:
-    """The record with its image paths replaced by member names (the same key and shape)."""
+    """The record with its image and video paths replaced by member names (the same key and
+    shape)."""
     out = dict(record)
-    for key in ("image", "images"):
+    for key in ("image", "images", "video", "videos"):
         value = out.get(key)
         if isinstance(value, str) and value:
             out[key] = names[value]

@@ -20,12 +20,14 @@ from megatron_omnibal.data.annotations import RawRecord
 from megatron_omnibal.data.conversations import SampleError
 from megatron_omnibal.data.energon_source import (
     IMAGE_EXTENSIONS,
+    VIDEO_EXTENSIONS,
     EnergonError,
     EnergonSpec,
     MemberError,
 )
 from megatron_omnibal.data.image_header import checked_size, image_bytes_size
 from megatron_omnibal.data.image_tiles import decode_image_bytes
+from megatron_omnibal.data.video import VideoBytes
 
 
 def load_task_encoder(name: str) -> Any:
@@ -38,7 +40,8 @@ def load_task_encoder(name: str) -> Any:
 
 
 class EnergonSample:
-    """One Energon sample as a record whose images are members (or decoded images)."""
+    """One Energon sample as a record whose images and videos are members (or decoded
+    images)."""
 
     def __init__(self, record: dict, images: dict[str, Any], base: str,
                  media: dict[str, tuple[int, int]]) -> None:
@@ -75,8 +78,18 @@ class EnergonSample:
             array = np.clip(np.rint(array * 255.0), 0, 255).astype(np.uint8).transpose(1, 2, 0)
         return Image.fromarray(array).convert("RGB")
 
-    def video_path(self, name: str) -> str:
-        raise SampleError(f"{self.base}: video samples from Energon datasets are not supported")
+    def video_path(self, name: str) -> VideoBytes:
+        """The video member `name`, read from memory (data/video.py opens it like a file)."""
+        video = self.images.get(name)
+        if not isinstance(video, bytes) or name.rsplit(".", 1)[-1].lower() not in \
+                VIDEO_EXTENSIONS:
+            raise SampleError(f"{self.base}: the record names video '{name}', the sample's "
+                              f"video members are {self.videos() or 'none'}")
+        return VideoBytes(self.where(name), video)
+
+    def videos(self) -> list[str]:
+        return [k for k, v in self.images.items() if isinstance(v, bytes)
+                and k.rsplit(".", 1)[-1].lower() in VIDEO_EXTENSIONS]
 
 
 class EnergonFiles:
@@ -225,9 +238,13 @@ def _crude_record(members: dict[str, Any], base: str) -> tuple[dict, dict[str, b
     record = dict(record)
     images = {k: v for k, v in members.items() if k.rsplit(".", 1)[-1].lower()
               in IMAGE_EXTENSIONS}
+    videos = {k: v for k, v in members.items() if k.rsplit(".", 1)[-1].lower()
+              in VIDEO_EXTENSIONS}
     if not any(k in record for k in ("image", "images")) and images:
         record["images"] = list(images)
-    return record, images
+    if not any(k in record for k in ("video", "videos")) and videos:
+        record["videos"] = list(videos)
+    return record, {**images, **videos}
 
 
 def _encoded_record(out: Any, base: str) -> tuple[dict, dict[str, Any]]:

@@ -14,7 +14,9 @@ stats` and training render, tokenize and tile it exactly as a JSON record:
   of the highest weight.
 - CaptioningSample: the image alone as the human turn, the caption as the answer.
 - CrudeSample (CrudeWebdataset): the `json` member is a project record (or a bare conversation
-  list); its images are the image members it names, else all of them in tar order.
+  list); its images are the image members it names, else all of them in tar order; its videos
+  (`video`, `videos`: member names, as `omnibal export-energon` writes them) are read from
+  memory, as they are (no file written), else all its video members in tar order.
 - Any format through the user's task encoder (`module:Class`, built without arguments): its
   `encode_sample(sample)` receives the sample as Energon decodes it and returns a project
   record whose `images` are the images themselves (PIL images, HWC uint8 arrays, CHW float
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 
 META_FOLDER = ".nv-meta"
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
+VIDEO_EXTENSIONS = ("mp4", "mkv", "webm", "avi", "mov", "ts")
 
 
 class EnergonError(ValueError):

@@ -103,15 +103,16 @@ def train_tokenizer(
 def write_video(path: str | Path, codec: str, frames: int, fps: int, size: tuple[int, int],
                 gop: int, picture: Callable[[int], np.ndarray],
                 options: dict[str, str] | None = None,
-                times: Sequence[int] | None = None) -> Path:
+                times: Sequence[int] | None = None,
+                container_options: dict[str, str] | None = None) -> Path:
     """A video of `frames` frames, frame k's RGB pixels (uint8 [height, width, 3]) being
     `picture(k)`, encoded with `codec` at `fps` frames/s and a keyframe at least every `gop`
     frames. `times` (in 1/fps units, rising) gives frame k's time for a variable-rate video
-    (default: k)."""
+    (default: k); `container_options` are the muxer's (e.g. MP4's movflags)."""
     import av
 
     width, height = size
-    with av.open(str(path), "w") as out:
+    with av.open(str(path), "w", options=container_options or {}) as out:
         stream = out.add_stream(codec, rate=fps)
         stream.width, stream.height = width, height
         stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"

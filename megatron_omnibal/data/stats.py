@@ -64,7 +64,13 @@ from megatron_omnibal.data.sample_text import SampleText
 from megatron_omnibal.data.stats_config import StatsConfig, config_to_dict
 from megatron_omnibal.data.tiling import TilingConfig, TilingError, image_tiles
 from megatron_omnibal.data.tokenization import TokenCounter
-from megatron_omnibal.data.video import VideoError, decode_frames, read_header
+from megatron_omnibal.data.video import (
+    VideoError,
+    VideoHeader,
+    count_frames,
+    decode_frames,
+    read_header,
+)
 from megatron_omnibal.data.video_lengths import VideoPlan, with_frame_counts
 
 ON_ERROR = ("error", "skip")
@@ -417,9 +423,11 @@ def _measure(sample: LoadedSample, tiling: TilingConfig, config: StatsConfig,
 
 def native_video_of(path: str, video: Video, config: StatsConfig) -> tuple[int, float, int]:
     """(frames available, frame rate, merge groups) of a video as Qwen2.5-VL takes it, from
-    its header; with `verify_images` the frames it takes are decoded too."""
+    its header; with `verify_images` the frames it takes are decoded too (and the frames a
+    container without a stored count has are counted by decoding)."""
     header = read_header(path)
-    first, frames = clip_frames(header.frames, header.fps, video.clip, path)
+    first, frames = clip_frames(available_frames(path, header, config), header.fps,
+                                video.clip, path)
     try:
         taken = native_video(frames, header.fps, header.width, header.height,
                              config.native_video, config.tiling.tile, path)
@@ -432,9 +440,11 @@ def native_video_of(path: str, video: Video, config: StatsConfig) -> tuple[int, 
 
 def video_frames(path: str, video: Video, config: StatsConfig) -> tuple[int, float]:
     """(frames available, frame rate) of a video (of its clip, if it has one), from its header;
-    with `verify_images` the frames it can give are decoded too."""
+    with `verify_images` the frames it can give are decoded too (and the frames a container
+    without a stored count has are counted by decoding)."""
     header = read_header(path)
-    first, frames = clip_frames(header.frames, header.fps, video.clip, path)
+    first, frames = clip_frames(available_frames(path, header, config), header.fps,
+                                video.clip, path)
     if config.verify_images:
         spread = frame_indices(FrameSettings(min_frames=1, max_frames=config.frames.max_frames,
                                              sampling="middle"),
@@ -442,6 +452,15 @@ def video_frames(path: str, video: Video, config: StatsConfig) -> tuple[int, flo
                                seed=0, epoch=0, sample=0, video=0)
         decode_frames(path, sorted({*(first + spread).tolist(), first + frames - 1}))
     return frames, header.fps
+
+
+def available_frames(path: str, header: VideoHeader, config: StatsConfig) -> int:
+    """The frames a video has: its header's count, or with `verify_images`, where the
+    container stores no count, the frames that decode (a count from a duration or from the
+    last packet's time is an estimate, never a reason to call a good file corrupt)."""
+    if config.verify_images and header.estimated:
+        return count_frames(path)
+    return header.frames
 
 
 def clip_frames(frames: int, fps: float, clip: tuple[float, float] | None,

@@ -1,21 +1,25 @@
 """Reading videos with PyAV: the header alone (for `omnibal stats`), or exactly a list of frames.
 
 Why two readers: measuring a dataset must not decode its videos (a header read is
-milliseconds), and the training loader must decode only the frames it trains on, seeking to
-them, never the whole video. decord is not used: opening a file with it reads every packet to
-build an index.
+milliseconds), and the training loader must decode only the frames it trains on
+(data/exact_decode.py), never the whole video. decord is not used: opening a file with it reads
+every packet to build an index.
 
-Frame counts: many containers (WebM/MKV, some MP4/TS) store no frame count (PyAV reports 0);
-the count is then estimated from the stream's (else the container's) duration times its frame
-rate, and the header says it is an estimate. Frame k is the k-th frame in presentation order;
-its time is k / rate from the stream's start, which is how a decoded frame is matched to k.
+Frame counts: many containers (WebM/MKV, some MP4/TS) store no frame count (PyAV reports 0).
+Their duration is no count either: it is the longest track's (an audio track may outlast the
+video) on the container's clock, so duration x rate is often a frame off. The count is then
+taken from the time of the stream's last packet (a seek to the last keyframe and a read of the
+packets after it, none decoded), and the header says it is an estimate: a frame past the end of
+an estimated count is the last frame, never a reason to call the file corrupt. Frame k is the
+k-th frame in presentation order; its time is k / rate from the stream's start, which is how a
+decoded frame is matched to k.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -48,14 +52,36 @@ def _rate(value: object) -> float:
     return rate if math.isfinite(rate) and rate > 0 else 0.0
 
 
-def _open(path: str | os.PathLike):
+@dataclass(frozen=True)
+class VideoBytes:
+    """A video held in memory (a member of a Megatron-Energon sample): its name, for messages
+    (`str()` gives it), and its bytes, read by PyAV from memory."""
+
+    name: str
+    data: bytes = field(repr=False)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+VideoSource = str | os.PathLike | VideoBytes
+
+
+def _where(source: VideoSource) -> str:
+    return source.name if isinstance(source, VideoBytes) else os.fspath(source)
+
+
+def _open(source: VideoSource):
+    import io
+
     import av
 
-    where = os.fspath(path)
-    if not os.path.isfile(where):
+    where = _where(source)
+    if not isinstance(source, VideoBytes) and not os.path.isfile(where):
         raise VideoError(f"cannot open video {where}: no such file")
     try:
-        container = av.open(where)
+        container = av.open(io.BytesIO(source.data) if isinstance(source, VideoBytes)
+                            else where)
     except (av.FFmpegError, OSError, ValueError) as exc:
         raise VideoError(f"cannot open video {where}: {exc}") from exc
     if not container.streams.video:
@@ -64,7 +90,7 @@ def _open(path: str | os.PathLike):
     return container
 
 
-def _header(container, where: str) -> VideoHeader:
+def _header(container, where: str, count_tail: bool = True) -> VideoHeader:
     stream = container.streams.video[0]
     fps = _rate(stream.average_rate) or _rate(stream.guessed_rate) or _rate(stream.base_rate)
     if stream.duration is not None and stream.time_base is not None:
@@ -75,7 +101,9 @@ def _header(container, where: str) -> VideoHeader:
         duration = 0.0
     frames, estimated = int(stream.frames or 0), False
     if frames <= 0:
-        frames, estimated = int(duration * fps + 1e-6), True
+        estimated = True
+        tail = _tail_frames(container, stream, fps, duration) if count_tail and fps else None
+        frames = tail if tail is not None else int(duration * fps + 1e-6)
     if not duration and fps:
         duration = frames / fps
     if frames <= 0 or fps <= 0:
@@ -87,11 +115,33 @@ def _header(container, where: str) -> VideoHeader:
     return VideoHeader(frames, fps, duration, width, height, estimated)
 
 
-def read_header(path: str | os.PathLike) -> VideoHeader:
+def _tail_frames(container, stream, fps: float, duration: float) -> int | None:
+    """Frames up to the stream's last packet (its time x rate, + 1): a seek to the last
+    keyframe and the packets after it read, none decoded. None when no packet has a time.
+
+    Why: a container without a frame count (Matroska, WebM) has only a duration, and that is
+    the longest stream's (an audio track may outlast the video) rounded to the container's
+    clock; duration x rate is then a frame too many or too few."""
+    import av
+
+    base, tb = stream.start_time or 0, float(stream.time_base)
+    try:
+        container.seek(base + int(max(duration, 1.0) * 2 / tb), stream=stream, backward=True)
+    except av.FFmpegError:
+        return None
+    last = None
+    for packet in container.demux(stream):
+        at = packet.pts if packet.pts is not None else packet.dts
+        if packet.size and at is not None:
+            last = at if last is None else max(last, at)
+    return None if last is None else int(round((last - base) * tb * fps)) + 1
+
+
+def read_header(path: VideoSource) -> VideoHeader:
     """The header of the video at `path`, without decoding a frame."""
     import av
 
-    where = os.fspath(path)
+    where = _where(path)
     container = _open(path)
     try:
         return _header(container, where)
@@ -109,100 +159,79 @@ class DecodedFrames:
     decoded: int
 
 
-def decode_frames(path: str | os.PathLike, indices: list[int] | np.ndarray) -> DecodedFrames:
+def decode_frames(path: VideoSource, indices: list[int] | np.ndarray) -> DecodedFrames:
     """The frames `indices` (repeats allowed, any order) of the video at `path`.
 
-    Frames are decoded in order from the keyframe before each wanted frame: the decoder seeks
-    when the next wanted frame lies further ahead than the longest keyframe interval seen so
-    far (at first: one second), else decodes on, since a seek would land on a keyframe it has
-    already passed. Frames no other frame refers to (B-frames) are skipped unless wanted. A
-    frame index no frame's time maps to (variable-rate video) gets the frame shown at that
-    time: the last one before it.
-    A video that ends before a wanted frame the header promised, or whose data is corrupt, is
-    a VideoError.
+    Exactly the frames any exact decoder must decode are decoded (data/exact_decode.py): for
+    each wanted frame, those from the later of its keyframe and the previous wanted frame,
+    frames nothing refers to (B-frames) left out unless wanted. A frame index no frame's time
+    maps to (variable-rate video) gets the frame shown at that time: the last one before it.
+    A frame count the container does not store is an estimate: wanted frames past the last
+    frame that decodes get the last frame (the one shown then). A video that ends before a
+    wanted frame of the count its header stores, or whose data is corrupt, is a VideoError.
     """
     import av
 
-    where = os.fspath(path)
+    from megatron_omnibal.data.exact_decode import ExactDecoder
+
+    where = _where(path)
     wanted = sorted({int(i) for i in indices})
     if not wanted:
         raise ValueError(f"video {where}: no frame asked for")
     container = _open(path)
     try:
-        header = _header(container, where)
-        if wanted[0] < 0 or wanted[-1] >= header.frames:
+        header = _header(container, where, count_tail=False)
+        if wanted[0] < 0 or (wanted[-1] >= header.frames and not header.estimated):
             raise VideoError(f"video {where}: frame {wanted[-1] if wanted[0] >= 0 else wanted[0]}"
                              f" asked for, the header says {header.frames} frames")
-        got, decoded = _decode(container, header, wanted, where)
+        decoder = ExactDecoder(container, header.fps, where)
+        got = decoder.run(wanted)
+        if decoder.redo:  # a gap's frame was dropped undecoded: again, dropping nothing
+            again = ExactDecoder(container, header.fps, where, drop=False)
+            got = again.run(wanted)
+            decoder.decoded += again.decoded
+        _check_end(decoder, header, wanted, where)
     except av.FFmpegError as exc:
         raise VideoError(f"video {where} fails while decoding: {exc}") from exc
     finally:
         container.close()
-    return DecodedFrames(np.stack([got[int(i)] for i in indices]), decoded)
+    return DecodedFrames(np.stack([got[int(i)] for i in indices]), decoder.decoded)
 
 
-def _decode(container, header: VideoHeader, wanted: list[int],
-            where: str) -> tuple[dict[int, np.ndarray], int]:
-    stream = container.streams.video[0]
-    stream.thread_type = "AUTO"
-    base = stream.start_time or 0
-    tb = float(stream.time_base)
-    want = set(wanted)
-
-    def index(pts: int) -> int:
-        return int(round((pts - base) * tb * header.fps))
-
-    got: dict[int, np.ndarray] = {}
-    decoded, position, frames = 0, -1, None
-    shown, shown_at, dropped = None, -1, []  # the last frame at or before the target
-    gap = max(1, int(round(header.fps)))  # the longest keyframe interval seen (at first 1 s)
-    last_key = None
-    for target in wanted:
-        while target not in got:
-            if frames is None or target > position + gap:
-                # the keyframe at or before the target, at the target's time less half a frame
-                seconds = max(0.0, (target - 0.5) / header.fps)
-                container.seek(base + int(seconds / tb), stream=stream, backward=True)
-                position, last_key, shown, shown_at, dropped = -1, None, None, -1, []
-                frames = _frames(container, stream, index, want, dropped)
-            while position < target:
-                frame = next(frames, None)
-                if frame is None:
-                    raise VideoError(f"video {where} ends after frame {position} of the "
-                                     f"{header.frames} its header promises (frame {target} "
-                                     "wanted): truncated or corrupt")
-                decoded += 1
-                at = index(frame.pts) if frame.pts is not None else position + 1
-                position = max(position, at)
-                if at <= target:
-                    shown, shown_at = frame, at
-                if frame.key_frame:
-                    gap = max(gap, position - last_key) if last_key is not None else gap
-                    last_key = position
-                if position in got or position not in want:
-                    continue
-                got[position] = frame.to_ndarray(format="rgb24")
-            if target in got:
-                break
-            # no frame has that time (a variable rate): the one shown then is the last one
-            # before it; if that one was dropped undecoded, decode again and keep it
-            passed = [i for i in dropped if shown_at < i <= target]
-            if passed:
-                want.update(passed)
-                frames = None
-            else:  # (the first one after it when the seek landed past it)
-                got[target] = (shown or frame).to_ndarray(format="rgb24")
-    return got, decoded
+def _check_end(decoder, header: VideoHeader, wanted: list[int], where: str) -> None:
+    """A video whose stored frame count (and duration) promise frames past its last one is
+    truncated or corrupt; an estimated count promises nothing."""
+    if header.estimated or decoder.last_at >= wanted[-1]:
+        return
+    if (decoder.last_at + 1.5) / header.fps < header.duration:
+        raise VideoError(f"video {where} ends after frame {decoder.last_at} of the "
+                         f"{header.frames} its header promises (frame {wanted[-1]} wanted): "
+                         "truncated or corrupt")
 
 
-def _frames(container, stream, index, want: set[int], dropped: list[int]):
-    """The stream's frames from the container's position; a packet nothing refers to (a
-    B-frame) is dropped undecoded unless its frame is wanted (the index of each packet that
-    may be dropped is added to `dropped`)."""
-    context = stream.codec_context
-    for packet in container.demux(stream):
-        keep = packet.pts is None or packet.is_keyframe or index(packet.pts) in want
-        if not keep:
-            dropped.append(index(packet.pts))
-        context.skip_frame = "DEFAULT" if keep else "NONREF"
-        yield from packet.decode()
+def count_frames(path: VideoSource) -> int:
+    """Frames of the video at `path` that decode: the last frame's index + 1, found by
+    decoding from the last keyframe to the end (the count `--verify-images` trusts where the
+    container stores none)."""
+    import av
+
+    where = _where(path)
+    container = _open(path)
+    try:
+        header = _header(container, where, count_tail=False)
+        stream = container.streams.video[0]
+        base, tb = stream.start_time or 0, float(stream.time_base)
+        container.seek(base + int(max(header.duration, 1.0) * 2 / tb), stream=stream,
+                       backward=True)
+        last = None
+        for frame in container.decode(stream):
+            if frame.pts is not None:
+                at = int(round((frame.pts - base) * tb * header.fps))
+                last = at if last is None else max(last, at)
+    except av.FFmpegError as exc:
+        raise VideoError(f"video {where} fails while decoding: {exc}") from exc
+    finally:
+        container.close()
+    if last is None:
+        raise VideoError(f"video {where}: no frame decodes after its last keyframe")
+    return last + 1

@@ -14,9 +14,11 @@ from megatron_omnibal.cli_args import (
     positive_int,
 )
 
-# flags of a long run that a preflight must not act on (it saves nothing and sets its own length)
+# flags of a long run that a preflight must not act on (it saves nothing, sets its own length
+# and follows no learning-rate schedule: a warm-up longer than its few steps is no error)
 _DROPPED = ("--save", "--save-interval", "--exit-interval", "--train-iters",
-            "--exit-duration-in-mins")  # fmt: skip
+            "--exit-duration-in-mins", "--lr-warmup-iters", "--lr-decay-iters",
+            "--lr-wsd-decay-iters")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)

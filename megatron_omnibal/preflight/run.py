@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from megatron_omnibal.megatron.flags.optimizer_args import PREFLIGHT_LR
 from megatron_omnibal.preflight.measure import StepMeter
 from megatron_omnibal.preflight.options import PreflightOptions, parse, without_long_run_flags
 from megatron_omnibal.preflight.packs import WorstPack, spread_packs, worst_lengths, worst_packs
@@ -31,8 +33,16 @@ from megatron_omnibal.preflight.report import (
 
 def training_flags(rest: Sequence[str]) -> list[str]:
     """The training's flags without those a preflight replaces, with a placeholder length (the
-    stream sets the real one once it knows the packing levels)."""
-    return [*without_long_run_flags(rest), "--train-iters", "1000"]
+    stream sets the real one once it knows the packing levels) and a learning rate when none
+    is given (a preflight measures time and memory, which it does not change)."""
+    flags = [*without_long_run_flags(rest), "--train-iters", "1000"]
+    if not has_lr(flags):
+        flags += ["--lr", str(PREFLIGHT_LR)]
+    return flags
+
+
+def has_lr(flags: Sequence[str]) -> bool:
+    return any(a.split("=")[0] == "--lr" for a in flags)
 
 
 class PreflightStream:
@@ -167,6 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         captured.update(settings=settings, spec=spec)
         return build_stream(meter, opts, settings, spec, *args)
 
+    if not has_lr(rest) and int(os.environ.get("RANK", "0")) == 0:
+        print(f"preflight: note: no --lr given: measuring with --lr {PREFLIGHT_LR} (a learning "
+              "rate changes no time or memory measured)", file=sys.stderr)
     status = pretrain_vlm.main(training_flags(rest), build_iterators=stream)
     if status != 0:
         return status

@@ -47,11 +47,31 @@ def build_report(config: FinetuneConfig, paths: OutputPaths) -> dict[str, Any]:
         "last_loss": losses[-1]["loss"] if losses else None,
         "loss_png": str(_plot_loss(losses, paths.loss_png)) if losses else None,
     }
+    report["step_time"] = step_time(report)
     # an export or a verdict of an earlier training is not this run's: left out until redone
     report["export"] = str(paths.export) if _up_to_date("export", config, paths) else None
     report["compare_hf"] = _verdict(paths.compare) if _up_to_date("compare-hf", config,
                                                                   paths) else None  # fmt: skip
     return report
+
+
+def step_time(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The measured step time beside a prediction for the same device: the preflight's
+    calibrated plan (fitted to the device that ran), else the plan's own model when training
+    ran on GPUs (`device: cuda`, taken to be the plan's). A `device: cpu` trial without a
+    calibration has no prediction for its device: nothing is compared (None: no plan)."""
+    plan, measured = report.get("plan"), report["train"]["measured_step_ms"]
+    if not plan:
+        return None
+    calibrated = (report.get("preflight") or {}).get("calibrated_step_ms")
+    if calibrated:
+        predicted, basis = calibrated, "the preflight's calibrated plan, for this device"
+    elif report["device"] != "cpu":
+        predicted, basis = plan["predicted_step_ms"], f"the plan, modeled for {plan['hardware']}"
+    else:
+        return {"predicted_ms": None, "basis": None, "measured_ms": measured, "ratio": None}
+    ratio = measured / predicted if measured and predicted else None
+    return {"predicted_ms": predicted, "basis": basis, "measured_ms": measured, "ratio": ratio}
 
 
 def _up_to_date(step: str, config: FinetuneConfig, paths: OutputPaths) -> bool:
@@ -99,7 +119,9 @@ def _preflight(path: Path) -> dict[str, Any] | None:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return {"ok": doc["ok"], "step_ms": doc["step_ms"], "file": str(path)}
+    calibrated = (doc.get("calibration") or {}).get("predicted_step_ms", {}).get("after")
+    return {"ok": doc["ok"], "step_ms": doc["step_ms"], "calibrated_step_ms": calibrated,
+            "file": str(path)}
 
 
 def _verdict(path: Path) -> dict[str, Any] | None:
@@ -115,19 +137,12 @@ def render(report: dict[str, Any]) -> str:
     """The report as markdown."""
     lines = [f"# omnibal finetune: {report['output']}", ""]
     plan, train = report.get("plan"), report["train"]
-    measured = train["measured_step_ms"]
     if plan:
         lines.append(
             f"- plan: tp={plan['tp']} pp={plan['pp']} dp={plan['dp']}, "
             f"{plan['micro_batches']} micro-batches per step ({plan['file']})"
         )
-        predicted = plan["predicted_step_ms"]
-        ratio = f", measured/predicted {measured / predicted:.2f}" if measured else ""
-        lines.append(
-            f"- step time: predicted {predicted:.1f} ms (modeled for "
-            f"{plan['hardware']}), measured {_ms(measured)} on {report['device']} "
-            f"(median of the logged iterations){ratio}"
-        )
+        lines.append(_step_time_line(report))
     check = report.get("preflight")
     if check:
         lines.append(
@@ -163,6 +178,19 @@ def render(report: dict[str, Any]) -> str:
     else:
         lines.append("- compare-hf: not run on this training yet")
     return "\n".join(lines) + "\n"
+
+
+def _step_time_line(report: dict[str, Any]) -> str:
+    plan, compared = report["plan"], report.get("step_time") or step_time(report)
+    measured = (f"measured {_ms(compared['measured_ms'])} on {report['device']} (median of the "
+                "logged iterations)")
+    if compared["predicted_ms"] is None:
+        return (f"- step time: {measured}; the plan predicts {plan['predicted_step_ms']:.1f} ms "
+                f"for {plan['hardware']}, a different device: not compared (a preflight with "
+                "--calibrate predicts for the device that ran)")
+    ratio = f", measured/predicted {compared['ratio']:.2f}" if compared["ratio"] else ""
+    return (f"- step time: predicted {compared['predicted_ms']:.1f} ms ({compared['basis']}), "
+            f"{measured}{ratio}")
 
 
 def _ms(value: float | None) -> str:

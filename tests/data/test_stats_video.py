@@ -5,6 +5,7 @@ piece by transformers. Also: each epoch's lengths from the video table, and bad 
 
 import json
 import random
+from fractions import Fraction
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,8 +24,9 @@ from megatron_omnibal.data.generate import (
 from megatron_omnibal.data.lengths import load_lengths, load_videos
 from megatron_omnibal.data.stats import StatsError, compute_stats, write_outputs
 from megatron_omnibal.data.stats_config import StatsConfig
+from megatron_omnibal.data.video import decode_frames
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan
-from tests.helpers.video_files import write_video
+from tests.helpers.video_files import add_audio, frame_of, write_video
 
 WORDS = ["the", "video", "shows", "a", "cat", "dog", "what", "is", "in", "frame", "red", "1",
          "2", "?", "."]
@@ -185,11 +187,12 @@ def test_drawn_counts_and_every_epoch_match_the_processor_text(data, tmp_path):
 def test_cli_frame_flags_verify_and_bad_videos(data, tmp_path, capsys):
     root = tmp_path
     write_video(root / "ok.mp4", 30, fps=10)
-    cut = write_video(root / "cut.webm", 60, fps=10)
+    # an MP4 whose index (at the front) promises 60 frames, its data cut behind it
+    cut = write_video(root / "cut.mp4", 60, fps=10, container_options={"movflags": "faststart"})
     cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
     (root / "junk.mp4").write_bytes(b"junk" * 100)
     recs = [{"id": "ok", "video": "ok.mp4", "conversations": _conv("<video>\nq")},
-            {"id": "cut", "video": "cut.webm", "conversations": _conv("<video>\nq")},
+            {"id": "cut", "video": "cut.mp4", "conversations": _conv("<video>\nq")},
             {"id": "junk", "video": "junk.mp4", "conversations": _conv("<video>\nq")},
             {"id": "gone", "video": "gone.mp4", "conversations": _conv("<video>\nq")},
             {"id": "clip", "video": "ok.mp4", "clip": [5, 9], "conversations": _conv("q")}]
@@ -207,10 +210,48 @@ def test_cli_frame_flags_verify_and_bad_videos(data, tmp_path, capsys):
     assert cli_main([*base, "--verify-images"]) == 0
     report = json.loads(out.with_name("out.skipped.json").read_text())
     reasons = {s["id"]: s["reason"] for s in report["datasets"]["d"]["skipped"]}
-    assert "truncated or corrupt" in reasons["cut"]
+    assert "truncated or corrupt" in reasons["cut"] or "fails while decoding" in reasons["cut"]
     _, plan = load_video_plan(out)
     assert plan.frames == FrameSettings(min_frames=2, max_frames=6, sampling="middle")
     assert "videos: 1; frames 2-6, sampling middle" in capsys.readouterr().err
     with pytest.raises(StatsError, match="cannot open video"):
         compute_stats(root / "d.jsonl", StatsConfig(tokenizer=data.tok), progress=False)
     assert cli_main([*base[:-2], "--frame-sampling", "every2"]) == 2
+
+
+def test_estimated_frame_counts_never_drop_a_good_video(data, tmp_path):
+    """Matroska and WebM store no frame count. Their duration x rate is one frame too many
+    when an audio track outlasts the video (50 frames at 10/s, 5.12 s) and one too few when
+    the rate is 29.97/s (100 frames, 3.336 s): the frames are counted up to the last packet
+    (and, with --verify-images, by decoding), so no good file is skipped, and a frame past
+    the last one (a length file counted from the duration) is the last frame, as shown."""
+    import av
+
+    files = {}
+    for suffix in ("mkv", "webm"):
+        for frames, fps, audio in ((50, 10, 5.12), (50, 10, None),
+                                   (100, Fraction(30000, 1001), None),
+                                   (100, Fraction(30000, 1001), 3.0)):
+            name = f"v{frames}_{audio}.{suffix}"
+            path = write_video(tmp_path / name, frames, fps=fps)
+            if audio:
+                add_audio(path, audio)
+            with av.open(str(path)) as container:  # the estimate is off by one either way
+                estimate = int(container.duration / 1e6 * float(fps) + 1e-6)
+            assert estimate == (51 if frames == 50 and audio else 99 if frames == 100 else 50)
+            files[name] = frames
+    recs = [{"id": name, "video": name, "conversations": _conv("<video>\nq")} for name in files]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "out.npz"
+    base = ["stats", str(tmp_path / "d.jsonl"), "--model", "internvl2-8b", "--tokenizer",
+            data.tok, "--out", str(out), "--workers", "1", "--no-progress", "--on-error",
+            "skip", "--min-frames", "2", "--max-frames", "6", "--frame-sampling", "middle"]
+    for verify in ([], ["--verify-images"]):
+        assert cli_main([*base, *verify]) == 0
+        assert len(load_lengths(out)) == len(files)
+        assert load_videos(out).frames.tolist() == list(files.values())
+    # what training decodes: the last frames, and one past them (taken as the last frame)
+    for name, frames in files.items():
+        got = decode_frames(tmp_path / name, [frames - 2, frames - 1, frames])
+        assert [frame_of(p) for p in got.pixels] == [(frames - 2) % 64, (frames - 1) % 64,
+                                                     (frames - 1) % 64]

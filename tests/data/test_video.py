@@ -36,6 +36,38 @@ def test_frames_nothing_refers_to_are_not_decoded_unless_wanted(tmp_path):
     assert got.decoded < 75  # all 90 frames lie on the way
 
 
+def test_exactly_the_frames_an_exact_decoder_must_decode(tmp_path):
+    """Long GOPs (a keyframe every 60 frames, none between) with B-frames: for each wanted
+    frame, the packets from the later of its keyframe and the previous wanted frame are
+    decoded (decode order), less the unwanted ones nothing refers to (those FFmpeg's NONREF
+    skip leaves out, found by one decode of the whole video): no frame more, no frame less."""
+    import av
+
+    path = write_video(tmp_path / "long.mp4", 240, fps=30, gop=60,
+                       options={"x264-params": "scenecut=0:keyint=60"})
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        tb = float(stream.time_base)
+        packets = [(round(p.pts * tb * 30), p.is_keyframe) for p in container.demux(stream)
+                   if p.size]
+        container.seek(0)
+        stream.codec_context.skip_frame = "NONREF"
+        refs = {round(f.pts * tb * 30) for f in container.decode(stream)}
+    assert sum(key for _, key in packets) == 4 and len(refs) < 150  # long GOPs, B-frames
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        wanted = sorted({int(i) for i in rng.choice(240, 8, replace=False)})
+        need = set()
+        for w in wanted:
+            d = next(i for i, (at, _) in enumerate(packets) if at == w)
+            k = max(i for i in range(d + 1) if packets[i][1])
+            need.update(i for i in range(k, d + 1)
+                        if packets[i][0] in refs or packets[i][0] in wanted)
+        got = decode_frames(path, wanted)
+        assert got.decoded == len(need)
+        assert [frame_of(p) for p in got.pixels] == [w % 64 for w in wanted]
+
+
 def test_a_time_without_a_frame_takes_the_frame_shown_then(tmp_path):
     """A variable-rate video (gaps in its frame times): the frame of a time no frame starts at
     is the last one shown before it, as a player shows it."""
@@ -68,13 +100,24 @@ def test_bad_videos_name_the_file_and_the_reason(tmp_path):
             out.mux(packet)
     with pytest.raises(VideoError, match="has no video stream"):
         read_header(audio)
-    # a valid header with the data cut behind it: the header reads, decoding fails
-    cut = write_video(tmp_path / "cut.webm", 60, fps=10)
+    # an MP4 whose index (at the front) promises 60 frames, its data cut behind it: the
+    # header reads, decoding the frames past the cut fails
+    cut = write_video(tmp_path / "cut.mp4", 60, fps=10,
+                      container_options={"movflags": "faststart"})
     data = cut.read_bytes()
     cut.write_bytes(data[:len(data) // 2])
     assert read_header(cut).frames == 60
-    with pytest.raises(VideoError, match="cut.webm ends after frame .* truncated"):
+    with pytest.raises(VideoError,
+                       match="cut.mp4 (ends after frame .* truncated|fails while decoding)"):
         decode_frames(cut, [5, 55])
+    # a WebM stores no count: the frames are counted up to its last packet, and those decode
+    cut = write_video(tmp_path / "cut.webm", 60, fps=10)
+    data = cut.read_bytes()
+    cut.write_bytes(data[:len(data) // 2])
+    frames = read_header(cut).frames
+    assert 10 < frames < 60
+    got = decode_frames(cut, [5, frames - 2])
+    assert [frame_of(p) for p in got.pixels] == [5, frames - 2]
     with pytest.raises(VideoError, match="frame 60 asked for, the header says 60"):
         decode_frames(write_video(tmp_path / "ok.mp4", 60), [60])
 

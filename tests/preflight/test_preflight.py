@@ -90,6 +90,10 @@ def test_bad_preflight_flags_stop_before_any_training(tmp_path, capsys) -> None:
     assert "--calibrate re-plans an --omnibal-plan" in capsys.readouterr().err
     assert training_flags(["--save", "d", "--train-iters=9", "--lr", "1"]) == [
         "--lr", "1", "--train-iters", "1000"]  # fmt: skip
+    # no --lr: a default one (the learning rate changes no time or memory measured); the
+    # schedule's lengths are the long run's, not the preflight's few steps
+    assert training_flags(["--lr-warmup-iters", "2000", "--min-lr", "0"]) == [
+        "--min-lr", "0", "--train-iters", "1000", "--lr", "1e-05"]  # fmt: skip
 
 
 def test_a_plan_with_virtual_stages_is_refused_by_name(tmp_path, capsys) -> None:
@@ -118,11 +122,13 @@ FLAGS = ["--omnibal", "--omnibal-model", "tiny", "--omnibal-text-scale", "8",
          "--worst-steps", "1", "--typical-steps", "1", "--memory-margin-gib", "0"]  # fmt: skip
 
 
-def _preflight(nproc, out, flags, timeout=300):
-    """The preflight on `nproc` local ranks (local_ranks, forked from the tests' rank server)."""
+def _preflight(nproc, out, flags, timeout=300, lr=True):
+    """The preflight on `nproc` local ranks (local_ranks, forked from the tests' rank server);
+    without `lr`, the training's flags give no --lr."""
     from launch import run_local
 
-    program = ["-m", "megatron_omnibal.preflight", *FLAGS, *flags, "--out", str(out)]
+    given = FLAGS if lr else [a for a in FLAGS if a not in ("--lr", "1e-3")]
+    program = ["-m", "megatron_omnibal.preflight", *given, *flags, "--out", str(out)]
     proc = run_local(nproc, program, timeout, cwd=out.parent)
     report = json.loads(out.read_text()) if out.exists() else None
     return proc, report
@@ -156,8 +162,10 @@ def test_pp2_plan_that_fits_passes_and_a_tight_device_fails_its_heavier_stage(
              "--omnibal-plan", str(tmp_path / "plan.json"),
              "--omnibal-precision", "fp32"]  # fmt: skip
     profile = tmp_path / "calibrated.json"
-    proc, report = _preflight(2, tmp_path / "fit.json", [*flags, "--calibrate", str(profile)])
+    proc, report = _preflight(2, tmp_path / "fit.json", [*flags, "--calibrate", str(profile)],
+                              lr=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert proc.stderr.count("preflight: note: no --lr given: measuring with --lr 1e-05") == 1
     assert report["ok"] and report["step_ms"]["planned"] == plan.predicted.step_ms
     _check_calibration(report, profile, plan, lengths_file, tmp_path)
     assert report["limits"]["device_memory_gib"] == plan.hardware_spec.memory_gib  # the plan's

@@ -82,6 +82,9 @@ def test_all_seven_steps_run_and_report(first_run):
     assert not trained.state_dict()[name].equal(start.state_dict()[name])
     text = (out / "report.md").read_text()
     assert "compare-hf: passed" in text and str(out / "hf") in text and text in proc.stdout
+    # a device: cpu trial: the GPU plan's prediction is not compared with a CPU step
+    assert report["step_time"]["ratio"] is None and "measured/predicted" not in text
+    assert "a different device: not compared" in text
 
 
 def test_a_second_run_skips_every_step(first_run):

@@ -57,7 +57,7 @@ from megatron_omnibal.data.energon_source import (
 )
 from megatron_omnibal.data.frames import clip_start, frame_indices
 from megatron_omnibal.data.image_header import ImageHeaderError
-from megatron_omnibal.data.image_tiles import ImageDecodeError, image_to_tiles, normalize
+from megatron_omnibal.data.image_tiles import ImageDecodeError, image_to_tiles
 from megatron_omnibal.data.lengths import (
     ImageTiles,
     LengthsError,
@@ -85,8 +85,9 @@ from megatron_omnibal.data.stats_config import (
 )
 from megatron_omnibal.data.tiling import TilingError
 from megatron_omnibal.data.tokenization import TokenCounter
-from megatron_omnibal.data.video import VideoError, decode_frames, read_header
+from megatron_omnibal.data.video import VideoError, read_header
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan
+from megatron_omnibal.data.video_tiles import video_tiles
 from megatron_omnibal.megatron.stream.node_plans import node_arrays
 from megatron_omnibal.megatron.stream.record_index import RecordIndex
 from megatron_omnibal.megatron.stream.source import SourceSettings
@@ -422,10 +423,8 @@ class RealSampleSource:
     def video_tiles(self, index: int, epoch: int, videos: list[Video],
                     sample: LoadedSample) -> np.ndarray:
         """float32 [frames, 3, tile, tile]: the planned frames of each video of a sample,
-        decoded by seeking and resized to one tile each."""
-        from PIL import Image
-
-        table, size = self.by_epoch.table, self.config.tiling.tile
+        decoded exactly and resized to one tile each (data/video_tiles.py)."""
+        table = self.by_epoch.table
         counts = self.frame_counts(index, epoch, len(videos))
         out = []
         for video, row, count in zip(videos, table.of_sample(index), counts, strict=True):
@@ -434,13 +433,11 @@ class RealSampleSource:
             picked = clip_start(video.clip, fps) + frame_indices(
                 self.by_epoch.plan.frames, int(count), frames, fps, self.by_epoch.seed, epoch,
                 index, int(row))
-            decoded = decode_frames(path, picked)
-            self.frames_decoded += decoded.decoded
+            tiles, decoded = video_tiles(path, picked, self.config.tiling)
+            self.frames_decoded += decoded
             self.frames_trained += len(picked)
-            out.extend(np.asarray(Image.fromarray(f).resize((size, size),
-                                                            Image.Resampling.BICUBIC))
-                       for f in decoded.pixels)
-        return normalize(np.stack(out), self.config.tiling)
+            out.append(tiles)
+        return np.concatenate(out)
 
     def check_spread(self, count: int) -> None:
         """Build `count` records spread over the dataset (the first and last included) from

@@ -33,6 +33,7 @@ from megatron_omnibal.megatron.flags.args import (
     load_plan,
     validate_omnibal_args,
 )
+from megatron_omnibal.megatron.flags.optimizer_args import check_optimizer_args
 from megatron_omnibal.megatron.flags.run_args import complete_argv
 from megatron_omnibal.megatron.runtime.compat import ensure_typing_override
 from megatron_omnibal.megatron.runtime.cpu import enable_cpu_megatron
@@ -140,6 +141,7 @@ def prepare(argv: list[str]) -> tuple[list[str], OmnibalSettings, Any, ResumePla
             "(Adam state sharded over DP), an optimizer setting this run does not give"
         )
     check_model_args(args, spec)
+    check_optimizer_args(args)
     settings = validate_omnibal_args(
         args, plan, vit_layers=spec.vit.num_layers, tokens_per_tile=spec.tokens_per_tile
     )

@@ -17,6 +17,9 @@ SCANNED = ("megatron", "preflight")  # the Megatron layer and the tool built on 
 ENTRY_MODULES = {
     "megatron_omnibal.megatron.training.pretrain_vlm",  # parses, validates, trains
     "megatron_omnibal.megatron.flags.args",  # the --omnibal* flags -> OmnibalSettings
+    "megatron_omnibal.megatron.flags.optimizer_args",  # Megatron's optimizer flags checked
+    "megatron_omnibal.megatron.flags.lora_args",  # the --omnibal-lora-* flags -> LoraSpec
+    "megatron_omnibal.megatron.training.lora_checkpoints",  # wraps Megatron's load and save
     "megatron_omnibal.preflight.run",  # the preflight's entry on pretrain_vlm
 }
 # (module, function): Megatron calls these with its namespace.

@@ -248,11 +248,11 @@ def test_bad_videos_are_logged_counted_and_never_replaced(data, tmp_path):
 
     root = tmp_path / "copy"
     shutil.copytree(data.root / "media", root / "media")
-    cut = root / "media" / "cut.webm"
-    write_video(cut, 60, fps=10)
+    cut = root / "media" / "cut.mp4"  # its index (at the front) promises 60 frames
+    write_video(cut, 60, fps=10, container_options={"movflags": "faststart"})
     cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
     recs = [{"id": "ok", "video": "a.mp4", "conversations": _conv("what", "a cat")},
-            {"id": "cut", "video": "cut.webm", "conversations": _conv("what", "a dog")},
+            {"id": "cut", "video": "cut.mp4", "conversations": _conv("what", "a dog")},
             {"id": "gone", "video": "b.webm", "conversations": _conv("what", "red")}]
     write_jsonl(root / "d.jsonl", recs)
     write_meta(root / "meta.json", {"d": {"root": str(root / "media"), "annotation": "d.jsonl"}})
@@ -265,8 +265,8 @@ def test_bad_videos_are_logged_counted_and_never_replaced(data, tmp_path):
                           lengths_path=str(lengths_path), text_scale=1)
     source = open_source(args, lengths, SPEC)
     assert source(0).images.shape == (5, 3, 16, 16)
-    with pytest.raises(SampleLoadError, match=r"d.jsonl:2: sample 1 \(id cut\).*cut.webm ends "
-                                              "after frame .* truncated"):
+    with pytest.raises(SampleLoadError, match=r"d.jsonl:2: sample 1 \(id cut\).*cut.mp4 (ends "
+                                              "after frame .* truncated|fails while decoding)"):
         source(1)
     with pytest.raises(SampleLoadError, match=r"id gone.*cannot open video .*b.webm"):
         source(2)
@@ -281,7 +281,8 @@ def test_bad_videos_are_logged_counted_and_never_replaced(data, tmp_path):
     assert trained == 1 and policy.skipped == 2
     logged = {json.loads(x)["index"]: json.loads(x)["reason"]
               for x in report.read_text().splitlines()}
-    assert "truncated" in logged[1] and "cannot open video" in logged[2]
+    assert "truncated" in logged[1] or "fails while decoding" in logged[1]
+    assert "cannot open video" in logged[2]
     failing = BalancedDataIterator(BalancedBatchSampler(lengths, config, dp_rank=0), 1,
                                    MicroBatchDataset(source, lambda: filler_sample(SPEC)))
     with pytest.raises(SampleLoadError, match="video .*--omnibal-bad-sample skip"):
@@ -344,3 +345,74 @@ def test_pretrain_vlm_pp2_trains_two_epochs_of_images_and_videos(data, tmp_path)
                 expected += int((labels != -100).sum())
             assert m["tokens"] == expected
             assert np.isfinite(m["loss"]) and m["loss"] > 0
+
+
+def test_videos_in_energon_samples_train_as_the_json_form(data, tmp_path):
+    """`omnibal export-energon` of the video dataset (video members as they are, the clip
+    kept): `omnibal stats` of the prepared Energon datasets equals the JSON form's (lengths and
+    video table), and every training sample built from the shards (videos read from memory)
+    equals the JSON form's, tokens, labels and pixels, in two epochs."""
+    from megatron_omnibal.data.energon_export import export_energon
+    from megatron_omnibal.data.lengths import load_videos
+
+    done = export_energon(data.root / "meta.json", tmp_path / "energon", shard_size=5)
+    lengths_path = _stats(done.path, data.root / "tok.json", FLAGS, tmp_path / "e.npz")
+    lengths = load_lengths(lengths_path)
+    for field in ("vit", "tokens", "image_flags"):
+        assert np.array_equal(getattr(lengths, field), getattr(data.lengths, field)), field
+    mine, theirs = load_videos(lengths_path), load_videos(data.lengths_path)
+    for field in ("sample", "frames", "fps", "tiles"):
+        assert np.array_equal(getattr(mine, field), getattr(theirs, field)), field
+    plain = open_source(_args(data), data.lengths, SPEC,
+                        by_epoch=run_lengths(data.lengths_path, data.lengths, seed=11))
+    shards = open_source(SourceSettings(data=str(done.path), tokenizer=None,
+                                        lengths_path=str(lengths_path), text_scale=1),
+                         lengths, SPEC, by_epoch=run_lengths(lengths_path, lengths, seed=11))
+    for epoch in (0, 3):
+        for i in range(len(lengths)):
+            a, b = plain(i, epoch), shards(i, epoch)
+            assert a.tokens.tolist() == b.tokens.tolist() and a.labels.equal(b.labels)
+            assert a.images.equal(b.images), (epoch, i)
+
+
+def test_a_bad_video_member_of_an_energon_sample_is_a_bad_sample(data, tmp_path):
+    """A video whose index promises 40 frames and whose data is zeros half-way, exported into
+    an Energon shard: `omnibal stats` measures it from its header; training names its member
+    (shard, key) and, under the skip policy, leaves it out of the epoch and reports it."""
+    from megatron_omnibal.data.energon_export import export_energon
+
+    media = tmp_path / "media"
+    media.mkdir()
+    write_video(media / "ok.mp4", 30, fps=10)
+    bad = write_video(media / "bad.mp4", 40, fps=10, container_options={"movflags": "faststart"})
+    raw = bytearray(bad.read_bytes())
+    raw[len(raw) // 2:] = bytes(len(raw) - len(raw) // 2)
+    bad.write_bytes(bytes(raw))
+    write_jsonl(tmp_path / "d.jsonl", [
+        {"id": "ok", "video": "ok.mp4", "conversations": _conv("<video>\nwhat", "a cat")},
+        {"id": "bad", "video": "bad.mp4", "conversations": _conv("<video>\nwhat", "a dog")},
+        {"id": "text", "conversations": _conv("what", "red")}])
+    write_meta(tmp_path / "meta.json", {"d": {"root": str(media), "annotation": "d.jsonl"}})
+    done = export_energon(tmp_path / "meta.json", tmp_path / "energon")
+    lengths_path = _stats(done.path, data.root / "tok.json",
+                          FLAGS.replace("--min-frames 2", "--min-frames 5"), tmp_path / "l.npz")
+    lengths = load_lengths(lengths_path)
+    assert len(lengths) == 3  # the header is intact: measured
+    source = open_source(SourceSettings(data=str(done.path), tokenizer=None,
+                                        lengths_path=str(lengths_path), text_scale=1),
+                         lengths, SPEC, by_epoch=run_lengths(lengths_path, lengths, seed=0))
+    assert source(0).images.shape == (5, 3, 16, 16)
+    with pytest.raises(SampleLoadError, match=r"shard-000000.tar/s000000001.v0.mp4 fails while "
+                                              "decoding"):
+        source(1)
+    config = BalanceConfig(dp_size=1, micro_batches=1, vit_budget=20, token_budget=4000, seed=0)
+    report = tmp_path / "bad.jsonl"
+    policy = BadSamplePolicy(mode="skip", report=report, describe=source.describe)
+    sampler = BalancedBatchSampler(lengths, config, dp_rank=0)
+    it = BalancedDataIterator(sampler, 1, MicroBatchDataset(source, lambda: filler_sample(SPEC)),
+                              policy=policy)
+    for _ in range(sampler.steps_per_epoch):
+        next(it)
+    assert policy.skipped == 1
+    [logged] = [json.loads(x) for x in report.read_text().splitlines()]
+    assert logged["index"] == 1 and "s000000001.v0.mp4 fails while decoding" in logged["reason"]
