@@ -23,6 +23,15 @@ InternVL lengths (a random subset of the shipped data):
   plan-vpp2    the planner's plan searched over 2 x 2 virtual stages (`omnibal plan --vpp 2`,
                same memory budget), trained through `--omnibal-plan` on the interleaved
                schedule
+  dp_balanced  the baseline's layout and recompute on the packs of Megatron-Core's
+               `--sequence-packing-scheduler dp_balanced` (balance/dp_balanced.py): the balanced
+               runs' samples per step, packed in order up to its maximum sequence length chosen
+               at equal memory (the largest whose packs keep the plan's tile and token budgets),
+               dealt to the DP ranks in turn. Megatron with that scheduler runs each global
+               batch's pack count / DP micro-batches; here every step runs the mean of those
+               counts (rounded), each rank taking its dp_balanced packs in their order (the
+               packs and their pairing across DP ranks are dp_balanced's, the step boundaries
+               fall a little elsewhere)
 
 Predictions use the planner's pipeline simulator and stage accounting on exactly the
 micro-batches each timed step trained on (recorded by the worker), with layer costs from
@@ -50,11 +59,15 @@ Shapes (small enough for a CPU; widths set so the measured vision share matches)
   llava-7b  vision about a fifth (what the issue asks for a LLaVA-7B-like shape): a CLIP-style
             ViT (class token, dropped before an MLP projector, no pixel shuffle)
 
+With --dp 2 every run has PP=2 x DP=2 (4 gloo ranks; the step time of rank 0 includes the
+gradient reduction, so it waits for the slower replica); predictions and the interleaved rows
+are for DP=1 only.
+
 Usage: python bench/bench_megatron.py [--shapes 6+20b,llava-7b] [--steps 12] [--warmup 2]
-       [--profile-runs 3] [--run-repeats 1] [--no-predict]
-       [--runs baseline,+data,+partition,+recompute,baseline-vpp2,plan-vpp2]
+       [--profile-runs 3] [--run-repeats 1] [--no-predict] [--dp 1]
+       [--runs baseline,+data,+partition,+recompute,baseline-vpp2,plan-vpp2,dp_balanced]
        [--work-dir DIR] [--json PATH]
-       (also its own torchrun worker: --worker baseline|balanced OUT -- FLAGS)
+       (also its own torchrun worker: --worker baseline|balanced|dp_balanced OUT -- FLAGS)
 Environment: TORCHRUN starts the runs' ranks (default: torchrun of this interpreter).
 """
 
@@ -101,7 +114,10 @@ SHAPES = {
                 "norm": "rmsnorm"},
     },
 }  # fmt: skip
-STEPS = ("baseline", "+data", "+partition", "+recompute", "baseline-vpp2", "plan-vpp2")
+STEPS = ("baseline", "dp_balanced", "+data", "+partition", "+recompute", "baseline-vpp2",
+         "plan-vpp2")
+DP_ONE_ONLY = ("baseline-vpp2", "plan-vpp2")  # rows built for DP = 1
+RUN_SEED = 3  # every run's --seed (dp_balanced's shuffle of epoch e: RUN_SEED + e)
 VPP = 2  # model chunks per rank of the interleaved rows
 
 
@@ -145,25 +161,36 @@ def layout_flags(part, nv: int) -> list[str]:
             "--omnibal-vit-recompute", csv(vrc), "--omnibal-llm-recompute", csv(lrc)]  # fmt: skip
 
 
-def common_flags(lengths: Path, micro: int, steps: int) -> list[str]:
+def common_flags(lengths: Path, micro: int, steps: int, dp: int = 1) -> list[str]:
     """The length file holds the lengths as the model sees them (no stored configuration)."""
     return [
         "--omnibal", "--omnibal-lengths", str(lengths), "--num-workers", "0",
         "--pipeline-model-parallel-size", str(PP), "--micro-batch-size",
-        "1", "--global-batch-size", str(micro), "--train-iters", str(steps), "--lr", "1e-4",
-        "--clip-grad", "0", "--transformer-impl", "local", "--seed", "3", "--log-interval",
-        "1000", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "1", "--global-batch-size", str(micro * dp), "--train-iters", str(steps), "--lr", "1e-4",
+        "--clip-grad", "0", "--transformer-impl", "local", "--seed", str(RUN_SEED),
+        "--log-interval", "1000", "--hidden-dropout", "0", "--attention-dropout", "0",
     ]  # fmt: skip
 
 
-def torchrun(mode: str, out: Path, flags: list[str]) -> dict:
-    """One training run on PP local ranks: torchrun of this interpreter, or $TORCHRUN (split on
-    spaces, as the launch scripts read it; the tests give local_ranks, docs/launch.md)."""
+def torchrun(mode: str, out: Path, flags: list[str], dp: int = 1) -> dict:
+    """One training run on PP x dp local ranks: torchrun of this interpreter, or $TORCHRUN
+    (split on spaces, as the launch scripts read it; the tests give local_ranks,
+    docs/launch.md)."""
     launcher = os.environ.get("TORCHRUN", "").split() or [sys.executable, "-m",
                                                           "torch.distributed.run"]  # fmt: skip
-    run([*launcher, "--standalone", f"--nproc-per-node={PP}", __file__, "--worker", mode,
+    run([*launcher, "--standalone", f"--nproc-per-node={PP * dp}", __file__, "--worker", mode,
          str(out), "--", *flags], timeout=1800)  # fmt: skip
-    return json.loads((out / "rank0.json").read_text())
+    return {**json.loads((out / "rank0.json").read_text()),
+            "step_samples": step_samples(out, PP * dp)}
+
+
+def step_samples(out: Path, ranks: int) -> list[float]:
+    """Samples each step trained over all DP replicas: every rank records its replica's
+    micro-batches, and each replica's PP ranks see the same ones."""
+    per_rank = [[sum(map(len, step)) for step in
+                 json.loads((out / f"rank{r}.json").read_text())["micro_indices"]]
+                for r in range(ranks)]  # fmt: skip
+    return (np.sum(per_rank, axis=0) / PP).tolist()
 
 
 def step_features(lengths, micro_indices: list[list[int]], padded: bool) -> np.ndarray:
@@ -227,17 +254,19 @@ def fit_costs(model, docs: list[dict]):
                    recompute=np.maximum(rows["recompute_ms"], rows["forward_ms"]))  # fmt: skip
 
 
-def measure(mode: str, out: Path, flags: list[str], warmup: int, repeats: int = 1) -> dict:
+def measure(mode: str, out: Path, flags: list[str], warmup: int, repeats: int = 1,
+            dp: int = 1) -> dict:
     """`repeats` training runs: the median over runs of each run's median step, the steps and
-    per-step batches of the first run (every run trains the same ones)."""
+    per-step batches (rank 0's) of the first run (every run trains the same ones)."""
     load = os.getloadavg()[0]
     medians, first = [], None
     for i in range(repeats):
-        rec = torchrun(mode, out / f"run{i}", flags)
+        rec = torchrun(mode, out / f"run{i}", flags, dp)
         times = np.array(rec["train_step_ms"][warmup:])
         medians.append(float(statistics.median(times)))
         if first is None:
-            first = {"times_ms": times.tolist(), "micro_indices": rec["micro_indices"][warmup:]}
+            first = {"times_ms": times.tolist(), "micro_indices": rec["micro_indices"][warmup:],
+                     "step_samples": rec["step_samples"][warmup:]}
     return {**first, "median_step_ms": float(statistics.median(medians)),
             "run_medians_ms": [round(t, 1) for t in medians],
             "load_average": [round(load, 2), round(os.getloadavg()[0], 2)]}  # fmt: skip
@@ -260,6 +289,7 @@ def interleaved_baseline(setting, spec, plan):
 
 
 def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
+    from megatron_omnibal.balance.dp_balanced import dp_balanced, equal_memory_max_seq_len
     from megatron_omnibal.data.lengths import load_lengths, save_lengths
     from megatron_omnibal.megatron.stream.data import model_lengths
     from megatron_omnibal.models.spec import ModelSpec
@@ -282,18 +312,19 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
                             TEXT_SCALE)  # fmt: skip
     lengths_file = tmp / "lengths.npz"
     save_lengths(lengths, lengths_file)
-    m, gb = args.micro_batches, args.micro_batches * args.samples_per_micro_batch
+    dp = args.dp
+    m, gb = args.micro_batches, args.micro_batches * args.samples_per_micro_batch * dp
 
     def request(memory_mib: float, profile: dict | None = None, vpp: int = 1) -> PlanRequest:
         return PlanRequest(model=spec, hardware=cpu_hardware(memory_mib), lengths=lengths,
-                           lengths_path=str(lengths_file), gpus=PP, tp=1, pp=PP, vpp=vpp,
+                           lengths_path=str(lengths_file), gpus=PP * dp, tp=1, pp=PP, vpp=vpp,
                            micro_batches=m, global_batch=gb, profile=profile,
                            profile_path=None if profile is None else str(tmp / "profile.json"),
                            plan_path=str(tmp / "plan.json"))  # fmt: skip
 
     # Profiled shapes: the planner's mean balanced micro-batch; twice its tiles with the mean
     # padded fixed-size micro-batch's tokens (at least twice the balanced ones).
-    probe = make_setting(request(1e9), 1, PP, 1, m)
+    probe = make_setting(request(1e9), 1, PP, dp, m)
     mean = probe.balanced.reshape(-1, 4).mean(axis=0)
     padded = probe.fixed.reshape(-1, 4).mean(axis=0)
     shapes = [(max(1, round(mean[0])), max(1, round(mean[1])))]
@@ -304,7 +335,7 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
             for i, (tiles, tokens) in enumerate(shapes)]  # fmt: skip
     (tmp / "profile.json").write_text(json.dumps(docs[0], indent=1))
     profile = docs[0]
-    unlimited = make_setting(request(1e9, profile), 1, PP, 1, m)
+    unlimited = make_setting(request(1e9, profile), 1, PP, dp, m)
     megatron, _ = choose_partition(unlimited, "megatron")
     searched, _ = choose_partition(unlimited, "exact", recompute=False)
     free, _ = choose_partition(unlimited, "exact")
@@ -318,7 +349,7 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
         budget = float(free.memory_mib.max()) * 0.95
         plan = make_plan(request(budget, profile))
     save_plan(plan, tmp / "plan.json")
-    setting = make_setting(request(budget, profile), 1, PP, 1, m)
+    setting = make_setting(request(budget, profile), 1, PP, dp, m)
     fitted = replace(setting, model=fit_costs(setting.model, docs)) if args.predict else None
     bounds, recompute = plan_partition(plan)
     planned = setting.problem(float("inf")).evaluate(bounds, recompute)
@@ -342,7 +373,7 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
     nv = spec.vit.num_layers
     budgets = ["--omnibal-vit-budget", str(plan.data.vit_budget), "--omnibal-token-budget",
                str(plan.data.token_budget)]  # fmt: skip
-    base = [*common_flags(lengths_file, m, args.steps), "--omnibal-model",
+    base = [*common_flags(lengths_file, m, args.steps, dp), "--omnibal-model",
             str(model_file)]  # fmt: skip
     runs = {
         "+data": ("balanced", [*base, *budgets, *layout_flags(megatron_part, nv)],
@@ -355,21 +386,41 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
                                    "--omnibal-precision", "fp32"],
                       interleaved.get("plan-vpp2"), False),
     }  # fmt: skip
-    results = {}
+    results, dp_balanced_setting = {}, None
     for label in args.runs:  # the balanced runs first: the baselines take their samples
         if label in runs:
             mode, flags, part, padded = runs[label]
-            got = measure(mode, tmp / label, flags, args.warmup, args.run_repeats)
+            got = measure(mode, tmp / label, flags, args.warmup, args.run_repeats, dp)
             results[label] = (got, part, padded)
     # Fixed-size baseline: as many samples per step as the balanced runs took on average.
     balanced = [idx for got, _, _ in results.values() for idx in got["micro_indices"]]
     per_micro = np.mean([len(i) for step in balanced for i in step])
+    balanced_steps = [n for got, _, _ in results.values() for n in got["step_samples"]]
     batch = max(1, round(float(per_micro)))
     if "baseline" in args.runs:
         flags = [*base, *budgets, *layout_flags(megatron_part, nv), "--omnibal-baseline-batch",
                  str(batch)]  # fmt: skip
         results["baseline"] = (measure("baseline", tmp / "baseline", flags, args.warmup,
-                                       args.run_repeats), megatron_part, True)  # fmt: skip
+                                       args.run_repeats, dp), megatron_part, True)  # fmt: skip
+    if "dp_balanced" in args.runs:
+        # the balanced runs' samples per step (every DP replica's), its maximum sequence length
+        # at equal memory, and as many micro-batches per step as its global batches make on
+        # average (so that its steps train about as many samples)
+        per_step = round(float(np.mean(balanced_steps)))
+        max_len = equal_memory_max_seq_len(lengths, vit_budget=plan.data.vit_budget,
+                                           token_budget=plan.data.token_budget, dp_size=dp,
+                                           samples_per_step=per_step, seed=RUN_SEED)
+        packed = dp_balanced(lengths, dp_size=dp, samples_per_step=per_step,
+                             max_seq_len=max_len, seed=RUN_SEED)
+        m_dpb = max(1, round(float(np.mean(packed.meta["micro_batches"]))))
+        flags = [*common_flags(lengths_file, m_dpb, args.steps, dp), "--omnibal-model",
+                 str(model_file), *budgets, *layout_flags(megatron_part, nv),
+                 "--omnibal-dp-balanced", f"{per_step},{max_len}"]  # fmt: skip
+        results["dp_balanced"] = (measure("dp_balanced", tmp / "dp_balanced", flags,
+                                          args.warmup, args.run_repeats, dp),
+                                  megatron_part, False)  # fmt: skip
+        dp_balanced_setting = {"samples_per_step": per_step, "max_seq_len": max_len,
+                               "micro_batches": m_dpb}
     if "baseline-vpp2" in args.runs:
         flags = [*base, "--omnibal-plan", str(tmp / "baseline_vpp2.json"), "--omnibal-precision",
                  "fp32", "--omnibal-baseline-batch", str(batch)]  # fmt: skip
@@ -380,7 +431,7 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
     rows = []
     for label in (s for s in STEPS if s in results):
         got, part, padded = results[label]
-        samples = float(np.mean([sum(map(len, step)) for step in got["micro_indices"]]))
+        samples = float(np.mean(got["step_samples"]))  # over every DP replica
         row = {"step": label, "measured_ms": round(got["median_step_ms"], 1),
                "samples_per_step": round(samples, 2),
                "samples_per_s": round(1000 * samples / got["median_step_ms"], 2)}  # fmt: skip
@@ -414,6 +465,8 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
         "profiles_at": [{"tiles": t, "tokens": n} for t, n in shapes],
         "budgets": {"vit": plan.data.vit_budget, "tokens": plan.data.token_budget},
         "baseline_batch": batch,
+        "dp": dp,
+        "dp_balanced": dp_balanced_setting,
         "memory_budget_mib": round(budget, 1),
         "memory_budget_gib": round(budget / GIB_MIB, 4),
         "micro_batches": m,
@@ -423,8 +476,12 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
 
 def print_shape(res: dict) -> None:
     at = ", ".join(f"{p['tiles']} tiles / {p['tokens']} tokens" for p in res["profiles_at"])
+    dpb = res.get("dp_balanced")
+    dpb = (f"; dp_balanced {dpb['samples_per_step']} samples/step, max length "
+           f"{dpb['max_seq_len']}, {dpb['micro_batches']} micro-batches/step" if dpb else "")
     print(f"\n{res['shape']}: vision {res['vision_share_measured']:.0%} of the layer cost "
-          f"(profiles at {at}); PP={PP}, {res['micro_batches']} micro-batches/step; budgets "
+          f"(profiles at {at}); PP={PP} x DP={res['dp']}, {res['micro_batches']} "
+          f"micro-batches/step{dpb}; budgets "
           f"{res['budgets']['vit']} tiles / {res['budgets']['tokens']} tokens; baseline "
           f"{res['baseline_batch']} samples per micro-batch, padded; modeled memory budget "
           f"{res['memory_budget_mib']:.0f} MiB per rank")  # fmt: skip
@@ -465,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="keep the model, lengths, profiles, plan and run records here "
                              "(default: a new temporary folder)")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="data-parallel ranks (PP x DP local ranks; DP > 1 needs "
+                             "--no-predict and no interleaved rows)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     shapes = args.shapes.split(",")
@@ -475,15 +535,21 @@ def main(argv: list[str] | None = None) -> int:
     for r in args.runs:
         if r not in STEPS:
             parser.error(f"--runs: unknown step {r!r} (known: {', '.join(STEPS)})")
-    if set(args.runs) <= {"baseline", "baseline-vpp2"}:
-        parser.error("--runs: the baseline takes the balanced runs' samples per step: name one")
+    if set(args.runs) <= {"baseline", "baseline-vpp2", "dp_balanced"}:
+        parser.error("--runs: the baselines take the balanced runs' samples per step: name one")
     if args.run_repeats < 1:
         parser.error("--run-repeats must be >= 1")
+    if args.dp < 1:
+        parser.error("--dp must be >= 1")
+    if args.dp > 1 and (args.predict or set(args.runs) & set(DP_ONE_ONLY)):
+        parser.error(f"--dp {args.dp}: predictions and the rows {', '.join(DP_ONE_ONLY)} are "
+                     "for DP = 1; pass --no-predict and leave those rows out")
     if args.steps - args.warmup < 3:
         parser.error("need at least 3 timed steps (--steps - --warmup >= 3)")
     tmp = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_megatron_"))
-    report = {"note": "measured on this CPU (PP=2, 2 gloo ranks, 1 thread each); predictions "
-                      "from profiles measured here", "load_average": os.getloadavg(),
+    report = {"note": f"measured on this CPU (PP=2 x DP={args.dp}, {PP * args.dp} gloo ranks, "
+                      "1 thread each); predictions from profiles measured here",
+              "dp": args.dp, "load_average": os.getloadavg(),
               "steps": args.steps, "warmup": args.warmup, "shapes": []}  # fmt: skip
     for shape in shapes:
         res = run_shape(shape, args, tmp / shape)
@@ -585,17 +651,49 @@ def time_train_steps(into: list[float]) -> None:
     training.train_step = train_step
 
 
+class DpBalancedBatches(FixedBatches):
+    """This DP rank's packs of dp_balanced (balance/dp_balanced.py), in their order (step,
+    micro-batch), `micro` per step of this run; the epoch ends with the last whole step every
+    rank can run."""
+
+    def __init__(self, lengths, dp_size: int, dp_rank: int, micro: int, samples_per_step: int,
+                 max_seq_len: int, seed: int):
+        from megatron_omnibal.balance.dp_balanced import dp_balanced
+
+        super().__init__(len(lengths), 1, dp_size, dp_rank, micro, seed)
+        self.make = lambda epoch: dp_balanced(lengths, dp_size=dp_size,
+                                              samples_per_step=samples_per_step,
+                                              max_seq_len=max_seq_len, seed=seed + epoch)
+        plan = self.make(0)
+        self.steps_per_epoch = int(np.sum(plan.pack_rank == dp_rank)) // micro
+
+    def __iter__(self):
+        while True:
+            plan = self.make(self.epoch)
+            mine = np.flatnonzero(plan.pack_rank == self.rank)  # (step, micro) order
+            while self.step < self.steps_per_epoch:
+                for micro in range(self.micro):
+                    yield plan.pack(int(mine[self.step * self.micro + micro])).tolist()
+                self.step += 1
+            self.epoch, self.step = self.epoch + 1, 0
+
+
 def worker(mode: str, out: Path, flags: list[str]) -> int:
-    baseline_batch = None
+    baseline_batch = dp_balanced_setting = None
     if "--omnibal-baseline-batch" in flags:
         i = flags.index("--omnibal-baseline-batch")
         baseline_batch = int(flags[i + 1])
+        flags = flags[:i] + flags[i + 2 :]
+    if "--omnibal-dp-balanced" in flags:
+        i = flags.index("--omnibal-dp-balanced")
+        dp_balanced_setting = [int(x) for x in flags[i + 1].split(",")]
         flags = flags[:i] + flags[i + 2 :]
 
     from megatron_omnibal.megatron.stages.step import forward_step
     from megatron_omnibal.megatron.training.pretrain_vlm import main as pretrain_main
 
-    micro = int(flags[flags.index("--global-batch-size") + 1])  # DP = 1
+    dp = int(os.environ.get("WORLD_SIZE", PP)) // PP
+    micro = int(flags[flags.index("--global-batch-size") + 1]) // dp
     record: dict = {"train_step_ms": [], "micro_indices": []}
     state = {"calls": 0}
     time_train_steps(record["train_step_ms"])
@@ -614,7 +712,8 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
         return output, loss
 
     def baseline_iterators(settings, spec, _num_samples=None, vp_stage=None):
-        """Fixed-size padded micro-batches; with model chunks, chunk 0's stream read by all."""
+        """Fixed-size padded micro-batches (or dp_balanced's packs); with model chunks, chunk
+        0's stream read by all."""
         from functools import partial
 
         from megatron_omnibal.megatron.stream.chunk_streams import SharedStream
@@ -627,15 +726,22 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
 
         from megatron_omnibal.megatron.stream.batch import SyntheticSamples
         from megatron_omnibal.megatron.stream.data import BalancedDataIterator
+        from megatron_omnibal.megatron.stream.loader import MicroBatchDataset
         from megatron_omnibal.megatron.training.pretrain_vlm import filler_sample
 
         args = get_args()
-        sampler = FixedBatches(len(settings.lengths), baseline_batch,
-                               parallel_state.get_data_parallel_world_size(),
-                               parallel_state.get_data_parallel_rank(), settings.micro_batches,
-                               args.seed)  # fmt: skip
+        dp_size = parallel_state.get_data_parallel_world_size()
+        dp_rank = parallel_state.get_data_parallel_rank()
         make = SyntheticSamples(lambda _epoch: settings.lengths, spec, seed=args.seed)
-        dataset = padded_dataset(make, partial(filler_sample, spec))
+        if mode == "dp_balanced":  # packed, as the balanced runs' micro-batches
+            sampler = DpBalancedBatches(settings.lengths, dp_size, dp_rank,
+                                        settings.micro_batches, *dp_balanced_setting,
+                                        args.seed)  # fmt: skip
+            dataset = MicroBatchDataset(make, partial(filler_sample, spec))
+        else:
+            sampler = FixedBatches(len(settings.lengths), baseline_batch, dp_size, dp_rank,
+                                   settings.micro_batches, args.seed)  # fmt: skip
+            dataset = padded_dataset(make, partial(filler_sample, spec))
         it = BalancedDataIterator(sampler, settings.micro_batches, dataset,
                                   start_step=args.iteration)  # fmt: skip
         if settings.vpp > 1:
@@ -644,7 +750,7 @@ def worker(mode: str, out: Path, flags: list[str]) -> int:
         return it, None, None
 
     status = pretrain_main(flags, timed_forward_step,
-                           baseline_iterators if mode == "baseline" else None)  # fmt: skip
+                           None if mode == "balanced" else baseline_iterators)  # fmt: skip
     if status:
         return status
     import torch.distributed as dist

@@ -44,7 +44,10 @@ from megatron_omnibal.data.lengths import LengthStats
 #    per-epoch lengths, so other packs, and other frames trained.
 # 5: the random layout measures packs against the packs within the budgets (oversize='solo'
 #    packs left out of the level): another layout where solo packs exist.
-PACKER_VERSION = 5
+# 6: the random layout gives the lightest packs steps of their own too (layout.light_packs),
+#    grouped with the heavy ones by nearest_groups: another layout where packs are light in
+#    tokens or modeled time.
+PACKER_VERSION = 6
 
 _TOP_UP_SALT = 0x544F505550  # "TOPUP"
 

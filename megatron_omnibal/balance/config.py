@@ -166,9 +166,9 @@ class BalanceConfig:
     - oversize: a sample over a budget is an 'error', a pack of its own ('solo') or 'skip'ped.
     - cost: the modeled time of a pack (PackCost; None: DEFAULT_COST), balanced beside tokens.
     - tail_tolerance: packs over the mean tokens or modeled time by more than this share (and,
-      while the tiles packs lack cost more than this share, the packs with the fewest tiles)
-      form steps of their own, among equals, so that they do not set the pace of the others
-      (random mode; grouped mode sorts every step by tiles and time).
+      while what packs lack in tiles, tokens or time costs more than this share, the lightest
+      packs) form steps of their own, among equals, so that they do not set the pace of the
+      others (random mode; grouped mode sorts every step by tiles and time).
     - levels: hierarchical balance packing (empty: one level at the budgets). Levels ascend;
       the last one is the budgets and micro_batches above. curriculum_steps: that many steps of
       the first (shortest) level open the epoch.

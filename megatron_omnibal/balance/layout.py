@@ -7,7 +7,8 @@ time. `random` draws each step's packs at random, stratified by each pack's domi
 tile count (every step gets its share of each stratum), so a step's dataset mix is at least as
 close to the epoch's as a plain shuffle's; the packs the packer could not bring to the common
 level (over the mean tokens or time, or the full tiles, by more than `tail_tolerance`; then, while
-the tiles packs lack would cost more than that, the packs with the fewest tiles) first form steps
+what packs lack in tiles, tokens or time would cost more than that, the lightest packs: a light
+pack lowers its step's mean as a heavy one raises its max) first form steps
 of their own among packs alike in all three (HBP's attention-balance sort, in three
 dimensions), so that they do not set the pace of the others. A smaller tolerance evens the steps
 out more and skews more steps' mix. `grouped` forms every step from packs alike in all three
@@ -87,29 +88,70 @@ def tail_bands(sizes: np.ndarray, per_step: int, tolerance: float, micro_batches
     - packs over 1 + `tolerance` * micro_batches in any size (a heavy sample the data had no
       light partners for, an oversize sample alone; a rank's load is the sum of its
       micro_batches packs, which dilutes one pack's excess), in as many whole steps as they
-      fill (topped up with the next most over), grouped by nearest_groups;
-    - then, while the tiles the other packs lack (against the largest) add up to more than
-      `tolerance` of their tiles (a lack every rank shares, however many packs it has), a step
-      of the packs with the fewest tiles (then least time).
+      fill (topped up with the next most over);
+    - then the light packs (light_packs): while what the other packs lack against the largest
+      a random step draws, in tiles, tokens or time, adds up to more than the tolerance, a
+      step's worth of the packs lowest in that size;
+    - both kinds grouped together by nearest_groups, so each such step holds packs alike in
+      every size.
     """
     num = len(sizes)
     over = sizes.max(axis=1) - 1.0 if num else np.zeros(0)
     heavy = int(np.count_nonzero(over > tolerance * micro_batches))
     count = min(num // per_step, -(-heavy // per_step))
     order = np.argsort(-over, kind="stable")
-    bands = nearest_groups(order[:count * per_step], sizes, per_step) if count else []
     rest = order[count * per_step:]
-    if len(rest):
-        vit, time = sizes[:, 0], sizes[:, -1]
-        top = float(vit[rest].max())
-        rest = rest[np.lexsort((time[rest], vit[rest]))]  # fewest tiles first
-        lack = float((top - vit[rest]).sum())
-        while len(rest) > per_step and lack > tolerance * top * len(rest) and \
-                vit[rest[per_step - 1]] < top:
-            bands.append(rest[:per_step])
-            lack -= float((top - vit[rest[:per_step]]).sum())
-            rest = rest[per_step:]
+    light = (light_packs(sizes, rest, per_step, tolerance, micro_batches) if len(rest)
+             else rest[:0])
+    tail = np.concatenate([order[:count * per_step], light])
+    bands = nearest_groups(tail, sizes, per_step) if len(tail) else []
+    if len(light):
+        keep = np.ones(num, bool)
+        keep[light] = False
+        rest = rest[keep[rest]]
     return bands, np.sort(rest)
+
+
+def light_packs(sizes: np.ndarray, rest: np.ndarray, per_step: int, tolerance: float,
+                micro_batches: int = 1) -> np.ndarray:
+    """The lightest packs of `rest`, a step's worth at a time, while what the packs left lack
+    against the largest pack a random step of them draws, in any size (tiles, tokens, time),
+    adds up to more than `tolerance` of it: a light pack lowers its step's mean, which raises
+    the step's max/mean as a heavy pack does. Each step's worth is the packs lowest in the size
+    whose lack is then the largest beyond what is allowed (ties: least time)."""
+    dims = sizes.shape[1]
+    free = np.ones(len(sizes), bool)
+    orders: list[np.ndarray | None] = [None] * dims  # sorted when first needed
+    at = [0] * dims
+    # the largest pack a random step draws (about its 1 - 1/per_step quantile), not the rest's
+    # largest: that one grows with the number of packs
+    top = np.quantile(sizes[rest], 1.0 - 1.0 / per_step, axis=0, method="higher")
+    lack = top * len(rest) - sizes[rest].sum(axis=0)
+    # tiles: a lack every rank shares, however many packs it has; tokens and time: a rank's
+    # load sums its micro_batches packs, which dilutes one light pack
+    allowed = np.full(dims, tolerance * micro_batches)
+    allowed[0] = tolerance
+    left, picked = len(rest), []
+    while left > per_step:
+        beyond = (lack - allowed * top * left) / np.maximum(top, 1e-300)
+        j = int(np.argmax(beyond))
+        if beyond[j] <= 0:
+            break
+        if orders[j] is None:
+            orders[j] = rest[np.lexsort((sizes[rest, -1], sizes[rest, j]))]
+        o, k, pick = orders[j], at[j], []
+        while len(pick) < per_step:
+            if free[o[k]]:
+                pick.append(o[k])
+            k += 1
+        if sizes[pick[-1], j] >= top[j]:  # the lightest are as large as the largest
+            break
+        at[j] = k
+        free[pick] = False
+        picked += pick
+        lack -= top * per_step - sizes[pick].sum(axis=0)
+        left -= per_step
+    return np.array(picked, np.int64)
 
 
 def _dense_ranks(x: np.ndarray) -> np.ndarray:

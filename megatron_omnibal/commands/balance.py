@@ -70,10 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --model: tensor parallel size")
     parser.add_argument("--tail-tolerance", type=fraction, default=0.015,
                         help="random mode: packs over the mean tokens or modeled time (or the "
-                             "full tiles) by more than this share, and the packs with the "
-                             "fewest tiles while their lack costs more than it, get steps of "
-                             "their own among packs alike (default 0.015; smaller: tighter "
-                             "balance, more steps with a skewed dataset mix)")
+                             "full tiles) by more than this share, and the lightest packs "
+                             "while what they lack in tiles, tokens or time costs more than "
+                             "it, get steps of their own among packs alike (default 0.015; "
+                             "smaller: tighter balance, more steps with a skewed dataset mix)")
     parser.add_argument("--levels", metavar="V/T[xM],..",
                         help="packing levels (hierarchical balance packing), ascending, the "
                              "last one the budgets; xM: micro-batches per rank of its steps "
