@@ -18,7 +18,7 @@ micro-batch per worker, so worker start-up is not counted; first-stage cases the
 machine), and CPU seconds per sample spent on the training process's own thread
 (time.thread_time: what a training step would lose).
 The video layout also reports frames decoded per frame trained (in the no-worker run; the
-decoder decodes exactly the frames an exact decoder must, data/exact_decode.py: for each
+decoder decodes exactly the frames an exact decoder must, data/video/exact_decode.py: for each
 planned frame, those from the later of its keyframe and the previous planned frame, B-frames
 not planned left out; bench/bench_video.py checks that against the bound and torchcodec).
 Targets on a 2-core machine: 2 workers >= 1.6x no worker; a later-stage rank >= 10x the first
@@ -63,7 +63,7 @@ def write_bench_video(path: Path, codec: str, seconds: int, size: tuple[int, int
                       fps: int) -> None:
     """A moving colour gradient, fast to encode (x264 superfast, which still writes B-frames as
     most real H.264 files have; VP8 realtime)."""
-    from megatron_omnibal.data.generate import write_video
+    from megatron_omnibal.data.formats.generate import write_video
 
     w, h = size
     ramp = (np.arange(w)[None, :] + np.arange(h)[:, None]).astype(np.int64)
@@ -84,7 +84,7 @@ def write_bench_video(path: Path, codec: str, seconds: int, size: tuple[int, int
 def generate(root: Path, samples: int, images: int, seed: int, videos: bool = True) -> None:
     """Images, the InternVL meta + JSONL, the LLaVA JSON list and a tokenizer under root (and
     the videos of the video layout)."""
-    from megatron_omnibal.data.generate import (
+    from megatron_omnibal.data.formats.generate import (
         image_array,
         save_image,
         train_tokenizer,
@@ -177,8 +177,8 @@ def generate_energon(root: Path, samples: int, images: int, seed: int) -> Path:
     as a LLaVA JSON list and as a prepared Energon dataset (omnibal export-energon: crude
     samples, the image bytes as they are), measured by `omnibal stats` on the Energon form."""
     from megatron_omnibal.cli import main as cli_main
-    from megatron_omnibal.data.energon_export import export_energon
-    from megatron_omnibal.data.generate import image_array, save_image, write_json_list
+    from megatron_omnibal.data.energon.export import export_energon
+    from megatron_omnibal.data.formats.generate import image_array, save_image, write_json_list
 
     rng = random.Random(seed + 1)
     nrng = np.random.default_rng(seed + 1)
@@ -220,7 +220,7 @@ class _SameDecoding:
     def __init__(self, source, index_of: dict[str, int]) -> None:
         from megatron.energon import Cooker, DefaultTaskEncoder, stateless
 
-        from megatron_omnibal.data.energon_samples import TextDecoder
+        from megatron_omnibal.data.energon.samples import TextDecoder
 
         self.source, self.index_of = source, index_of
         encoder = DefaultTaskEncoder()
@@ -231,7 +231,7 @@ class _SameDecoding:
         self.encoder = encoder
 
     def encode_sample(self, crude):
-        from megatron_omnibal.data.energon_samples import EnergonSample, builtin_record
+        from megatron_omnibal.data.energon.samples import EnergonSample, builtin_record
 
         key = crude["__key__"]
         members = {k: v for k, v in crude.items() if not k.startswith("__")}

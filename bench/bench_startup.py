@@ -207,7 +207,8 @@ RECORD_CHILD = """
 import json, os, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
-from megatron_omnibal.data.annotations import DatasetSpec, parse_record
+from megatron_omnibal.data.formats.annotations import DatasetSpec
+from megatron_omnibal.data.formats.raw import parse_record
 from megatron_omnibal.megatron.stream.record_index import RecordIndex
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -290,7 +291,8 @@ NODE_CHILD = """
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
-from megatron_omnibal.data.annotations import DatasetSpec, parse_record
+from megatron_omnibal.data.formats.annotations import DatasetSpec
+from megatron_omnibal.data.formats.raw import parse_record
 from megatron_omnibal.megatron.stream.node_plans import node_arrays
 from megatron_omnibal.megatron.stream.record_index import RecordIndex
 path, way, folder = Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4])

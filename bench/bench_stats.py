@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_omnibal.data.generate import (
+from megatron_omnibal.data.formats.generate import (
     image_array,
     save_image,
     train_tokenizer,
@@ -34,8 +34,8 @@ from megatron_omnibal.data.generate import (
     write_jsonl,
     write_meta,
 )
-from megatron_omnibal.data.stats import compute_stats
-from megatron_omnibal.data.stats_config import StatsConfig
+from megatron_omnibal.data.sample.config import StatsConfig
+from megatron_omnibal.data.stats.compute import compute_stats
 
 WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by",
          "at", "from", "it", "an", "be", "this", "which", "or", "are", "chart", "table", "value",

@@ -4,8 +4,8 @@ For each sample (a video and the frames InternVL's rule draws for it: `--min-fra
 `--max-frames` frames, `--frame-sampling`, one draw per sample as training draws them), in one
 run and on the same videos and frame indices:
 
-- frames decoded by the loader (data/video_tiles.py: data/video.py's exact decoder, the frames
-  resized to one tile (Pillow bicubic) and normalised with the model's mean and std, as
+- frames decoded by the loader (data/video/tiles.py: data/video/reader.py's exact decoder, the
+  frames resized to one tile (Pillow bicubic) and normalised with the model's mean and std, as
   training does) against the exact-frame bound, computed from each video's packet index: for
   each wanted frame, the packets from the later of its keyframe and the previous wanted frame
   (in decode order, so a B-frame's references count), less the frames nothing refers to that
@@ -51,7 +51,7 @@ def write_long_gop_video(path: Path, codec: str, seconds: int, size: tuple[int, 
                          gop: int) -> None:
     """A moving colour gradient with a keyframe every `gop` frames and none between (x264's
     scene-cut keyframes off), B-frames as x264 writes them."""
-    from megatron_omnibal.data.generate import write_video
+    from megatron_omnibal.data.formats.generate import write_video
 
     w, h = size
     ramp = (np.arange(w)[None, :] + np.arange(h)[:, None]).astype(np.int64)
@@ -126,7 +126,7 @@ class Samples:
     def __getitem__(self, i: int):
         import torch
 
-        from megatron_omnibal.data.video_tiles import frames_to_tiles, video_tiles
+        from megatron_omnibal.data.video.tiles import frames_to_tiles, video_tiles
 
         path, indices = self.items[i]
         if self.torchcodec:
@@ -154,7 +154,7 @@ def draw(videos: list[Path], per_video: int, settings, seed: int) -> list[tuple[
     """(path, frame indices) per sample: each video `per_video` times, each a sample of its own
     with its own draw (data/frames.py, epoch 0 of `seed`)."""
     from megatron_omnibal.data.frames import frame_counts, frame_indices
-    from megatron_omnibal.data.video import read_header
+    from megatron_omnibal.data.video.reader import read_header
 
     paths = [p for p in videos for _ in range(per_video)]
     headers = {p: read_header(p) for p in videos}
@@ -166,7 +166,7 @@ def draw(videos: list[Path], per_video: int, settings, seed: int) -> list[tuple[
 
 
 def model_tiling(name: str):
-    from megatron_omnibal.data.model_data import model_data_side
+    from megatron_omnibal.data.stats.model_data import model_data_side
     from megatron_omnibal.models.presets import get_preset
 
     return model_data_side(get_preset(name)).tiling

@@ -28,8 +28,8 @@ STEPS=${DEMO_STEPS:-40}
 BATCH=${DEMO_BATCH:-32}
 COMPARE_STEPS=${DEMO_COMPARE_STEPS:-8}
 EXAMPLE=examples/data/internvl_subset.npz
-# the generated data's system prompt: words its tokenizer knows (one definition, in generate.py)
-SYSTEM_PROMPT=$("$PY" -c 'from megatron_omnibal.data.generate import SYSTEM_PROMPT; print(SYSTEM_PROMPT)')
+# the generated data's system prompt: words its tokenizer knows (one definition, in data/formats/generate.py)
+SYSTEM_PROMPT=$("$PY" -c 'from megatron_omnibal.data.formats.generate import SYSTEM_PROMPT; print(SYSTEM_PROMPT)')
 export OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1 TOKENIZERS_PARALLELISM=false
 SECTIONS=("$@")
 [ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(data balance train compare)
@@ -54,7 +54,7 @@ run() { # print a command as a user would type it, then run it
 data() {
     header "data: a generated InternVL-format dataset of real images and conversations"
     rm -rf "$OUT/data"
-    run "$PY" -m megatron_omnibal.data.generate "$OUT/data" --samples "$SAMPLES" \
+    run "$PY" -m megatron_omnibal.data.formats.generate "$OUT/data" --samples "$SAMPLES" \
         --images $((SAMPLES / 4 + 1))
     echo "e.g. $(head -n 1 "$OUT/data/pictures.jsonl")"
     run "$PY" -m megatron_omnibal.cli stats "$OUT/data/meta.json" --model tiny \

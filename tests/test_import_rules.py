@@ -1,7 +1,8 @@
 """The rooms' import rules, read from docs/architecture.md's table and checked on every import of
 the package, lazy ones inside functions included: a room imports only itself and the rooms its
 row names (all of them lower in the flow), and the rooms marked "never" import neither torch nor
-Megatron."""
+Megatron. And no two modules import each other, directly or around a cycle: an import inside a
+function hides a cycle, it does not remove it (only `if TYPE_CHECKING:` imports stay aside)."""
 
 from __future__ import annotations
 
@@ -75,12 +76,17 @@ def package_path(dotted: str) -> str | None:
     return None
 
 
-def imported_names(relative: str, source: str) -> list[tuple[int, str]]:
+def imported_names(relative: str, source: str, typing_only: bool = True
+                   ) -> list[tuple[int, str]]:
     """(line, dotted name) of every import in a module: statements anywhere, and
-    importlib.import_module / __import__ of a string literal."""
+    importlib.import_module / __import__ of a string literal; `typing_only=False` leaves out
+    the imports under `if TYPE_CHECKING:` (never run, so they make no cycle)."""
     package = ["megatron_omnibal", *relative.split("/")[:-1]]
     found = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    if not typing_only:
+        tree = _WithoutTypeChecking().visit(tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -97,6 +103,52 @@ def imported_names(relative: str, source: str) -> list[tuple[int, str]]:
                    or (isinstance(node.func, ast.Name) and node.func.id == "__import__"))):
             found.append((node.lineno, node.args[0].value))
     return found
+
+
+class _WithoutTypeChecking(ast.NodeTransformer):
+    """Drops the body of every `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`), keeping its
+    else branch."""
+
+    def visit_If(self, node: ast.If) -> ast.AST | list[ast.stmt]:
+        test = node.test
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+                isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            return [self.visit(stmt) for stmt in node.orelse]
+        return self.generic_visit(node)
+
+
+def import_cycles(sources: dict[str, str]) -> list[list[str]]:
+    """The import cycles among modules {path relative to the package: source}, each as the
+    modules around it (the strongly connected components of the import graph, Tarjan)."""
+    edges = {relative: sorted({path for _, name in imported_names(relative, source, False)
+                               if name.startswith("megatron_omnibal")
+                               and (path := package_path(name)) in sources and path != relative})
+             for relative, source in sources.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in edges[module]:
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(edges):
+        if module not in order:
+            visit(module)
+    return cycles
 
 
 def violations(relative: str, source: str, rooms: list[Room]) -> list[str]:
@@ -148,12 +200,33 @@ def test_every_import_of_the_package_keeps_to_its_rooms_row() -> None:
     assert not found, "\n".join(found)
 
 
+def test_no_module_imports_itself_around_a_cycle() -> None:
+    sources = {relative: (PACKAGE / relative).read_text() for relative in package_modules()}
+    cycles = import_cycles(sources)
+    assert not cycles, "import cycles (imports inside functions count):\n" + "\n".join(
+        " <-> ".join(cycle) for cycle in cycles)
+
+
+def test_the_cycle_check_sees_lazy_imports_and_leaves_type_checking_aside() -> None:
+    """A cycle closed by an import inside a function is refused; one closed only under
+    `if TYPE_CHECKING:` is not."""
+    lengths = "from megatron_omnibal.data.frames import FrameSettings\n"
+    lazy = "def f():\n    from megatron_omnibal.data import video_lengths\n"
+    back = "from megatron_omnibal.data.lengths import LengthStats\n"
+    typing_only = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                   "    from megatron_omnibal.data import video_lengths\nelse:\n    x = 1\n")
+    around = {"data/lengths.py": lengths, "data/frames.py": lazy, "data/video_lengths.py": back}
+    assert import_cycles(around) == [["data/frames.py", "data/lengths.py",
+                                      "data/video_lengths.py"]]
+    assert not import_cycles({**around, "data/frames.py": typing_only})
+
+
 def test_balancing_planning_and_length_code_never_import_torch_or_megatron() -> None:
     rooms = read_rooms()
     pure = [r for r in package_modules() if (room := room_of(r, rooms)) and room.never_heavy]
     assert {"balance/balancer.py", "planner/make.py", "planner/search/partition.py",
             "data/lengths.py", "data/video_lengths.py"} <= set(pure)
-    heavy = ("data/stats.py", "megatron/stages/model.py")
+    heavy = ("data/stats/compute.py", "megatron/stages/model.py")
     assert not any(room_of(r, rooms).never_heavy for r in heavy)
 
 

@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         save_plan(plan, args.out)
         print(f"wrote {args.out}")
     if args.png:
-        from megatron_omnibal.data.plots import plot_balance
+        from megatron_omnibal.data.stats.plots import plot_balance
 
         print(f"wrote {plot_balance(plan, base_plan, lengths, args.png)}")
     if args.json_out:

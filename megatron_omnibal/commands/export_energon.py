@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_omnibal.data.energon_export import ExportError, export_energon
+    from megatron_omnibal.data.energon.export import ExportError, export_energon
 
     try:
         done = export_energon(args.dataset, args.out, args.image_root, args.shard_size,

@@ -7,7 +7,7 @@ import os
 import sys
 
 from megatron_omnibal.cli_args import output_file_type, positive_float, positive_int
-from megatron_omnibal.data.conversations import TEMPLATES
+from megatron_omnibal.data.text.conversations import TEMPLATES
 from megatron_omnibal.models.presets import PRESETS
 
 # Every output may go into a directory that does not exist yet: it is created when written.
@@ -166,8 +166,8 @@ def build_config(args: argparse.Namespace):
     from pathlib import Path
 
     from megatron_omnibal.data.frames import FrameSettings
-    from megatron_omnibal.data.model_data import model_data_side
-    from megatron_omnibal.data.stats_config import ModelLayout, StatsConfig
+    from megatron_omnibal.data.sample.config import ModelLayout, StatsConfig
+    from megatron_omnibal.data.stats.model_data import model_data_side
     from megatron_omnibal.models.resolve import resolve_model
 
     spec = resolve_model(args.model)
@@ -225,8 +225,8 @@ def build_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_omnibal.data.energon_source import EnergonOptions
-    from megatron_omnibal.data.stats import StatsError, compute_stats, write_outputs
+    from megatron_omnibal.data.energon.source import EnergonOptions
+    from megatron_omnibal.data.stats.compute import StatsError, compute_stats, write_outputs
 
     config = build_config(args)
     energon = EnergonOptions(split=args.split, task_encoder=args.energon_task_encoder)
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     written = write_outputs(result, args.out, args.format, args.skipped)
     if args.png:
-        from megatron_omnibal.data.plots import plot_stats
+        from megatron_omnibal.data.stats.plots import plot_stats
 
         written.append(plot_stats(result.stats, args.png))
     stats = result.stats

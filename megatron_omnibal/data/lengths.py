@@ -6,7 +6,7 @@ OmniBal JSON list, as a meta JSON naming one such file per dataset, as JSONL, or
 `.npz`. Every record is checked, and an error names the file and the record index, because a
 silently wrong length becomes a silently unbalanced (or crashing) training job days later.
 
-`omnibal stats` also stores how it counted (data/stats_config.py) in a `.npz` (`stats_config`)
+`omnibal stats` also stores how it counted (data/sample/config.py) in a `.npz` (`stats_config`)
 or in each entry of a meta JSON, the tiles of each image of a multi-image sample
 (`image_tiles`), which the training loader needs on ranks that never open the images, and the
 video table (`video_*` arrays of a `.npz`, `video_frames`/`video_fps`/`video_tiles` lists of a

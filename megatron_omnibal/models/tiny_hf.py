@@ -2,7 +2,7 @@
 
 Why: `omnibal finetune` starts from a Hugging Face directory, and the demo and the tests may
 download nothing. The checkpoint is transformers' own `internvl` (an InternViT-300M-like tower,
-a Qwen2 LLM) a few layers deep, with the tokenizer of a generated dataset (data/generate.py)
+a Qwen2 LLM) a few layers deep, with the tokenizer of a generated dataset (data/formats/generate.py)
 saved beside it and InternVL's image tokens added to it, so `omnibal stats --model DIR` reads
 tiling, template and tokenizer from the directory as it does for a real release.
 

@@ -76,25 +76,40 @@ def _unpack(held: Any) -> torch.Tensor:
     return held.tensor if isinstance(held, _Held) else held
 
 
-def static_storages(model: Iterable[torch.nn.Module], optimizer: Any) -> dict[int, int]:
-    """{storage pointer: bytes} of parameters, their gradient buffers and the optimizer state."""
-    tensors: list[torch.Tensor] = []
+STATIC_PARTS = ("weights", "gradients", "optimizer")
+
+
+def static_parts(model: Iterable[torch.nn.Module], optimizer: Any) -> dict[str, dict[int, int]]:
+    """{part: {storage pointer: bytes}} of the stage's static state, each storage once, in the
+    first part that holds it: the parameters ("weights"), their gradient buffers
+    ("gradients"), the optimizer's state and FP32 main copies of 16-bit parameters
+    ("optimizer"). Split so that each can be set against the planner's model of it."""
+    tensors: dict[str, list[torch.Tensor]] = {part: [] for part in STATIC_PARTS}
     for chunk in model:
         for p in chunk.parameters():
-            tensors.append(p)
+            tensors["weights"].append(p)
             for name in ("main_grad", "grad"):
                 if isinstance(getattr(p, name, None), torch.Tensor):
-                    tensors.append(getattr(p, name))
+                    tensors["gradients"].append(getattr(p, name))
     for opt in _torch_optimizers(optimizer):
         for state in opt.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+            tensors["optimizer"] += [v for v in state.values() if isinstance(v, torch.Tensor)]
         for group in opt.param_groups:
-            tensors += list(group["params"])  # FP32 main copies of 16-bit parameters
-    out = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        out[s.data_ptr()] = s.nbytes()
+            tensors["optimizer"] += list(group["params"])
+    out: dict[str, dict[int, int]] = {part: {} for part in STATIC_PARTS}
+    seen: set[int] = set()
+    for part in STATIC_PARTS:
+        for t in tensors[part]:
+            s = t.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                out[part][s.data_ptr()] = s.nbytes()
     return out
+
+
+def static_storages(model: Iterable[torch.nn.Module], optimizer: Any) -> dict[int, int]:
+    """{storage pointer: bytes} of parameters, their gradient buffers and the optimizer state."""
+    return {k: v for part in static_parts(model, optimizer).values() for k, v in part.items()}
 
 
 def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -117,6 +132,7 @@ class StepRecord:
     forward_ms: list[float] = field(default_factory=list)
     backward_ms: list[float] = field(default_factory=list)
     static_bytes: int = 0
+    static_part_bytes: dict[str, int] = field(default_factory=dict)  # STATIC_PARTS' bytes
     activation_peak_bytes: int = 0
     allocator_peak_bytes: int | None = None  # GPU only
     schedule_ms: float = 0.0  # from this stage's first forward step to its last backward
@@ -302,7 +318,9 @@ class StepMeter:
                        f"memory in its {label} step (step {len(self.steps) - 1})")  # fmt: skip
             raise
         # the optimizer's state exists after its first step: count it from then on
-        self.current.static_bytes = sum(static_storages(model, optimizer).values())
+        parts = static_parts(model, optimizer)
+        self.current.static_part_bytes = {k: sum(v.values()) for k, v in parts.items()}
+        self.current.static_bytes = sum(self.current.static_part_bytes.values())
         self.current.activation_peak_bytes = self.tracker.peak
         start, end = self._schedule
         if start is not None and end is not None:

@@ -73,6 +73,8 @@ def measure_stage(steps: list[list[dict]]) -> dict[str, Any]:
     return {
         "peak_memory_gib": _peak(peak_rec) / GIB,
         "static_gib": peak_rec["static_bytes"] / GIB,
+        # the static state by part ("weights", "gradients", "optimizer")
+        "static_parts_gib": {k: b / GIB for k, b in peak_rec.get("static_part_bytes", {}).items()},
         "activation_gib": peak_rec["activation_peak_bytes"] / GIB,
         "peak_step": peak_label,
         "allocator": peak_rec.get("allocator_peak_bytes") is not None,

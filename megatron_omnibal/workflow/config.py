@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_omnibal.data.conversations import TEMPLATES
+from megatron_omnibal.data.text.conversations import TEMPLATES
 from megatron_omnibal.megatron.stages.finetune import PARTS
 from megatron_omnibal.models.lora import LoraError, LoraSpec
 

@@ -86,7 +86,7 @@ def _train_rows(paths: OutputPaths) -> list[dict]:
 
 
 def _plot_loss(rows: list[dict], path: Path) -> Path:
-    from megatron_omnibal.data.plots import _pyplot, _save
+    from megatron_omnibal.data.stats.plots import _pyplot, _save
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))

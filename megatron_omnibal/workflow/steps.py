@@ -243,7 +243,7 @@ def _launch_inputs(config: FinetuneConfig, paths: OutputPaths) -> tuple[Path, ..
 
 def _data_files(config: FinetuneConfig) -> tuple[Path, ...]:
     """The dataset file and the annotation files a meta file names."""
-    from megatron_omnibal.data.annotations import read_inputs
+    from megatron_omnibal.data.inputs import read_inputs
 
     try:
         specs, _ = read_inputs(config.data, config.image_root)

@@ -55,7 +55,7 @@ def test_ctrl_c_exits_130_with_one_line_and_no_traceback(tmp_path):
     """Ctrl-C in a terminal signals the whole process group: the parent and its worker
     processes. A stats run with 2 workers over 200,000 records is interrupted once its progress
     bar shows it counting."""
-    from megatron_omnibal.data.generate import TEMPLATE_SPECIALS, train_tokenizer
+    from megatron_omnibal.data.formats.generate import TEMPLATE_SPECIALS, train_tokenizer
 
     tok = train_tokenizer(["what is the cat", "a dog is here"], vocab_size=300,
                           special_tokens=TEMPLATE_SPECIALS[1:], byte_level=True)

@@ -22,7 +22,7 @@ import random
 import re
 from pathlib import Path
 
-from megatron_omnibal.data.generate import train_tokenizer
+from megatron_omnibal.data.formats.generate import train_tokenizer
 
 
 def _qwen(marked: bool) -> str:
@@ -121,9 +121,9 @@ def byte_level_tokenizer(path: Path, template: str, specials: list[str], *,
 def model_tokenizer(path: Path, tokenizer_json: Path, template: str, ids: dict[str, int], *,
                     bos: str | None = None, eos: str | None = None,
                     bos_processor: bool = False) -> Path:
-    """A dataset's tokenizer (data/generate.py's, smaller than a tiny model's vocabulary) saved
-    into checkpoint directory `path` with `template`: fillers up to the model's own tokens,
-    which get the ids `ids` names (in order)."""
+    """A dataset's tokenizer (data/formats/generate.py's, smaller than a tiny model's
+    vocabulary) saved into checkpoint directory `path` with `template`: fillers up to the
+    model's own tokens, which get the ids `ids` names (in order)."""
     from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
 

@@ -9,7 +9,7 @@ import json
 import tarfile
 from pathlib import Path
 
-from megatron_omnibal.data.generate import image_array, save_image
+from megatron_omnibal.data.formats.generate import image_array, save_image
 
 VQA_FIELD_MAP = {"image": "jpg", "context": "json[0][value]", "answers": "json[1][value]"}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_omnibal.data.generate import SYSTEM_PROMPT
+from megatron_omnibal.data.formats.generate import SYSTEM_PROMPT
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ("stats", "plan", "convert", "preflight", "train", "export", "compare-hf")

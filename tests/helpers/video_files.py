@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_omnibal.data import generate
+from megatron_omnibal.data.formats import generate
 
 # container suffix -> codec
 CODECS = {"mp4": "libx264", "webm": "libvpx-vp9", "mkv": "libx264", "avi": "mpeg4"}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_omnibal.data.generate import qa_dataset
+from megatron_omnibal.data.formats.generate import qa_dataset
 from megatron_omnibal.workflow.config import config_from_dict, preflight_flags
 from tests.helpers.finetune_runs import finetune, omnibal, step_status, write_config  # noqa: E402
 

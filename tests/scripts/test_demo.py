@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from megatron_omnibal.data.generate import COLOURS, NUMBERS, qa_dataset
+from megatron_omnibal.data.formats.generate import COLOURS, NUMBERS, qa_dataset
 from megatron_omnibal.data.lengths import load_lengths
 from tests.helpers.finetune_runs import LOCAL_RANKS
 

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from megatron_omnibal.data.generate import SYSTEM_PROMPT, qa_dataset
+from megatron_omnibal.data.formats.generate import SYSTEM_PROMPT, qa_dataset
 from megatron_omnibal.data.lengths import read_stats_config
 from tests.helpers import chat_templates as ct
 from tests.helpers import hf_models

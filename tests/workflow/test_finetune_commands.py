@@ -2,7 +2,7 @@
 
 import re
 
-from megatron_omnibal.data.generate import qa_dataset
+from megatron_omnibal.data.formats.generate import qa_dataset
 from tests.helpers.finetune_runs import STEPS, finetune, step_status, write_config  # noqa: E402
 
 

@@ -619,7 +619,7 @@ def _load_lengths(
     if tokens_per_tile is None:
         return lengths
     from megatron_omnibal.data.lengths import read_stats_config
-    from megatron_omnibal.data.stats_config import data_tokens_per_tile
+    from megatron_omnibal.data.sample.config import data_tokens_per_tile
     from megatron_omnibal.megatron.stream.data import model_lengths
 
     try:

@@ -6,7 +6,7 @@ planned memory) is fiction. So this source rebuilds what `omnibal stats` used fr
 configuration stored in the length file: the record reader, the tiling, the chat template and
 the tokenizer (image tokens added the same way, checked by fingerprint; a checkpoint's own chat
 template checked by its hash). It renders each conversation through the same path as stats
-(data/sample_text.py: any template stats accepts, the checkpoint's own included), spells out
+(data/sample/text.py: any template stats accepts, the checkpoint's own included), spells out
 tokens_per_tile image tokens per real tile, sets the loss on assistant answers only (the spans
 the template gives) and compares every sample with its length record: a mismatch stops the run
 naming the sample and both counts.
@@ -21,12 +21,12 @@ them as transformers' InternVL processor does, one image per frame. Ranks that e
 decode exactly those frames (data/frames.py picks them, seeded by seed, epoch and sample),
 seeking to them; each frame is resized to one tile (bicubic, no tiling, no thumbnail).
 
-A native-resolution model (Qwen2.5-VL) gets each image whole as patches (data/native_patches.py:
+A native-resolution model (Qwen2.5-VL) gets each image whole as patches (data/native/patches.py:
 its processor's resize, mean and std, patch order) with its grid (t, h, w), which every stage
 needs (window order, rotary and M-RoPE positions): ranks that embed patches take it from the
 decoded image, the others from the image's header (its size alone sets the grid), and both
 check its merge groups against the length file. Its videos are whole too: the frames Qwen's rule
-takes (data/native_video.py, the same every epoch), decoded by seeking to exactly those, resized
+takes (data/native/video.py, the same every epoch), decoded by seeking to exactly those, resized
 and normalised as its video processor does, patched two frames per temporal patch, with their
 grid (t, h, w) and the seconds a temporal patch spans (the M-RoPE time step);
 `<|vision_start|>` + `<|video_pad|>` x merge groups + `<|vision_end|>` in the text.
@@ -46,18 +46,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from megatron_omnibal.data import conversations as conv
-from megatron_omnibal.data.annotations import RawRecord, parse_record, read_inputs
-from megatron_omnibal.data.energon_source import (
-    EnergonOptions,
-    EnergonSpec,
-    MemberError,
-    changes,
-    fingerprint,
-)
+from megatron_omnibal.data.energon.members import MemberError
+from megatron_omnibal.data.energon.source import EnergonOptions, EnergonSpec, changes, fingerprint
+from megatron_omnibal.data.formats.raw import RawRecord, parse_record
+from megatron_omnibal.data.formats.records import Video, read_sample
+from megatron_omnibal.data.formats.sample_files import LoadedSample
 from megatron_omnibal.data.frames import clip_start, frame_indices
-from megatron_omnibal.data.image_header import ImageHeaderError
-from megatron_omnibal.data.image_tiles import ImageDecodeError, image_to_tiles
+from megatron_omnibal.data.images.header import ImageHeaderError
+from megatron_omnibal.data.images.tiles import ImageDecodeError, image_to_tiles
+from megatron_omnibal.data.images.tiling import TilingError
+from megatron_omnibal.data.inputs import read_inputs
 from megatron_omnibal.data.lengths import (
     ImageTiles,
     LengthsError,
@@ -67,27 +65,26 @@ from megatron_omnibal.data.lengths import (
     load_image_tiles,
     read_stats_config,
 )
-from megatron_omnibal.data.native_patches import (
+from megatron_omnibal.data.native.patches import (
     check_units,
     image_to_patches,
     native_grid,
     video_to_patches,
 )
-from megatron_omnibal.data.native_video import native_video
-from megatron_omnibal.data.records import Video, read_sample
-from megatron_omnibal.data.sample_files import LoadedSample
-from megatron_omnibal.data.sample_text import SampleText
-from megatron_omnibal.data.stats_config import (
+from megatron_omnibal.data.native.video import native_video
+from megatron_omnibal.data.sample.config import (
     StatsConfig,
     StatsConfigError,
     check_model,
     config_from_dict,
 )
-from megatron_omnibal.data.tiling import TilingError
-from megatron_omnibal.data.tokenization import TokenCounter
-from megatron_omnibal.data.video import VideoError, read_header
+from megatron_omnibal.data.sample.media import SampleMedia, dataset_tiling, sample_media
+from megatron_omnibal.data.sample.text import SampleText
+from megatron_omnibal.data.text import conversations as conv
+from megatron_omnibal.data.text.tokenization import TokenCounter
+from megatron_omnibal.data.video.reader import VideoError, read_header
+from megatron_omnibal.data.video.tiles import video_tiles
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan
-from megatron_omnibal.data.video_tiles import video_tiles
 from megatron_omnibal.megatron.stream.node_plans import node_arrays
 from megatron_omnibal.megatron.stream.record_index import RecordIndex
 from megatron_omnibal.megatron.stream.source import SourceSettings
@@ -140,11 +137,7 @@ class RealSampleSource:
         _check_unchanged(self.specs, energon)
         self.files = [spec.files() for spec in self.specs]
         self.identities = identities  # read where the record index is built, not per rank
-        self.tilings = [
-            tiling if s.max_tiles is None else
-            replace(tiling, max_tiles=s.max_tiles, min_tiles=min(tiling.min_tiles, s.max_tiles))
-            for s in self.specs
-        ]
+        self.tilings = [dataset_tiling(tiling, s.max_tiles) for s in self.specs]
         self.skipped = skipped
         self.entries = self._entries(_skipped_indices(skipped, self.specs), local_rank)
 
@@ -220,9 +213,9 @@ class RealSampleSource:
                 "data, tokenizer or `omnibal stats` flags)")
 
     def render(self, index: int, epoch: int = 0, sample: LoadedSample | None = None) -> tuple[
-            np.ndarray, np.ndarray, list[str], list[int], list[Video], LoadedSample]:
-        """(token ids, loss flags per token, image names, tiles per image (per frame of a
-        video), videos, the loaded sample) of a sample as `epoch` trains it; `sample`: the
+            np.ndarray, np.ndarray, list[str], SampleMedia, list[Video], LoadedSample]:
+        """(token ids, loss flags per token, image names, its media (tiles per image, per frame
+        of a video), videos, the loaded sample) of a sample as `epoch` trains it; `sample`: the
         sample already read (by another loader), else it is read here.
 
         Image placeholders are already expanded to the model's image token id. Tiles per image
@@ -241,21 +234,15 @@ class RealSampleSource:
         except conv.SampleError as exc:
             raise DatasetError(f"{self.describe(index)}: {exc}") from exc
         tiles = self._tiles(index, len(images))
-        style = self.config.image_style
-        media = [conv.Media.image(style)] * len(images)
-        if videos and self.native:  # whole videos: the merge groups the length file counts
-            tiles = self.frame_counts(index, epoch, len(videos)).tolist()
-            media = [conv.Media.native_video(conv.video_style(style))] * len(videos)
-        elif videos:
-            counts = self.frame_counts(index, epoch, len(videos))
-            tiles = [1] * int(counts.sum())
-            media = [conv.Media.frames(int(n), style) for n in counts]
+        # frames per video (a native video's merge groups) the length file plans for `epoch`
+        units = self.frame_counts(index, epoch, len(videos)).tolist() if videos else []
         try:
-            chat = self.text.render(turns, media)
+            media = sample_media(self.config.image_style, self.native, tiles, units)
+            chat = self.text.render(turns, media.media)
         except conv.SampleError as exc:
             raise DatasetError(f"{self.describe(index)}: {exc}") from exc
         ids, target = self.counter.encode_chat(chat)
-        return (*self._expand(index, ids, target, tiles), images, tiles, videos, sample)
+        return (*self._expand(index, ids, target, media.units), images, media, videos, sample)
 
     def frame_counts(self, index: int, epoch: int, n_videos: int) -> np.ndarray:
         """Frames each video of sample `index` trains on in `epoch` (from the epoch plan; a
@@ -298,9 +285,9 @@ class RealSampleSource:
 
     def measure(self, index: int, epoch: int = 0) -> tuple[int, int, int]:
         """(vit_num, token_num, image_flags) of a sample as built from its text."""
-        ids, _, images, tiles, videos, _ = self.render(index, epoch)
-        real = sum(tiles)
-        return (real if images or videos else int(self.config.dummy_tile)), len(ids), real
+        ids, _, _, media, _, _ = self.render(index, epoch)
+        vit, real = media.vision(self.config.dummy_tile)
+        return vit, len(ids), real
 
     def __call__(self, index: int, epoch: int = 0, sample: LoadedSample | None = None
                  ) -> Sample:
@@ -309,9 +296,9 @@ class RealSampleSource:
         from megatron_omnibal.megatron.stream.batch import Sample, shape_only_images
         from megatron_omnibal.megatron.stream.loader import SampleLoadError
 
-        ids, target, names, tiles, videos, sample = self.render(index, epoch, sample)
-        real = sum(tiles)
-        vit = real if names or videos else int(self.config.dummy_tile)
+        ids, target, names, media, videos, sample = self.render(index, epoch, sample)
+        tiles = media.units
+        vit, real = media.vision(self.config.dummy_tile)
         self.check(index, vit, len(ids), real, epoch)
         labels = np.full(len(ids), IGNORE_INDEX, np.int64)
         labels[:-1] = np.where(target[1:], ids[1:], IGNORE_INDEX)
@@ -383,7 +370,7 @@ class RealSampleSource:
     def native_videos(self, index: int, videos: list[Video], units: list[int],
                       sample: LoadedSample) -> tuple[Any, list[tuple[int, int, int]], list[float]]:
         """(patches, grids (t, h, w), seconds per temporal patch) of a native-resolution
-        sample's videos (data/native_video.py: the frames, their size); without `pixels`
+        sample's videos (data/native/video.py: the frames, their size); without `pixels`
         shape-only patches, the grids from the videos' headers."""
         import torch
 
@@ -423,7 +410,7 @@ class RealSampleSource:
     def video_tiles(self, index: int, epoch: int, videos: list[Video],
                     sample: LoadedSample) -> np.ndarray:
         """float32 [frames, 3, tile, tile]: the planned frames of each video of a sample,
-        decoded exactly and resized to one tile each (data/video_tiles.py)."""
+        decoded exactly and resized to one tile each (data/video/tiles.py)."""
         table = self.by_epoch.table
         counts = self.frame_counts(index, epoch, len(videos))
         out = []

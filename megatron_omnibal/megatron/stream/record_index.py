@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_omnibal.data.annotations import JsonlRecords, RawRecord
+from megatron_omnibal.data.formats.annotations import JsonlRecords
+from megatron_omnibal.data.formats.raw import RawRecord
 
 
 class RecordIndex:

@@ -21,31 +21,52 @@ from megatron_omnibal.planner.cost_model.costs import MIB, CostModel
 from megatron_omnibal.planner.cost_model.memory import static_bytes_per_param
 
 WEIGHT_BYTES = 2  # a frozen BF16 weight: no gradient, no optimizer state
+FULL = ("vit", "projector", "llm")  # what full-parameter training trains
 
 
-def _unit_params(model: ModelSpec, lora: LoraSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _unit_params(
+    model: ModelSpec, lora: LoraSpec | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per partition unit (ViT layers, projector + embedding, LLM layers): base parameters,
-    those trained in full, and adapter parameters."""
+    those trained in full, and adapter parameters (`lora` None: everything in full)."""
     v, llm = model.vit, model.llm
+    train = FULL if lora is None else lora.train
+    rank, adapted = (0, {}) if lora is None else (lora.rank, lora_layers(model, lora))
     adapters: dict[str, int] = {}
-    for name, layer in lora_layers(model, lora).items():
+    for name, layer in adapted.items():
         unit = ".".join(name.split(".")[:3:2])  # vit.layers.3.x -> vit.3
         width = layer.in_features + layer.out_features
-        adapters[unit] = adapters.get(unit, 0) + lora.rank * width
+        adapters[unit] = adapters.get(unit, 0) + rank * width
     base, full, extra = [], [], []
     embed = llm.vocab_size * llm.hidden_size
-    rows = [(f"vit.{i}", v.layer_params, v.layer_params * ("vit" in lora.train))
+    rows = [(f"vit.{i}", v.layer_params, v.layer_params * ("vit" in train))
             for i in range(v.num_layers)]  # fmt: skip
     rows.append(("projector", model.projector_params + embed,
-                 model.projector_params * ("projector" in lora.train)
-                 + embed * ("llm" in lora.train)))  # fmt: skip
-    rows += [(f"llm.{i}", llm.layer_params, llm.layer_params * ("llm" in lora.train))
+                 model.projector_params * ("projector" in train)
+                 + embed * ("llm" in train)))  # fmt: skip
+    rows += [(f"llm.{i}", llm.layer_params, llm.layer_params * ("llm" in train))
              for i in range(llm.num_layers)]  # fmt: skip
     for unit, params, trained in rows:
         base.append(params)
         full.append(trained)
         extra.append(adapters.get(unit, 0))
     return np.array(base, float), np.array(full, float), np.array(extra, float)
+
+
+def static_parts_mib(
+    model: ModelSpec, lora: LoraSpec | None, tp: int, dp: int, distributed_optimizer: bool = True,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """Per partition unit, the static MiB of a LoRA run by part: "weights" (every parameter's
+    BF16 copy, frozen or trained), "gradients" (FP32 main gradients of what trains) and
+    "optimizer" (FP32 main copy and Adam's two moments of what trains, over DP with the
+    distributed optimizer). Their sum is `lora_costs`' static memory; the parts are what a
+    preflight measures separately. `lora` None: full-parameter training."""
+    base, full, extra = _unit_params(model, lora)
+    trained = full + extra
+    shards = dp if distributed_optimizer else 1
+    return {"weights": (base + extra) * WEIGHT_BYTES / tp / MIB,
+            "gradients": trained * 4 / tp / MIB,
+            "optimizer": trained * 12 / shards / tp / MIB}  # fmt: skip
 
 
 def lora_costs(
@@ -55,7 +76,7 @@ def lora_costs(
     """`cm` (analytic_costs of `model` at tp, dp) for a LoRA run of `lora`."""
     base, full, extra = _unit_params(model, lora)
     trained_bytes = static_bytes_per_param(dp if distributed_optimizer else 1)
-    static = ((base - full) * WEIGHT_BYTES + (full + extra) * trained_bytes) / tp / MIB
+    static = sum(static_parts_mib(model, lora, tp, dp, distributed_optimizer).values())
     # weight gradients in proportion to what trains: 2 forwards with all of it, 1 with none
     share = np.minimum(1.0, (full + extra) / np.maximum(base, 1.0))
     backward = np.asarray(cm.backward) * ((1.0 + share) / 2.0)[:, None]

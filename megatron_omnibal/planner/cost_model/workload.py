@@ -8,23 +8,10 @@ baselines take the same samples in random order, a fixed number per micro-batch,
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from megatron_omnibal.data.lengths import LengthStats
 from megatron_omnibal.planner.cost_model.costs import workload_features
-
-
-def choose_budgets(
-    stats: LengthStats, samples_per_replica: int, micro_batches: int, slack: float = 1.05
-) -> tuple[int, int]:
-    """(vit_budget tiles, token_budget tokens) per micro-batch: the mean share plus `slack`,
-    never below the largest sample (it must fit somewhere), tokens rounded up to 64."""
-    share = samples_per_replica / micro_batches
-    vit = max(int(stats.vit.max()), math.ceil(float(stats.vit.mean()) * share * slack))
-    tok = max(int(stats.tokens.max()), math.ceil(float(stats.tokens.mean()) * share * slack))
-    return vit, int(math.ceil(tok / 64) * 64)
 
 
 def draw_samples(stats: LengthStats, count: int, rng: np.random.Generator) -> np.ndarray:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from megatron_omnibal.balance.budgets import auto_budget
 from megatron_omnibal.planner.cost_model.costs import (
     GROUP_LLM,
     GROUP_NONE,
@@ -27,7 +28,6 @@ from megatron_omnibal.planner.cost_model.lora_costs import lora_costs
 from megatron_omnibal.planner.cost_model.memory import GIB_MIB, static_bytes_per_param
 from megatron_omnibal.planner.cost_model.workload import (
     balanced_features,
-    choose_budgets,
     deal_to_replicas,
     draw_samples,
     padded_features,
@@ -44,6 +44,8 @@ from megatron_omnibal.planner.search.partition import (
 )
 from megatron_omnibal.planner.search.request import PlanRequest
 from megatron_omnibal.planner.simulator.simulate import StepResult, simulate_step
+
+PLAN_SLACK = 1.05  # a micro-batch's budgets: its mean share of the samples, plus 5%
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,8 @@ def make_setting(
     balanced: bool = True,
 ) -> Setting:
     """Split the request's global batch into dp x m micro-batches: fixed-size (padded), and,
-    with `balanced`, by the (vit, token) `budgets` (default `choose_budgets` for this size)."""
+    with `balanced`, by the (vit, token) `budgets` (default: balance/budgets.py's rule for
+    this size)."""
     gb, stats = request.global_batch, request.lengths
     if gb < dp * m:
         raise ValueError(
@@ -217,7 +220,8 @@ def make_setting(
     fixed = padded_features(stats, index, dp * m).reshape(dp, m, 4)
     vit_b, tok_b, split = 0, 0, None
     if balanced:
-        vit_b, tok_b = budgets or choose_budgets(stats, gb // dp, m)
+        vit_b, tok_b = budgets or auto_budget(stats, samples_per_pack=(gb // dp) / m,
+                                              slack=PLAN_SLACK, tokens_follow_tiles=False)
         split = deal_to_replicas(
             balanced_features(stats, index, dp * m, vit_b, tok_b), dp, vit_b, tok_b
         )

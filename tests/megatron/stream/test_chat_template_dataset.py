@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from megatron_omnibal.cli import main as cli_main
-from megatron_omnibal.data.generate import SYSTEM_PROMPT, qa_dataset
+from megatron_omnibal.data.formats.generate import SYSTEM_PROMPT, qa_dataset
 from megatron_omnibal.data.lengths import load_lengths
 from megatron_omnibal.megatron.stream.dataset import DatasetError, open_source
 from megatron_omnibal.megatron.stream.source import SourceSettings

@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from megatron_omnibal.cli import main as cli_main
-from megatron_omnibal.data.generate import (
+from megatron_omnibal.data.formats.generate import (
     image_array,
     save_image,
     train_tokenizer,

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from megatron_omnibal.data.generate import train_tokenizer
+from megatron_omnibal.data.formats.generate import train_tokenizer
 from megatron_omnibal.data.lengths import load_identities, load_lengths
 from megatron_omnibal.megatron.stream.dataset import DatasetError, open_source
 from megatron_omnibal.megatron.stream.source import SourceSettings

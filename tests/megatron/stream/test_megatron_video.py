@@ -22,8 +22,8 @@ import torch
 
 from megatron_omnibal.balance.config import BalanceConfig
 from megatron_omnibal.balance.sampler import BalancedBatchSampler
+from megatron_omnibal.data.formats.generate import image_array, save_image, write_jsonl, write_meta
 from megatron_omnibal.data.frames import frame_indices
-from megatron_omnibal.data.generate import image_array, save_image, write_jsonl, write_meta
 from megatron_omnibal.data.lengths import load_lengths
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan, run_lengths
 from megatron_omnibal.megatron.stream.data import BalancedDataIterator
@@ -352,7 +352,7 @@ def test_videos_in_energon_samples_train_as_the_json_form(data, tmp_path):
     kept): `omnibal stats` of the prepared Energon datasets equals the JSON form's (lengths and
     video table), and every training sample built from the shards (videos read from memory)
     equals the JSON form's, tokens, labels and pixels, in two epochs."""
-    from megatron_omnibal.data.energon_export import export_energon
+    from megatron_omnibal.data.energon.export import export_energon
     from megatron_omnibal.data.lengths import load_videos
 
     done = export_energon(data.root / "meta.json", tmp_path / "energon", shard_size=5)
@@ -379,7 +379,7 @@ def test_a_bad_video_member_of_an_energon_sample_is_a_bad_sample(data, tmp_path)
     """A video whose index promises 40 frames and whose data is zeros half-way, exported into
     an Energon shard: `omnibal stats` measures it from its header; training names its member
     (shard, key) and, under the skip policy, leaves it out of the epoch and reports it."""
-    from megatron_omnibal.data.energon_export import export_energon
+    from megatron_omnibal.data.energon.export import export_energon
 
     media = tmp_path / "media"
     media.mkdir()

@@ -24,15 +24,15 @@ import torch
 from PIL import Image
 
 from megatron_omnibal.cli import main as cli_main
-from megatron_omnibal.data.generate import image_array, save_image, train_tokenizer
+from megatron_omnibal.data.formats.generate import image_array, save_image, train_tokenizer
 from megatron_omnibal.data.lengths import load_lengths, read_stats_config
-from megatron_omnibal.data.native_video import NativeVideoSettings
+from megatron_omnibal.data.native.video import NativeVideoSettings
 from megatron_omnibal.megatron.stream.batch import collate, is_shape_only
 from megatron_omnibal.megatron.stream.dataset import open_source
 from megatron_omnibal.megatron.stream.loader import SampleLoadError
 from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.models.resolve import resolve_model
-from tests.data.test_qwen25vl_video import transformers_video
+from tests.data.native.test_qwen25vl_video import transformers_video
 from tests.helpers import hf_models
 from tests.helpers.video_files import write_video
 

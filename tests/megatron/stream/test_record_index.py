@@ -3,7 +3,7 @@ replaces: same records in the same order, with repeats and skipped records."""
 
 from __future__ import annotations
 
-from megatron_omnibal.data.annotations import DatasetSpec
+from megatron_omnibal.data.formats.annotations import DatasetSpec
 from megatron_omnibal.megatron.stream.record_index import RecordIndex
 
 
@@ -34,7 +34,7 @@ def test_one_rank_builds_the_index_and_the_others_map_it(tmp_path, monkeypatch):
 
     import numpy as np
 
-    from megatron_omnibal.data.annotations import JsonlRecords
+    from megatron_omnibal.data.formats.annotations import JsonlRecords
     from megatron_omnibal.megatron.stream import node_plans
 
     specs = []

@@ -1,0 +1,1 @@
+"""Images: sizes from headers, the tiling rules, decoding into normalised tiles."""

@@ -1,0 +1,1 @@
+"""`omnibal stats`: a dataset's length statistics, a model's data side, plots."""

@@ -1,0 +1,1 @@
+"""Video: headers, exact-frame decoding, frames as tiles."""
