@@ -288,19 +288,143 @@ def interleaved_baseline(setting, spec, plan):
     return part, chunked
 
 
-def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
+def measure_profiles(request, model_file: Path, m: int, args: argparse.Namespace,
+                     tmp: Path) -> tuple[list[tuple[int, int]], list[dict]]:
+    """Layer profiles at the planner's mean balanced micro-batch and (for the prediction's fit)
+    at twice its tiles with the mean padded fixed-size micro-batch's tokens (at least twice the
+    balanced ones): the shapes and the profiles."""
+    from megatron_omnibal.planner.search.setting import make_setting
+
+    probe = make_setting(request(1e9), 1, PP, args.dp, m)
+    mean = probe.balanced.reshape(-1, 4).mean(axis=0)
+    padded = probe.fixed.reshape(-1, 4).mean(axis=0)
+    shapes = [(max(1, round(mean[0])), max(1, round(mean[1])))]
+    shapes.append((2 * shapes[0][0], max(round(padded[1]), 2 * shapes[0][1])))
+    if not args.predict:  # the plan needs one profile; only the fit needs the second
+        shapes = shapes[:1]
+    docs = [profile_median(model_file, tiles, tokens, m, args, tmp / f"profile{i}")
+            for i, (tiles, tokens) in enumerate(shapes)]  # fmt: skip
+    return shapes, docs
+
+
+def plan_under_budget(request, profile: dict, dp: int, m: int) -> tuple:
+    """A memory budget under the unrestricted split's peak, which forces some recompute (halfway
+    down to the least any split needs with everything recomputed), and the plan under it; also
+    Megatron's split and the searched one without recompute, without a memory limit."""
+    from megatron_omnibal.planner.make import make_plan
+    from megatron_omnibal.planner.search.partition import NoFeasiblePartition
+    from megatron_omnibal.planner.search.setting import choose_partition, make_setting
+
+    unlimited = make_setting(request(1e9, profile), 1, PP, dp, m)
+    megatron, _ = choose_partition(unlimited, "megatron")
+    searched, _ = choose_partition(unlimited, "exact", recompute=False)
+    free, _ = choose_partition(unlimited, "exact")
+    least = float(min(searched.memory_mib.max(), megatron.memory_mib.max()))
+    budget = least + 0.5 * (float(free.memory_mib.max()) - least)
+    try:
+        plan = make_plan(request(budget, profile))
+    except NoFeasiblePartition:
+        budget = float(free.memory_mib.max()) * 0.95
+        plan = make_plan(request(budget, profile))
+    return budget, plan, megatron, searched
+
+
+def interleaved_plans(request, budget: float, profile: dict, setting, spec, plan,
+                      args: argparse.Namespace, tmp: Path) -> dict:
+    """The runs with virtual stages asked for: the plan searched over them (under the budget
+    where it fits) and Megatron's chunked layout, their plan files written; their modeled
+    splits by run."""
+    from megatron_omnibal.planner.make import make_plan, plan_partition
+    from megatron_omnibal.planner.plan_file.plan import save_plan
+    from megatron_omnibal.planner.search.interleaved import evaluate_interleaved
+    from megatron_omnibal.planner.search.partition import NoFeasiblePartition
+
+    interleaved = {}
+    if "plan-vpp2" in args.runs:
+        try:
+            plan_v = make_plan(request(budget, profile, VPP))
+        except NoFeasiblePartition:
+            plan_v = make_plan(request(1e9, profile, VPP))
+        save_plan(plan_v, tmp / "plan_vpp2.json")
+        bounds_v, recompute_v = plan_partition(plan_v)
+        interleaved["plan-vpp2"] = evaluate_interleaved(
+            setting.problem(float("inf")), bounds_v, recompute_v, PP, VPP
+        )
+    if "baseline-vpp2" in args.runs:
+        interleaved["baseline-vpp2"], chunked = interleaved_baseline(setting, spec, plan)
+        save_plan(chunked, tmp / "baseline_vpp2.json")
+    return interleaved
+
+
+def run_dp_balanced(lengths, lengths_file: Path, model_file: Path, plan, budgets: list[str],
+                    layout: list[str], megatron_part, balanced_steps: list[int],
+                    args: argparse.Namespace, tmp: Path) -> tuple[tuple, dict]:
+    """Megatron-Core's dp_balanced packing on Megatron's layout: the balanced runs' samples per
+    step (every DP replica's), its maximum sequence length at equal memory, and as many
+    micro-batches per step as its global batches make on average (so that its steps train about
+    as many samples). Returns its result and its setting."""
     from megatron_omnibal.balance.dp_balanced import dp_balanced, equal_memory_max_seq_len
+
+    dp = args.dp
+    per_step = round(float(np.mean(balanced_steps)))
+    max_len = equal_memory_max_seq_len(lengths, vit_budget=plan.data.vit_budget,
+                                       token_budget=plan.data.token_budget, dp_size=dp,
+                                       samples_per_step=per_step, seed=RUN_SEED)
+    packed = dp_balanced(lengths, dp_size=dp, samples_per_step=per_step,
+                         max_seq_len=max_len, seed=RUN_SEED)
+    m_dpb = max(1, round(float(np.mean(packed.meta["micro_batches"]))))
+    flags = [*common_flags(lengths_file, m_dpb, args.steps, dp), "--omnibal-model",
+             str(model_file), *budgets, *layout, "--omnibal-dp-balanced",
+             f"{per_step},{max_len}"]  # fmt: skip
+    got = measure("dp_balanced", tmp / "dp_balanced", flags, args.warmup, args.run_repeats, dp)
+    setting = {"samples_per_step": per_step, "max_seq_len": max_len, "micro_batches": m_dpb}
+    return (got, megatron_part, False), setting
+
+
+def result_rows(results: dict, lengths, fitted, setting) -> list[dict]:
+    """One JSON row per run, in STEPS order: measured step time and samples, the prediction
+    (with a fitted cost model) and the run's modeled split, recompute and peak memory."""
+    rows = []
+    for label in (s for s in STEPS if s in results):
+        got, part, padded = results[label]
+        samples = float(np.mean(got["step_samples"]))  # over every DP replica
+        row = {"step": label, "measured_ms": round(got["median_step_ms"], 1),
+               "samples_per_step": round(samples, 2),
+               "samples_per_s": round(1000 * samples / got["median_step_ms"], 2)}  # fmt: skip
+        if fitted is not None:
+            feats = [step_features(lengths, step, padded)[None] for step in got["micro_indices"]]
+            pred = float(statistics.median(fitted.predict(part, f).step_ms for f in feats))
+            linear = float(statistics.median(setting.predict(part, f).step_ms for f in feats))
+            row.update({
+                "predicted_ms": round(pred, 1),
+                "error": round(pred / got["median_step_ms"] - 1, 4),
+                "linear_predicted_ms": round(linear, 1),
+                "linear_error": round(linear / got["median_step_ms"] - 1, 4),
+            })  # fmt: skip
+        rows.append({
+            **row,
+            "vpp": part.vpp,
+            "run_medians_ms": got["run_medians_ms"],
+            "measured_steps_ms": [round(t, 1) for t in got["times_ms"]],
+            "load_average": got["load_average"],
+            "stages": [list(s) for s in part.stages],
+            "recompute": [{("vit" if g == 0 else "llm"): int(k) for g, k in r.items()}
+                          for r in part.recompute],
+            "modeled_peak_mib": [round(float(x), 1) for x in part.memory_mib],
+        })  # fmt: skip
+    return rows
+
+
+def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
     from megatron_omnibal.data.lengths import load_lengths, save_lengths
     from megatron_omnibal.megatron.stream.data import model_lengths
     from megatron_omnibal.models.spec import ModelSpec
     from megatron_omnibal.planner.cost_model.memory import GIB_MIB
-    from megatron_omnibal.planner.make import make_plan, plan_partition
+    from megatron_omnibal.planner.make import plan_partition
     from megatron_omnibal.planner.plan_file.plan import save_plan
     from megatron_omnibal.planner.search.baseline import same_parallel_baseline
-    from megatron_omnibal.planner.search.interleaved import evaluate_interleaved
-    from megatron_omnibal.planner.search.partition import NoFeasiblePartition
     from megatron_omnibal.planner.search.request import PlanRequest
-    from megatron_omnibal.planner.search.setting import choose_partition, make_setting
+    from megatron_omnibal.planner.search.setting import make_setting
 
     tmp.mkdir(parents=True, exist_ok=True)
     spec = ModelSpec.from_dict(SHAPES[shape])
@@ -322,52 +446,17 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
                            profile_path=None if profile is None else str(tmp / "profile.json"),
                            plan_path=str(tmp / "plan.json"))  # fmt: skip
 
-    # Profiled shapes: the planner's mean balanced micro-batch; twice its tiles with the mean
-    # padded fixed-size micro-batch's tokens (at least twice the balanced ones).
-    probe = make_setting(request(1e9), 1, PP, dp, m)
-    mean = probe.balanced.reshape(-1, 4).mean(axis=0)
-    padded = probe.fixed.reshape(-1, 4).mean(axis=0)
-    shapes = [(max(1, round(mean[0])), max(1, round(mean[1])))]
-    shapes.append((2 * shapes[0][0], max(round(padded[1]), 2 * shapes[0][1])))
-    if not args.predict:  # the plan needs one profile; only the fit needs the second
-        shapes = shapes[:1]
-    docs = [profile_median(model_file, tiles, tokens, m, args, tmp / f"profile{i}")
-            for i, (tiles, tokens) in enumerate(shapes)]  # fmt: skip
+    shapes, docs = measure_profiles(request, model_file, m, args, tmp)
     (tmp / "profile.json").write_text(json.dumps(docs[0], indent=1))
     profile = docs[0]
-    unlimited = make_setting(request(1e9, profile), 1, PP, dp, m)
-    megatron, _ = choose_partition(unlimited, "megatron")
-    searched, _ = choose_partition(unlimited, "exact", recompute=False)
-    free, _ = choose_partition(unlimited, "exact")
-    # A budget under the unrestricted split's peak forces some recompute; halfway down to
-    # the least any split needs with everything recomputed.
-    least = float(min(searched.memory_mib.max(), megatron.memory_mib.max()))
-    budget = least + 0.5 * (float(free.memory_mib.max()) - least)
-    try:
-        plan = make_plan(request(budget, profile))
-    except NoFeasiblePartition:
-        budget = float(free.memory_mib.max()) * 0.95
-        plan = make_plan(request(budget, profile))
+    budget, plan, megatron, searched = plan_under_budget(request, profile, dp, m)
     save_plan(plan, tmp / "plan.json")
     setting = make_setting(request(budget, profile), 1, PP, dp, m)
     fitted = replace(setting, model=fit_costs(setting.model, docs)) if args.predict else None
     bounds, recompute = plan_partition(plan)
     planned = setting.problem(float("inf")).evaluate(bounds, recompute)
     megatron_part, _, _ = same_parallel_baseline(setting)
-    interleaved = {}
-    if "plan-vpp2" in args.runs:
-        try:
-            plan_v = make_plan(request(budget, profile, VPP))
-        except NoFeasiblePartition:
-            plan_v = make_plan(request(1e9, profile, VPP))
-        save_plan(plan_v, tmp / "plan_vpp2.json")
-        bounds_v, recompute_v = plan_partition(plan_v)
-        interleaved["plan-vpp2"] = evaluate_interleaved(
-            setting.problem(float("inf")), bounds_v, recompute_v, PP, VPP
-        )
-    if "baseline-vpp2" in args.runs:
-        interleaved["baseline-vpp2"], chunked = interleaved_baseline(setting, spec, plan)
-        save_plan(chunked, tmp / "baseline_vpp2.json")
+    interleaved = interleaved_plans(request, budget, profile, setting, spec, plan, args, tmp)
 
     # Fixed-size baseline: as many samples per step as the balanced runs take on average.
     nv = spec.vit.num_layers
@@ -403,24 +492,10 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
         results["baseline"] = (measure("baseline", tmp / "baseline", flags, args.warmup,
                                        args.run_repeats, dp), megatron_part, True)  # fmt: skip
     if "dp_balanced" in args.runs:
-        # the balanced runs' samples per step (every DP replica's), its maximum sequence length
-        # at equal memory, and as many micro-batches per step as its global batches make on
-        # average (so that its steps train about as many samples)
-        per_step = round(float(np.mean(balanced_steps)))
-        max_len = equal_memory_max_seq_len(lengths, vit_budget=plan.data.vit_budget,
-                                           token_budget=plan.data.token_budget, dp_size=dp,
-                                           samples_per_step=per_step, seed=RUN_SEED)
-        packed = dp_balanced(lengths, dp_size=dp, samples_per_step=per_step,
-                             max_seq_len=max_len, seed=RUN_SEED)
-        m_dpb = max(1, round(float(np.mean(packed.meta["micro_batches"]))))
-        flags = [*common_flags(lengths_file, m_dpb, args.steps, dp), "--omnibal-model",
-                 str(model_file), *budgets, *layout_flags(megatron_part, nv),
-                 "--omnibal-dp-balanced", f"{per_step},{max_len}"]  # fmt: skip
-        results["dp_balanced"] = (measure("dp_balanced", tmp / "dp_balanced", flags,
-                                          args.warmup, args.run_repeats, dp),
-                                  megatron_part, False)  # fmt: skip
-        dp_balanced_setting = {"samples_per_step": per_step, "max_seq_len": max_len,
-                               "micro_batches": m_dpb}
+        results["dp_balanced"], dp_balanced_setting = run_dp_balanced(
+            lengths, lengths_file, model_file, plan, budgets, layout_flags(megatron_part, nv),
+            megatron_part, balanced_steps, args, tmp
+        )
     if "baseline-vpp2" in args.runs:
         flags = [*base, "--omnibal-plan", str(tmp / "baseline_vpp2.json"), "--omnibal-precision",
                  "fp32", "--omnibal-baseline-batch", str(batch)]  # fmt: skip
@@ -428,34 +503,7 @@ def run_shape(shape: str, args: argparse.Namespace, tmp: Path) -> dict:
                                             args.warmup, args.run_repeats),
                                     interleaved["baseline-vpp2"], True)  # fmt: skip
 
-    rows = []
-    for label in (s for s in STEPS if s in results):
-        got, part, padded = results[label]
-        samples = float(np.mean(got["step_samples"]))  # over every DP replica
-        row = {"step": label, "measured_ms": round(got["median_step_ms"], 1),
-               "samples_per_step": round(samples, 2),
-               "samples_per_s": round(1000 * samples / got["median_step_ms"], 2)}  # fmt: skip
-        if fitted is not None:
-            feats = [step_features(lengths, step, padded)[None] for step in got["micro_indices"]]
-            pred = float(statistics.median(fitted.predict(part, f).step_ms for f in feats))
-            linear = float(statistics.median(setting.predict(part, f).step_ms for f in feats))
-            row.update({
-                "predicted_ms": round(pred, 1),
-                "error": round(pred / got["median_step_ms"] - 1, 4),
-                "linear_predicted_ms": round(linear, 1),
-                "linear_error": round(linear / got["median_step_ms"] - 1, 4),
-            })  # fmt: skip
-        rows.append({
-            **row,
-            "vpp": part.vpp,
-            "run_medians_ms": got["run_medians_ms"],
-            "measured_steps_ms": [round(t, 1) for t in got["times_ms"]],
-            "load_average": got["load_average"],
-            "stages": [list(s) for s in part.stages],
-            "recompute": [{("vit" if g == 0 else "llm"): int(k) for g, k in r.items()}
-                          for r in part.recompute],
-            "modeled_peak_mib": [round(float(x), 1) for x in part.memory_mib],
-        })  # fmt: skip
+    rows = result_rows(results, lengths, fitted, setting)
     cost = {g: sum(x["forward_ms"] + x["backward_ms"] for x in profile["layers"]
                    if x["group"] == g) for g in ("vit", "llm")}  # fmt: skip
     return {

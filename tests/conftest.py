@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_omnibal.data.lengths import load_lengths, read_stats_config, save_lengths
-from tests.dp_runs import dp2_training
+from tests.helpers.dp_runs import dp2_training
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "internvl_subset.npz"
 
@@ -55,7 +55,7 @@ def lengths_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def dp2_run(lengths_file: Path, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-    """tests/dp_runs.py's DP=2 epoch, launched once for the session: the tests of
+    """tests/helpers/dp_runs.py's DP=2 epoch, launched once for the session: the tests of
     megatron/training/test_megatron_training.py (samples, resume) and
     megatron/checkpoint/test_megatron_checkpoint.py (log, TensorBoard) read the same run."""
     return dp2_training(lengths_file, tmp_path_factory.mktemp("dp2"))

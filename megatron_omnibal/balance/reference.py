@@ -625,124 +625,165 @@ def sorted_by(vit: list[int], w: list[int], pack_of: list[int], vit_budget: int
 
 
 def repair(d: Data, p: SlotParams, r: Reservation, t: Targets, pk: Packing) -> None:
-    packs, n, unit = r.packs, d.n, t.unit
-    v, w, w2, tok = d.vit, d.w, d.w2, d.tok
-    second = d.sum_w2 > 0
-    score = Scorer(d, p)
-    pack_of = [-1] * n
-    dev, dev2 = [0] * packs, [0] * packs
-    for q in range(packs):
-        for i in pk.members[q]:
-            pack_of[i] = q
-        dev[q] = sum(w[i] for i in pk.members[q]) * unit - t.target[q]
-        dev2[q] = sum(w2[i] for i in pk.members[q]) * unit - t.target2[q]
-    tol = [x // p.tol_div for x in t.target]
-    tol2 = [x // p.tol2_div for x in t.target2]
-    sorts = [sorted_by(v, w, pack_of, p.vit_budget)]
-    if second:
-        sorts.append(sorted_by(v, w2, pack_of, p.vit_budget))
-
-    def off(dv: int, tl: int, sign: int) -> bool:
-        return dv > tl if sign > 0 else dv < -UNDER_FACTOR * tl
-
-    def beyond(dv: int, tl: int, sign: int) -> bool:
-        return dv > tl if sign > 0 else dv < -tl
-
-    def bad(q: int) -> bool:
-        return off(dev[q], tol[q], 1) or off(dev[q], tol[q], -1) or \
-            (second and (off(dev2[q], tol2[q], 1) or off(dev2[q], tol2[q], -1)))
-
-    def worse(q: int) -> tuple[int, int]:
-        return -score(dev[q], dev2[q]), q
-
-    def extremes(sign: int, want: int) -> list[int]:
-        return sorted((q for q in range(packs) if score.sign(dev[q], dev2[q]) == sign),
-                      key=worse)[:want]
-
-    work = [q for q in range(packs) if bad(q)]
-    queued = [False] * packs
-    fails = [0] * packs
+    """Swap samples of equal tile count between packs until every pack's weights are within
+    tolerance of its targets, or `p.repair_passes` passes are spent."""
+    rep = _Repair(d, p, r, t, pk)
+    work = [q for q in range(rep.packs) if rep.bad(q)]
     for _ in range(p.repair_passes):
         if not work:
             break
-        work.sort(key=worse)
+        work = rep.one_pass(work)
+
+
+class _Repair:
+    """repair's state: each sample's pack, each pack's deviations from its targets and their
+    tolerances, the samples sorted for the partner scans, the packs queued for the next pass."""
+
+    def __init__(self, d: Data, p: SlotParams, r: Reservation, t: Targets, pk: Packing) -> None:
+        self.d, self.p, self.pk, self.unit = d, p, pk, t.unit
+        self.packs, n, w, w2 = r.packs, d.n, d.w, d.w2
+        self.second = d.sum_w2 > 0
+        self.score = Scorer(d, p)
+        self.pack_of = [-1] * n
+        self.dev, self.dev2 = [0] * self.packs, [0] * self.packs
+        for q in range(self.packs):
+            for i in pk.members[q]:
+                self.pack_of[i] = q
+            self.dev[q] = sum(w[i] for i in pk.members[q]) * self.unit - t.target[q]
+            self.dev2[q] = sum(w2[i] for i in pk.members[q]) * self.unit - t.target2[q]
+        self.tol = [x // p.tol_div for x in t.target]
+        self.tol2 = [x // p.tol2_div for x in t.target2]
+        self.sorts = [sorted_by(d.vit, w, self.pack_of, p.vit_budget)]
+        if self.second:
+            self.sorts.append(sorted_by(d.vit, w2, self.pack_of, p.vit_budget))
+        self.queued = [False] * self.packs
+        self.fails = [0] * self.packs
+
+    @staticmethod
+    def off(dv: int, tl: int, sign: int) -> bool:
+        return dv > tl if sign > 0 else dv < -UNDER_FACTOR * tl
+
+    @staticmethod
+    def beyond(dv: int, tl: int, sign: int) -> bool:
+        return dv > tl if sign > 0 else dv < -tl
+
+    def bad(self, q: int) -> bool:
+        off, dev, dev2, tol, tol2 = self.off, self.dev, self.dev2, self.tol, self.tol2
+        return off(dev[q], tol[q], 1) or off(dev[q], tol[q], -1) or \
+            (self.second and (off(dev2[q], tol2[q], 1) or off(dev2[q], tol2[q], -1)))
+
+    def worse(self, q: int) -> tuple[int, int]:
+        return -self.score(self.dev[q], self.dev2[q]), q
+
+    def extremes(self, sign: int, want: int) -> list[int]:
+        return sorted((q for q in range(self.packs)
+                       if self.score.sign(self.dev[q], self.dev2[q]) == sign),
+                      key=self.worse)[:want]
+
+    def one_pass(self, work: list[int]) -> list[int]:
+        """One pass over the packs in `work`, worst first: the best swap of each, if any.
+        Returns the packs for the next pass."""
+        work.sort(key=self.worse)
         for q in work:
-            queued[q] = False
+            self.queued[q] = False
         nxt: list[int] = []
-        want_n = 2 * len(work) + p.partners
-        over, under = extremes(1, want_n), extremes(-1, want_n)
+        want_n = 2 * len(work) + self.p.partners
+        over, under = self.extremes(1, want_n), self.extremes(-1, want_n)
         at = {True: 0, False: 0}  # next partner in `under` (sign > 0) / `over`
         for q0 in work:
-            if not bad(q0):
+            if not self.bad(q0):
                 continue
-            sign = score.sign(dev[q0], dev2[q0])
-            best = [score(dev[q0], dev2[q0]), -1, -1]
-
-            def consider(x: int, y: int, q0: int = q0, best: list = best) -> None:
-                q = pack_of[y]
-                if q == q0 or v[x] != v[y]:
-                    return
-                if pk.pack_tokens[q0] - tok[x] + tok[y] > p.token_budget or \
-                        pk.pack_tokens[q] - tok[y] + tok[x] > p.token_budget:
-                    return
-                d1, d2 = (w[x] - w[y]) * unit, (w2[x] - w2[y]) * unit
-                cost = max(score(dev[q0] - d1, dev2[q0] - d2), score(dev[q] + d1, dev2[q] + d2))
-                if cost < best[0]:
-                    best[:] = [cost, x, y]
-
-            def scan(ids: list[int], ws: list[int], cls: list[int], x: int, want: int,
-                     sign: int = sign) -> None:
-                c = v[x]
-                lo, hi = cls[c], cls[c + 1]
-                k = bisect_left(ws, want, lo, hi)
-                for step in (1, -1):
-                    taken = seen = 0
-                    j = k if step > 0 else k - 1
-                    while lo <= j < hi and taken < p.window and seen < 4 * p.window:
-                        q = pack_of[ids[j]]
-                        if not (beyond(dev[q], tol[q], sign) or
-                                (second and beyond(dev2[q], tol2[q], sign))):
-                            consider(x, ids[j])
-                            taken += 1
-                        j += step
-                        seen += 1
-
-            for x in pk.members[q0]:
-                scan(*sorts[0], x, w[x] - _trunc_div(dev[q0], 2 * unit))
-                if second:
-                    scan(*sorts[1], x, w2[x] - _trunc_div(dev2[q0], 2 * unit))
-            other = under if sign > 0 else over
-            side = sign > 0
-            s = 0
-            while s < p.partners and at[side] < len(other):
-                for x in pk.members[q0]:
-                    for y in pk.members[other[at[side]]]:
-                        consider(x, y)
-                s += 1
-                at[side] += 1
+            sign = self.score.sign(self.dev[q0], self.dev2[q0])
+            best = [self.score(self.dev[q0], self.dev2[q0]), -1, -1]
+            self._scan_sorted(q0, sign, best)
+            self._scan_partners(q0, under if sign > 0 else over, at, sign > 0, best)
             _, bx, by = best
             if bx < 0:
-                fails[q0] += 1
-                if fails[q0] < 8 and not queued[q0]:
-                    queued[q0] = True
+                self.fails[q0] += 1
+                if self.fails[q0] < 8 and not self.queued[q0]:
+                    self.queued[q0] = True
                     nxt.append(q0)
                 continue
-            q = pack_of[by]
-            d1, d2 = (w[bx] - w[by]) * unit, (w2[bx] - w2[by]) * unit
-            dev[q0] -= d1
-            dev[q] += d1
-            dev2[q0] -= d2
-            dev2[q] += d2
-            pk.pack_tokens[q0] += tok[by] - tok[bx]
-            pk.pack_tokens[q] += tok[bx] - tok[by]
-            pk.members[q0][pk.members[q0].index(bx)] = by
-            pk.members[q][pk.members[q].index(by)] = bx
-            pack_of[bx], pack_of[by] = q, q0
+            q = self.pack_of[by]
+            self._swap(q0, bx, by)
             for s_ in (q0, q):
-                if bad(s_) and not queued[s_]:
-                    queued[s_] = True
+                if self.bad(s_) and not self.queued[s_]:
+                    self.queued[s_] = True
                     nxt.append(s_)
-        work = nxt
+        return nxt
+
+    def _consider(self, q0: int, x: int, y: int, best: list) -> None:
+        """Keep swapping x (of pack q0) with y in `best` if it lowers both packs' worst score."""
+        d, p, pk, unit = self.d, self.p, self.pk, self.unit
+        v, w, w2, tok, dev, dev2 = d.vit, d.w, d.w2, d.tok, self.dev, self.dev2
+        q = self.pack_of[y]
+        if q == q0 or v[x] != v[y]:
+            return
+        if pk.pack_tokens[q0] - tok[x] + tok[y] > p.token_budget or \
+                pk.pack_tokens[q] - tok[y] + tok[x] > p.token_budget:
+            return
+        d1, d2 = (w[x] - w[y]) * unit, (w2[x] - w2[y]) * unit
+        cost = max(self.score(dev[q0] - d1, dev2[q0] - d2),
+                   self.score(dev[q] + d1, dev2[q] + d2))
+        if cost < best[0]:
+            best[:] = [cost, x, y]
+
+    def _scan(self, q0: int, ids: list[int], ws: list[int], cls: list[int], x: int, want: int,
+              sign: int, best: list) -> None:
+        """Samples of x's tile count whose weight is nearest `want`, in packs not already
+        beyond tolerance on the side x's pack wants to move to."""
+        c = self.d.vit[x]
+        lo, hi = cls[c], cls[c + 1]
+        k = bisect_left(ws, want, lo, hi)
+        window = self.p.window
+        for step in (1, -1):
+            taken = seen = 0
+            j = k if step > 0 else k - 1
+            while lo <= j < hi and taken < window and seen < 4 * window:
+                q = self.pack_of[ids[j]]
+                if not (self.beyond(self.dev[q], self.tol[q], sign) or
+                        (self.second and self.beyond(self.dev2[q], self.tol2[q], sign))):
+                    self._consider(q0, x, ids[j], best)
+                    taken += 1
+                j += step
+                seen += 1
+
+    def _scan_sorted(self, q0: int, sign: int, best: list) -> None:
+        w, w2, unit = self.d.w, self.d.w2, self.unit
+        for x in self.pk.members[q0]:
+            self._scan(q0, *self.sorts[0], x, w[x] - _trunc_div(self.dev[q0], 2 * unit), sign,
+                       best)
+            if self.second:
+                self._scan(q0, *self.sorts[1], x, w2[x] - _trunc_div(self.dev2[q0], 2 * unit),
+                           sign, best)
+
+    def _scan_partners(self, q0: int, other: list[int], at: dict, side: bool,
+                       best: list) -> None:
+        """Every pair with the next `p.partners` packs deviating the other way."""
+        members = self.pk.members
+        s = 0
+        while s < self.p.partners and at[side] < len(other):
+            for x in members[q0]:
+                for y in members[other[at[side]]]:
+                    self._consider(q0, x, y, best)
+            s += 1
+            at[side] += 1
+
+    def _swap(self, q0: int, bx: int, by: int) -> None:
+        """Swap sample bx of pack q0 with sample by of its pack."""
+        d, pk, unit = self.d, self.pk, self.unit
+        w, w2, tok = d.w, d.w2, d.tok
+        q = self.pack_of[by]
+        d1, d2 = (w[bx] - w[by]) * unit, (w2[bx] - w2[by]) * unit
+        self.dev[q0] -= d1
+        self.dev[q] += d1
+        self.dev2[q0] -= d2
+        self.dev2[q] += d2
+        pk.pack_tokens[q0] += tok[by] - tok[bx]
+        pk.pack_tokens[q] += tok[bx] - tok[by]
+        pk.members[q0][pk.members[q0].index(bx)] = by
+        pk.members[q][pk.members[q].index(by)] = bx
+        self.pack_of[bx], self.pack_of[by] = q, q0
 
 
 def _trunc_div(a: int, b: int) -> int:

@@ -19,6 +19,14 @@ HELP = "compute per-sample length statistics (image tiles, tokens) of a VLM data
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_input_arguments(parser)
+    _add_image_arguments(parser)
+    _add_video_arguments(parser)
+    _add_run_arguments(parser)
+
+
+def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """The dataset, the model it is measured for, the output and the chat template."""
     parser.add_argument("dataset", help="LLaVA-style JSON list, JSONL, ShareGPT/messages "
                         "records, InternVL meta JSON, or a Megatron-Energon dataset (a folder "
                         "prepared with `energon prepare`, or a metadataset YAML)")
@@ -44,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Qwen2-VL's ChatML)")
     parser.add_argument("--system-prompt", default=None,
                         help="system message (default: the template's own)")
+
+
+def _add_image_arguments(parser: argparse.ArgumentParser) -> None:
+    """Image tiling and the token limit."""
     parser.add_argument("--tiling", choices=["dynamic", "fixed", "anyres", "native"],
                         help="image tiling (default: the model's; anyres = LLaVA-NeXT; native "
                              "= Qwen2.5-VL's resize, the only one for its native-resolution "
@@ -68,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(Qwen2.5-VL never runs one)")
     parser.add_argument("--max-tokens", type=positive_int, default=None,
                         help="samples with more tokens are errors (or skipped)")
+
+
+def _add_video_arguments(parser: argparse.ArgumentParser) -> None:
+    """Decoding checks, video frames (InternVL's rule and Qwen2.5-VL's)."""
     parser.add_argument("--verify-images", action="store_true",
                         help="decode every image fully (in the worker processes), not only its "
                              "header, and the frames each video can give: truncated or corrupt "
@@ -102,6 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=kind, default=None,
                             help=f"Qwen2.5-VL videos: {what}; default: the checkpoint's "
                                  "video_preprocessor_config.json, else qwen-vl-utils'")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Bad samples, output format, Energon options, workers and plots."""
     parser.add_argument("--extra-keys", default="",
                         help="comma-separated record keys that carry no content, accepted "
                              "besides the known ones (unknown keys are errors)")

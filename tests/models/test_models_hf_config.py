@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_omnibal.models.hf_config import HFConfigError, read_hf  # noqa: E402
-from tests import hf_models  # noqa: E402
+from tests.helpers import hf_models  # noqa: E402
 
 
 def test_internvl_6b_like(tmp_path: Path) -> None:

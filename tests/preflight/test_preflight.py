@@ -26,7 +26,7 @@ from megatron_omnibal.preflight.packs import worst_packs
 from megatron_omnibal.preflight.report import Limits, build_report
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "megatron_workers"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers" / "megatron_workers"))
 
 
 def test_tracker_counts_each_saved_storage_once_until_the_graph_is_freed() -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from megatron_omnibal.data.formats.generate import qa_dataset
 from megatron_omnibal.workflow.config import config_from_dict, preflight_flags
-from tests.finetune_runs import finetune, omnibal, step_status, write_config  # noqa: E402
+from tests.helpers.finetune_runs import finetune, omnibal, step_status, write_config  # noqa: E402
 
 
 def _omnibal_preflight(config: Path, *flags: str):

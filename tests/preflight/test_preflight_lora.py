@@ -30,7 +30,7 @@ from megatron_omnibal.planner.search.request import PlanRequest
 from megatron_omnibal.planner.search.setting import cost_model
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "megatron_workers"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers" / "megatron_workers"))
 
 GIB = 2.0**30
 TILES, TOKENS = 16, 160  # the runs' budgets: the largest micro-batch, one sample

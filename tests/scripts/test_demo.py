@@ -20,7 +20,7 @@ from PIL import Image
 
 from megatron_omnibal.data.formats.generate import COLOURS, NUMBERS, qa_dataset
 from megatron_omnibal.data.lengths import load_lengths
-from tests.finetune_runs import LOCAL_RANKS
+from tests.helpers.finetune_runs import LOCAL_RANKS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,7 +22,7 @@ from PIL import Image
 from megatron_omnibal.data.formats.generate import qa_dataset
 from megatron_omnibal.megatron.runtime.ports import free_port
 from megatron_omnibal.models.tiny_hf import write_tiny_internvl
-from tests.finetune_runs import (  # noqa: E402
+from tests.helpers.finetune_runs import (  # noqa: E402
     ITERS,
     ROOT,
     STEPS,

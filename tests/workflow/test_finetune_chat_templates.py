@@ -1,9 +1,9 @@
 """`omnibal finetune` on checkpoints that carry their own chat template, as released Qwen2.5-VL
 and llava-hf checkpoints do: stats picks the template (`hf`), training builds every sample with
 it (each checked against the length file) and trains (export and compare-hf of these families:
-tests/megatron/checkpoint). Tiny random models (tests/hf_models.py) with the generated dataset's
-tokenizer and a template of the released form (tests/chat_templates.py); one process, PP=1, a
-few steps, up to training.
+tests/megatron/checkpoint). Tiny random models (tests/helpers/hf_models.py) with the generated
+dataset's tokenizer and a template of the released form (tests/helpers/chat_templates.py); one
+process, PP=1, a few steps, up to training.
 """
 
 import json
@@ -13,9 +13,9 @@ import pytest
 
 from megatron_omnibal.data.formats.generate import SYSTEM_PROMPT, qa_dataset
 from megatron_omnibal.data.lengths import read_stats_config
-from tests import chat_templates as ct
-from tests import hf_models
-from tests.finetune_runs import finetune, step_status, write_config
+from tests.helpers import chat_templates as ct
+from tests.helpers import hf_models
+from tests.helpers.finetune_runs import finetune, step_status, write_config
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 ITERS = 3

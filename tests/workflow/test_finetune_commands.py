@@ -3,7 +3,7 @@
 import re
 
 from megatron_omnibal.data.formats.generate import qa_dataset
-from tests.finetune_runs import STEPS, finetune, step_status, write_config  # noqa: E402
+from tests.helpers.finetune_runs import STEPS, finetune, step_status, write_config  # noqa: E402
 
 
 def test_dry_run_lists_every_command_and_runs_nothing(tmp_path):

@@ -118,7 +118,7 @@ def test_a_bad_lora_setting_is_named(folder, text, message):
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
     """A folder whose model is a real (tiny) InternVL checkpoint."""
-    from tests import hf_models
+    from tests.helpers import hf_models
 
     folder = tmp_path_factory.mktemp("lora_config")
     hf_models.internvl(folder / "model", six_b=False)

@@ -184,8 +184,40 @@ def profile_model(
     _init_single_process()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    v, llm = model.vit, model.llm
     torch.manual_seed(0)
+    vit, lm, xl = _measure_transformer_layers(model, tiles, tokens, repeats, dtype, device)
+    proj, head, patch = _measure_other_parts(model, tiles, xl, repeats, dtype, device)
+    doc = {
+        "micro_batches": micro_batches,
+        "layers": _profile_layers(model, vit, lm, proj, head, patch, static_bytes_per_param(dp)),
+        "measured": {
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "dtype": str(dtype).replace("torch.", ""),
+            "tiles": tiles,
+            "tokens": tokens,
+            "repeats": repeats,
+            "model": model.name,
+            "vit_layer_params": vit["params"],
+            "llm_layer_params": lm["params"],
+            "torch_threads": torch.get_num_threads(),
+        },
+    }
+    if memory_budget_gib is not None:
+        doc["memory_budget_gib"] = memory_budget_gib
+    return doc
+
+
+def _measure_transformer_layers(
+    model: ModelSpec,
+    tiles: int,
+    tokens: int,
+    repeats: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[dict, dict, torch.Tensor]:
+    """One ViT layer on `tiles` tiles and one LLM layer on `tokens` tokens, measured; also the
+    LLM layer's input, which the head is measured on."""
+    v, llm = model.vit, model.llm
     vit_layer = _layer(
         v.hidden_size,
         v.ffn_hidden_size,
@@ -222,6 +254,20 @@ def profile_model(
         xl,
         repeats,
     )
+    return vit, lm, xl
+
+
+def _measure_other_parts(
+    model: ModelSpec,
+    tiles: int,
+    xl: torch.Tensor,
+    repeats: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[dict, dict, dict]:
+    """The projector, the output head with its loss (on `xl`) and the patch embedding,
+    measured without recompute (the planner pins them to their layers)."""
+    v, llm = model.vit, model.llm
     proj_in, proj_mid = model.projector_in, model.projector_hidden
     projector = torch.nn.Sequential(
         torch.nn.LayerNorm(proj_in),
@@ -232,7 +278,7 @@ def profile_model(
     xp = torch.randn(tiles * model.tokens_per_tile, proj_in, dtype=dtype, device=device)
     proj = measure_module(projector, list(projector.parameters()), xp, repeats, False)
     head = torch.nn.Linear(llm.hidden_size, llm.vocab_size, bias=False).to(device, dtype)
-    labels = torch.randint(0, llm.vocab_size, (tokens,), device=device)
+    labels = torch.randint(0, llm.vocab_size, (xl.shape[0],), device=device)
     head_row = measure_module(
         lambda x: torch.nn.functional.cross_entropy(
             head(x[:, 0]).float(), labels, reduction="none"
@@ -245,7 +291,21 @@ def profile_model(
     patch = torch.nn.Conv2d(3, v.hidden_size, v.patch_size, v.patch_size).to(device, dtype)
     img = torch.randn(tiles, 3, v.image_size, v.image_size, dtype=dtype, device=device)
     patch_row = measure_module(patch, list(patch.parameters()), img, repeats, False)
-    per_param = static_bytes_per_param(dp) / MIB
+    return proj, head_row, patch_row
+
+
+def _profile_layers(
+    model: ModelSpec,
+    vit: dict,
+    lm: dict,
+    proj: dict,
+    head: dict,
+    patch: dict,
+    bytes_per_param: float,
+) -> list[dict]:
+    """The profile's layers in model order: the patch embedding is added to the first ViT
+    layer, the word embedding's weights to the projector, the head to the last LLM layer."""
+    per_param = bytes_per_param / MIB
 
     def entry(name: str, row: dict, group: str, extra: dict | None = None) -> dict:
         out = {
@@ -274,32 +334,16 @@ def profile_model(
             "params": row["params"],
         }
 
+    v, llm = model.vit, model.llm
     layers = [
-        entry(f"vit.{i}", vit, "vit", pinned(patch_row) if i == 0 else None)
+        entry(f"vit.{i}", vit, "vit", pinned(patch) if i == 0 else None)
         for i in range(v.num_layers)
     ]
     embed_params = llm.vocab_size * llm.hidden_size
     embed = {"weight_mib": embed_params * per_param, "params": embed_params}
     layers.append(entry("projector", proj, "none", embed))
     layers += [
-        entry(f"llm.{i}", lm, "llm", pinned(head_row) if i == llm.num_layers - 1 else None)
+        entry(f"llm.{i}", lm, "llm", pinned(head) if i == llm.num_layers - 1 else None)
         for i in range(llm.num_layers)
     ]
-    doc = {
-        "micro_batches": micro_batches,
-        "layers": layers,
-        "measured": {
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "dtype": str(dtype).replace("torch.", ""),
-            "tiles": tiles,
-            "tokens": tokens,
-            "repeats": repeats,
-            "model": model.name,
-            "vit_layer_params": vit["params"],
-            "llm_layer_params": lm["params"],
-            "torch_threads": torch.get_num_threads(),
-        },
-    }
-    if memory_budget_gib is not None:
-        doc["memory_budget_gib"] = memory_budget_gib
-    return doc
+    return layers

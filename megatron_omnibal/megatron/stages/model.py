@@ -132,106 +132,133 @@ class VLMStage(MegatronModule):
             raise ValueError("use_te=True but transformer_engine does not import")
         self.use_te = use_te
         self.input_tensor: torch.Tensor | None = None
-        lay, v = self.layout, spec.vit
-
         # The stage before (or at) the projector carries ViT hidden states.
         self.vision_stage = stage <= next(r for r, s in enumerate(layouts) if s.projector)
-        self.patch_embed = None
-        if lay.patch_embed:
-            embed = NativePatchEmbedding if v.native_resolution else PatchEmbedding
-            self.patch_embed = embed(configs.vit, v)
-        self.vit = None
-        if lay.num_vit_layers:
-            # Every patch of a tile sees every other one; a native-resolution tower's masks
-            # (windows, whole images) come with each micro-batch.
-            native = {"full_attention_layers": v.fullatt_block_indexes} if (
-                v.native_resolution) else {}  # fmt: skip
-            self.vit = TransformerBlock(
-                configs.vit,
-                block_spec(
-                    configs.vit,
-                    lay.num_vit_layers,
-                    self.use_te and not v.native_resolution,
-                    AttnMaskType.arbitrary if v.native_resolution else AttnMaskType.no_mask,
-                    qkv_bias=v.qkv_bias,
-                    layer_scale=v.layer_scale,
-                    qk_norm=v.qk_norm,
-                    real_heads=configs.vit_real_heads,
-                    qk_norm_eps=v.qk_norm_eps,
-                    **native,
-                ),
-                post_layer_norm=False,
-                pre_process=True,
-                post_process=False,
-                pg_collection=pg_collection,
-                vp_stage=vp_stage,
-            )
+        # Built in model order: megatron-core draws each weight's initial values as it builds
+        # it, so the order decides them.
+        self.patch_embed = self._patch_embedding()
+        self.vit = self._vit_block()
         self.vit_final_norm = None
         self.projector = None
-        self.embedding = None
-        if lay.projector:
+        if self.layout.projector:
+            v = spec.vit
             if v.post_norm:
                 self.vit_final_norm = torch.nn.LayerNorm(v.hidden_size, eps=v.norm_eps)
             self.projector = Projector(configs.projector, spec)
-        if lay.llm_embed:
-            self.embedding = LanguageModelEmbedding(
-                configs.llm,
-                vocab_size=configs.padded_vocab_size,
-                max_sequence_length=spec.llm.max_position_embeddings,
-                position_embedding_type="rope",
-                # Image embeddings are merged into the full sequence first, then scattered.
-                scatter_to_sequence_parallel=False,
-            )
-        self.llm = None
-        self.rotary = None
-        if lay.num_llm_layers or lay.head:
-            self.llm = TransformerBlock(
-                configs.llm,
-                # Local specs: the block-diagonal causal mask from packed_causal_mask, applied
-                # as an "arbitrary" mask (fused softmax kernels would otherwise assume plain
-                # causal). TE: causal inside each sample via PackedSeqParams.
-                block_spec(
-                    configs.llm,
-                    lay.num_llm_layers,
-                    self.use_te,
-                    AttnMaskType.causal if self.use_te else AttnMaskType.arbitrary,
-                    head_qk_norm=spec.llm.qk_norm,
-                ),
-                post_layer_norm=True,
-                pre_process=True,
-                post_process=lay.head,
-                pg_collection=pg_collection,
-                vp_stage=vp_stage,
-            )
-            factor = spec.llm.rope_scaling_factor
-            # Llama-3 scaling, passed here (megatron-core 0.19's own VLM scripts drop it), and
-            # a factor only with scaling on.
-            scaling = {"rope_scaling": True, "rope_scaling_factor": factor} if factor else {}
-            if spec.llm.mrope_section:
-                self.rotary = MultimodalRotaryEmbedding(
-                    configs.llm.kv_channels, rotary_percent=1.0, rotary_base=spec.llm.rotary_base
-                )
-            else:
-                self.rotary = RotaryEmbedding(
-                    configs.llm.kv_channels,
-                    rotary_percent=1.0,
-                    rotary_base=spec.llm.rotary_base,
-                    use_cpu_initialization=not torch.cuda.is_available(),
-                    **scaling,
-                )
-        self.output_layer = None
-        if lay.head:
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
-                spec.llm.hidden_size,
-                configs.padded_vocab_size,
-                config=configs.llm,
-                init_method=configs.llm.init_method,
-                bias=False,
-                gather_output=False,
-                # A tied head on the embedding's own stage uses the embedding's weight.
-                skip_weight_param_allocation=self._tied_on_this_stage,
-            )
+        self.embedding = self._llm_embedding()
+        self.llm = self._llm_block()
+        self.rotary = self._rotary_embedding() if self.llm is not None else None
+        self.output_layer = self._output_layer()
         self._setup_tied_head()
+
+    def _patch_embedding(self) -> torch.nn.Module | None:
+        """The ViT's patch embedding, on the stage holding it."""
+        if not self.layout.patch_embed:
+            return None
+        v = self.spec.vit
+        embed = NativePatchEmbedding if v.native_resolution else PatchEmbedding
+        return embed(self.configs.vit, v)
+
+    def _vit_block(self) -> TransformerBlock | None:
+        """This stage's ViT layers. Every patch of a tile sees every other one; a
+        native-resolution tower's masks (windows, whole images) come with each micro-batch."""
+        lay, v, configs = self.layout, self.spec.vit, self.configs
+        if not lay.num_vit_layers:
+            return None
+        native = {"full_attention_layers": v.fullatt_block_indexes} if (
+            v.native_resolution) else {}  # fmt: skip
+        return TransformerBlock(
+            configs.vit,
+            block_spec(
+                configs.vit,
+                lay.num_vit_layers,
+                self.use_te and not v.native_resolution,
+                AttnMaskType.arbitrary if v.native_resolution else AttnMaskType.no_mask,
+                qkv_bias=v.qkv_bias,
+                layer_scale=v.layer_scale,
+                qk_norm=v.qk_norm,
+                real_heads=configs.vit_real_heads,
+                qk_norm_eps=v.qk_norm_eps,
+                **native,
+            ),
+            post_layer_norm=False,
+            pre_process=True,
+            post_process=False,
+            pg_collection=self.pg_collection,
+            vp_stage=self.vp_stage,
+        )
+
+    def _llm_embedding(self) -> LanguageModelEmbedding | None:
+        """The LLM's word embedding, on the stage holding it."""
+        if not self.layout.llm_embed:
+            return None
+        return LanguageModelEmbedding(
+            self.configs.llm,
+            vocab_size=self.configs.padded_vocab_size,
+            max_sequence_length=self.spec.llm.max_position_embeddings,
+            position_embedding_type="rope",
+            # Image embeddings are merged into the full sequence first, then scattered.
+            scatter_to_sequence_parallel=False,
+        )
+
+    def _llm_block(self) -> TransformerBlock | None:
+        """This stage's LLM layers (with the final norm on the head's stage).
+
+        Local specs: the block-diagonal causal mask from packed_causal_mask, applied as an
+        "arbitrary" mask (fused softmax kernels would otherwise assume plain causal). TE: causal
+        inside each sample via PackedSeqParams."""
+        lay, configs = self.layout, self.configs
+        if not (lay.num_llm_layers or lay.head):
+            return None
+        return TransformerBlock(
+            configs.llm,
+            block_spec(
+                configs.llm,
+                lay.num_llm_layers,
+                self.use_te,
+                AttnMaskType.causal if self.use_te else AttnMaskType.arbitrary,
+                head_qk_norm=self.spec.llm.qk_norm,
+            ),
+            post_layer_norm=True,
+            pre_process=True,
+            post_process=lay.head,
+            pg_collection=self.pg_collection,
+            vp_stage=self.vp_stage,
+        )
+
+    def _rotary_embedding(self) -> RotaryEmbedding | MultimodalRotaryEmbedding:
+        """The LLM's RoPE: M-RoPE for a spec with sections, else RoPE with Llama-3 scaling,
+        passed here (megatron-core 0.19's own VLM scripts drop it), and a factor only with
+        scaling on."""
+        llm, kv_channels = self.spec.llm, self.configs.llm.kv_channels
+        if llm.mrope_section:
+            return MultimodalRotaryEmbedding(
+                kv_channels, rotary_percent=1.0, rotary_base=llm.rotary_base
+            )
+        factor = llm.rope_scaling_factor
+        scaling = {"rope_scaling": True, "rope_scaling_factor": factor} if factor else {}
+        return RotaryEmbedding(
+            kv_channels,
+            rotary_percent=1.0,
+            rotary_base=llm.rotary_base,
+            use_cpu_initialization=not torch.cuda.is_available(),
+            **scaling,
+        )
+
+    def _output_layer(self) -> tensor_parallel.ColumnParallelLinear | None:
+        """The output head, on the last stage. A tied head on the embedding's own stage uses
+        the embedding's weight."""
+        if not self.layout.head:
+            return None
+        return tensor_parallel.ColumnParallelLinear(
+            self.spec.llm.hidden_size,
+            self.configs.padded_vocab_size,
+            config=self.configs.llm,
+            init_method=self.configs.llm.init_method,
+            bias=False,
+            gather_output=False,
+            skip_weight_param_allocation=self._tied_on_this_stage,
+        )
 
     @property
     def _tied_on_this_stage(self) -> bool:

@@ -145,34 +145,109 @@ def analytic_costs(
     FP32 main gradients and FP32 Adam state (12 bytes/param, sharded over DP by the distributed
     optimizer), and per-micro-batch activations with flash attention, divided by tp.
     """
-    v, llm = model.vit, model.llm
     rate = hw.peak_tflops * 1e12 * hw.efficiency * tp / 1e3  # FLOPs per ms per TP group
     tp_comm = 0.0 if tp == 1 else 4 * (tp - 1) / tp / (hw.nvlink_gbs * 1e9) * 1e3  # ms/byte
     bytes_per_param = static_bytes_per_param(dp if distributed_optimizer else 1)
-    over = hw.op_overhead_ms
-
-    def row(tiles: float = 0.0, tokens: float = 0.0, sumsq: float = 0.0, one: float = 0.0):
-        return np.array([tiles, tokens, sumsq, one], np.float64)
-
     flops = ModelFlops.of(model, image_tiles)
+    units = _UnitTable(tp, bytes_per_param)
+    _add_vit_units(units, model, flops, rate, tp_comm, hw.op_overhead_ms, tp)
+    _add_projector_and_llm_units(units, model, flops, rate, tp_comm, hw.op_overhead_ms, tp)
+    fwd_a = np.array(units.fwd)
+    bwd_a = 2 * fwd_a
+    rec_a = np.where(np.array(units.group)[:, None] >= 0, fwd_a, 0.0)
+    first, last = _pinned_costs(model, flops, rate, hw.op_overhead_ms, tp)
+    embed_params = model.llm.vocab_size * model.llm.hidden_size
+    return CostModel(
+        tuple(units.names),
+        np.array(units.group),
+        fwd_a,
+        bwd_a,
+        rec_a,
+        np.array(units.act),
+        np.array(units.ckpt),
+        np.array(units.out),
+        np.array(units.static),
+        first,
+        last,
+        model.patch_embed_params / tp * bytes_per_param / MIB,
+        embed_params / tp * bytes_per_param / MIB,
+    )
+
+
+def _row(tiles: float = 0.0, tokens: float = 0.0, sumsq: float = 0.0, one: float = 0.0):
+    """One cost's coefficients over the four micro-batch features."""
+    return np.array([tiles, tokens, sumsq, one], np.float64)
+
+
+class _UnitTable:
+    """analytic_costs' per-unit rows, appended in model order."""
+
+    def __init__(self, tp: int, bytes_per_param: float) -> None:
+        self.tp, self.bytes_per_param = tp, bytes_per_param
+        self.names: list[str] = []
+        self.fwd: list[np.ndarray] = []
+        self.act: list[np.ndarray] = []
+        self.ckpt: list[np.ndarray] = []
+        self.out: list[np.ndarray] = []
+        self.static: list[float] = []
+        self.group: list[int] = []
+
+    def add(self, name, f, a, c, o, params, g) -> None:
+        self.names.append(name)
+        self.fwd.append(f)
+        self.act.append(a)
+        self.ckpt.append(c)
+        self.out.append(o)
+        self.static.append(params / self.tp * self.bytes_per_param / MIB)
+        self.group.append(g)
+
+
+def _add_vit_units(
+    units: _UnitTable,
+    model: ModelSpec,
+    flops: ModelFlops,
+    rate: float,
+    tp_comm: float,
+    over: float,
+    tp: int,
+) -> None:
+    """The ViT layers: time per tile (a native tower's full-attention layers priced apart),
+    activations with flash attention."""
+    v = model.vit
     s = v.seq_per_tile
     vit_comm = s * 2 * v.hidden_size * tp_comm
     mlp_stored = (3 if v.gated_mlp else 2) * v.ffn_hidden_size
-    vit_act = row(tiles=s * 2 * (8 * v.hidden_size + mlp_stored) / tp / MIB)
-    vit_ckpt = row(tiles=s * 2 * v.hidden_size / tp / MIB)
-    vit_out = row(tiles=s * 2 * v.hidden_size / tp / MIB)
+    vit_act = _row(tiles=s * 2 * (8 * v.hidden_size + mlp_stored) / tp / MIB)
+    vit_ckpt = _row(tiles=s * 2 * v.hidden_size / tp / MIB)
+    vit_out = _row(tiles=s * 2 * v.hidden_size / tp / MIB)
+    for i in range(v.num_layers):
+        vit_fwd = _row(
+            tiles=flops.vit_layer(i, v.fullatt_block_indexes) / rate + vit_comm, one=over
+        )
+        units.add(f"vit.{i}", vit_fwd, vit_act, vit_ckpt, vit_out, v.layer_params, GROUP_VIT)
 
+
+def _add_projector_and_llm_units(
+    units: _UnitTable,
+    model: ModelSpec,
+    flops: ModelFlops,
+    rate: float,
+    tp_comm: float,
+    over: float,
+    tp: int,
+) -> None:
+    """The projector unit (with the LLM embedding's weights) and the LLM layers."""
+    llm = model.llm
     n, pin, pmid, h = (
         model.tokens_per_tile,
         model.projector_in,
         model.projector_hidden,
         llm.hidden_size,
     )
-    proj_fwd = row(tiles=flops.projector_per_tile / rate, one=over)
-    proj_act = row(tiles=n * 2 * (2 * pin + 2 * pmid) / tp / MIB)
-    llm_out = row(tokens=2 * h / tp / MIB)
-
-    llm_fwd = row(
+    proj_fwd = _row(tiles=flops.projector_per_tile / rate, one=over)
+    proj_act = _row(tiles=n * 2 * (2 * pin + 2 * pmid) / tp / MIB)
+    llm_out = _row(tokens=2 * h / tp / MIB)
+    llm_fwd = _row(
         tokens=flops.llm_layer_per_token / rate + 2 * h * tp_comm,
         sumsq=flops.llm_layer_per_sumsq / rate,
         one=over,
@@ -181,63 +256,38 @@ def analytic_costs(
     # (heads x head size each), k and v, and the MLP's.
     q = llm.q_size
     stored = 4 * h + 2 * q + 2 * llm.kv_size + (3 if llm.gated_mlp else 2) * llm.ffn_hidden_size
-    llm_act = row(tokens=2 * stored / tp / MIB)
-    llm_ckpt = row(tokens=2 * h / tp / MIB)
-
-    names, fwd, act, ckpt, out, static, group = [], [], [], [], [], [], []
-
-    def add(name, f, a, c, o, params, g):
-        names.append(name)
-        fwd.append(f)
-        act.append(a)
-        ckpt.append(c)
-        out.append(o)
-        static.append(params / tp * bytes_per_param / MIB)
-        group.append(g)
-
-    for i in range(v.num_layers):
-        vit_fwd = row(tiles=flops.vit_layer(i, v.fullatt_block_indexes) / rate + vit_comm, one=over)
-        add(f"vit.{i}", vit_fwd, vit_act, vit_ckpt, vit_out, v.layer_params, GROUP_VIT)
+    llm_act = _row(tokens=2 * stored / tp / MIB)
+    llm_ckpt = _row(tokens=2 * h / tp / MIB)
     embed_params = llm.vocab_size * h
-    add(
+    units.add(
         "projector",
         proj_fwd,
         proj_act,
-        row(),
+        _row(),
         llm_out,
         model.projector_params + embed_params,
         GROUP_NONE,
     )
     for i in range(llm.num_layers):
-        add(f"llm.{i}", llm_fwd, llm_act, llm_ckpt, llm_out, llm.layer_params, GROUP_LLM)
+        units.add(f"llm.{i}", llm_fwd, llm_act, llm_ckpt, llm_out, llm.layer_params, GROUP_LLM)
 
-    fwd_a = np.array(fwd)
-    bwd_a = 2 * fwd_a
-    rec_a = np.where(np.array(group)[:, None] >= 0, fwd_a, 0.0)
+
+def _pinned_costs(
+    model: ModelSpec, flops: ModelFlops, rate: float, over: float, tp: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(first, last): forward, backward and activation rows of the patch embedding (first
+    stage) and of the head with its loss (last stage)."""
+    v, h, vocab = model.vit, model.llm.hidden_size, model.llm.vocab_size
     first = np.array(
         [
-            row(tiles=flops.patch_per_tile / rate, one=over),
-            row(tiles=2 * flops.patch_per_tile / rate),
-            row(tiles=v.num_patches * v.patch_dim * 2 / MIB),
+            _row(tiles=flops.patch_per_tile / rate, one=over),
+            _row(tiles=2 * flops.patch_per_tile / rate),
+            _row(tiles=v.num_patches * v.patch_dim * 2 / MIB),
         ]
     )
-    head_fwd = row(tokens=flops.head_per_token / rate, one=over)
-    last = np.array([head_fwd, 2 * head_fwd, row(tokens=(4 * h + 6 * llm.vocab_size) / tp / MIB)])
-    return CostModel(
-        tuple(names),
-        np.array(group),
-        fwd_a,
-        bwd_a,
-        rec_a,
-        np.array(act),
-        np.array(ckpt),
-        np.array(out),
-        np.array(static),
-        first,
-        last,
-        model.patch_embed_params / tp * bytes_per_param / MIB,
-        embed_params / tp * bytes_per_param / MIB,
-    )
+    head_fwd = _row(tokens=flops.head_per_token / rate, one=over)
+    last = np.array([head_fwd, 2 * head_fwd, _row(tokens=(4 * h + 6 * vocab) / tp / MIB)])
+    return first, last
 
 
 def profile_cost_model(doc: dict, where: str = "profile", dp: int = 1) -> CostModel:

@@ -386,102 +386,161 @@ def certify(
     (the tables then only need to bound every split's stage times from below, as the
     interleaved search's do: a rank's chunks share its memory).
     """
-    nv, units = len(backward), forward.shape[0] - 1
-    pp = nv // vpp
-    graph = pipeline_graph(pp, m, vpp)
-    seeds = bottleneck_signatures(pp, m) if vpp == 1 else rank_signatures(graph, pp)
-    bound = _Bound(forward, backward, p2p, seeds)
+    search = _Search(forward, backward, p2p, m, vpp, tolerance, improve, evaluate)
+    search.start(incumbent)
+    while search.heap:
+        if search.heap[0][0] >= search.threshold() or search.expanded >= max_nodes:
+            break
+        search.visit(batch, dive_every)
+    return search.certificate()
 
-    def run(parts: list[tuple[int, ...]]) -> tuple[np.ndarray, list[Signature]]:
-        if evaluate is not None:
-            return evaluate(parts)
-        return partition_steps(forward, backward, p2p, m, parts, paths=True, vpp=vpp)
 
-    def around(part: tuple[int, ...]) -> list[Signature]:
-        rows = range(nv)
-        return sampled_signatures(
-            graph,
-            np.array([forward[part[s], part[s + 1]] for s in rows]),
-            np.array([backward[s][part[s], part[s + 1]] for s in rows]),
-            np.asarray(p2p, np.float64)[list(part[1:-1])],
+class _Search:
+    """certify's branch and bound: the best split so far, the splits simulated, the open
+    partial splits (a heap by lower bound) and the least bound of those dropped for being
+    within tolerance."""
+
+    def __init__(
+        self,
+        forward: np.ndarray,
+        backward: list[np.ndarray],
+        p2p: np.ndarray,
+        m: int,
+        vpp: int,
+        tolerance: float,
+        improve,
+        evaluate,
+    ) -> None:
+        self.forward, self.backward, self.p2p, self.m, self.vpp = forward, backward, p2p, m, vpp
+        self.tolerance, self.improve, self.evaluate = tolerance, improve, evaluate
+        self.nv, self.units = len(backward), forward.shape[0] - 1
+        self.pp = self.nv // vpp
+        self.graph = pipeline_graph(self.pp, m, vpp)
+        seeds = (
+            bottleneck_signatures(self.pp, m) if vpp == 1 else rank_signatures(self.graph, self.pp)
+        )
+        self.bound = _Bound(forward, backward, p2p, seeds)
+        self.best: tuple[int, ...] = ()
+        self.best_step = np.inf
+        self.simulated: set[tuple[int, ...]] = set()
+        self.expanded = 0
+        self.counter = itertools.count()
+        self.heap: list = []
+        self.floor = np.inf  # least bound among nodes dropped for being within tolerance
+
+    def start(self, incumbent: tuple[int, ...]) -> None:
+        """Seed the threshold with the incumbent's step and the bound with its signatures."""
+        spans, sigs = self._run([incumbent])
+        self.best, self.best_step = incumbent, float(spans[0])
+        sigs += self._around(incumbent)
+        self.bound.add((fill_drain_signatures(self.pp, self.m) if self.vpp == 1 else []) + sigs)
+        self.simulated = {incumbent}
+        self.heap = [(0.0, next(self.counter), (0,), np.zeros(self.bound.coef.shape[1]))]
+
+    def threshold(self) -> float:
+        return self.best_step / (1.0 + self.tolerance)
+
+    def visit(self, batch: int, dive_every: int) -> None:
+        """Pop the least-bound node: re-bound it, simulate it (a full split) or expand it."""
+        lb, _, prefix, v = heapq.heappop(self.heap)
+        if len(v) < self.bound.coef.shape[1]:  # signatures added since the push
+            v = self._rebound(lb, prefix, v)
+            if v is None:
+                return
+        if len(prefix) - 1 == self.nv:
+            self._simulate_leaves(prefix, batch)
+        else:
+            self._expand(prefix, v, dive_every)
+
+    def certificate(self) -> Certificate:
+        complete = not self.heap or self.heap[0][0] >= self.threshold()
+        open_lb = self.heap[0][0] if self.heap else np.inf
+        lower = min(self.best_step, self.floor, open_lb)
+        return Certificate(
+            self.best,
+            self.best_step,
+            lower,
+            len(self.simulated),
+            self.expanded,
+            self.bound.coef.shape[1],
+            complete,
         )
 
-    spans, sigs = run([incumbent])
-    best, best_step = incumbent, float(spans[0])
-    sigs += around(incumbent)
-    bound.add((fill_drain_signatures(pp, m) if vpp == 1 else []) + sigs)
-    simulated, expanded = {incumbent}, 0
-    counter = itertools.count()
-    heap: list = [(0.0, next(counter), (0,), np.zeros(bound.coef.shape[1]))]
-    floor = np.inf  # least bound among nodes dropped for being within tolerance
+    def _run(self, parts: list[tuple[int, ...]]) -> tuple[np.ndarray, list[Signature]]:
+        if self.evaluate is not None:
+            return self.evaluate(parts)
+        return partition_steps(
+            self.forward, self.backward, self.p2p, self.m, parts, paths=True, vpp=self.vpp
+        )
 
-    def threshold() -> float:
-        return best_step / (1.0 + tolerance)
+    def _around(self, part: tuple[int, ...]) -> list[Signature]:
+        rows = range(self.nv)
+        return sampled_signatures(
+            self.graph,
+            np.array([self.forward[part[s], part[s + 1]] for s in rows]),
+            np.array([self.backward[s][part[s], part[s + 1]] for s in rows]),
+            np.asarray(self.p2p, np.float64)[list(part[1:-1])],
+        )
 
-    def simulate(parts: list[tuple[int, ...]]) -> None:
+    def _simulate(self, parts: list[tuple[int, ...]]) -> None:
         """Simulate full splits: keep the best (locally improved), learn their signatures."""
-        nonlocal best, best_step
-        spans, sigs = run(parts)
-        simulated.update(parts)
+        spans, sigs = self._run(parts)
+        self.simulated.update(parts)
         i = int(np.argmin(spans))
-        if spans[i] < best_step:
-            best, best_step = parts[i], float(spans[i])
-            if improve is not None:
-                best, best_step = improve(best, best_step)
-                simulated.add(best)
-            sigs += around(best)
-        bound.add(sigs)
+        if spans[i] < self.best_step:
+            self.best, self.best_step = parts[i], float(spans[i])
+            if self.improve is not None:
+                self.best, self.best_step = self.improve(self.best, self.best_step)
+                self.simulated.add(self.best)
+            sigs += self._around(self.best)
+        self.bound.add(sigs)
 
-    while heap:
-        lb, _, prefix, v = heap[0]
-        if lb >= threshold():
-            break
-        if expanded >= max_nodes:
-            break
-        heapq.heappop(heap)
+    def _rebound(self, lb: float, prefix: tuple[int, ...], v: np.ndarray) -> np.ndarray | None:
+        """Re-bound a node lazily with the signatures added since its push: its values over
+        all signatures, or None when the bound rose (the node is pushed back or dropped)."""
         s, lo = len(prefix) - 1, prefix[-1]
-        if len(v) < bound.coef.shape[1]:  # signatures added since the push: re-bound lazily
-            v = np.concatenate([v, bound.prefix(prefix, len(v))])
-            fresh = float(bound.node_bound(v[:, None], s, np.array([lo]))[0])
-            if fresh > lb + 1e-12 * max(1.0, lb):
-                if fresh < threshold():
-                    heapq.heappush(heap, (fresh, next(counter), prefix, v))
-                else:
-                    floor = min(floor, fresh)
-                continue
-        if s == nv:  # a full partition: simulate it (with any other full ones on top)
-            leaves = [prefix]
-            while heap and len(leaves) < batch and len(heap[0][2]) == nv + 1:
-                if heap[0][0] >= threshold():
-                    break
-                leaves.append(heapq.heappop(heap)[2])
-            todo = [p for p in leaves if p not in simulated]
-            if todo:
-                simulate(todo)
-            continue
-        expanded += 1
-        if expanded % dive_every == 0:  # primal heuristic: a greedy dive to a full split
-            leaf = _dive(bound, prefix, v, units)
-            if leaf is not None and leaf not in simulated:
-                simulate([leaf])
-                v = np.concatenate([v, bound.prefix(prefix, len(v))])
-        last_stage = s == nv - 1
-        his = np.arange(units, units + 1) if last_stage else np.arange(lo + 1, units - nv + s + 2)
-        child = v[:, None] + bound.children(s, lo, his)
-        lbs = bound.node_bound(child, s + 1, his)
-        keep = lbs < threshold()
+        v = np.concatenate([v, self.bound.prefix(prefix, len(v))])
+        fresh = float(self.bound.node_bound(v[:, None], s, np.array([lo]))[0])
+        if fresh <= lb + 1e-12 * max(1.0, lb):
+            return v
+        if fresh < self.threshold():
+            heapq.heappush(self.heap, (fresh, next(self.counter), prefix, v))
+        else:
+            self.floor = min(self.floor, fresh)
+        return None
+
+    def _simulate_leaves(self, prefix: tuple[int, ...], batch: int) -> None:
+        """A full partition: simulate it with up to `batch` other full ones on top."""
+        leaves = [prefix]
+        heap = self.heap
+        while heap and len(leaves) < batch and len(heap[0][2]) == self.nv + 1:
+            if heap[0][0] >= self.threshold():
+                break
+            leaves.append(heapq.heappop(heap)[2])
+        todo = [p for p in leaves if p not in self.simulated]
+        if todo:
+            self._simulate(todo)
+
+    def _expand(self, prefix: tuple[int, ...], v: np.ndarray, dive_every: int) -> None:
+        """Push the children of a partial split whose bound stays under the threshold."""
+        s, lo = len(prefix) - 1, prefix[-1]
+        self.expanded += 1
+        if self.expanded % dive_every == 0:  # primal heuristic: a greedy dive to a full split
+            leaf = _dive(self.bound, prefix, v, self.units)
+            if leaf is not None and leaf not in self.simulated:
+                self._simulate([leaf])
+                v = np.concatenate([v, self.bound.prefix(prefix, len(v))])
+        units, nv = self.units, self.nv
+        his = np.arange(units, units + 1) if s == nv - 1 else np.arange(lo + 1, units - nv + s + 2)
+        child = v[:, None] + self.bound.children(s, lo, his)
+        lbs = self.bound.node_bound(child, s + 1, his)
+        keep = lbs < self.threshold()
         if np.any(~keep):
-            floor = min(floor, float(lbs[~keep].min()))
+            self.floor = min(self.floor, float(lbs[~keep].min()))
         for j in np.flatnonzero(keep):
             heapq.heappush(
-                heap, (float(lbs[j]), next(counter), (*prefix, int(his[j])), child[:, j])
+                self.heap, (float(lbs[j]), next(self.counter), (*prefix, int(his[j])), child[:, j])
             )
-    complete = not heap or heap[0][0] >= threshold()
-    open_lb = heap[0][0] if heap else np.inf
-    lower = min(best_step, floor, open_lb)
-    return Certificate(
-        best, best_step, lower, len(simulated), expanded, bound.coef.shape[1], complete
-    )
 
 
 def _dive(bound: _Bound, prefix: tuple[int, ...], v: np.ndarray, units: int):

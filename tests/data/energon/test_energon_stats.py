@@ -17,7 +17,7 @@ from megatron_omnibal.data.images.tiling import TilingConfig
 from megatron_omnibal.data.lengths import load_identities, load_lengths
 from megatron_omnibal.data.sample.config import StatsConfig
 from megatron_omnibal.data.stats.compute import compute_stats, write_outputs
-from tests.energon_data import energon_prepare, prepare_vqa, write_vqa_dataset
+from tests.helpers.energon_data import energon_prepare, prepare_vqa, write_vqa_dataset
 
 WORDS = ["the", "a", "cat", "dog", "chart", "shows", "what", "is", "in", "this", "red", "blue",
          "value", "year", "left", "right", "1", "2", "3", "?", "."]

@@ -30,7 +30,7 @@ from megatron_omnibal.data.native.video import (
     native_video,
 )
 from megatron_omnibal.data.video.reader import VideoError
-from tests.video_files import write_video
+from tests.helpers.video_files import write_video
 
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.3, 0.25)
 

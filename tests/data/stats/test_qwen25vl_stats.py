@@ -43,7 +43,7 @@ from megatron_omnibal.data.stats.model_data import model_data_side
 from megatron_omnibal.data.video_lengths import load_video_plan
 from megatron_omnibal.models.presets import get_preset
 from tests.data.native.test_qwen25vl_video import transformers_video_rules
-from tests.video_files import write_video
+from tests.helpers.video_files import write_video
 
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>",
             "<|vision_end|>", "<|video_pad|>"]  # fmt: skip

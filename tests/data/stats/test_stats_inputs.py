@@ -282,7 +282,7 @@ def test_stats_and_plan_take_the_model_from_an_hf_checkpoint(root, tmp_path):
 
     from megatron_omnibal.models.hf_config import spec_from_hf
     from megatron_omnibal.planner.plan_file.plan import load_plan
-    from tests import hf_models
+    from tests.helpers import hf_models
 
     built = hf_models.internvl(tmp_path / "hf", six_b=True)
     spec = spec_from_hf(built.path)

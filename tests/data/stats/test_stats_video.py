@@ -26,7 +26,7 @@ from megatron_omnibal.data.stats.compute import StatsError, compute_stats, write
 from megatron_omnibal.data.text.conversations import INTERNVL_SYSTEM
 from megatron_omnibal.data.video.reader import decode_frames
 from megatron_omnibal.data.video_lengths import EpochLengths, load_video_plan
-from tests.video_files import add_audio, frame_of, write_video
+from tests.helpers.video_files import add_audio, frame_of, write_video
 
 WORDS = ["the", "video", "shows", "a", "cat", "dog", "what", "is", "in", "frame", "red", "1",
          "2", "?", "."]

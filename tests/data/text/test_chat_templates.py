@@ -1,5 +1,6 @@
 """The checkpoint's own chat template (`hf`): a sample's tokens and loss mask against
-transformers, for templates of the forms released checkpoints carry (tests/chat_templates.py).
+transformers, for templates of the forms released checkpoints carry
+(tests/helpers/chat_templates.py).
 
 Oracles: transformers' `apply_chat_template(..., return_assistant_tokens_mask=True)` on the
 template with generation markers (the released one where it has them, llava-hf's; otherwise the
@@ -23,7 +24,7 @@ from megatron_omnibal.data.sample.text import SampleText
 from megatron_omnibal.data.stats.compute import StatsError, compute_stats
 from megatron_omnibal.data.text import conversations as conv
 from megatron_omnibal.data.text.tokenization import TokenCounter
-from tests import chat_templates as ct
+from tests.helpers import chat_templates as ct
 
 IMAGE_TOKENS = 16  # llava-hf's processor below: 16-pixel images, 4-pixel patches, CLS dropped
 

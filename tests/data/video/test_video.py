@@ -8,7 +8,7 @@ import pytest
 
 from megatron_omnibal.data.frames import FrameSettings, frame_counts, frame_indices
 from megatron_omnibal.data.video.reader import VideoError, decode_frames, read_header
-from tests.video_files import frame_of, write_video
+from tests.helpers.video_files import frame_of, write_video
 
 
 @pytest.mark.parametrize("suffix", ["mp4", "webm", "mkv", "avi"])

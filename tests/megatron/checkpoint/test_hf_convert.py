@@ -31,9 +31,9 @@ import torch
 
 pytestmark = pytest.mark.megatron
 
-from tests import hf_models  # noqa: E402
+from tests.helpers import hf_models  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
 

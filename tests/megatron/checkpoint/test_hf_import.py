@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in the VLM stages at every layout, against transformers' forward.
 
-Tiny families (tests/hf_models.py): InternVL with a 6B-like tower (RMSNorm, QK-norm across
+Tiny families (tests/helpers/hf_models.py): InternVL with a 6B-like tower (RMSNorm, QK-norm across
 heads, layer scale, no qkv bias, final LayerNorm; Qwen2 with a tied head: InternVL3's layout),
 InternVL with a 300M-like tower (LayerNorm, qkv bias; Llama), the OpenGVLab InternVL-Chat layout
 (fused qkv, InternLM2 wqkv) and LLaVA-1.5 (CLIP, feature layer -2); and the newer LLMs:
@@ -32,16 +32,16 @@ import torch
 
 pytestmark = pytest.mark.megatron
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 from launch import run_ranks  # noqa: E402
 
 from megatron_omnibal.megatron.compare.probe import probe_samples  # noqa: E402
 from megatron_omnibal.models.hf_config import read_hf  # noqa: E402
 from megatron_omnibal.models.hf_reference import reference  # noqa: E402
-from tests import hf_models  # noqa: E402
+from tests.helpers import hf_models  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
-WORKER = ROOT / "tests" / "megatron_workers" / "hf_worker.py"
+WORKER = ROOT / "tests" / "helpers" / "megatron_workers" / "hf_worker.py"
 RTOL = 1e-4
 FAMILIES = ("internvl_6b", "internvl_300m", "internvl_chat", "llava")
 NEW_FAMILIES = ("internvl3_5", "internvl3_5_chat", "internvl3_chat", "llava_llama3",

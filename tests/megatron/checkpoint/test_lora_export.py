@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import hf_models
+from tests.helpers import hf_models
 from tests.megatron.checkpoint.test_hf_convert import _lengths, _train, omnibal, tensors
 
 pytestmark = pytest.mark.megatron

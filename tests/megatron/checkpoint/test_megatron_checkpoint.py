@@ -34,16 +34,16 @@ from megatron_omnibal.models.presets import PRESETS
 
 pytestmark = pytest.mark.megatron
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 from launch import run_ranks  # noqa: E402
 from run_records import head_micro as _head_micro  # noqa: E402
 from run_records import params as _params  # noqa: E402
 from run_records import records as _records  # noqa: E402
 
-from tests.flops_by_hand import training_flops_by_hand  # noqa: E402
+from tests.helpers.flops_by_hand import training_flops_by_hand  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
-WORKER = ROOT / "tests" / "megatron_workers" / "train_record.py"
+WORKER = ROOT / "tests" / "helpers" / "megatron_workers" / "train_record.py"
 EXAMPLE = ROOT / "examples" / "data" / "internvl_subset.npz"
 ITERS, SAVED = 4, 2  # the source run trains ITERS steps and is resumed from iteration SAVED
 MICRO = 2  # micro-batches per step (DP = 1)

@@ -22,7 +22,7 @@ from megatron_omnibal.planner.search.request import PlanRequest
 pytestmark = pytest.mark.megatron
 
 ROOT = Path(__file__).resolve().parents[3]
-WORKER = ROOT / "tests" / "megatron_workers" / "train_validate.py"
+WORKER = ROOT / "tests" / "helpers" / "megatron_workers" / "train_validate.py"
 EXAMPLE = ROOT / "examples" / "data" / "internvl_subset.npz"
 
 

@@ -18,10 +18,10 @@ import torch
 
 pytestmark = pytest.mark.megatron
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 from launch import run_ranks  # noqa: E402
 
-WORKER = Path(__file__).resolve().parents[2] / "megatron_workers" / "cpu_worker.py"
+WORKER = Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers" / "cpu_worker.py"
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,11 @@ import torch
 
 pytestmark = pytest.mark.megatron
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 from launch import run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
-WORKER = ROOT / "tests" / "megatron_workers" / "lora_worker.py"
+WORKER = ROOT / "tests" / "helpers" / "megatron_workers" / "lora_worker.py"
 RTOL = 1e-5
 
 SPEC = {  # 3 ViT heads: TP=2 pads a dummy head; a gated LLM MLP with GQA

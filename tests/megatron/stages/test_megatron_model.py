@@ -17,11 +17,11 @@ import torch
 
 pytestmark = pytest.mark.megatron
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 from launch import run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
-WORKER = ROOT / "tests" / "megatron_workers" / "model_worker.py"
+WORKER = ROOT / "tests" / "helpers" / "megatron_workers" / "model_worker.py"
 RTOL = 1e-5
 
 SPEC = {

@@ -15,11 +15,11 @@ import pytest
 
 pytestmark = pytest.mark.megatron
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 from launch import run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
-WORKER = ROOT / "tests" / "megatron_workers" / "sync_worker.py"
+WORKER = ROOT / "tests" / "helpers" / "megatron_workers" / "sync_worker.py"
 SPEC = {
     "vit": {"num_layers": 4, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4,
             "image_size": 16, "patch_size": 4, "class_token": True},

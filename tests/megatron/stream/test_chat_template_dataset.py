@@ -3,8 +3,8 @@ Qwen2.5-VL-Instruct's forms) against transformers, and the template's checks sha
 `omnibal stats` and training.
 
 Tiny checkpoints with the generated dataset's tokenizer and a template of the released form
-(tests/chat_templates.py), measured by the real `omnibal stats` CLI (which picks `hf`). Oracles:
-LlavaProcessor.apply_chat_template on each record (BOS added, `<image>` repeated per image
+(tests/helpers/chat_templates.py), measured by the real `omnibal stats` CLI (which picks `hf`).
+Oracles: LlavaProcessor.apply_chat_template on each record (BOS added, `<image>` repeated per image
 token, the assistant mask from the template's generation markers); for Qwen2.5-VL the
 tokenizer's apply_chat_template of the record with each image spelled out as its processor
 does (`<|vision_start|>` + `<|image_pad|>` x merge groups of Qwen2VLImageProcessor's grid +
@@ -26,8 +26,8 @@ from megatron_omnibal.data.lengths import load_lengths
 from megatron_omnibal.megatron.stream.dataset import DatasetError, open_source
 from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.models.resolve import resolve_model
-from tests import chat_templates as ct
-from tests import hf_models
+from tests.helpers import chat_templates as ct
+from tests.helpers import hf_models
 
 IGNORE = -100
 QWEN_PRE = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 9, "patch_size": 14,

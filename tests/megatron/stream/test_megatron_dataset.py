@@ -39,7 +39,7 @@ from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.models.presets import PRESETS
 from megatron_omnibal.models.spec import ModelSpec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 from launch import run_local  # noqa: E402
 
 SPEC = PRESETS["tiny"]  # 16-pixel tiles, 4 tokens per tile, vocab 128, image token 127
@@ -367,7 +367,7 @@ def test_ranks_without_pixels_never_open_an_image(data, tmp_path):
 # --- through the entry point (torchrun, gloo) --------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[3]
-WORKERS = ROOT / "tests" / "megatron_workers"
+WORKERS = ROOT / "tests" / "helpers" / "megatron_workers"
 
 
 def _entry_flags(data_path, lengths_path, lengths, steps):

@@ -22,15 +22,15 @@ from megatron_omnibal.data.lengths import load_identities, load_lengths
 from megatron_omnibal.megatron.stream.dataset import DatasetError, open_source
 from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.models.presets import PRESETS
-from tests.energon_data import prepare_vqa, write_vqa_dataset
+from tests.helpers.energon_data import prepare_vqa, write_vqa_dataset
 from tests.megatron.stream.test_megatron_dataset import _entry_flags, _stats
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 from launch import run_local  # noqa: E402
 from run_records import records as _records  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
-WORKER = ROOT / "tests" / "megatron_workers" / "train_record.py"
+WORKER = ROOT / "tests" / "helpers" / "megatron_workers" / "train_record.py"
 SPEC = PRESETS["tiny"]  # 16-pixel tiles, 4 tokens per tile
 WORDS = ["the", "a", "cat", "dog", "chart", "shows", "value", "of", "red", "blue", "what", "is",
          "in", "this", "picture", "1", "2", "3", ",", ".", "?"]

@@ -36,6 +36,7 @@ from megatron_omnibal.megatron.stream.loader import (
 )
 from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.models.presets import PRESETS
+from tests.helpers.video_files import frame_of, write_video
 from tests.megatron.stream.test_megatron_dataset import (
     _fresh_tokenizer,
     _internvl_ids,
@@ -43,16 +44,15 @@ from tests.megatron.stream.test_megatron_dataset import (
     _stats,
     _tokenizer,
 )
-from tests.video_files import frame_of, write_video
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 from launch import run_local  # noqa: E402
 
 SPEC = PRESETS["tiny"]
 FLAGS = "--model tiny --max-tiles 6 --system-prompt 'you help' --min-frames 2 --max-frames 5"
 IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 ROOT = Path(__file__).resolve().parents[3]
-WORKERS = ROOT / "tests" / "megatron_workers"
+WORKERS = ROOT / "tests" / "helpers" / "megatron_workers"
 
 
 @pytest.fixture(autouse=True)

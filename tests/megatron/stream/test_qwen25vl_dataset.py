@@ -2,12 +2,12 @@
 processor, its video processor's rules and `omnibal stats`, and training through the entry point
 with the vision tower over two pipeline stages against one stage.
 
-A tiny random Qwen2.5-VL (tests/hf_models.py, its processor settings in preprocessor_config.json
-with their own mean and std, its video settings in video_preprocessor_config.json), generated
-images of odd sizes (one image, two images, text only, a truncated JPEG whose header is intact),
-generated videos of odd sizes and rates (one video, a clip, two videos in a sample, a truncated
-WebM whose header is intact) and a tokenizer trained on the fly whose image token ids are the
-model's.
+A tiny random Qwen2.5-VL (tests/helpers/hf_models.py, its processor settings in
+preprocessor_config.json with their own mean and std, its video settings in
+video_preprocessor_config.json), generated images of odd sizes (one image, two images, text
+only, a truncated JPEG whose header is intact), generated videos of odd sizes and rates (one
+video, a clip, two videos in a sample, a truncated WebM whose header is intact) and a tokenizer
+trained on the fly whose image token ids are the model's.
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from megatron_omnibal.megatron.stream.dataset import open_source
 from megatron_omnibal.megatron.stream.loader import SampleLoadError
 from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.models.resolve import resolve_model
-from tests import hf_models
 from tests.data.native.test_qwen25vl_video import transformers_video
-from tests.video_files import write_video
+from tests.helpers import hf_models
+from tests.helpers.video_files import write_video
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 from launch import run_ranks  # noqa: E402
 from run_records import head_micro, records  # noqa: E402
 
-WORKER = Path(__file__).resolve().parents[2] / "megatron_workers" / "train_record.py"
+WORKER = Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers" / "train_record.py"
 WORDS = ["the", "a", "cat", "chart", "shows", "value", "of", "year", "what", "is", "in", "this",
          "picture", "answer", "1", "2", "3", ",", ".", "?"]
 SIZES = [(37, 90), (333, 51), (199, 13), (28, 28), (14, 42), (200, 150), (97, 30), (61, 100)]

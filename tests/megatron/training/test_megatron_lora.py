@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.megatron
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 from run_records import (  # noqa: E402
     WORKER,
     assert_same_grads,

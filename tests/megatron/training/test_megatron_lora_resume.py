@@ -21,7 +21,7 @@ from tests.megatron.training.test_megatron_vpp import ITERS, MICRO, _base_plan, 
 
 pytestmark = pytest.mark.megatron
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 from run_records import WORKER, head_micro, params, recorded_run  # noqa: E402
 
 SAVED = 2

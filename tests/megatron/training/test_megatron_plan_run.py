@@ -28,13 +28,13 @@ from megatron_omnibal.planner.search.request import PlanRequest
 
 pytestmark = pytest.mark.megatron
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 from launch import run_ranks  # noqa: E402
 from run_records import head_micro, records  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
-WORKER = ROOT / "tests" / "megatron_workers" / "train_record.py"
-VALIDATE = ROOT / "tests" / "megatron_workers" / "train_validate.py"
+WORKER = ROOT / "tests" / "helpers" / "megatron_workers" / "train_record.py"
+VALIDATE = ROOT / "tests" / "helpers" / "megatron_workers" / "train_validate.py"
 # What a user gives besides the plan: optimizer settings and the length of the run (and, for
 # the tiny model on real lengths, the synthetic data's text scale).
 OWN = ["--use-distributed-optimizer", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style",

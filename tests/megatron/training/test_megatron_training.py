@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from megatron_omnibal.data.lengths import load_lengths
-from tests.dp_runs import dp_epoch_steps
-from tests.dp_runs import tiny_training_flags as _flags
+from tests.helpers.dp_runs import dp_epoch_steps
+from tests.helpers.dp_runs import tiny_training_flags as _flags
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 from launch import run_local, run_ranks  # noqa: E402
 from run_records import assert_same_grads  # noqa: E402
 from run_records import records as _records  # noqa: E402
@@ -26,7 +26,7 @@ from run_records import step_grads as _grads  # noqa: E402
 pytestmark = pytest.mark.megatron
 
 ROOT = Path(__file__).resolve().parents[3]
-WORKER = ROOT / "tests" / "megatron_workers" / "train_record.py"
+WORKER = ROOT / "tests" / "helpers" / "megatron_workers" / "train_record.py"
 EXAMPLE = ROOT / "examples" / "data" / "internvl_subset.npz"
 
 

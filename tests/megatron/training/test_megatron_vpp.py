@@ -35,7 +35,7 @@ from megatron_omnibal.planner.search.request import PlanRequest
 
 pytestmark = pytest.mark.megatron
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers"))
 from run_records import (  # noqa: E402
     WORKER,
     assert_same_grads,

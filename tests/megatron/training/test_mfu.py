@@ -1,6 +1,6 @@
 """Model FLOPs and MFU (planner/cost_model/flops.py, megatron/training/throughput.py, the training
 log's figures), checked against FLOPs counted by hand matrix multiply by matrix multiply
-(tests/flops_by_hand.py).
+(tests/helpers/flops_by_hand.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from megatron_omnibal.megatron.training.training_log import (
 from megatron_omnibal.models.presets import PRESETS
 from megatron_omnibal.planner.cost_model.device_peak import device_peak_tflops
 from megatron_omnibal.planner.cost_model.flops import ModelFlops
-from tests.flops_by_hand import training_flops_by_hand
+from tests.helpers.flops_by_hand import training_flops_by_hand
 
 TINY = PRESETS["tiny"]
 # A known step: DP rank 0 packs (2 tiles, 30 tokens) and (1 tile, 9 tokens), rank 1 one

@@ -20,7 +20,7 @@ from megatron_omnibal.planner.search.request import PlanRequest
 
 pytestmark = pytest.mark.megatron
 
-WORKER = Path(__file__).resolve().parents[2] / "megatron_workers" / "parse_flags.py"
+WORKER = Path(__file__).resolve().parents[2] / "helpers" / "megatron_workers" / "parse_flags.py"
 
 
 def _parse(cases: list[list[str]], tmp: Path) -> list[dict]:

@@ -3,7 +3,7 @@
 megatron-core's destroy_model_parallel forgets its groups but leaves most of them registered
 with torch.distributed, each with its gloo threads and sockets alive. A worker that builds new
 groups for every case then pays for all earlier ones: measured on 2 loaded cores, 50 cases of
-tests/megatron_workers/hf_worker.py took 650 s of CPU (mostly system time) instead of 38 s.
+tests/helpers/megatron_workers/hf_worker.py took 650 s of CPU (mostly system time) instead of 38 s.
 """
 
 from __future__ import annotations

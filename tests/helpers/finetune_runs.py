@@ -16,7 +16,7 @@ import yaml
 
 from megatron_omnibal.data.formats.generate import SYSTEM_PROMPT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = ("stats", "plan", "convert", "preflight", "train", "export", "compare-hf")
 ITERS = 8
 LOCAL_RANKS = f"{sys.executable} -m megatron_omnibal.megatron.runtime.local_ranks"
