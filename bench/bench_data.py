@@ -40,6 +40,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -59,12 +60,9 @@ VIDEOS = [("v0.mp4", "libx264", 1, (426, 240), 30), ("v1.webm", "libvpx", 5, (64
           ("v4.avi", "mjpeg", 8, (640, 480), 15), ("v5.mkv", "libx264", 60, (1920, 1080), 24)]
 
 
-def write_bench_video(path: Path, codec: str, seconds: int, size: tuple[int, int],
-                      fps: int) -> None:
-    """A moving colour gradient, fast to encode (x264 superfast, which still writes B-frames as
-    most real H.264 files have; VP8 realtime)."""
-    from megatron_omnibal.data.formats.generate import write_video
-
+def gradient_frames(size: tuple[int, int]) -> Callable[[int], np.ndarray]:
+    """Frame k of a moving colour gradient of `size` (width, height): cheap to encode, and
+    every frame differs from the one before."""
     w, h = size
     ramp = (np.arange(w)[None, :] + np.arange(h)[:, None]).astype(np.int64)
 
@@ -75,6 +73,16 @@ def write_bench_video(path: Path, codec: str, seconds: int, size: tuple[int, int
         img[..., 2] = (k * 7) % 256
         return img
 
+    return picture
+
+
+def write_bench_video(path: Path, codec: str, seconds: int, size: tuple[int, int],
+                      fps: int) -> None:
+    """A moving colour gradient, fast to encode (x264 superfast, which still writes B-frames as
+    most real H.264 files have; VP8 realtime)."""
+    from megatron_omnibal.data.formats.generate import write_video
+
+    picture = gradient_frames(size)
     options = {"preset": "superfast"} if codec == "libx264" else (
         {"deadline": "realtime", "cpu-used": "8"} if codec == "libvpx" else {})
     gop = 1 if codec == "mjpeg" else 2 * fps

@@ -51,22 +51,14 @@ def write_long_gop_video(path: Path, codec: str, seconds: int, size: tuple[int, 
                          gop: int) -> None:
     """A moving colour gradient with a keyframe every `gop` frames and none between (x264's
     scene-cut keyframes off), B-frames as x264 writes them."""
+    from bench_data import gradient_frames
+
     from megatron_omnibal.data.formats.generate import write_video
-
-    w, h = size
-    ramp = (np.arange(w)[None, :] + np.arange(h)[:, None]).astype(np.int64)
-
-    def picture(k: int) -> np.ndarray:
-        img = np.empty((h, w, 3), np.uint8)
-        img[..., 0] = (ramp + 4 * k) % 256
-        img[..., 1] = (ramp // 2 + k) % 256
-        img[..., 2] = (k * 7) % 256
-        return img
 
     options = {"libx264": {"preset": "superfast", "x264-params": f"scenecut=0:keyint={gop}"},
                "libvpx": {"deadline": "realtime", "cpu-used": "8"},
                "libvpx-vp9": {"deadline": "realtime", "cpu-used": "8"}}[codec]
-    write_video(path, codec, seconds * fps, fps, size, gop, picture, options)
+    write_video(path, codec, seconds * fps, fps, size, gop, gradient_frames(size), options)
 
 
 def packet_index(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
