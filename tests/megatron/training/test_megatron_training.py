@@ -305,9 +305,9 @@ def test_levels_log_counts_samples_rates_and_epochs(lengths_file, tmp_path):
     """DP=2 with packing levels (4 and 2 micro-batches per step and rank) over an epoch
     boundary. Oracle: the micro-batches both ranks drew. Megatron's "consumed samples" is the
     samples trained so far (not 2 x 2 packs a step), the OmniBal line's samples per step are the
-    step's, its samples/s is them over the step's time (no slower than over Megatron's elapsed
-    time), and its epoch and step are where the drawn samples place it (an epoch ends when every
-    sample was trained once)."""
+    step's, its samples/s is them over the step's time (of the order of them over Megatron's
+    elapsed time), and its epoch and step are where the drawn samples place it (an epoch ends
+    when every sample was trained once)."""
     total = 10
     flags = _flags(lengths_file, "--global-batch-size", "4", "--train-iters", str(total),
                    "--omnibal-vit-pp-layers", "4", "--omnibal-llm-pp-layers", "4",
@@ -344,9 +344,10 @@ def test_levels_log_counts_samples_rates_and_epochs(lengths_file, tmp_path):
         if epochs[k] == 0:
             assert int(steps) == first_epoch_steps
         assert float(per_step) == samples[k]
-        # the step's samples over the step's time (the tokens' rate over the same time), and
-        # near Megatron's samples over its elapsed time: both time the same step, read at other
-        # points (a quiet run measured ours 1.3% slower, loaded runs up to 20% faster)
+        # the step's samples over the step's time (the tokens' rate over the same time), and of
+        # the order of Megatron's samples over its elapsed time: both time the same step, read at
+        # other points, so only a rate over another span (the run so far, or every step's
+        # samples) falls below half of it; a CI run under load measured ours 13% slower
         ratio = samples[k] / float(tokens)
         assert abs(float(rate) - float(token_rate) * ratio) <= 0.05 * (1 + ratio) + 1e-9
-        assert float(rate) >= 0.9 * samples[k] / (float(megatron_ms[it]) / 1e3)
+        assert float(rate) >= 0.5 * samples[k] / (float(megatron_ms[it]) / 1e3)
