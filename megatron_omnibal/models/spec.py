@@ -123,10 +123,18 @@ class VisionSpec:
     fullatt_block_indexes: tuple[int, ...] = ()  # layers attending over the whole image
     rope_theta: float = 10000.0  # base of a native-resolution tower's 2D rotary positions
     tokens_per_second: float = 2.0  # M-RoPE time positions per second of video (Qwen2.5-VL)
+    # A learned table of a square grid of positions (Qwen3-VL: 2304 = 48 x 48), interpolated
+    # bilinearly to each image's patch grid and added to the patch embeddings; 0: none.
+    num_position_embeddings: int = 0
+    # DeepStack (Qwen3-VL): the hidden states after these ViT layers each pass their own merger
+    # and are added to the LLM hidden states at the visual positions after LLM layers 0, 1, ...
+    # (the i-th index feeds LLM layer i).
+    deepstack_indexes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         w = "model_spec.vit"
         object.__setattr__(self, "fullatt_block_indexes", tuple(self.fullatt_block_indexes))
+        object.__setattr__(self, "deepstack_indexes", tuple(self.deepstack_indexes))
         _check_tower(self, w, ("image_size", "patch_size"))
         _check_eps(self.qk_norm_eps, f"{w}.qk_norm_eps")
         _need(
@@ -163,6 +171,28 @@ class VisionSpec:
             )
             _need(not self.class_token, f"{w}.class_token", "a native-resolution ViT has none")
             _need(self.rope_theta > 0, f"{w}.rope_theta", f"must be > 0, got {self.rope_theta}")
+        side = math.isqrt(max(self.num_position_embeddings, 0))
+        _need(
+            isinstance(self.num_position_embeddings, int) and self.num_position_embeddings >= 0
+            and side * side == self.num_position_embeddings
+            and (self.num_position_embeddings == 0 or self.native_resolution),
+            f"{w}.num_position_embeddings",
+            f"{self.num_position_embeddings} is not 0 or the square table of a native-resolution "
+            "tower",
+        )
+        deep = self.deepstack_indexes
+        _need(
+            all(isinstance(i, int) and 0 <= i < self.num_layers for i in deep)
+            and len(set(deep)) == len(deep) and (not deep or self.native_resolution),
+            f"{w}.deepstack_indexes",
+            f"{list(deep)} must be distinct layer indexes below num_layers {self.num_layers} of "
+            "a native-resolution tower",
+        )
+
+    @property
+    def position_table_side(self) -> int:
+        """Positions per side of the learned table (0: none)."""
+        return math.isqrt(self.num_position_embeddings)
 
     @property
     def windowed(self) -> bool:
@@ -216,8 +246,10 @@ class VisionSpec:
 class ProjectorSpec:
     """Vision-to-language bridge: optional pixel shuffle + LayerNorm, then a two-layer MLP.
 
-    `patch_merger` (Qwen2.5-VL): RMSNorm of each patch, the patches of each merge group
-    concatenated (the same fold as the pixel shuffle, by `factor` per side), then the MLP.
+    `patch_merger` (Qwen2.5-VL, Qwen3-VL): a norm of each patch (`merger_norm`), the patches of
+    each merge group concatenated (the same fold as the pixel shuffle, by `factor` per side),
+    then the MLP. Qwen3-VL's DeepStack mergers have the same MLP with a LayerNorm over the
+    concatenated group instead (see ModelSpec.deepstack_merger_params).
     """
 
     type: str = "pixel_shuffle_mlp"
@@ -229,10 +261,13 @@ class ProjectorSpec:
     # Token order of the pixel shuffle: 2 is transformers' InternVL (and OpenGVLab's
     # ps_version v2); 1 is ps_version v1 (InternVL-Chat-V1-5), which leaves the grid transposed.
     shuffle_version: int = 2
+    # The patch merger's per-patch norm: Qwen2.5-VL's RMSNorm or Qwen3-VL's LayerNorm.
+    merger_norm: str = "rmsnorm"
 
     def __post_init__(self) -> None:
         w = "model_spec.projector"
         _check_choice(self.type, f"{w}.type", PROJECTORS)
+        _check_choice(self.merger_norm, f"{w}.merger_norm", NORMS)
         _need(
             self.shuffle_version in (1, 2),
             f"{w}.shuffle_version",
@@ -287,6 +322,19 @@ class LanguageSpec:
     # Multimodal RoPE (Qwen2.5-VL): rotary frequency pairs given to the (t, h, w) position axes,
     # summing to half the head dimension; () is plain 1D RoPE.
     mrope_section: tuple[int, ...] = ()
+    # Qwen3-VL's interleaved M-RoPE: frequency pair j goes to the height axis when j % 3 == 1
+    # and j < 3 x section[1], to the width axis when j % 3 == 2 and j < 3 x section[2], else
+    # to time; False: Qwen2.5-VL's contiguous sections.
+    mrope_interleaved: bool = False
+    # Mixture of experts in every layer's MLP (Qwen3-MoE): 0 experts is a dense MLP. A router
+    # picks `moe_top_k` of `num_experts` experts of width `moe_ffn_hidden_size` per token;
+    # `moe_norm_topk_prob` renormalises the picked probabilities; the router's load-balancing
+    # loss is scaled by `moe_aux_loss_coeff` (0: none).
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = True
+    moe_aux_loss_coeff: float = 0.0
 
     def __post_init__(self) -> None:
         w = "model_spec.llm"
@@ -319,6 +367,45 @@ class LanguageSpec:
             f"{list(section)} must be 3 positive integers summing to half the head dimension "
             f"{self.kv_channels}",
         )
+        _need(
+            not self.mrope_interleaved or (
+                section and 3 * section[1] <= self.kv_channels // 2
+                and 3 * section[2] <= self.kv_channels // 2
+            ),
+            f"{w}.mrope_interleaved",
+            f"needs an mrope_section whose height and width sections fit every third of the "
+            f"{self.kv_channels // 2} frequency pairs, got {list(section)}",
+        )
+        self._check_moe(w)
+
+    def _check_moe(self, w: str) -> None:
+        e, k, f = self.num_experts, self.moe_top_k, self.moe_ffn_hidden_size
+        for key, value in (("num_experts", e), ("moe_top_k", k), ("moe_ffn_hidden_size", f)):
+            _need(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                f"{w}.{key}",
+                f"expected an integer >= 0, got {value!r}",
+            )
+        if e == 0:
+            _need(k == 0 and f == 0, f"{w}.num_experts",
+                  "0 (a dense MLP), yet moe_top_k or moe_ffn_hidden_size is set")  # fmt: skip
+            return
+        _need(1 <= k <= e, f"{w}.moe_top_k", f"{k} must be between 1 and num_experts {e}")
+        _need(f > 0, f"{w}.moe_ffn_hidden_size", "a mixture of experts needs the experts' width")
+        _need(
+            isinstance(self.moe_aux_loss_coeff, (int, float)) and self.moe_aux_loss_coeff >= 0,
+            f"{w}.moe_aux_loss_coeff",
+            f"expected a number >= 0, got {self.moe_aux_loss_coeff!r}",
+        )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one expert (a gated or plain MLP of `moe_ffn_hidden_size`)."""
+        return (3 if self.gated_mlp else 2) * self.hidden_size * self.moe_ffn_hidden_size
 
     @property
     def kv_size(self) -> int:
@@ -331,8 +418,11 @@ class LanguageSpec:
 
     @property
     def layer_params(self) -> int:
+        """Parameters of one layer, every expert counted (a MoE layer's router included)."""
         h, f = self.hidden_size, self.ffn_hidden_size
         mlp = (3 if self.gated_mlp else 2) * h * f
+        if self.is_moe:
+            mlp = self.num_experts * self.expert_params + h * self.num_experts
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         bias = self.q_size + 2 * self.kv_size if self.qkv_bias else 0
         qk_norm = 2 * self.kv_channels if self.qk_norm else 0
@@ -400,6 +490,12 @@ class ModelSpec:
             )
         if p.hidden_size == 0:
             object.__setattr__(self, "projector", replace(p, hidden_size=self.llm.hidden_size))
+        _need(
+            len(v.deepstack_indexes) <= self.llm.num_layers,
+            "model_spec.vit.deepstack_indexes",
+            f"{len(v.deepstack_indexes)} DeepStack taps, but the LLM has only "
+            f"{self.llm.num_layers} layers to add them after",
+        )
 
     # Sizes the planner prices.
     @property
@@ -420,11 +516,19 @@ class ModelSpec:
         return i * m + m * o + (m + o if self.projector.bias else 0) + norm
 
     @property
+    def deepstack_merger_params(self) -> int:
+        """Parameters of all DeepStack mergers: each a LayerNorm over the merge group's
+        concatenated patches, then the projector's MLP."""
+        i, m, o = self.projector_in, self.projector_hidden, self.llm.hidden_size
+        one = i * m + m * o + (m + o if self.projector.bias else 0) + 2 * i
+        return one * len(self.vit.deepstack_indexes)
+
+    @property
     def patch_embed_params(self) -> int:
         v = self.vit
         conv = v.patch_dim * v.hidden_size + (v.hidden_size if v.patch_bias else 0)
-        if v.native_resolution:  # 2D rotary positions: no table
-            return conv
+        if v.native_resolution:  # 2D rotary positions (and Qwen3-VL's interpolated table)
+            return conv + v.num_position_embeddings * v.hidden_size
         return conv + (v.seq_per_tile + int(v.class_token)) * v.hidden_size
 
     @property
