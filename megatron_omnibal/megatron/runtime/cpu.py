@@ -169,6 +169,13 @@ def _patch_torch() -> None:
 
     torch.Tensor.to = tensor_to  # type: ignore[method-assign]
 
+    # Tensor.new_empty(..., device=current_device()): the MoE all-to-all's receive buffer
+    # (tensor_parallel/mappings.py) and the token dispatcher's.
+    for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"):
+        method = getattr(torch.Tensor, name)
+        if not getattr(method, "__omnibal_cpu__", False):
+            setattr(torch.Tensor, name, _wrap_factory(method))
+
     # Tensor.pin_memory(): dist_checkpointing and offloading copy through pinned buffers.
     torch.Tensor.pin_memory = lambda self, *a, **k: self  # type: ignore[method-assign]
 
@@ -311,10 +318,30 @@ def _patch_megatron() -> None:
             WrappedTorchNorm if d is torch.nn.LayerNorm else d for d in defaults
         )
 
+    _patch_moe_splits()
     _patch_clip_grads()
     _patch_optimizer_param_types()
     _patch_write_results_queue()
     _patch_megatron_training()
+
+
+def _patch_moe_splits() -> None:
+    # transformer/moe/token_dispatcher.py: the all-to-all dispatcher moves its split sizes to
+    # the host with maybe_move_tensor_to_cpu(..., as_numpy=True), which converts only CUDA
+    # tensors; on the CPU they stayed tensors and all_to_all_single refused them as split sizes.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+    if getattr(original, "__omnibal_cpu__", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, **kwargs: Any) -> Any:
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.detach().numpy()
+        return original(tensor, as_numpy=as_numpy, **kwargs)
+
+    maybe_move_tensor_to_cpu.__omnibal_cpu__ = True  # type: ignore[attr-defined]
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 def _patch_clip_grads() -> None:

@@ -59,7 +59,8 @@ def vlm_model_provider(
             f"post_process={post_process} disagree with its position in the pipeline"
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    configs = stage_configs(spec, layouts, virtual, tp, config_overrides, vpp)
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    configs = stage_configs(spec, layouts, virtual, tp, config_overrides, vpp, ep)
     stage = VLMStage(
         spec,
         layouts,
