@@ -4,13 +4,14 @@ TP x PP x EP layouts, saving what a DDP step would reduce, for tests to compare 
 Usage: local ranks N moe_worker.py CASES.json OUT_DIR
 CASES.json: {"spec": <model_spec dict>, "seed": s,
              "shards": [[[vit_num, token_num, image_flags] per sample] per micro-batch] x N,
-             "cases": [{"name", "tp", "pp", "ep", "vit", "llm", "sp"?}, ...]}
+             "cases": [{"name", "tp", "pp", "ep", "vit", "llm", "sp"?, "aux_coeff"?}, ...]}
 Every case trains the same N data shards: data-parallel rank d of D runs shards d x N/D ...
 (d + 1) x N/D - 1 as its micro-batches. Saved per rank that holds them: the losses of each
 shard's micro-batches, every gradient summed as DDP sums it (dense parameters over DP, experts
 over the expert-data-parallel group) under its global name (experts by their global index), the
 routers' inputs per micro-batch (to recount their choices in the test), the aux losses the
-MoE metrics tracker recorded per layer, and the stage's checkpoint shards.
+MoE metrics tracker recorded per layer, the tokens per expert ExpertLoad counted, the routers'
+weights and the stage's checkpoint shards.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -36,6 +38,7 @@ from schedule import run_schedule  # noqa: E402
 
 from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
 from megatron_omnibal.megatron.checkpoint.tp_shard import shard, unshard  # noqa: E402
+from megatron_omnibal.megatron.stages.expert_load import ExpertLoad  # noqa: E402
 from megatron_omnibal.megatron.stages.layout import layout_from_counts  # noqa: E402
 from megatron_omnibal.megatron.stages.model import global_named_parameters  # noqa: E402
 from megatron_omnibal.megatron.stages.provider import vlm_model_provider  # noqa: E402
@@ -105,6 +108,7 @@ def run_case(spec: ModelSpec, case: dict, weights: dict, shards: list, seed: int
     per = len(shards) // dp
     mine = list(range(dp_rank * per, (dp_rank + 1) * per))
     routers = record_router_inputs(model)
+    load = ExpertLoad([model])
     tracker = get_moe_metrics_tracker()
     tracker.clear()
     losses = run_schedule(forward_step, model, [mb for i in mine for mb in shards[i]])
@@ -133,6 +137,12 @@ def run_case(spec: ModelSpec, case: dict, weights: dict, shards: list, seed: int
         "shards": mine,
         "micro_batches": counts,
         "checkpoint_keys": checkpoint_shards(model),
+        "expert_load": load.take() if tp_rank == 0 else {},
+        "router_weights": {
+            n.removesuffix(".mlp.router.weight"): p.detach().clone()
+            for n, p in named.items()
+            if n.endswith(".mlp.router.weight")
+        },
     }
     if losses and tp_rank == 0:
         flat = [x["lm loss"].tolist() for x in losses]
@@ -162,7 +172,11 @@ def main() -> None:
         shards.append(batches)
     weights = reference_weights(spec, seed)
     for case in cfg["cases"]:
-        run_case(spec, case, weights, shards, seed, out)
+        case_spec = spec
+        if "aux_coeff" in case:  # the same weights, another load-balancing coefficient
+            llm = replace(spec.llm, moe_aux_loss_coeff=case["aux_coeff"])
+            case_spec = replace(spec, llm=llm)
+        run_case(case_spec, case, weights, shards, seed, out)
         dist.barrier()
         if dist.get_rank() == 0:
             print(f"case {case['name']} done", flush=True)
