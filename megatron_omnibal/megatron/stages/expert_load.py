@@ -11,24 +11,30 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 
 class ExpertLoad:
-    """Tokens routed to each expert of every MoE layer of `stages` (one rank's model chunks)
-    since the last `take()`, by global layer index. Only forwards with gradients enabled count:
-    under full recompute the first pass runs without them and the recompute routes again with
-    them, so each token counts once either way. Each rank counts its own tokens: summed over
-    the data- and (sequence-parallel) tensor-parallel ranks they are the step's."""
+    """Tokens routed to each expert of every MoE layer of the stages added (one rank's model
+    chunks) since the last `take()`, by global layer index. Only forwards with gradients
+    enabled count: under full recompute the first pass runs without them and the recompute
+    routes again with them, so each token counts once either way. Each rank counts its own
+    tokens: summed over the data- and (sequence-parallel) tensor-parallel ranks they are the
+    step's."""
 
-    def __init__(self, stages: list[Any]) -> None:
+    def __init__(self, stages: list[Any] = ()) -> None:
         self.counts: dict[int, torch.Tensor] = {}
         for stage in stages:
-            block = getattr(stage, "llm", None)
-            for layer in getattr(block, "layers", ()):
-                router = getattr(layer.mlp, "router", None)
-                if router is not None:
-                    router.register_forward_hook(self._hook(layer.layer_number - 1))
+            self.add(stage)
+
+    def add(self, stage: Any) -> None:
+        """Count the routers of `stage`'s LLM layers (a stage without any adds nothing)."""
+        block = getattr(stage, "llm", None)
+        for layer in getattr(block, "layers", ()):
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                router.register_forward_hook(self._hook(layer.layer_number - 1))
 
     def _hook(self, index: int) -> Any:
         def count(_module: Any, _args: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -47,7 +53,16 @@ class ExpertLoad:
         return counts
 
 
-def max_over_mean(tokens: torch.Tensor) -> float:
-    """The busiest expert's tokens over the mean per expert (1.0: perfectly even)."""
-    mean = float(tokens.mean())
-    return float(tokens.max()) / mean if mean > 0 else 1.0
+    def step_tokens(self, num_layers: int, num_experts: int) -> np.ndarray:
+        """[layers, experts] tokens of the whole step, every rank's counts summed (a collective:
+        every rank calls it at the same point of each step), and start again. Each rank counts
+        only the tokens it routed, so the sum over all ranks is the step's (pipeline stages
+        hold other layers, data- and sequence-parallel ranks other tokens)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if (
+            torch.cuda.is_available()) else torch.device("cpu")  # fmt: skip
+        table = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
+        for layer, tokens in self.take().items():
+            table[layer] = tokens.to(device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(table)
+        return table.cpu().numpy()

@@ -10,8 +10,8 @@ Every case trains the same N data shards: data-parallel rank d of D runs shards 
 shard's micro-batches, every gradient summed as DDP sums it (dense parameters over DP, experts
 over the expert-data-parallel group) under its global name (experts by their global index), the
 routers' inputs per micro-batch (to recount their choices in the test), the aux losses the
-MoE metrics tracker recorded per layer, the tokens per expert ExpertLoad counted, the routers'
-weights and the stage's checkpoint shards.
+MoE metrics tracker recorded per layer, the step's tokens per expert ExpertLoad counted, the
+routers' weights and the stage's checkpoint shards.
 """
 
 from __future__ import annotations
@@ -137,7 +137,8 @@ def run_case(spec: ModelSpec, case: dict, weights: dict, shards: list, seed: int
         "shards": mine,
         "micro_batches": counts,
         "checkpoint_keys": checkpoint_shards(model),
-        "expert_load": load.take() if tp_rank == 0 else {},
+        # [layers, experts] tokens of the whole step (a collective over every rank)
+        "expert_tokens": load.step_tokens(spec.llm.num_layers, spec.llm.num_experts),
         "router_weights": {
             n.removesuffix(".mlp.router.weight"): p.detach().clone()
             for n, p in named.items()

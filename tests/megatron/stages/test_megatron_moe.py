@@ -6,8 +6,9 @@ experts split over pairs of ranks, all-to-all dispatch) and an uneven PP=2 x EP=
 over both stages (DP=2, two shards a rank) must give the same loss for every micro-batch and the
 same gradient for every parameter, each summed as DDP sums it (dense ones over DP, experts over
 expert-DP) and experts gathered over EP by their global index. The routers' choices are
-recounted in Python from their inputs and weights: tokens per expert against ExpertLoad's
-count, and the switch load-balancing loss against megatron-core's tracker.
+recounted in Python from their inputs and weights: the step's tokens per expert against
+ExpertLoad's (what the training log shows), and the switch load-balancing loss against
+megatron-core's tracker.
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ def load(out: Path, name: str) -> dict:
             merged["aux"].append(r["aux"]["load_balancing_loss"])
         for k, xs in r["routers"].items():
             merged["routers"].setdefault(k, []).extend(xs)
-        for layer, tokens in r["expert_load"].items():
-            merged["load"][layer] = merged["load"].get(layer, 0) + tokens
+        tokens = torch.from_numpy(r["expert_tokens"])  # the step's, the same on every rank
+        assert not merged["load"] or torch.equal(merged["load"]["all"], tokens)
+        merged["load"]["all"] = tokens
         merged["w"].update(r["router_weights"])
         merged["keys"].update(r["checkpoint_keys"])
     return merged
@@ -152,7 +154,7 @@ def test_expert_load_and_aux_loss_recounted_from_the_routers(results: Path) -> N
                 f = chosen.sum(0) / (t * TOP_K)
                 loss += float(EXPERTS * (f * scores.mean(0)).sum())
             assert tokens.sum() == TOP_K * sum(x.shape[0] for x in got["routers"][key])
-            torch.testing.assert_close(got["load"][i], tokens, rtol=0, atol=0)
+            torch.testing.assert_close(got["load"]["all"][i], tokens, rtol=0, atol=0)
             assert float(aux[i]) == pytest.approx(loss, rel=1e-5), (case["name"], i)
 
 
