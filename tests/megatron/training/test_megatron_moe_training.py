@@ -5,7 +5,8 @@ Oracle: the EP=1 run of the same weights (set from each parameter's model-wide n
 by their global index). The EP=2 run (each rank holds half the experts, tokens dispatched by
 all-to-all, expert gradients reduced over the expert-data-parallel group) gives the same losses
 and applies the same gradient to every parameter in every step; saved in torch_dist at EP=2,
-it resumes with every parameter as saved and continues with the EP=1 run's losses. (Resuming
+it resumes at PP=2 x EP=2 (the ViT over both stages) with every parameter as saved and
+continues with the EP=1 run's losses. (Resuming
 at another EP size with the optimizer's state is not offered: megatron-core 0.19 keeps expert
 parameters in an optimizer of their own only under EP > 1, and its optimizer checkpoint does not
 load into a different number of optimizers.)
@@ -31,7 +32,9 @@ from run_records import WORKER, head_micro, params, recorded_run  # noqa: E402
 ITERS, SAVED, MICRO = 3, 2, 2
 
 
-def _flags(lengths_file: Path, model: Path, *extra: str) -> list[str]:
+def _flags(
+    lengths_file: Path, model: Path, *extra: str, vit: str = "4", llm: str = "4"
+) -> list[str]:
     return [
         "--omnibal", "--omnibal-model", str(model), "--omnibal-lengths", str(lengths_file),
         "--omnibal-vit-budget", "16", "--omnibal-token-budget", "160",
@@ -39,7 +42,8 @@ def _flags(lengths_file: Path, model: Path, *extra: str) -> list[str]:
         str(2 * MICRO), "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
         "--clip-grad", "1.0", "--transformer-impl", "local", "--seed", "7",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", str(ITERS),
-        "--log-interval", "1", "--omnibal-vit-pp-layers", "4", "--omnibal-llm-pp-layers", "4",
+        "--log-interval", "1", "--omnibal-vit-pp-layers", vit, "--omnibal-llm-pp-layers", llm,
+        "--pipeline-model-parallel-size", str(len(vit.split(","))),
         *extra,
     ]  # fmt: skip
 
@@ -60,8 +64,10 @@ def runs(lengths_file: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "ep1": recorded_run(WORKER, 2, tmp / "ep1", flags, env),
         "ep2": recorded_run(WORKER, 2, tmp / "ep2", [*flags, *ep2, "--save", str(ckpt),
                                                      "--save-interval", str(SAVED)], env),
-        "resumed": recorded_run(WORKER, 2, tmp / "resumed", [*flags, *ep2, "--load", str(ckpt),
-                                                             "--ckpt-step", str(SAVED)], env),
+        # 4 ranks: PP=2 (the ViT over both stages, the LLM on the second) x DP=2 x EP=2
+        "resumed": recorded_run(WORKER, 4, tmp / "resumed", [
+            *_flags(lengths_file, model, vit="3,1", llm="0,4"), *ep2, "--load", str(ckpt),
+            "--ckpt-step", str(SAVED)], env),
     }  # fmt: skip
 
 
@@ -106,12 +112,14 @@ def test_expert_parallel_training_equals_ep1(runs: dict) -> None:
             assert err <= 1e-5, f"step {step}: gradient of {name} differs by {err:.2e}"
 
 
-def test_torch_dist_saved_at_ep2_resumes(runs: dict) -> None:
-    """Each rank's experts saved under their global index and loaded back (with the optimizer
-    state); the resumed step gives the uninterrupted EP=1 run's losses."""
+def test_torch_dist_saved_at_ep2_resumes_on_two_pipeline_stages(runs: dict) -> None:
+    """Each rank's experts saved under their global index and loaded (with the optimizer state)
+    by the ranks that hold them at PP=2 x EP=2; the resumed step gives the uninterrupted EP=1
+    run's losses."""
     saved, _ = params(runs["ep2"].out)
-    loaded, _ = params(runs["resumed"].out)
+    loaded, stage = params(runs["resumed"].out)
     assert sorted(loaded) == sorted(saved)
+    assert stage["vit.layers.3.mlp.linear_fc1.weight"] == 1
     assert any(".local_experts.3." in n for n in loaded)
     for name, value in saved.items():
         assert torch.equal(loaded[name], value), name
@@ -122,9 +130,9 @@ def test_torch_dist_saved_at_ep2_resumes(runs: dict) -> None:
 
 
 def test_log_shows_the_load_balancing_loss_and_the_expert_load(runs: dict) -> None:
-    for name in ("ep1", "ep2"):
+    for name in ("ep1", "ep2", "resumed"):
         out = runs[name].stdout
         assert "load_balancing_loss" in out, name
         lines = [line for line in out.splitlines() if " omnibal: iteration" in line]
-        assert len(lines) == ITERS
+        assert len(lines) == (ITERS - SAVED if name == "resumed" else ITERS)
         assert all("| expert tokens max " in line for line in lines), lines[0]
