@@ -129,3 +129,30 @@ def test_omnibal_plan_refuses_ep_on_a_dense_model(tmp_path, capsys) -> None:
                      "--lengths", str(tmp_path / "l.npz"), "--ep", "2", "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and "--ep 2: small has a dense LLM" in err and not out.exists()
+
+
+def test_omnibal_simulate_replays_a_moe_plan_at_its_ep(tmp_path, capsys) -> None:
+    """plan -> plan.json -> `omnibal simulate` (the plan and its baseline) reproduces the
+    recorded steps: the replay prices the experts at the plan's own EP."""
+    import json
+    import re
+
+    from megatron_omnibal import cli
+    from megatron_omnibal.data.lengths import save_lengths
+
+    save_lengths(_request().lengths, tmp_path / "l.npz")
+    (tmp_path / "m.json").write_text(json.dumps(moe_small().to_dict()))
+    (tmp_path / "hw.json").write_text(json.dumps(HW.to_dict()))
+    out = str(tmp_path / "plan.json")
+    assert cli.main(["plan", "--model", str(tmp_path / "m.json"), "--hardware",
+                     str(tmp_path / "hw.json"), "--gpus", "8", "--global-batch", "32",
+                     "--seed", "1", "--tp", "1", "--pp", "2", "--ep", "4",
+                     "--lengths", str(tmp_path / "l.npz"), "--out", out]) == 0  # fmt: skip
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["parallel"]["ep"] == 4
+    for extra, want in (([], plan["predicted"]["step_ms"]),
+                        (["--baseline"], plan["predicted"]["baseline"]["step_ms"])):
+        capsys.readouterr()
+        assert cli.main(["simulate", "--plan", out, *extra]) == 0
+        step = float(re.search(r"step ([0-9.]+) ms", capsys.readouterr().out).group(1))
+        assert step == pytest.approx(want, abs=1e-3)
