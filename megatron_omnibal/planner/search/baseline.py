@@ -343,7 +343,7 @@ def best_megatron_baseline(
         (t, p, d, e, mbs)
         for t, p, d in parallel_candidates(model, hw, request.gpus, tp, None, max_pp=nl)
         if gb % d == 0  # Megatron needs global batch = micro-batch size x micro-batches x dp
-        for e in ep_candidates(model, d, request.ep)
+        for e in ep_candidates(model, d, request.search_ep)
         for mbs in (divisors(gb // d) if micro_batch_sizes else [1])
     ]
     for t, p, d, e, mbs in sizes:

@@ -61,7 +61,7 @@ def plan_candidates(
         if gb // d >= 1
         for m in counts(t, p, d)
         for v in vpp_candidates(model, p, m, request.vpp)
-        for e in ep_candidates(model, d, request.ep)
+        for e in ep_candidates(model, d, request.search_ep)
     ]
     fixed = request.tp is not None and request.pp is not None
     if progress and len(configs) > 4:

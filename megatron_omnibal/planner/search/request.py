@@ -150,6 +150,12 @@ class PlanRequest:
                              "expert-parallel groups out of the data-parallel ranks")  # fmt: skip
 
     @property
+    def search_ep(self) -> int | None:
+        """The EP to plan at (None: searched): a measured profile prices one GPU's layers, so
+        1 with one."""
+        return 1 if self.profile is not None else self.ep
+
+    @property
     def search_tp(self) -> int | None:
         """The TP to plan at: a measured profile fixes it at 1 (it was timed on one GPU)."""
         return 1 if self.profile is not None else self.tp

@@ -133,3 +133,18 @@ def test_qwen3_vl_attends_over_each_whole_image_in_every_layer() -> None:
     exact = vit_layer_flops(spec.vit, np.array([[1, 24, 40]]), full=False)
     assert flops.vit_layer_per_tile * 240 == pytest.approx(exact)
     assert flops.vit_full_layers == 0 and flops.vit_layers == 27
+
+
+def test_the_partition_search_sees_what_stages_receive() -> None:
+    """The search's per-segment memory (SegmentFrontier, everything recomputed) is the stage
+    memory with the received DeepStack features, for every segment of the DeepStack model."""
+    from megatron_omnibal.planner.search.recompute import SegmentFrontier
+
+    costs = analytic_costs(deepstack_model(), HW).at(workload_features(10.0, 30.0, 300.0))
+    most = SegmentFrontier(costs).min_memory_mib(3)
+    units = len(costs)
+    for lo in range(units):
+        for hi in range(lo + 1, units + 1):
+            group = np.asarray(costs.group[lo:hi])
+            every = {g: int(np.sum(group == g)) for g in (0, 1) if np.any(group == g)}
+            assert most[lo, hi] == pytest.approx(stage_memory_mib(costs, lo, hi, every, 3))
