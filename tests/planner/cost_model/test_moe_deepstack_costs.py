@@ -148,3 +148,28 @@ def test_the_partition_search_sees_what_stages_receive() -> None:
             group = np.asarray(costs.group[lo:hi])
             every = {g: int(np.sum(group == g)) for g in (0, 1) if np.any(group == g)}
             assert most[lo, hi] == pytest.approx(stage_memory_mib(costs, lo, hi, every, 3))
+
+
+def test_the_baseline_screen_counts_what_stages_receive() -> None:
+    """The hand-set baseline's array screen (`_Layouts.fitting_recompute`) agrees with the
+    partition's own memory at the edge of the budget, for a layout whose second stage, the
+    peak, receives both taps (ViT layers 0-2 on stage 0; layer 3, the projector and the LLM on
+    stage 1)."""
+    from megatron_omnibal.data.lengths import from_arrays
+    from megatron_omnibal.planner.search.baseline import _Layouts
+    from megatron_omnibal.planner.search.request import PlanRequest
+    from megatron_omnibal.planner.search.setting import make_setting
+
+    model = deepstack_model()
+    rng = np.random.default_rng(0)
+    tiles = rng.integers(1, 40, 64)
+    request = PlanRequest(model=model, hardware=HW, gpus=2, global_batch=16,
+                          lengths=from_arrays(tiles, tiles + rng.integers(8, 200, 64), tiles))
+    setting = make_setting(request, 1, 2, 1, 4, balanced=False)
+    bounds = (0, 3, 8)
+    part = setting.problem(np.inf, setting.fixed).evaluate(bounds, [{0: 0}, {0: 0, 1: 0}])
+    assert part.memory_mib[1] > part.memory_mib[0]  # the stage receiving features is the peak
+    peak = float(part.memory_mib.max())
+    for budget, fits in ((peak - 1e-3, False), (peak + 1e-3, True)):  # received: 0.058 MiB
+        layouts = _Layouts(setting, budget, model.vit.num_layers)
+        assert bool(layouts.fitting_recompute(np.array([bounds]), False, 0)[0, 0]) == fits
