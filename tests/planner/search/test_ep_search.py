@@ -156,3 +156,21 @@ def test_omnibal_simulate_replays_a_moe_plan_at_its_ep(tmp_path, capsys) -> None
         assert cli.main(["simulate", "--plan", out, *extra]) == 0
         step = float(re.search(r"step ([0-9.]+) ms", capsys.readouterr().out).group(1))
         assert step == pytest.approx(want, abs=1e-3)
+
+
+def test_omnibal_plan_vit_on_first_stage(tmp_path) -> None:
+    """`omnibal plan --vit-on-first-stage`: the written plan's stage 0 holds the whole tower
+    and the projector."""
+    import json
+
+    from megatron_omnibal import cli
+    from megatron_omnibal.data.lengths import save_lengths
+
+    save_lengths(_request().lengths, tmp_path / "l.npz")
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--model", "small", "--hardware", "H100-80G", "--gpus", "8",
+                     "--tp", "1", "--pp", "4", "--micro-batches", "8", "--global-batch", "32",
+                     "--lengths", str(tmp_path / "l.npz"), "--vit-on-first-stage",
+                     "--out", str(out)]) == 0  # fmt: skip
+    stage0 = json.loads(out.read_text())["stages"][0]
+    assert stage0["vit_layers"] == [0, get_preset("small").vit.num_layers] and stage0["projector"]
