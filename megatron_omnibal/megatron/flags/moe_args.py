@@ -1,12 +1,12 @@
-"""Megatron's mixture-of-experts flags of an --omnibal run: completed from the model spec, and
-checked before any process group.
+"""Megatron's mixture-of-experts flags of an --omnibal run, checked before any process group.
 
 Why: the stages build the experts from the spec (stages/configs.moe_fields), while
 megatron.training reads its own MoE flags to form the expert-parallel groups, log the
-load-balancing loss and count FLOPs. So the spec's values go on the command line, a given value
-that disagrees is an error (run_args.SPLIT), and a MoE option the stages do not build (dense
-layers among the MoE layers, shared experts, capacity, grouped GEMM, ...) is refused by name
-instead of silently ignored. Nothing here imports torch or Megatron.
+load-balancing loss and count FLOPs. So the spec's values go on the command line (the model's
+flags, planner/plan_file/flags.py), a given value that disagrees is an error (run_args.SPLIT),
+and a MoE option the stages do not build (dense layers among the MoE layers, shared experts,
+capacity, grouped GEMM, ...) is refused by name instead of silently ignored. Nothing here
+imports torch or Megatron.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import argparse
 from megatron_omnibal.megatron.flags.args import OmnibalArgsError
 from megatron_omnibal.models.spec import ModelSpec
 
-# Flags whose value the spec decides: a given one must agree (run_args.SPLIT).
+# Flags whose value the spec (or the plan: EP) decides: a given one must agree (run_args.SPLIT).
 MOE_SPLIT = frozenset({
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax",
-    "moe_aux_loss_coeff",
+    "moe_aux_loss_coeff", "expert_model_parallel_size",
 })  # fmt: skip
 
 # (flag, dest, the values the stages build): anything else is refused.
@@ -38,25 +38,6 @@ NOT_BUILT = (
     ("--moe-router-num-groups", "moe_router_num_groups", (None,)),
     ("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias", (False,)),
 )  # fmt: skip
-
-
-def moe_flags(spec: ModelSpec) -> list[str]:
-    """The spec's experts as megatron.training spells them (none for a dense LLM)."""
-    llm = spec.llm
-    if not llm.is_moe:
-        return []
-    flags = [
-        "--num-experts", str(llm.num_experts),
-        "--moe-router-topk", str(llm.moe_top_k),
-        "--moe-ffn-hidden-size", str(llm.moe_ffn_hidden_size),
-        "--moe-aux-loss-coeff", repr(float(llm.moe_aux_loss_coeff)),
-        "--moe-router-load-balancing-type", "aux_loss",
-        "--moe-token-dispatcher-type", "alltoall",
-        "--moe-router-dtype", "fp32",
-    ]  # fmt: skip
-    if not llm.moe_norm_topk_prob:  # softmax over all experts, the top k not renormalised
-        flags.append("--moe-router-pre-softmax")
-    return flags
 
 
 def check_moe_args(args: argparse.Namespace, spec: ModelSpec, world: int) -> None:

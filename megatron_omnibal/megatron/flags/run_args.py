@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_omnibal.megatron.flags.args import OmnibalArgsError
-from megatron_omnibal.megatron.flags.moe_args import MOE_SPLIT, moe_flags
+from megatron_omnibal.megatron.flags.moe_args import MOE_SPLIT
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.plan_file.flags import model_flags, run_flags
 from megatron_omnibal.planner.plan_file.plan import Plan
@@ -65,7 +65,7 @@ def complete_argv(
         )
         if plan.data.lengths_path:
             implied += ["--omnibal-lengths", plan_lengths(plan.data.lengths_path, given)]
-    implied = _with_precision(implied + moe_flags(spec), given)
+    implied = _with_precision(implied, given)
     groups = _groups(implied)
     for option, values in groups:
         action = parser._option_string_actions[option]
