@@ -319,6 +319,7 @@ def _patch_megatron() -> None:
         )
 
     _patch_moe_splits()
+    _patch_uneven_first_dim_collectives()
     _patch_clip_grads()
     _patch_optimizer_param_types()
     _patch_write_results_queue()
@@ -342,6 +343,48 @@ def _patch_moe_splits() -> None:
 
     maybe_move_tensor_to_cpu.__omnibal_cpu__ = True  # type: ignore[attr-defined]
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _patch_uneven_first_dim_collectives() -> None:
+    # tensor_parallel/mappings.py: with split sizes (the MoE token dispatcher gathers its
+    # tokens over the tensor-parallel ranks under sequence parallelism, each rank with its own
+    # count) _gather_along_first_dim calls all_gather on a list of unequal tensors and
+    # _reduce_scatter_along_first_dim reduce_scatter on one; gloo supports neither (it needs
+    # equal sizes). On the CPU the gather pads every piece to the largest and trims, and the
+    # reduce-scatter all-reduces the whole tensor and keeps this rank's rows: the same sums.
+    from megatron.core.tensor_parallel import mappings
+
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    if getattr(gather, "__omnibal_cpu__", False):
+        return
+
+    def gather_along_first_dim(
+        input_: torch.Tensor, group: Any, output_split_sizes: Any = None, *args: Any, **kw: Any
+    ) -> torch.Tensor:
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, *args, **kw)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros(max(sizes), *input_.shape[1:])
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(pieces, padded, group=group)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, sizes, strict=True)])
+
+    def reduce_scatter_along_first_dim(
+        input_: torch.Tensor, group: Any, input_split_sizes: Any = None, *args: Any, **kw: Any
+    ) -> torch.Tensor:
+        if input_split_sizes is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, *args, **kw)
+        sizes = [int(n) for n in input_split_sizes]
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(sizes[: group.rank()])
+        return total[start : start + sizes[group.rank()]].clone()
+
+    for fn in (gather_along_first_dim, reduce_scatter_along_first_dim):
+        fn.__omnibal_cpu__ = True  # type: ignore[attr-defined]
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
 
 
 def _patch_clip_grads() -> None:

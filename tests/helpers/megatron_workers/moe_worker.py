@@ -7,8 +7,8 @@ CASES.json: {"spec": <model_spec dict>, "seed": s,
              "cases": [{"name", "tp", "pp", "ep", "vit", "llm", "sp"?, "aux_coeff"?}, ...]}
 Every case trains the same N data shards: data-parallel rank d of D runs shards d x N/D ...
 (d + 1) x N/D - 1 as its micro-batches. Saved per rank that holds them: the losses of each
-shard's micro-batches, every gradient summed as DDP sums it (dense parameters over DP, experts
-over the expert-data-parallel group) under its global name (experts by their global index), the
+shard's micro-batches, every gradient summed as DDP sums it (dense parameters over DP and,
+under sequence parallelism, over TP; experts over the expert-data-parallel group) under its global name (experts by their global index), the
 routers' inputs per micro-batch (to recount their choices in the test), the aux losses the
 MoE metrics tracker recorded per layer, the step's tokens per expert ExpertLoad counted, the
 routers' weights and the stage's checkpoint shards.
@@ -122,6 +122,8 @@ def run_case(spec: ModelSpec, case: dict, weights: dict, shards: list, seed: int
             keep = keep and ps.get_expert_tensor_parallel_rank() == 0
         else:
             dist.all_reduce(g, group=ps.get_data_parallel_group())
+            if getattr(p, "sequence_parallel", False) and tp > 1:  # each TP rank's tokens
+                dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
             keep = dp_rank == 0
             g = whole(g, n, spec, ps.get_tensor_model_parallel_group())
             keep = keep and tp_rank == 0

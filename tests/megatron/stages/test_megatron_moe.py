@@ -2,8 +2,9 @@
 ranks on CPU, one launch for every layout).
 
 Oracle: the EP=1, PP=1 run of the same weights (DP=4, each rank one data shard). EP=2 (DP=4,
-experts split over pairs of ranks, all-to-all dispatch) and an uneven PP=2 x EP=2 with the ViT
-over both stages (DP=2, two shards a rank) must give the same loss for every micro-batch and the
+experts split over pairs of ranks, all-to-all dispatch), an uneven PP=2 x EP=2 with the ViT
+over both stages (DP=2, two shards a rank) and TP=2 (sequence parallel) x EP=2 (experts split
+over TP too) must give the same loss for every micro-batch and the
 same gradient for every parameter, each summed as DDP sums it (dense ones over DP, experts over
 expert-DP) and experts gathered over EP by their global index. The routers' choices are
 recounted in Python from their inputs and weights: the step's tokens per expert against
@@ -55,8 +56,9 @@ SPEC = {
     },
 }
 # Four data shards of one micro-batch each ([vit_num, token_num, image_flags] per sample).
+# Even token counts: under sequence parallelism (TP=2) no pad token joins the routing.
 SHARDS = [
-    [[[1, 12, 1], [0, 9, 0]]],
+    [[[1, 12, 1], [0, 10, 0]]],
     [[[2, 16, 2]]],
     [[[1, 10, 1], [0, 6, 0]]],
     [[[1, 14, 1]]],
@@ -65,9 +67,11 @@ CASES = [
     {"name": "ep1", "tp": 1, "pp": 1, "ep": 1, "vit": [2], "llm": [3]},
     {"name": "ep2", "tp": 1, "pp": 1, "ep": 2, "vit": [2], "llm": [3]},
     {"name": "pp2_ep2", "tp": 1, "pp": 2, "ep": 2, "vit": [1, 1], "llm": [0, 3]},
+    {"name": "tp2_ep2", "tp": 2, "pp": 1, "ep": 2, "vit": [2], "llm": [3], "sp": True},
     {"name": "ep2_no_aux", "tp": 1, "pp": 1, "ep": 2, "vit": [2], "llm": [3], "aux_coeff": 0.0},
 ]
-LAYOUTS = CASES[:3]
+LAYOUTS = CASES[:4]
+RECOUNTED = CASES[:3]  # the routers' inputs are saved whole without sequence parallelism
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +123,12 @@ def test_expert_parallel_layouts_match_ep1(results: Path) -> None:
             )
         assert got["grads"].keys() == ref["grads"].keys(), case["name"]
         # The torch_dist shards: every expert under one key, at its global offset, whatever
-        # rank holds it.
-        assert got["keys"] == ref["keys"], case["name"]
+        # rank holds it (TP splits tensors further: the same keys and global shapes).
+        if case["tp"] == 1:
+            assert got["keys"] == ref["keys"], case["name"]
+        assert {(k, shape) for k, _, shape in got["keys"]} == {
+            (k, shape) for k, _, shape in ref["keys"]
+        }, case["name"]
         for k, g in ref["grads"].items():
             assert g.abs().max() > 0 or "bias" in k, f"{k}: no gradient in the reference"
             scale = float(g.abs().max()) or 1.0
@@ -138,7 +146,7 @@ def routed(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def test_expert_load_and_aux_loss_recounted_from_the_routers(results: Path) -> None:
-    for case in LAYOUTS:
+    for case in RECOUNTED:
         got = load(results, case["name"])
         assert sorted(got["routers"]) == [f"llm.layers.{i}" for i in range(3)]
         aux = torch.stack(got["aux"]).sum(0) if got["aux"] else None
