@@ -8,10 +8,11 @@ CASES.json: {"spec": <model_spec dict>, "seed": s,
 Every case trains the same N data shards: data-parallel rank d of D runs shards d x N/D ...
 (d + 1) x N/D - 1 as its micro-batches. Saved per rank that holds them: the losses of each
 shard's micro-batches, every gradient summed as DDP sums it (dense parameters over DP and,
-under sequence parallelism, over TP; experts over the expert-data-parallel group) under its global name (experts by their global index), the
-routers' inputs per micro-batch (to recount their choices in the test), the aux losses the
-MoE metrics tracker recorded per layer, the step's tokens per expert ExpertLoad counted, the
-routers' weights and the stage's checkpoint shards.
+under sequence parallelism, over TP; experts over the expert-data-parallel group) under its
+global name (experts by their global index), the routers' inputs per micro-batch (to recount
+their choices in the test), the aux losses the MoE metrics tracker recorded per layer, the
+step's tokens per expert ExpertLoad counted, the routers' weights and the stage's checkpoint
+shards.
 """
 
 from __future__ import annotations
