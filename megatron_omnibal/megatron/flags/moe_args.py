@@ -61,6 +61,11 @@ def check_moe_args(args: argparse.Namespace, spec: ModelSpec, world: int) -> Non
                 "with its load-balancing loss, dispatched by all-to-all to SequentialMLP "
                 "experts); drop the flag"
             )
+    if getattr(args, "omnibal_lora_rank", None) is not None:
+        raise OmnibalArgsError(
+            f"--omnibal-lora-rank {args.omnibal_lora_rank}: LoRA adapters on a "
+            "mixture-of-experts LLM are not built (its MLPs are experts); train in full"
+        )
     tp = args.tensor_model_parallel_size
     etp = args.expert_tensor_parallel_size
     if etp not in (None, tp):

@@ -117,6 +117,8 @@ def cases(tmp_path_factory):
          "--moe-layer-freq 2: not built with --omnibal"),
         ([*base, *moe_counts, "--moe-shared-expert-intermediate-size", "8"],
          "--moe-shared-expert-intermediate-size 8: not built with --omnibal"),
+        ([*base, *moe_counts, "--omnibal-lora-rank", "4"],
+         "--omnibal-lora-rank 4: LoRA adapters on a mixture-of-experts LLM are not built"),
         ([*base, *moe_counts, "--num-experts", "8"],
          f"--num-experts 8 disagrees with --omnibal-model {moe}, which sets --num-experts 4"),
         ([*base, *moe_counts, "--omnibal-model", str(top5)],
