@@ -39,7 +39,7 @@ SPEC = {
         "num_attention_heads": 4,
         "image_size": 16,
         "patch_size": 4,
-        "class_token": False,
+        "class_token": False,  # with these weights every expert of every layer gets tokens
     },
     "projector": {"type": "pixel_shuffle_mlp", "downsample": 0.5, "hidden_size": 48},
     "llm": {
