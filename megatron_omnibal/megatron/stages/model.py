@@ -45,6 +45,16 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from megatron_omnibal.megatron.stages.configs import StageConfigs, _recompute
+from megatron_omnibal.megatron.stages.deepstack import (
+    DeepStackCounts,
+    DeepStackMergers,
+    dense_block,
+    pack,
+    set_slots,
+    unpack,
+    with_deepstack_layers,
+)
+from megatron_omnibal.megatron.stages.interleaved_mrope import InterleavedMRoPE
 from megatron_omnibal.megatron.stages.layer_specs import HAVE_TE, block_spec
 from megatron_omnibal.megatron.stages.native_vision import (
     NativeInputs,
@@ -145,6 +155,10 @@ class VLMStage(MegatronModule):
             if v.post_norm:
                 self.vit_final_norm = torch.nn.LayerNorm(v.hidden_size, eps=v.norm_eps)
             self.projector = Projector(configs.projector, spec)
+        self.deepstack = DeepStackCounts.of(spec, self.layout)
+        self.deepstack_mergers = None
+        if self.layout.projector and spec.vit.deepstack_indexes:
+            self.deepstack_mergers = DeepStackMergers(configs.projector, spec)
         self.embedding = self._llm_embedding()
         self.llm = self._llm_block()
         self.rotary = self._rotary_embedding() if self.llm is not None else None
@@ -210,27 +224,36 @@ class VLMStage(MegatronModule):
         lay, configs = self.layout, self.configs
         if not (lay.num_llm_layers or lay.head):
             return None
-        return TransformerBlock(
+        spec = block_spec(
             configs.llm,
-            block_spec(
-                configs.llm,
-                lay.num_llm_layers,
-                self.use_te,
-                AttnMaskType.causal if self.use_te else AttnMaskType.arbitrary,
-                head_qk_norm=self.spec.llm.qk_norm,
-            ),
+            lay.num_llm_layers,
+            self.use_te,
+            AttnMaskType.causal if self.use_te else AttnMaskType.arbitrary,
+            head_qk_norm=self.spec.llm.qk_norm,
+        )
+        deepstack = bool(self.spec.vit.deepstack_indexes)
+        block = TransformerBlock(
+            configs.llm,
+            with_deepstack_layers(spec) if deepstack else spec,
             post_layer_norm=True,
             pre_process=True,
             post_process=lay.head,
             pg_collection=self.pg_collection,
             vp_stage=self.vp_stage,
         )
+        if deepstack:
+            set_slots(block.layers, self.deepstack)
+        return block
 
-    def _rotary_embedding(self) -> RotaryEmbedding | MultimodalRotaryEmbedding:
+    def _rotary_embedding(
+        self,
+    ) -> RotaryEmbedding | MultimodalRotaryEmbedding | InterleavedMRoPE:
         """The LLM's RoPE: M-RoPE for a spec with sections, else RoPE with Llama-3 scaling,
         passed here (megatron-core 0.19's own VLM scripts drop it), and a factor only with
         scaling on."""
         llm, kv_channels = self.spec.llm, self.configs.llm.kv_channels
+        if llm.mrope_interleaved:
+            return InterleavedMRoPE(kv_channels, llm.rotary_base, llm.mrope_section)
         if llm.mrope_section:
             return MultimodalRotaryEmbedding(
                 kv_channels, rotary_percent=1.0, rotary_base=llm.rotary_base
@@ -350,29 +373,42 @@ class VLMStage(MegatronModule):
         position_ids, cu_seqlens = self._pad_for_sequence_parallel(position_ids, cu_seqlens)
         seq_pad = position_ids.shape[1] - seq  # the pad segment's length
         x = None if self.stage == 0 else self.input_tensor
+        blocks: list[torch.Tensor] = []  # DeepStack features still to add (deepstack.py)
         if self.vision_stage:
+            taps: list[torch.Tensor] = []
+            if x is not None and self.deepstack.vit_in:
+                x, taps = unpack(x, native.rows_cols.shape[0], self.deepstack.vit_in,
+                                 f"stage {self.stage}")  # fmt: skip
             if self.patch_embed is not None:
-                x = self.patch_embed(images, native.unit_order) if native else (
-                    self.patch_embed(images))  # fmt: skip
+                x = self.patch_embed(images, native) if native else self.patch_embed(images)
             if self.vit is not None and x.numel() > 0:
-                x = self._vit(x, native)
-            elif x is self.input_tensor:
-                # A micro-batch without tiles: [P, 0, C] passes through (attention cannot
-                # reshape 0 elements); cloned (no data) so the schedule's backward reaches the
-                # input and deallocate_pipeline_outputs may free it (it refuses views).
-                x = x.clone()
+                x, made = self._vit(x, native)
+                taps += made
+            else:
+                taps += [x] * len(self.deepstack.vit_taps)  # no patches: empty taps
+                if x is self.input_tensor:
+                    # A micro-batch without tiles: [P, 0, C] passes through (attention cannot
+                    # reshape 0 elements); cloned (no data) so the schedule's backward reaches
+                    # the input and deallocate_pipeline_outputs may free it (it refuses views).
+                    x = x.clone()
             if self.projector is None:
-                return x
+                return pack(x, taps)
             if self.vit_final_norm is not None:
                 x = self.vit_final_norm(x)
             if self.capture is not None:  # [tiles, tokens, C]; native: [patches, C]
                 self.capture["vit"] = x.detach()[:, 0] if native else x.detach().transpose(0, 1)
             embeds = self.projector(x, native.unit_restore if native else real_tiles)
             x = self._merge(tokens, position_ids[:, :seq], embeds)
+            if self.deepstack_mergers is not None:
+                blocks = self._deepstack_blocks(tokens, taps, native, x.dtype)
+        elif self.deepstack.llm_in:
+            rows = position_ids.shape[1] // self._sequence_parallel_size
+            x, blocks = unpack(x, rows, self.deepstack.llm_in, f"stage {self.stage}")
         if self.llm is not None:
-            x = self._llm(x, position_ids, cu_seqlens, max(max_seqlen, seq_pad), native)
+            x = self._llm(x, position_ids, cu_seqlens, max(max_seqlen, seq_pad), native, blocks)
+            blocks = blocks[len(blocks) - self.deepstack.llm_out :]
         if self.output_layer is None:
-            return x
+            return pack(x, blocks)
         if self.capture is not None:
             hidden = x
             if self.configs.llm.sequence_parallel:
@@ -390,11 +426,35 @@ class VLMStage(MegatronModule):
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target)
         return loss.transpose(0, 1).contiguous()  # [1, S]
 
-    def _vit(self, x: torch.Tensor, native: NativeInputs | None) -> torch.Tensor:
+    def _vit(
+        self, x: torch.Tensor, native: NativeInputs | None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(the hidden states after this stage's ViT layers, the DeepStack taps made here)."""
         if native is None:
-            return self.vit(hidden_states=x, attention_mask=None)
+            return self.vit(hidden_states=x, attention_mask=None), []
         masks, rope = vision_attention_inputs(native, self.spec.vit)
-        return self.vit(hidden_states=x, attention_mask=masks, rotary_pos_emb=rope)
+        taps = set(self.deepstack.vit_taps)
+        if not taps:
+            return self.vit(hidden_states=x, attention_mask=masks, rotary_pos_emb=rope), []
+        x, made = self.vit(
+            hidden_states=x, attention_mask=masks, rotary_pos_emb=rope, extract_layer_indices=taps
+        )
+        return x, list(made)
+
+    def _deepstack_blocks(
+        self, tokens: torch.Tensor, taps: list[torch.Tensor], native: NativeInputs, dtype: Any
+    ) -> list[torch.Tensor]:
+        """Each tap merged and laid at the image positions of the sequence ([S, 1, H], split
+        as the hidden states are under sequence parallelism)."""
+        is_image = (tokens == self.spec.image_token_id).transpose(0, 1)[..., None]  # [S, 1, 1]
+        merged = self.deepstack_mergers(taps, native.unit_restore)
+        return [self._scatter_sequence(dense_block(is_image, m.to(dtype))) for m in merged]
+
+    @property
+    def _sequence_parallel_size(self) -> int:
+        """The parts the LLM sequence is split into between TP ranks (1: not split)."""
+        llm = self.configs.llm
+        return llm.tensor_model_parallel_size if llm.sequence_parallel else 1
 
     def _recompute(self, vit_layers: int, llm_layers: int) -> None:
         """Recompute the first layers of each block in this micro-batch. megatron-core's
@@ -429,7 +489,11 @@ class VLMStage(MegatronModule):
     ) -> torch.Tensor:
         text = self.embedding(input_ids=tokens, position_ids=position_ids)  # [S, 1, H]
         is_image = (tokens == self.spec.image_token_id).transpose(0, 1)[..., None]  # [S, 1, 1]
-        x = text.masked_scatter(is_image, image_embeds.to(text.dtype))
+        return self._scatter_sequence(text.masked_scatter(is_image, image_embeds.to(text.dtype)))
+
+    def _scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """[S, 1, H] -> this TP rank's part under sequence parallelism (padded to a multiple
+        of TP first), else unchanged."""
         if self.configs.llm.sequence_parallel:
             tp = self.configs.llm.tensor_model_parallel_size
             pad = (-x.shape[0]) % tp
@@ -453,8 +517,12 @@ class VLMStage(MegatronModule):
         cu_seqlens: torch.Tensor,
         max_len: int,
         native: NativeInputs | None = None,
+        deepstack: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
+        """This stage's LLM layers; `deepstack` are the blocks of its first layers (given to
+        the layers as their `context`, see deepstack.py)."""
         seq = position_ids.shape[1]
+        context = torch.stack(list(deepstack)) if deepstack else None
         if self.use_te:
             # With THD packing megatron-core applies RoPE per sample from cu_seqlens (M-RoPE:
             # per token, on its unfused path).
@@ -468,14 +536,15 @@ class VLMStage(MegatronModule):
                 max_seqlen_kv=max_len,
             )
             return self.llm(
-                hidden_states=x, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=packed
-            )
+                hidden_states=x, attention_mask=None, rotary_pos_emb=rope,
+                packed_seq_params=packed, context=context,
+            )  # fmt: skip
         if native is not None:
             rope = self._mrope(position_ids, native)
         else:
             rope = self.rotary(max_len)[position_ids[0]]  # [S, 1, 1, d]: restarts per sample
         mask = packed_causal_mask(cu_seqlens, seq).to(x.device)
-        return self.llm(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
+        return self.llm(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope, context=context)
 
 
 # TE's fused modules hold the layer norms inside the next linear layer; model-wide names use the

@@ -1,0 +1,115 @@
+"""A tiny random Qwen3-VL (transformers' own classes), its model spec, and transformers'
+forward and gradients as the oracle of the Megatron stages.
+
+The tower: 4 layers of width 32 (4 heads), patch 4, temporal patch 2, 2x2 merge, a 4x4
+position table (images of 2 to 8 patches per side resample it up and down), DeepStack taps
+after ViT layers 0, 2 and 3; the LLM: Qwen3 with 4 layers, GQA (4 heads, 2 KV groups, head
+size 16 on width 32), per-head QK-norm and interleaved M-RoPE with section [4, 2, 2] (the
+height and width pairs cut off before the last pair, as in the released [24, 20, 20]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+IMAGE_TOKEN = 255
+
+SPEC = {
+    "name": "tiny-qwen3-vl",
+    "vit": {
+        "num_layers": 4, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4,
+        "image_size": 8, "patch_size": 4, "norm": "layernorm", "norm_eps": 1e-6,
+        "activation": "gelu_tanh", "qkv_bias": True, "class_token": False, "patch_bias": True,
+        "gated_mlp": False, "native_resolution": True, "temporal_patch_size": 2,
+        "spatial_merge_size": 2, "window_size": 0, "rope_theta": 10000.0,
+        "num_position_embeddings": 16, "deepstack_indexes": [0, 2, 3],
+    },
+    "projector": {
+        "type": "patch_merger", "downsample": 0.5, "hidden_size": 128, "norm_eps": 1e-6,
+        "activation": "gelu", "bias": True, "merger_norm": "layernorm",
+    },
+    "llm": {
+        "num_layers": 4, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4,
+        "num_query_groups": 2, "kv_channels": 16, "vocab_size": 256, "norm": "rmsnorm",
+        "norm_eps": 1e-6, "activation": "silu", "gated_mlp": True, "qk_norm": True,
+        "rotary_base": 10000.0, "max_position_embeddings": 4096,
+        "mrope_section": [4, 2, 2], "mrope_interleaved": True,
+    },
+    "image_token_id": IMAGE_TOKEN,
+}  # fmt: skip
+
+
+def hf_config():  # noqa: ANN201 - transformers' Qwen3VLConfig
+    from transformers import Qwen3VLConfig
+
+    v, t = SPEC["vit"], SPEC["llm"]
+    return Qwen3VLConfig(
+        vision_config={
+            "depth": v["num_layers"], "hidden_size": v["hidden_size"],
+            "intermediate_size": v["ffn_hidden_size"], "num_heads": v["num_attention_heads"],
+            "patch_size": v["patch_size"], "temporal_patch_size": v["temporal_patch_size"],
+            "spatial_merge_size": v["spatial_merge_size"], "out_hidden_size": t["hidden_size"],
+            "num_position_embeddings": v["num_position_embeddings"],
+            "deepstack_visual_indexes": v["deepstack_indexes"], "hidden_act": "gelu_pytorch_tanh",
+        },
+        text_config={
+            "vocab_size": t["vocab_size"], "hidden_size": t["hidden_size"],
+            "intermediate_size": t["ffn_hidden_size"], "num_hidden_layers": t["num_layers"],
+            "num_attention_heads": t["num_attention_heads"],
+            "num_key_value_heads": t["num_query_groups"], "head_dim": t["kv_channels"],
+            "rms_norm_eps": t["norm_eps"], "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": t["rotary_base"],
+                                "mrope_section": t["mrope_section"], "mrope_interleaved": True},
+        },
+        image_token_id=IMAGE_TOKEN, video_token_id=254, vision_start_token_id=253,
+        vision_end_token_id=252, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def hf_model(seed: int = 0) -> torch.nn.Module:
+    """The tiny model in fp32, every weight perturbed (no norm weight a trivial 1, no bias 0)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(hf_config()).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _inputs(model: torch.nn.Module, sample: object) -> dict:
+    ids = sample.tokens[None]
+    kw: dict = {"input_ids": ids}
+    if len(sample.image_grid):
+        kw.update(pixel_values=sample.images, image_grid_thw=sample.image_grid,
+                  mm_token_type_ids=(ids == IMAGE_TOKEN).int())  # fmt: skip
+    return kw
+
+
+def reference_logits(model: torch.nn.Module, samples: Sequence[object]) -> torch.Tensor:
+    """[S, vocab]: each sample's logits (its own 3-D positions), concatenated."""
+    with torch.no_grad():
+        return torch.cat([model(**_inputs(model, s)).logits[0] for s in samples])
+
+
+def reference_loss_and_grads(
+    model: torch.nn.Module, batches: Sequence[Sequence[object]]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """(summed token cross-entropy per micro-batch, the gradient of their sum by HF name)."""
+    model.zero_grad()
+    losses = []
+    for batch in batches:
+        total = torch.zeros(())
+        for s in batch:
+            logits = model(**_inputs(model, s)).logits[0]
+            total = total + torch.nn.functional.cross_entropy(
+                logits, s.labels, ignore_index=-100, reduction="sum"
+            )
+        total.backward()
+        losses.append(float(total))
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return losses, grads
