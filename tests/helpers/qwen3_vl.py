@@ -110,6 +110,6 @@ def reference_loss_and_grads(
                 logits, s.labels, ignore_index=-100, reduction="sum"
             )
         total.backward()
-        losses.append(float(total))
+        losses.append(float(total.detach()))
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return losses, grads

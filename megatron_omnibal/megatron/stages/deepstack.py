@@ -85,8 +85,8 @@ def unpack(
         )
     if count == 0:
         return received, []
-    parts = received.split(rows)
-    return parts[0], list(parts[1:])
+    parts = [received.narrow(0, i * rows, rows) for i in range(1 + count)]  # rows may be 0
+    return parts[0], parts[1:]
 
 
 class DeepStackMerger(MegatronModule):
