@@ -6,8 +6,9 @@ at PP=3 with DeepStack crossing stages and at TP=2 with sequence parallelism; th
 every gradient within 1e-4. Then every other layout against PP=1 (losses and every gradient,
 1e-5): the tapped ViT layers on two stages and LLM layer 0 a stage later (recompute on), LLM
 layers 0, 1, 2 on three different stages, six virtual stages over three ranks (interleaved
-1F1B, every tap and block crossing ranks), TP=2 with sequence parallelism. Two launches (3 and
-2 ranks), forked from the rank server.
+1F1B, every tap and block crossing ranks), TP=2 with sequence parallelism, and TP=2 x PP=2 with
+sequence parallelism (the blocks cross stages split over the TP ranks). Two launches (3 and 4
+ranks), forked from the rank server.
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ THREE_RANKS = [
     {"name": "pp3_vpp2", "tp": 1, "pp": 3, "vpp": 2, "vit": [2, 2, 0, 0, 0, 0],
      "llm": [0, 0, 1, 1, 1, 1]},
 ]  # fmt: skip
-TWO_RANKS = [
+FOUR_RANKS = [
     {"name": "tp1", "tp": 1, "pp": 1, "vit": [4], "llm": [4]},
     {"name": "tp2_sp", "tp": 2, "pp": 1, "vit": [4], "llm": [4], "sequence_parallel": True},
-]
+    # the blocks of LLM layers 1 and 2 cross to stage 1 split over the TP ranks
+    {"name": "tp2pp2_sp", "tp": 2, "pp": 2, "vit": [4, 0], "llm": [1, 3],
+     "sequence_parallel": True},
+]  # fmt: skip
 
 
 def samples(spec: ModelSpec) -> list[list]:
@@ -71,7 +75,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     batches = samples(spec)
     logits = qwen3_vl.reference_logits(model, [s for mb in batches for s in mb])
     losses, grads = qwen3_vl.reference_loss_and_grads(model, batches)
-    for ranks, cases in ((3, THREE_RANKS), (2, TWO_RANKS)):
+    for ranks, cases in ((3, THREE_RANKS), (4, FOUR_RANKS)):
         cfg = root / f"cases{ranks}.json"
         cfg.write_text(json.dumps({"spec": qwen3_vl.SPEC, "weights": str(root / "weights.pt"),
                                    "seed": SEED, "batches": BATCHES, "cases": cases}))  # fmt: skip
@@ -101,7 +105,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("name", ["pp1", "pp3_split", "pp3_llm", "tp1", "tp2_sp"])
+@pytest.mark.parametrize("name", ["pp1", "pp3_split", "pp3_llm", "tp1", "tp2_sp", "tp2pp2_sp"])
 def test_logits_equal_transformers(runs: dict, name: str) -> None:
     got = load(runs["root"], name)["forward"]
     assert relative(got["logits"], runs["logits"]) <= 1e-4
@@ -116,7 +120,8 @@ def test_pp1_loss_and_every_gradient_equal_transformers(runs: dict) -> None:
 
 
 @pytest.mark.parametrize(("name", "ref"), [("pp3_split", "pp1"), ("pp3_llm", "pp1"),
-                                           ("pp3_vpp2", "pp1"), ("tp2_sp", "tp1")])  # fmt: skip
+                                           ("pp3_vpp2", "pp1"), ("tp2_sp", "tp1"),
+                                           ("tp2pp2_sp", "tp1")])  # fmt: skip
 def test_layout_matches_pp1(runs: dict, name: str, ref: str) -> None:
     want, got = load(runs["root"], ref), load(runs["root"], name)
     assert len(got["losses"]) == len(BATCHES)
