@@ -6,13 +6,21 @@ Pipeline rank r builds only what its StageLayout names, with megatron-core Trans
 layers carry GLOBAL layer numbers (checkpoints and the RNG depend on them) and the stage's own
 recompute counts. The architecture is the spec's (models.spec): InternViT or CLIP, pixel-shuffle
 or MLP projector, a Llama(-3)/Qwen2/Qwen3/InternLM2-style LLM, tied or separate output head; or
-Qwen2.5-VL's native-resolution tower (megatron.native_vision: whole images in window order,
-windowed and full attention, 2-D RoPE), its patch merger and an LLM with M-RoPE, whose positions
-every stage derives from the micro-batch (`native`, restarting in every packed sample).
+a native-resolution tower (megatron.native_vision: whole images in window order, windowed and
+full attention, 2-D RoPE; Qwen2.5-VL, or Qwen3-VL with its patch-embedding bias and learned
+position table, position_table.py), its patch merger and an LLM with M-RoPE (contiguous, or
+Qwen3-VL's interleaved one, interleaved_mrope.py), whose positions every stage derives from the
+micro-batch (`native`, restarting in every packed sample).
 
-Exactly one tensor flows between stages: the ViT hidden states [patches, tiles, Cv] before the
+One tensor flows between stages: the ViT hidden states [patches, tiles, Cv] before the
 projector's stage, the LLM hidden states [S, 1, H] (S / TP under sequence parallelism) after
-it. Shapes vary per micro-batch (variable_seq_lengths). The projector stage embeds the token ids
+it. With DeepStack (Qwen3-VL, deepstack.py) the taps travel in it too, concatenated along dim 0:
+[hidden; tap; ...] of [patches, 1, Cv] each on ViT stages (the taps made so far, in ViT layer
+order), [hidden; block; ...] of [S (/ TP), 1, H] each after the projector (a block holds one
+tap's merged features at the image positions, zeros elsewhere; one block per LLM layer not yet
+passed among 0, 1, ...). Each receiving stage splits it with the micro-batch's patch count or
+padded sequence length and the layout's tap counts. Shapes vary per micro-batch
+(variable_seq_lengths). The projector stage embeds the token ids
 itself (every PP rank reads the same micro-batch). Packed samples: with the local (torch) layer
 specs, attention gets a block-diagonal causal mask built from cu_seqlens (DotProductAttention
 does not take PackedSeqParams); with Transformer Engine specs, PackedSeqParams (THD) do the same
