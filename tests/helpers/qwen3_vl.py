@@ -81,19 +81,52 @@ def hf_model(seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def _inputs(model: torch.nn.Module, sample: object) -> dict:
+def _inputs(model: torch.nn.Module, sample: object, video: bool = False) -> dict:
     ids = sample.tokens[None]
     kw: dict = {"input_ids": ids}
-    if len(sample.image_grid):
+    slots = ids == IMAGE_TOKEN
+    if video:  # its frames' grids (t = 1 each) are one video of len(grids) temporal patches
+        grid = sample.image_grid
+        kw.update(input_ids=torch.where(slots, model.config.video_token_id, ids),
+                  pixel_values_videos=sample.images,
+                  video_grid_thw=torch.tensor([[len(grid), *grid[0, 1:].tolist()]]),
+                  mm_token_type_ids=slots.int() * 2)  # fmt: skip
+    elif len(sample.image_grid):
         kw.update(pixel_values=sample.images, image_grid_thw=sample.image_grid,
-                  mm_token_type_ids=(ids == IMAGE_TOKEN).int())  # fmt: skip
+                  mm_token_type_ids=slots.int())  # fmt: skip
     return kw
 
 
-def reference_logits(model: torch.nn.Module, samples: Sequence[object]) -> torch.Tensor:
-    """[S, vocab]: each sample's logits (its own 3-D positions), concatenated."""
+def video_sample(spec: object, seed: int, frames: int = 2, h: int = 4, w: int = 6) -> object:
+    """A video of `frames` temporal patches of h x w patches, as the stages read it: one grid
+    (1, h, w) per temporal patch, each frame's placeholders after a timestamp's text tokens
+    (transformers splits a video's grid the same way)."""
+    from megatron_omnibal.megatron.stream.batch import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    units = h * w // 4
+    pieces = [torch.randint(1, IMAGE_TOKEN - 10, (3,), generator=g)]
+    for _ in range(frames):
+        pieces += [torch.randint(1, IMAGE_TOKEN - 10, (2,), generator=g),
+                   torch.full((units,), IMAGE_TOKEN)]  # fmt: skip
+    pieces.append(torch.randint(1, IMAGE_TOKEN - 10, (5,), generator=g))
+    tokens = torch.cat(pieces)
+    labels = torch.where(tokens == IMAGE_TOKEN, -100, tokens.roll(-1))
+    labels[-1] = -100
+    patches = torch.randn(frames * h * w, spec.vit.patch_dim, generator=g)
+    return Sample(tokens=tokens, labels=labels, images=patches,
+                  image_flags=torch.ones(frames, dtype=torch.int64),
+                  image_grid=torch.tensor([[1, h, w]] * frames))  # fmt: skip
+
+
+def reference_logits(
+    model: torch.nn.Module, samples: Sequence[object], videos: Sequence[object] = ()
+) -> torch.Tensor:
+    """[S, vocab]: each sample's logits (its own 3-D positions), then each video sample's,
+    concatenated."""
     with torch.no_grad():
-        return torch.cat([model(**_inputs(model, s)).logits[0] for s in samples])
+        return torch.cat([model(**_inputs(model, s)).logits[0] for s in samples]
+                         + [model(**_inputs(model, v, True)).logits[0] for v in videos])
 
 
 def reference_loss_and_grads(

@@ -4,12 +4,13 @@ parallelism) on real megatron-core schedules, from one set of transformers weigh
 Usage: qwen3_vl_worker.py CASES.json OUT_DIR
 CASES.json: {"spec": <model_spec dict>, "weights": torch-saved canonical tensors,
              "seed": s, "batches": [[[units, tokens, units] per sample] per micro-batch],
+             "extra_probe"?: torch-saved samples (dicts) appended to the forward's probe,
              "cases": [{"name", "tp", "pp", "vpp"?, "vit", "llm" (counts per virtual stage),
                         "vit_recompute"?, "llm_recompute"?, "sequence_parallel"?}]}
 Per case and pipeline rank it saves `<name>.stage<rank>.pt`: {"losses": per-micro-batch
 [loss sum, tokens] (last stage), "grads": every parameter's whole gradient by global name,
-"forward": the logits / ViT / LLM outputs of one forward of all samples packed (without virtual
-stages)}.
+"forward": the logits / ViT / LLM outputs of one forward of all samples packed, the extra probe
+samples last (without virtual stages)}.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from megatron_omnibal.megatron.stages.layout import layout_from_counts, rank_sta
 from megatron_omnibal.megatron.stages.model import global_named_parameters  # noqa: E402
 from megatron_omnibal.megatron.stages.provider import vlm_model_provider  # noqa: E402
 from megatron_omnibal.megatron.stages.step import forward_step  # noqa: E402
-from megatron_omnibal.megatron.stream.batch import collate, synthetic_sample  # noqa: E402
+from megatron_omnibal.megatron.stream.batch import Sample, collate, synthetic_sample  # noqa: E402
 from megatron_omnibal.models.spec import ModelSpec  # noqa: E402
 
 
@@ -126,7 +127,8 @@ def main() -> None:
         first = len(samples)
         samples += [synthetic_sample(first + k, lengths, spec, seed) for k in range(len(mb))]
         batches.append(collate(samples[first:]))
-    probe = collate(samples)
+    extra = [Sample(**s) for s in torch.load(cfg["extra_probe"])] if "extra_probe" in cfg else []
+    probe = collate(samples + extra)
     for case in cfg["cases"]:
         run_case(spec, case, weights, batches, probe, seed, out)
         dist.barrier()

@@ -1,7 +1,9 @@
 """Qwen3-VL's stages (tests/helpers/qwen3_vl.py's tiny model) on real megatron-core schedules.
 
 Oracles: transformers' `Qwen3VLForConditionalGeneration` with the same weights (mapped by
-models/qwen3_vl_weights.py), each sample with its own 3-D positions: logits within 1e-4 at PP=1,
+models/qwen3_vl_weights.py), each sample with its own 3-D positions (a video too: two temporal
+patches with timestamp text between their tokens, one grid per temporal patch in the micro-batch,
+transformers' video inputs on its side): logits within 1e-4 at PP=1,
 at PP=3 with DeepStack crossing stages and at TP=2 with sequence parallelism; the PP=1 loss and
 every gradient within 1e-4. Then every other layout against PP=1 (losses and every gradient,
 1e-5): the tapped ViT layers on two stages and LLM layer 0 a stage later (recompute on), LLM
@@ -13,6 +15,7 @@ ranks), forked from the rank server.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -73,12 +76,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     model = qwen3_vl.hf_model(SEED)
     torch.save(canonical_from_hf(spec, model.state_dict()), root / "weights.pt")
     batches = samples(spec)
-    logits = qwen3_vl.reference_logits(model, [s for mb in batches for s in mb])
+    video = qwen3_vl.video_sample(spec, SEED)
+    torch.save([dataclasses.asdict(video)], root / "video.pt")
+    logits = qwen3_vl.reference_logits(model, [s for mb in batches for s in mb], [video])
     losses, grads = qwen3_vl.reference_loss_and_grads(model, batches)
     for ranks, cases in ((3, THREE_RANKS), (4, FOUR_RANKS)):
         cfg = root / f"cases{ranks}.json"
         cfg.write_text(json.dumps({"spec": qwen3_vl.SPEC, "weights": str(root / "weights.pt"),
-                                   "seed": SEED, "batches": BATCHES, "cases": cases}))  # fmt: skip
+                                   "seed": SEED, "batches": BATCHES, "cases": cases,
+                                   "extra_probe": str(root / "video.pt")}))  # fmt: skip
         code, stdout, stderr = run_ranks(WORKER, ranks, [str(cfg), str(root)], timeout=600)
         if code:
             pytest.fail(f"worker failed ({code}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
