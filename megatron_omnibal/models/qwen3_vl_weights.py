@@ -18,6 +18,7 @@ checkpoints, as transformers 5 saves them and as the hub's are laid out, say `mo
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import SimpleNamespace
 
 import torch
 
@@ -31,6 +32,7 @@ from megatron_omnibal.models.hf_weights import (
     _norm,
     _qkv_fuse,
     _qkv_split,
+    canonical_shapes,
     to_file_name,
     to_rule_name,
 )
@@ -136,4 +138,24 @@ def hf_from_canonical(
     for rule in qwen3_vl_rules(spec):
         for name, t in zip(rule.hf, rule.to_hf(tensors[rule.canonical]), strict=True):
             out[to_file_name(name, FILE_STYLE)] = t
+    return out
+
+
+def qwen3_vl_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The shape of every canonical tensor of a Qwen3-VL model: hf_weights.canonical_shapes's,
+    with the position table, the merger's LayerNorm bias and the DeepStack mergers."""
+    out = canonical_shapes(SimpleNamespace(spec=spec))  # it reads the spec alone
+    v, p, h = spec.vit, spec.projector, spec.llm.hidden_size
+    out["patch_embed.position_table.weight"] = (v.num_position_embeddings, v.hidden_size)
+    out["projector.norm.bias"] = (v.hidden_size,)
+    for k in range(len(v.deepstack_indexes)):
+        merger = f"deepstack_mergers.{k}"
+        out.update({
+            f"{merger}.norm.weight": (spec.projector_in,),
+            f"{merger}.norm.bias": (spec.projector_in,),
+            f"{merger}.mlp.linear_fc1.weight": (p.hidden_size, spec.projector_in),
+            f"{merger}.mlp.linear_fc1.bias": (p.hidden_size,),
+            f"{merger}.mlp.linear_fc2.weight": (h, p.hidden_size),
+            f"{merger}.mlp.linear_fc2.bias": (h,),
+        })  # fmt: skip
     return out

@@ -30,7 +30,10 @@ from launch import run_ranks  # noqa: E402
 
 from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
 from megatron_omnibal.megatron.stream.batch import synthetic_sample  # noqa: E402
-from megatron_omnibal.models.qwen3_vl_weights import canonical_from_hf  # noqa: E402
+from megatron_omnibal.models.qwen3_vl_weights import (  # noqa: E402
+    canonical_from_hf,
+    qwen3_vl_shapes,
+)
 from megatron_omnibal.models.spec import ModelSpec  # noqa: E402
 from tests.helpers import qwen3_vl  # noqa: E402
 
@@ -121,6 +124,9 @@ def test_pp1_loss_and_every_gradient_equal_transformers(runs: dict) -> None:
     got = load(runs["root"], "pp1")
     assert [x[0] for x in got["losses"]] == pytest.approx(runs["losses"], rel=1e-5)
     assert set(got["grads"]) == set(runs["grads"])
+    # the weight rules' shapes are the stages' parameters' (the converter checks with them)
+    shapes = qwen3_vl_shapes(ModelSpec.from_dict(qwen3_vl.SPEC))
+    assert {k: tuple(g.shape) for k, g in got["grads"].items()} == shapes
     for k, g in runs["grads"].items():
         assert relative(got["grads"][k], g) <= 1e-4, k
 
