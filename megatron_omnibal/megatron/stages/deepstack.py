@@ -125,6 +125,16 @@ class DeepStackMergers(torch.nn.ModuleDict):
         """Merged features of the taps (given in ViT layer order), in that order."""
         return [self[k](tap, unit_restore) for k, tap in zip(self.order, taps, strict=True)]
 
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """Each merger's own (its MLP split over TP): megatron-core would take a plain
+        ModuleDict's tensors as replicated."""
+        out: dict = {}
+        for k, merger in self.items():
+            out.update(merger.sharded_state_dict(f"{prefix}{k}.", sharded_offsets, metadata))
+        return out
+
 
 class DeepStackLayer(TransformerLayer):
     """megatron-core's TransformerLayer that adds block `deepstack_slot` of its `context`

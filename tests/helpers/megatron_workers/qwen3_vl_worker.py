@@ -10,7 +10,8 @@ CASES.json: {"spec": <model_spec dict>, "weights": torch-saved canonical tensors
 Per case and pipeline rank it saves `<name>.stage<rank>.pt`: {"losses": per-micro-batch
 [loss sum, tokens] (last stage), "grads": every parameter's whole gradient by global name,
 "forward": the logits / ViT / LLM outputs of one forward of all samples packed, the extra probe
-samples last (without virtual stages)}.
+samples last (without virtual stages), "checkpoint_keys": (key, global offset, global shape) of
+every shard of TP rank 0's sharded state dict}.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
+from model_worker import checkpoint_shards  # noqa: E402
 from parallel_groups import reset_model_parallel  # noqa: E402
 
 from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
@@ -109,6 +111,7 @@ def run_case(spec: ModelSpec, case: dict, weights: dict, batches: list, probe, s
         for n, p in named.items():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             result["grads"][n] = whole(n, g.detach(), spec)
+    result["checkpoint_keys"] = sorted(k for chunk in chunks for k in checkpoint_shards(chunk))
     if ps.get_data_parallel_rank() == 0 and tp_rank == 0:
         torch.save(result, out / f"{case['name']}.stage{ps.get_pipeline_model_parallel_rank()}.pt")
 

@@ -96,12 +96,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def load(root: Path, name: str) -> dict:
-    merged: dict = {"losses": [], "grads": {}, "forward": {}}
+    merged: dict = {"losses": [], "grads": {}, "forward": {}, "checkpoint_keys": []}
     files = sorted(root.glob(f"{name}.stage*.pt"))
     assert files, f"no results for {name}"
     for f in files:
         r = torch.load(f)
         merged["losses"] = r["losses"] or merged["losses"]
+        merged["checkpoint_keys"] += r["checkpoint_keys"]
         for key in ("grads", "forward"):
             for k, v in r[key].items():
                 assert k not in merged[key], f"{name}: {k} on two stages"
@@ -143,3 +144,14 @@ def test_layout_matches_pp1(runs: dict, name: str, ref: str) -> None:
     for k, g in want["grads"].items():
         assert g.abs().max() > 0, f"{k}: zero gradient in the reference"
         assert relative(got["grads"][k], g) <= 1e-5, f"{name}: {k}"
+
+
+@pytest.mark.parametrize(("name", "ref"), [("pp3_split", "pp1"), ("pp3_vpp2", "pp1"),
+                                           ("tp2pp2_sp", "tp1")])  # fmt: skip
+def test_checkpoint_shards_match_pp1(runs: dict, name: str, ref: str) -> None:
+    """Every shard (key, global layer offset, global shape) of a split is PP=1's, the DeepStack
+    mergers' TP-split MLPs included, so a checkpoint of one layout loads at another."""
+    want, got = load(runs["root"], ref), load(runs["root"], name)
+    assert sorted(got["checkpoint_keys"]) == sorted(want["checkpoint_keys"])
+    fc1 = "deepstack_mergers.0.mlp.linear_fc1.weight"
+    assert [k[2] for k in got["checkpoint_keys"] if k[0] == fc1] == [(128, 128)]
