@@ -41,9 +41,7 @@ class NativePatchEmbedding(MegatronModule):
     def __init__(self, config: TransformerConfig, vit: VisionSpec) -> None:
         super().__init__(config=config)
         kernel = (vit.temporal_patch_size, vit.patch_size, vit.patch_size)
-        self.conv = torch.nn.Conv3d(
-            3, vit.hidden_size, kernel, stride=kernel, bias=vit.patch_bias
-        )
+        self.conv = torch.nn.Conv3d(3, vit.hidden_size, kernel, stride=kernel, bias=vit.patch_bias)
         self.kernel = kernel
         self.unit = vit.spatial_merge_size**2
         with torch.no_grad():
