@@ -12,7 +12,11 @@ attend within their window (8 x 8 patches; smaller at an image's right and botto
 windowed layers and to every patch of their image in the `fullatt_block_indexes` layers, so a
 layer's attention depends on the sizes of the images. `vit_layer_flops` counts one layer
 exactly from the images' patch grids; the per-tile rates below use the data's images through
-`native_spans` (how many patches a patch attends to, averaged over patches).
+`native_spans` (how many patches a patch attends to, averaged over patches); a tower without
+windows (Qwen3-VL) attends over each whole image in every layer.
+
+A mixture-of-experts LLM layer counts the experts a token is routed to (top-k) and its router,
+not every expert; DeepStack mergers (Qwen3-VL) cost what the merger costs, each, per tile.
 """
 
 from __future__ import annotations
@@ -74,6 +78,15 @@ def native_spans(v: VisionSpec, image_tiles: np.ndarray | None) -> tuple[float, 
     return float((patches * window).sum() / patches.sum()), full
 
 
+def llm_mlp_params_per_token(spec: ModelSpec) -> int:
+    """Weights one token multiplies in an LLM layer's MLP: the dense MLP, or a mixture of
+    experts' router and the `moe_top_k` experts it picks (the active experts, not all)."""
+    llm = spec.llm
+    if llm.is_moe:
+        return llm.hidden_size * llm.num_experts + llm.moe_top_k * llm.expert_params
+    return (3 if llm.gated_mlp else 2) * llm.hidden_size * llm.ffn_hidden_size
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelFlops:
     """Forward FLOPs per unit: per image tile (patch embedding, each ViT layer, projector), per
@@ -112,14 +125,15 @@ class ModelFlops:
         v, llm = spec.vit, spec.llm
         s, hv = v.seq_per_tile, v.hidden_size
         h, q = llm.hidden_size, llm.q_size  # q: heads x head size (Qwen3-32B: 8192 on 5120)
-        mlp = (3 if llm.gated_mlp else 2) * h * llm.ffn_hidden_size
+        mlp = llm_mlp_params_per_token(spec)
+        mergers = 1 + len(v.deepstack_indexes)  # the merger and each DeepStack merger
         window, full = native_spans(v, image_tiles) if v.native_resolution else (s, s)
         return cls(
             patch_per_tile=2.0 * v.num_patches * v.patch_dim * hv,
             vit_layer_per_tile=s * vit_layer_linear_per_patch(v) + 4.0 * s * window * hv,
             vit_full_layer_per_tile=s * vit_layer_linear_per_patch(v) + 4.0 * s * full * hv,
             vit_full_layers=len(v.fullatt_block_indexes) if v.native_resolution else 0,
-            projector_per_tile=2.0 * spec.tokens_per_tile
+            projector_per_tile=2.0 * mergers * spec.tokens_per_tile
             * (spec.projector_in * spec.projector_hidden + spec.projector_hidden * h),
             llm_layer_per_token=2.0 * (2 * h * q + 2 * h * llm.kv_size + mlp),
             llm_layer_per_sumsq=2.0 * q,
