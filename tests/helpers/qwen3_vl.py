@@ -4,9 +4,10 @@ forward and gradients as the oracle of the Megatron stages.
 The tower: 4 layers of width 32 (4 heads), patch 4, temporal patch 2, 2x2 merge, a 4x4
 position table (images of 2 to 8 patches per side resample it up and down), DeepStack taps
 after ViT layers 0, 2 and 3, listed as [2, 0, 3] (transformers pairs merger k with the k-th
-listed layer but feeds the taps to LLM layers 0, 1, 2 in layer order); the LLM: Qwen3 with 4 layers, GQA (4 heads, 2 KV groups, head
-size 16 on width 32), per-head QK-norm and interleaved M-RoPE with section [4, 2, 2] (the
-height and width pairs cut off before the last pair, as in the released [24, 20, 20]).
+listed layer but feeds the taps to LLM layers 0, 1, 2 in layer order); the LLM: Qwen3 with 4
+layers, GQA (4 heads, 2 KV groups, head size 16 on width 32), per-head QK-norm and interleaved
+M-RoPE with section [4, 2, 2] (the height and width pairs cut off before the last pair, as in
+the released [24, 20, 20]).
 """
 
 from __future__ import annotations

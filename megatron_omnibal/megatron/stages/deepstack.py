@@ -12,14 +12,16 @@ concatenated along dim 0 (its variable_seq_lengths shape exchange carries any le
 
 - ViT stages: [running hidden; tap; tap; ...], each [patches, 1, Cv], the taps made so far in
   ViT layer order;
-- from the projector's stage on: [hidden; block; block; ...], each [S, 1, H] (S / TP under
-  sequence parallelism, split as the hidden states are), a block holding the merged features at
-  the image positions and zeros elsewhere, for the LLM layers not yet passed; each is dropped on
-  the stage that adds it.
+- from the projector's stage on: [hidden; block; block; ...], hidden [S, 1, H] (S / TP under
+  sequence parallelism), each block [image tokens, 1, H]: one tap's merged features of the
+  image tokens in this rank's part of the sequence (all of them without sequence parallelism),
+  for the LLM layers not yet passed; each is dropped on the stage that adds it.
 A receiving stage splits with what it knows from the micro-batch (patches, padded sequence
-length) and the layout (how many taps lie before it). Inside an LLM block the features ride in
-the layers' `context` argument, which megatron-core passes through self-attention-only layers
-and saves for recompute, and DeepStackLayer adds its own block to its output.
+length, where the image tokens are: found on the host) and the layout (how many taps lie before
+it). Inside a stage the blocks are laid at their image positions in [blocks, S, 1, H] (zeros
+elsewhere) and ride in the LLM layers' `context` argument, which megatron-core passes through
+self-attention-only layers and saves for recompute; DeepStackLayer adds its own block to its
+output.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -68,6 +71,65 @@ class DeepStackCounts:
         )
 
 
+@dataclass(frozen=True)
+class LocalImageRows:
+    """This TP rank's part of the sequence (all of it without sequence parallelism): `first`,
+    the image tokens before it (where its rows start in the merged features); `positions`, its
+    image tokens' positions within it (host-side, int64)."""
+
+    first: int
+    positions: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return len(self.positions)
+
+
+def local_image_rows(
+    image_positions: np.ndarray, padded_len: int, parts: int, rank: int
+) -> LocalImageRows:
+    """The image rows of part `rank` of `parts` equal parts of a sequence of `padded_len`."""
+    size = padded_len // parts
+    lo, hi = rank * size, (rank + 1) * size
+    first, last = np.searchsorted(image_positions, [lo, hi])
+    return LocalImageRows(int(first), image_positions[first:last] - lo)
+
+
+class _SliceOfReplicated(torch.autograd.Function):
+    """Rows [first, first + count) of a tensor every TP rank computed alike; the backward sums
+    the ranks' gradients (each covers its own rows only), so the replicated computation before
+    it gets the whole gradient on every rank (as scatter_to_sequence_parallel_region's
+    all-gather does for even parts)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, first: int, count: int, group: Any) -> torch.Tensor:
+        ctx.first, ctx.rows, ctx.group = first, x.shape[0], group
+        return x[first : first + count].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        whole = grad.new_zeros(ctx.rows, *grad.shape[1:])
+        whole[ctx.first : ctx.first + grad.shape[0]] = grad
+        torch.distributed.all_reduce(whole, group=ctx.group)
+        return whole, None, None, None
+
+
+def local_features(features: torch.Tensor, rows: LocalImageRows, group: Any) -> torch.Tensor:
+    """This rank's rows [count, 1, H] of merged features [image tokens, H] (`group`: the TP
+    group under sequence parallelism, else None)."""
+    if group is None:
+        return features[rows.first : rows.first + rows.count, None]
+    return _SliceOfReplicated.apply(features, rows.first, rows.count, group)[:, None]
+
+
+def lay_out(blocks: list[torch.Tensor], rows: LocalImageRows, length: int) -> torch.Tensor:
+    """[blocks, length, 1, H]: each block's rows at its image positions, zeros elsewhere."""
+    stacked = torch.stack(blocks)  # [blocks, image rows, 1, H]
+    where = torch.from_numpy(rows.positions).to(stacked.device, non_blocking=True)
+    zeros = stacked.new_zeros(len(blocks), length, *stacked.shape[2:])
+    return zeros.index_copy(1, where, stacked)
+
+
 def pack(hidden: torch.Tensor, extra: list[torch.Tensor]) -> torch.Tensor:
     """The one tensor a stage sends: `hidden` and `extra` along dim 0 (`hidden` itself without
     extras)."""
@@ -75,18 +137,19 @@ def pack(hidden: torch.Tensor, extra: list[torch.Tensor]) -> torch.Tensor:
 
 
 def unpack(
-    received: torch.Tensor, rows: int, count: int, where: str
+    received: torch.Tensor, rows: int, count: int, extra_rows: int, where: str
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(hidden, [count extras]) of a received tensor of 1 + count parts of `rows` rows each."""
-    if received.shape[0] != (1 + count) * rows:
+    """(hidden, [count extras]) of a received tensor of `rows` rows of hidden states and
+    `count` extras of `extra_rows` rows each."""
+    if received.shape[0] != rows + count * extra_rows:
         raise ValueError(
-            f"{where}: received {received.shape[0]} rows, expected {1 + count} x {rows} "
-            "(hidden states and DeepStack features): the stages disagree on the layout"
+            f"{where}: received {received.shape[0]} rows, expected {rows} + {count} x "
+            f"{extra_rows} (hidden states and DeepStack features): the stages disagree"
         )
     if count == 0:
         return received, []
-    parts = [received.narrow(0, i * rows, rows) for i in range(1 + count)]  # rows may be 0
-    return parts[0], parts[1:]
+    extras = [received.narrow(0, rows + i * extra_rows, extra_rows) for i in range(count)]
+    return received.narrow(0, 0, rows), extras  # (extra_)rows may be 0
 
 
 class DeepStackMerger(MegatronModule):
@@ -138,7 +201,7 @@ class DeepStackMergers(torch.nn.ModuleDict):
 
 class DeepStackLayer(TransformerLayer):
     """megatron-core's TransformerLayer that adds block `deepstack_slot` of its `context`
-    ([blocks, S, 1, H]) to its output (None: a layer after the last tap's)."""
+    ([blocks, S, 1, H], lay_out's) to its output (None: a layer after the last tap's)."""
 
     deepstack_slot: int | None = None
 
@@ -171,8 +234,3 @@ def set_slots(layers: torch.nn.ModuleList, counts: DeepStackCounts) -> None:
         slot = layer.layer_number - 1 - counts.first_llm_layer
         layer.deepstack_slot = slot if slot < counts.llm_in else None
 
-
-def dense_block(is_image: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-    """[S, 1, H] zeros with `features` [image tokens, H] at the image positions ([S, 1, 1])."""
-    zeros = features.new_zeros(is_image.shape[0], 1, features.shape[-1])
-    return zeros.masked_scatter(is_image, features)

@@ -56,7 +56,10 @@ from megatron_omnibal.megatron.stages.configs import StageConfigs, _recompute
 from megatron_omnibal.megatron.stages.deepstack import (
     DeepStackCounts,
     DeepStackMergers,
-    dense_block,
+    LocalImageRows,
+    lay_out,
+    local_features,
+    local_image_rows,
     pack,
     set_slots,
     unpack,
@@ -382,10 +385,12 @@ class VLMStage(MegatronModule):
         seq_pad = position_ids.shape[1] - seq  # the pad segment's length
         x = None if self.stage == 0 else self.input_tensor
         blocks: list[torch.Tensor] = []  # DeepStack features still to add (deepstack.py)
+        image_rows: LocalImageRows | None = None
         if self.vision_stage:
             taps: list[torch.Tensor] = []
             if x is not None and self.deepstack.vit_in:
-                x, taps = unpack(x, native.rows_cols.shape[0], self.deepstack.vit_in,
+                patches = native.rows_cols.shape[0]
+                x, taps = unpack(x, patches, self.deepstack.vit_in, patches,
                                  f"stage {self.stage}")  # fmt: skip
             if self.patch_embed is not None:
                 x = self.patch_embed(images, native) if native else self.patch_embed(images)
@@ -408,12 +413,16 @@ class VLMStage(MegatronModule):
             embeds = self.projector(x, native.unit_restore if native else real_tiles)
             x = self._merge(tokens, position_ids[:, :seq], embeds)
             if self.deepstack_mergers is not None:
-                blocks = self._deepstack_blocks(tokens, taps, native, x.dtype)
+                image_rows = self._image_rows(native, position_ids.shape[1])
+                blocks = self._deepstack_blocks(taps, native, image_rows, x.dtype)
         elif self.deepstack.llm_in:
+            image_rows = self._image_rows(native, position_ids.shape[1])
             rows = position_ids.shape[1] // self._sequence_parallel_size
-            x, blocks = unpack(x, rows, self.deepstack.llm_in, f"stage {self.stage}")
+            x, blocks = unpack(x, rows, self.deepstack.llm_in, image_rows.count,
+                               f"stage {self.stage}")  # fmt: skip
         if self.llm is not None:
-            x = self._llm(x, position_ids, cu_seqlens, max(max_seqlen, seq_pad), native, blocks)
+            context = lay_out(blocks, image_rows, x.shape[0]) if blocks else None
+            x = self._llm(x, position_ids, cu_seqlens, max(max_seqlen, seq_pad), native, context)
             blocks = blocks[len(blocks) - self.deepstack.llm_out :]
         if self.output_layer is None:
             return pack(x, blocks)
@@ -450,13 +459,18 @@ class VLMStage(MegatronModule):
         return x, list(made)
 
     def _deepstack_blocks(
-        self, tokens: torch.Tensor, taps: list[torch.Tensor], native: NativeInputs, dtype: Any
+        self, taps: list[torch.Tensor], native: NativeInputs, rows: LocalImageRows, dtype: Any
     ) -> list[torch.Tensor]:
-        """Each tap merged and laid at the image positions of the sequence ([S, 1, H], split
-        as the hidden states are under sequence parallelism)."""
-        is_image = (tokens == self.spec.image_token_id).transpose(0, 1)[..., None]  # [S, 1, 1]
+        """Each tap merged, this rank's image rows of it ([rows, 1, H])."""
         merged = self.deepstack_mergers(taps, native.unit_restore)
-        return [self._scatter_sequence(dense_block(is_image, m.to(dtype))) for m in merged]
+        group = self.pg_collection.tp if self._sequence_parallel_size > 1 else None
+        return [local_features(m.to(dtype), rows, group) for m in merged]
+
+    def _image_rows(self, native: NativeInputs, padded_len: int) -> LocalImageRows:
+        """Where this rank's part of the LLM sequence has its image tokens."""
+        parts = self._sequence_parallel_size
+        rank = torch.distributed.get_rank(self.pg_collection.tp) if parts > 1 else 0
+        return local_image_rows(native.image_positions, padded_len, parts, rank)
 
     @property
     def _sequence_parallel_size(self) -> int:
@@ -525,12 +539,11 @@ class VLMStage(MegatronModule):
         cu_seqlens: torch.Tensor,
         max_len: int,
         native: NativeInputs | None = None,
-        deepstack: Sequence[torch.Tensor] = (),
+        context: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """This stage's LLM layers; `deepstack` are the blocks of its first layers (given to
-        the layers as their `context`, see deepstack.py)."""
+        """This stage's LLM layers; `context`: the DeepStack blocks of its first layers laid
+        out [blocks, S, 1, H] (deepstack.py)."""
         seq = position_ids.shape[1]
-        context = torch.stack(list(deepstack)) if deepstack else None
         if self.use_te:
             # With THD packing megatron-core applies RoPE per sample from cu_seqlens (M-RoPE:
             # per token, on its unfused path).

@@ -92,9 +92,16 @@ class NativeInputs:
     # order; [patches, 0] without a table)
     table_rows: torch.Tensor  # int64 [patches, 4]
     table_weights: torch.Tensor  # float32 [patches, 4]
+    # Host-side (never moved): the image placeholders' positions in the sequence, int64; what
+    # each stage's part of the DeepStack features is (deepstack.local_image_rows)
+    image_positions: np.ndarray
 
     def to(self, device: torch.device | str | int) -> NativeInputs:
-        return NativeInputs(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
+        """The tensors on `device` (non-blocking), the host-side arrays as they are."""
+        return NativeInputs(**{
+            k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in vars(self).items()
+        })  # fmt: skip
 
 
 def native_inputs(
@@ -133,6 +140,7 @@ def native_inputs(
         full_bounds=torch.from_numpy(frame_seqlens(grids)),
         window_bounds=torch.from_numpy(windows),
         mrope_ids=torch.from_numpy(ids),
+        image_positions=np.flatnonzero(tokens.numpy()[0] == spec.image_token_id),
     )
 
 
