@@ -16,10 +16,11 @@ One tensor flows between stages: the ViT hidden states [patches, tiles, Cv] befo
 projector's stage, the LLM hidden states [S, 1, H] (S / TP under sequence parallelism) after
 it. With DeepStack (Qwen3-VL, deepstack.py) the taps travel in it too, concatenated along dim 0:
 [hidden; tap; ...] of [patches, 1, Cv] each on ViT stages (the taps made so far, in ViT layer
-order), [hidden; block; ...] of [S (/ TP), 1, H] each after the projector (a block holds one
-tap's merged features at the image positions, zeros elsewhere; one block per LLM layer not yet
-passed among 0, 1, ...). Each receiving stage splits it with the micro-batch's patch count or
-padded sequence length and the layout's tap counts. Shapes vary per micro-batch
+order), [hidden [S (/ TP), 1, H]; block; ...] after the projector (a block holds one tap's
+merged features of the image tokens in this rank's part of the sequence, [image tokens, 1, H];
+one block per LLM layer not yet passed among 0, 1, ...). Each receiving stage splits it with
+the micro-batch's patch count, padded sequence length and image positions and the layout's tap
+counts. Shapes vary per micro-batch
 (variable_seq_lengths). The projector stage embeds the token ids
 itself (every PP rank reads the same micro-batch). Packed samples: with the local (torch) layer
 specs, attention gets a block-diagonal causal mask built from cu_seqlens (DotProductAttention
