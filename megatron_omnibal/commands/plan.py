@@ -36,6 +36,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "'auto' to search 1-4 (pretrain_vlm trains both; the preflight measures 1F1B only)",
     )
     parser.add_argument(
+        "--ep", type=positive_int,
+        help="expert parallel size of a mixture-of-experts LLM (Megatron's "
+        "--expert-model-parallel-size; must divide the experts and the data-parallel size; "
+        "searched if omitted; a dense LLM has none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--vit-on-first-stage", action="store_true",
+        help="keep the whole vision tower and projector (DeepStack mergers included) on the "
+        "first pipeline stage, as Megatron-Bridge, ms-swift and MindSpeed-MM run a VLM: what "
+        "the plan gains over that layout is what splitting the tower over stages brings",
+    )  # fmt: skip
+    parser.add_argument(
         "--micro-batches",
         type=positive_int,
         help="micro-batches per step and replica (default: best of 2 or 4 x PP)",
@@ -112,7 +124,9 @@ def headline(plan) -> str:
     return (
         f"modeled speedup {p.speedup:.2f}x over the best Megatron-LM configuration that fits "
         f"memory ({p.step_ms / 1000:.2f} s vs {base.step_ms / 1000:.2f} s per step; baseline "
-        f"tp={base.tp} pp={base.pp} dp={base.dp}, micro-batch size {base.micro_batch_size}, LLM "
+        f"tp={base.tp} pp={base.pp} dp={base.dp}" + (f" ep={base.ep}" if base.ep > 1 else "")
+        + (f", {base.vpp} chunks per rank" if base.vpp > 1 else "")
+        + f", micro-batch size {base.micro_batch_size}, LLM "
         f"layers {layers} with the ViT on stage 0, {recompute})"
     )
 
@@ -124,7 +138,8 @@ def print_table(plan, out=None) -> None:
     print(headline(plan), file=out)
     print(
         f"{plan.model_spec.name} on {par.gpus} x {plan.hardware_spec.name}: tp={par.tp} "
-        f"pp={par.pp} dp={par.dp} micro-batches={par.micro_batches}"
+        f"pp={par.pp} dp={par.dp}" + (f" ep={par.ep}" if par.ep > 1 else "")
+        + f" micro-batches={par.micro_batches}"
         + (f" vpp={par.vpp} (interleaved 1F1B)" if par.vpp > 1 else ""),
         file=out,
     )
@@ -254,6 +269,8 @@ def run(args: argparse.Namespace) -> int:
         plan_path=args.out,
         levels=args.levels,
         lora=_lora(args),
+        ep=args.ep,
+        vit_on_first_stage=args.vit_on_first_stage,
     )
     plan = make_plan(request, progress=sys.stderr.isatty())
     save_plan(plan, args.out)

@@ -125,16 +125,18 @@ def run(args: argparse.Namespace) -> int:
             )
         config = BaselineConfig(b.tp, b.pp, b.dp, b.micro_batch_size, b.micro_batches,
                                 b.llm_layers_per_stage, b.recompute_vision,
-                                b.recompute_num_layers, b.vpp)  # fmt: skip
+                                b.recompute_num_layers, b.vpp, b.ep)  # fmt: skip
         base = baseline_from_config(request, config)
         setting, part, result = base.setting, base.part, base.result
         features, kind = setting.fixed, "best Megatron-LM baseline"
     elif args.baseline == "same-parallel":
-        setting = make_setting(request, par.tp, par.pp, par.dp, par.micro_batches, budgets)
+        setting = make_setting(request, par.tp, par.pp, par.dp, par.micro_batches, budgets,
+                               ep=par.ep)  # fmt: skip
         part, result, _ = same_parallel_baseline(setting)
         features, kind = setting.fixed, "Megatron layout at the plan's sizes"
     else:
-        setting = make_setting(request, par.tp, par.pp, par.dp, par.micro_batches, budgets)
+        setting = make_setting(request, par.tp, par.pp, par.dp, par.micro_batches, budgets,
+                               ep=par.ep)  # fmt: skip
         bounds, recompute = plan_partition(plan)
         part = replace(setting.problem(float("inf")).evaluate(bounds, recompute), vpp=par.vpp)
         features, kind = setting.balanced, "plan, balanced batches"

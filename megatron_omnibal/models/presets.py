@@ -73,6 +73,56 @@ def _qwen3(layers: int, hidden: int, ffn: int, heads: int) -> LanguageSpec:
 _MLP2X_GELU = ProjectorSpec(type="mlp", downsample=1.0)
 
 
+def _qwen3_vl_vit(layers: int, hidden: int, ffn: int, deepstack: tuple[int, ...]) -> VisionSpec:
+    """Qwen3-VL's tower (Qwen/Qwen3-VL-*-Instruct vision_config): 16 heads, LayerNorm eps 1e-6,
+    a plain GELU-tanh MLP with biases, qkv and patch-embedding biases, Conv3d patches of 16 px x
+    2 frames, a learned 48 x 48 position table interpolated to each image plus 2D RoPE, full
+    attention in every layer (no windows), 2x2 merge groups (a tile here: 32 px, one LLM token);
+    the hidden states after the `deepstack` layers feed the DeepStack mergers."""
+    return _vit(layers, hidden, ffn, 16, 32, 16, activation="gelu_tanh", class_token=False,
+                native_resolution=True, temporal_patch_size=2, spatial_merge_size=2,
+                num_position_embeddings=2304, deepstack_indexes=deepstack)
+
+
+# Qwen3-VL-2B/4B: 24 x 1024, MLP 4096, DeepStack taps 5, 11, 17; 8B and larger: 27 x 1152,
+# MLP 4304, taps 8, 16, 24.
+QWEN3_VL_VIT_S = _qwen3_vl_vit(24, 1024, 4096, (5, 11, 17))
+QWEN3_VL_VIT_L = _qwen3_vl_vit(27, 1152, 4304, (8, 16, 24))
+
+
+def _qwen3_vl_merger(vit: VisionSpec) -> ProjectorSpec:
+    """Qwen3-VL's merger: LayerNorm of each patch, 2x2 patches concatenated, Linear(4 Cv, 4 Cv),
+    exact GELU, Linear(4 Cv, the LLM's hidden size); each DeepStack merger is the same MLP with
+    its LayerNorm over the concatenated group."""
+    return ProjectorSpec(type="patch_merger", downsample=0.5, hidden_size=4 * vit.hidden_size,
+                         norm_eps=1e-6, merger_norm="layernorm")
+
+
+def _qwen3_vl(name: str, source: str, vit: VisionSpec, llm: LanguageSpec) -> ModelSpec:
+    """A Qwen3-VL: its tower and merger, and the Qwen3 LLM given; image tokens <|image_pad|>
+    151655 between <|vision_start|> 151652 and <|vision_end|> 151653."""
+    return ModelSpec(name=name, vit=vit, projector=_qwen3_vl_merger(vit), llm=llm,
+                     image_token_id=151655, image_start_id=151652, image_end_id=151653,
+                     source=source)
+
+
+def _qwen3_vl_llm(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int,
+                  **rest: Any) -> LanguageSpec:
+    """Qwen3-VL's text_config: Qwen3 with heads of 128, per-head QK-norm, no biases, RMSNorm eps
+    1e-6, vocab 151936, rope_theta 5e6, 262144 positions, interleaved M-RoPE [24, 20, 20]."""
+    return _llm(layers, hidden, ffn, heads, num_query_groups=kv_heads, kv_channels=128,
+                vocab_size=151936, qk_norm=True, rotary_base=5e6,
+                max_position_embeddings=262144, mrope_section=(24, 20, 20),
+                mrope_interleaved=True, **rest)
+
+
+def _moe(experts: int, top_k: int, width: int) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields: every layer's MLP a mixture of `experts` of `width`, `top_k`
+    per token, the picked probabilities renormalised, router_aux_loss_coef 0.001."""
+    return {"num_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden_size": width,
+            "moe_norm_topk_prob": True, "moe_aux_loss_coeff": 0.001}
+
+
 def _internvl(name: str, vit: VisionSpec, llm: LanguageSpec, source: str) -> ModelSpec:
     """An InternVL: its tower, pixel shuffle (0.5) and an MLP into the LLM."""
     return ModelSpec(name=name, vit=vit, projector=_PIXEL_SHUFFLE, llm=llm, source=source)
@@ -154,6 +204,34 @@ PRESETS: dict[str, ModelSpec] = {
     # this shape): 80 layers, 8192, 29568, 64 heads, 8 KV heads.
     "qwen2.5-vl-72b": _qwen25_vl("qwen2.5-vl-72b", "Qwen/Qwen2.5-VL-72B-Instruct",
                                  80, 8192, 29568, 64, 8),
+    # Qwen/Qwen3-VL-{2B,4B}-Instruct text_config: 28 x 2048 (MLP 6144, 16 heads) and 36 x 2560
+    # (MLP 9728, 32 heads), 8 KV heads, tied embeddings; the small tower.
+    "qwen3-vl-2b": _qwen3_vl("qwen3-vl-2b", "Qwen/Qwen3-VL-2B-Instruct", QWEN3_VL_VIT_S,
+                             _qwen3_vl_llm(28, 2048, 6144, 16, 8, tie_embeddings=True)),
+    "qwen3-vl-4b": _qwen3_vl("qwen3-vl-4b", "Qwen/Qwen3-VL-4B-Instruct", QWEN3_VL_VIT_S,
+                             _qwen3_vl_llm(36, 2560, 9728, 32, 8, tie_embeddings=True)),
+    # Qwen/Qwen3-VL-{8B,32B}-Instruct text_config: 36 x 4096 (MLP 12288, 32 heads) and 64 x 5120
+    # (MLP 25600, 64 heads of 128: 8192 wide), 8 KV heads, untied; the large tower.
+    "qwen3-vl-8b": _qwen3_vl("qwen3-vl-8b", "Qwen/Qwen3-VL-8B-Instruct", QWEN3_VL_VIT_L,
+                             _qwen3_vl_llm(36, 4096, 12288, 32, 8)),
+    "qwen3-vl-32b": _qwen3_vl("qwen3-vl-32b", "Qwen/Qwen3-VL-32B-Instruct", QWEN3_VL_VIT_L,
+                              _qwen3_vl_llm(64, 5120, 25600, 64, 8)),
+    # Qwen/Qwen3-VL-30B-A3B-Instruct text_config (Qwen3-30B-A3B's shape): 48 x 2048, 32 heads,
+    # 4 KV heads, 128 experts of 768, top 8; 235B-A22B: 94 x 4096, 64 heads, 4 KV heads, 128
+    # experts of 1536, top 8. intermediate_size (6144, 12288) is unused: every layer is sparse.
+    "qwen3-vl-30b-a3b": _qwen3_vl("qwen3-vl-30b-a3b", "Qwen/Qwen3-VL-30B-A3B-Instruct",
+                                  QWEN3_VL_VIT_L,
+                                  _qwen3_vl_llm(48, 2048, 6144, 32, 4, **_moe(128, 8, 768))),
+    "qwen3-vl-235b-a22b": _qwen3_vl("qwen3-vl-235b-a22b", "Qwen/Qwen3-VL-235B-A22B-Instruct",
+                                    QWEN3_VL_VIT_L,
+                                    _qwen3_vl_llm(94, 4096, 12288, 64, 4, **_moe(128, 8, 1536))),
+    # OpenGVLab/InternVL3_5-30B-A3B llm_config (Qwen3-30B-A3B): 48 x 2048, 32 heads of 128, 4 KV
+    # heads, per-head QK-norm, 128 experts of 768, top 8, vocab 151936, rope_theta 1e6.
+    "internvl3.5-30b-a3b": _internvl(
+        "internvl3.5-30b-a3b", INTERNVIT_300M,
+        _llm(48, 2048, 6144, 32, num_query_groups=4, kv_channels=128, vocab_size=151936,
+             qk_norm=True, rotary_base=1e6, max_position_embeddings=40960, **_moe(128, 8, 768)),
+        "OpenGVLab/InternVL3_5-30B-A3B"),
     # Tests and the demo's training: a few layers, tiny widths, 16px tiles of 4px patches -> 4
     # tokens per tile.
     "tiny": ModelSpec(

@@ -510,9 +510,8 @@ class ModelSpec:
     @property
     def projector_params(self) -> int:
         i, m, o = self.projector_in, self.projector_hidden, self.llm.hidden_size
-        norm = {"pixel_shuffle_mlp": 2 * i, "patch_merger": self.vit.hidden_size}.get(
-            self.projector.type, 0
-        )
+        merger_norm = (2 if self.projector.merger_norm == "layernorm" else 1) * self.vit.hidden_size
+        norm = {"pixel_shuffle_mlp": 2 * i, "patch_merger": merger_norm}.get(self.projector.type, 0)
         return i * m + m * o + (m + o if self.projector.bias else 0) + norm
 
     @property

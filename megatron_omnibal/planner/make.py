@@ -114,9 +114,11 @@ def baseline_plan(request: PlanRequest, search: BaselineSearch) -> BaselinePlan 
                 c.recompute_vision,
                 c.recompute_num_layers,
                 c.vpp,
+                c.ep,
             )
         ),  # fmt: skip
         vpp=c.vpp,
+        ep=c.ep,
     )
 
 
@@ -129,12 +131,13 @@ def baseline_on_balanced_data(request: PlanRequest, config: BaselineConfig) -> E
     the baseline's (an interleaved baseline's is screened with the search's other candidates):
     with this candidate the plan is never predicted slower than the baseline wherever the
     request allows the baseline's configuration."""
-    fixed = (request.tp, request.pp, request.micro_batches, request.vpp)
-    own = (config.tp, config.pp, config.micro_batches, config.vpp)
+    fixed = (request.tp, request.pp, request.micro_batches, request.vpp, request.ep)
+    own = (config.tp, config.pp, config.micro_batches, config.vpp, config.ep)
     if any(f is not None and f != o for f, o in zip(fixed, own, strict=True)):
         return None  # (a request with packing levels is vpp 1: PlanRequest refuses the rest)
     try:
-        setting = make_setting(request, config.tp, config.pp, config.dp, config.micro_batches)
+        setting = make_setting(request, config.tp, config.pp, config.dp, config.micro_batches,
+                               ep=config.ep)  # fmt: skip
     except ValueError:  # no balanced micro-batches at these sizes (the search says why)
         return None
     problem = setting.problem(budget_mib(request.hardware))
@@ -188,7 +191,8 @@ def make_plan(request: PlanRequest, progress: bool = False) -> Plan:
         model_spec=model,
         hardware_spec=request.hardware,
         parallel=ParallelSizes(
-            tp=st.tp, pp=st.pp, dp=st.dp, vpp=best.part.vpp, micro_batches=st.m, gpus=request.gpus
+            tp=st.tp, pp=st.pp, dp=st.dp, vpp=best.part.vpp, micro_batches=st.m, gpus=request.gpus,
+            ep=st.ep,
         ),  # fmt: skip
         stages=stage_plans(model, best.part),
         data=DataPlan(
@@ -204,6 +208,7 @@ def make_plan(request: PlanRequest, progress: bool = False) -> Plan:
         ),
         predicted=prediction,
         megatron_flags=tuple(
-            plan_flags(model, st.tp, st.pp, st.dp, st.m, st.token_budget, request.plan_path)
+            plan_flags(model, st.tp, st.pp, st.dp, st.m, st.token_budget, request.plan_path,
+                       st.ep)  # fmt: skip
         ),
     )

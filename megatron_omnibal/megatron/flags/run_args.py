@@ -60,7 +60,7 @@ def complete_argv(
         cp = given.get("context_parallel_size", 1)
         dp = max(1, world_size // (par.tp * par.pp * cp))  # the run's, not the plan's
         implied = run_flags(
-            spec, par.tp, par.pp, dp, par.micro_batches, plan.data.token_budget
+            spec, par.tp, par.pp, dp, par.micro_batches, plan.data.token_budget, par.ep
         )
         if plan.data.lengths_path:
             implied += ["--omnibal-lengths", plan_lengths(plan.data.lengths_path, given)]

@@ -19,9 +19,17 @@ import numpy as np
 
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.cost_model.config_files import read_json
+from megatron_omnibal.planner.cost_model.deepstack import deepstack_inbound
 from megatron_omnibal.planner.cost_model.flops import ModelFlops
 from megatron_omnibal.planner.cost_model.hardware import Hardware
 from megatron_omnibal.planner.cost_model.memory import static_bytes_per_param
+from megatron_omnibal.planner.cost_model.moe_costs import (
+    ExpertLayout,
+    alltoall_ms_per_token,
+    layer_static_bytes,
+    layer_sync_bytes,
+    routed_values_per_token,
+)
 
 MIB = 2.0**20
 GROUP_NONE, GROUP_VIT, GROUP_LLM = -1, 0, 1
@@ -57,9 +65,18 @@ class LayerCosts:
     group: np.ndarray
     first: Extra = Extra()
     last: Extra = Extra()
+    # MiB a stage starting at unit b receives besides the hidden state and holds per micro-batch
+    # in flight (DeepStack features crossing boundary b); None: nothing
+    inbound_mib: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.names)
+
+    def inbound_at(self, lo: int) -> float | np.ndarray:
+        """What a stage starting at unit `lo` receives and holds beside the hidden state."""
+        if self.inbound_mib is None or lo == 0:
+            return 0.0
+        return self.inbound_mib[lo]
 
 
 def workload_features(tiles: np.ndarray, tokens: np.ndarray, sumsq: np.ndarray) -> np.ndarray:
@@ -100,6 +117,9 @@ class CostModel:
     sync_mib: np.ndarray | None = None
     first_sync_mib: float | None = None
     last_sync_mib: float | None = None
+    # (U, 4) MiB received across the boundary before each unit beside the hidden state
+    # (DeepStack features in flight; LayerCosts.inbound_mib); None: nothing
+    inbound: np.ndarray | None = None
 
     def sync(self) -> tuple[np.ndarray, float, float]:
         """(per unit, first, last) static MiB whose gradients DP reduces."""
@@ -123,6 +143,7 @@ class CostModel:
             self.group,
             Extra(first[0], first[1], first[2], self.first_static_mib),
             Extra(last[0], last[1], last[2], self.last_static_mib),
+            None if self.inbound is None else self.inbound @ f,
         )
 
 
@@ -133,8 +154,11 @@ def analytic_costs(
     dp: int = 1,
     distributed_optimizer: bool = True,
     image_tiles: np.ndarray | None = None,
+    ep: int = 1,
 ) -> CostModel:
-    """FLOPs-based costs of every unit on `hw` with tensor parallel `tp` (sequence parallel on).
+    """FLOPs-based costs of every unit on `hw` with tensor parallel `tp` (sequence parallel on)
+    and, for a mixture-of-experts LLM, expert parallel `ep` (moe_costs.py: expert weights and
+    their optimizer state per GPU, the dispatcher's all-to-all, the routed tokens' activations).
 
     `image_tiles`, the tiles of each image of the data, prices a native-resolution ViT's
     attention (its family's vit_attention, models/families); its full-attention layers cost
@@ -144,19 +168,36 @@ def analytic_costs(
     backward is twice the forward FLOPs, recompute one more forward. Memory is BF16 weights,
     FP32 main gradients and FP32 Adam state (12 bytes/param, sharded over DP by the distributed
     optimizer), and per-micro-batch activations with flash attention, divided by tp.
+    DeepStack features (Qwen3-VL) add to the transfers and the receiving stages' activations
+    wherever they cross a stage boundary (deepstack.py).
     """
+    if ep != 1 and not (model.llm.is_moe and dp % ep == 0 and model.llm.num_experts % ep == 0):
+        raise ValueError(
+            f"expert parallel {ep} needs a mixture-of-experts LLM whose {model.llm.num_experts} "
+            f"experts and data-parallel size {dp} it divides"
+        )
     rate = hw.peak_tflops * 1e12 * hw.efficiency * tp / 1e3  # FLOPs per ms per TP group
     tp_comm = 0.0 if tp == 1 else 4 * (tp - 1) / tp / (hw.nvlink_gbs * 1e9) * 1e3  # ms/byte
     bytes_per_param = static_bytes_per_param(dp if distributed_optimizer else 1)
     flops = ModelFlops.of(model, image_tiles)
     units = _UnitTable(tp, bytes_per_param)
     _add_vit_units(units, model, flops, rate, tp_comm, hw.op_overhead_ms, tp)
-    _add_projector_and_llm_units(units, model, flops, rate, tp_comm, hw.op_overhead_ms, tp)
+    layout = ExpertLayout(tp, ep, dp)
+    _add_projector_and_llm_units(units, model, flops, rate, tp_comm, hw, layout,
+                                 distributed_optimizer)  # fmt: skip
     fwd_a = np.array(units.fwd)
-    bwd_a = 2 * fwd_a
+    comm = np.array(units.comm)  # sent once more in the backward, not twice
+    bwd_a = 2 * (fwd_a - comm) + comm
     rec_a = np.where(np.array(units.group)[:, None] >= 0, fwd_a, 0.0)
     first, last = _pinned_costs(model, flops, rate, hw.op_overhead_ms, tp)
     embed_params = model.llm.vocab_size * model.llm.hidden_size
+    inbound = deepstack_inbound(model, tp)
+    out = np.array(units.out)
+    if inbound is not None:  # the boundary after unit u carries what the one before u + 1 does
+        out[:-1] += inbound[1:]
+    static = np.array(units.static)
+    first_static = model.patch_embed_params / tp * bytes_per_param / MIB
+    last_static = embed_params / tp * bytes_per_param / MIB
     return CostModel(
         tuple(units.names),
         np.array(units.group),
@@ -165,12 +206,16 @@ def analytic_costs(
         rec_a,
         np.array(units.act),
         np.array(units.ckpt),
-        np.array(units.out),
-        np.array(units.static),
+        out,
+        static,
         first,
         last,
-        model.patch_embed_params / tp * bytes_per_param / MIB,
-        embed_params / tp * bytes_per_param / MIB,
+        first_static,
+        last_static,
+        sync_mib=None if units.sync is None else np.array(units.sync),
+        first_sync_mib=None if units.sync is None else first_static,
+        last_sync_mib=None if units.sync is None else last_static,
+        inbound=inbound,
     )
 
 
@@ -191,15 +236,26 @@ class _UnitTable:
         self.out: list[np.ndarray] = []
         self.static: list[float] = []
         self.group: list[int] = []
+        self.comm: list[np.ndarray] = []  # the part of `fwd` that is expert all-to-all
+        self.sync: list[float] | None = None  # set once a unit's gradient sync differs
 
-    def add(self, name, f, a, c, o, params, g) -> None:
+    def add(self, name, f, a, c, o, params, g, comm=None, static_bytes=None,
+            sync_bytes=None) -> None:  # fmt: skip
+        """One unit; `static_bytes` / `sync_bytes` (a MoE layer's) replace the default pricing
+        of `params` over TP."""
+        default = params / self.tp * self.bytes_per_param
         self.names.append(name)
         self.fwd.append(f)
         self.act.append(a)
         self.ckpt.append(c)
         self.out.append(o)
-        self.static.append(params / self.tp * self.bytes_per_param / MIB)
+        self.static.append((default if static_bytes is None else static_bytes) / MIB)
         self.group.append(g)
+        self.comm.append(_row() if comm is None else comm)
+        if sync_bytes is not None and self.sync is None:
+            self.sync = list(self.static[:-1])
+        if self.sync is not None:
+            self.sync.append((self.static[-1] * MIB if sync_bytes is None else sync_bytes) / MIB)
 
 
 def _add_vit_units(
@@ -233,11 +289,14 @@ def _add_projector_and_llm_units(
     flops: ModelFlops,
     rate: float,
     tp_comm: float,
-    over: float,
-    tp: int,
+    hw: Hardware,
+    layout: ExpertLayout,
+    sharded: bool,
 ) -> None:
-    """The projector unit (with the LLM embedding's weights) and the LLM layers."""
-    llm = model.llm
+    """The projector unit (with the LLM embedding's weights and any DeepStack mergers) and the
+    LLM layers (a MoE layer's experts as `layout` spreads them)."""
+    llm, over, tp = model.llm, hw.op_overhead_ms, layout.tp
+    mergers = 1 + len(model.vit.deepstack_indexes)
     n, pin, pmid, h = (
         model.tokens_per_tile,
         model.projector_in,
@@ -245,17 +304,20 @@ def _add_projector_and_llm_units(
         llm.hidden_size,
     )
     proj_fwd = _row(tiles=flops.projector_per_tile / rate, one=over)
-    proj_act = _row(tiles=n * 2 * (2 * pin + 2 * pmid) / tp / MIB)
+    proj_act = _row(tiles=mergers * n * 2 * (2 * pin + 2 * pmid) / tp / MIB)
     llm_out = _row(tokens=2 * h / tp / MIB)
-    llm_fwd = _row(
+    a2a = _row(tokens=alltoall_ms_per_token(llm, hw, tp, layout.ep)) if llm.is_moe else _row()
+    llm_fwd = a2a + _row(
         tokens=flops.llm_layer_per_token / rate + 2 * h * tp_comm,
         sumsq=flops.llm_layer_per_sumsq / rate,
         one=over,
     )
     # Per token: 4 h-wide tensors (the norms' inputs and outputs), q and the attention context
-    # (heads x head size each), k and v, and the MLP's.
+    # (heads x head size each), k and v, and the MLP's (a MoE's: moe_costs.py).
     q = llm.q_size
-    stored = 4 * h + 2 * q + 2 * llm.kv_size + (3 if llm.gated_mlp else 2) * llm.ffn_hidden_size
+    mlp_stored = (routed_values_per_token(llm) if llm.is_moe
+                  else (3 if llm.gated_mlp else 2) * llm.ffn_hidden_size)  # fmt: skip
+    stored = 4 * h + 2 * q + 2 * llm.kv_size + mlp_stored
     llm_act = _row(tokens=2 * stored / tp / MIB)
     llm_ckpt = _row(tokens=2 * h / tp / MIB)
     embed_params = llm.vocab_size * h
@@ -265,11 +327,17 @@ def _add_projector_and_llm_units(
         proj_act,
         _row(),
         llm_out,
-        model.projector_params + embed_params,
+        model.projector_params + model.deepstack_merger_params + embed_params,
         GROUP_NONE,
     )
+    moe = (
+        {"comm": a2a, "static_bytes": layer_static_bytes(llm, layout, sharded),
+         "sync_bytes": layer_sync_bytes(llm, layout)}
+        if llm.is_moe else {}
+    )  # fmt: skip
     for i in range(llm.num_layers):
-        units.add(f"llm.{i}", llm_fwd, llm_act, llm_ckpt, llm_out, llm.layer_params, GROUP_LLM)
+        units.add(f"llm.{i}", llm_fwd, llm_act, llm_ckpt, llm_out, llm.layer_params, GROUP_LLM,
+                  **moe)  # fmt: skip
 
 
 def _pinned_costs(

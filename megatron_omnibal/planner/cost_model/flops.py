@@ -13,7 +13,11 @@ windowed layers and to every patch of their image in the `fullatt_block_indexes`
 layer's attention depends on the sizes of the images. `vit_layer_flops` counts one layer
 exactly from the images' patch grids; the per-tile rates below use the data's images through
 the model family's `vit_attention` (models/families: how many patches a patch attends to,
-averaged over patches).
+averaged over patches); a tower without windows (Qwen3-VL) attends over each whole image in
+every layer.
+
+A mixture-of-experts LLM layer counts the experts a token is routed to (top-k) and its router,
+not every expert; DeepStack mergers (Qwen3-VL) cost what the merger costs, each, per tile.
 """
 
 from __future__ import annotations
@@ -49,6 +53,15 @@ def vit_layer_flops(v: VisionSpec, grids: np.ndarray, full: bool) -> float:
         pairs = t * ((h // k) * k * k + (h % k) ** 2) * ((w // k) * k * k + (w % k) ** 2)
     patches = int((t * h * w).sum())
     return patches * vit_layer_linear_per_patch(v) + 4.0 * v.hidden_size * float(pairs.sum())
+
+
+def llm_mlp_params_per_token(spec: ModelSpec) -> int:
+    """Weights one token multiplies in an LLM layer's MLP: the dense MLP, or a mixture of
+    experts' router and the `moe_top_k` experts it picks (the active experts, not all)."""
+    llm = spec.llm
+    if llm.is_moe:
+        return llm.hidden_size * llm.num_experts + llm.moe_top_k * llm.expert_params
+    return (3 if llm.gated_mlp else 2) * llm.hidden_size * llm.ffn_hidden_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +102,8 @@ class ModelFlops:
         v, llm = spec.vit, spec.llm
         s, hv = v.seq_per_tile, v.hidden_size
         h, q = llm.hidden_size, llm.q_size  # q: heads x head size (Qwen3-32B: 8192 on 5120)
-        mlp = (3 if llm.gated_mlp else 2) * h * llm.ffn_hidden_size
+        mlp = llm_mlp_params_per_token(spec)
+        mergers = 1 + len(v.deepstack_indexes)  # the merger and each DeepStack merger
         attention = family_of_spec(spec).vit_attention(v, image_tiles)
         window, full = attention.window_span, attention.full_span
         return cls(
@@ -97,7 +111,7 @@ class ModelFlops:
             vit_layer_per_tile=s * vit_layer_linear_per_patch(v) + 4.0 * s * window * hv,
             vit_full_layer_per_tile=s * vit_layer_linear_per_patch(v) + 4.0 * s * full * hv,
             vit_full_layers=attention.full_layers,
-            projector_per_tile=2.0 * spec.tokens_per_tile
+            projector_per_tile=2.0 * mergers * spec.tokens_per_tile
             * (spec.projector_in * spec.projector_hidden + spec.projector_hidden * h),
             llm_layer_per_token=2.0 * (2 * h * q + 2 * h * llm.kv_size + mlp),
             llm_layer_per_sumsq=2.0 * q,

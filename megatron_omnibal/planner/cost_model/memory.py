@@ -96,12 +96,13 @@ def stage_memory_mib(
     """Peak memory (MiB) of a stage holding units [lo, hi) with `counts` layers recomputed.
 
     Static state, plus `inflight` micro-batches of stored activations: full activations of
-    kept layers, inputs (checkpoints) of recomputed ones, plus pinned first/last-stage work.
+    kept layers, inputs (checkpoints) of recomputed ones, what the stage receives beside the
+    hidden state (DeepStack features in flight), plus pinned first/last-stage work.
     """
     mask = recompute_mask(costs, lo, hi, counts)
     act = np.asarray(costs.activation_mib[lo:hi], np.float64)
     ckpt = np.asarray(costs.checkpoint_mib[lo:hi], np.float64)
-    stored = float(np.where(mask, ckpt, act).sum())
+    stored = float(np.where(mask, ckpt, act).sum()) + float(costs.inbound_at(lo))
     static = float(np.sum(costs.static_mib[lo:hi]))
     if lo == 0:
         stored += float(costs.first.activation_mib)

@@ -46,11 +46,37 @@ def model_flags(model: ModelSpec) -> list[str]:
         flags += ["--add-qkv-bias"]
     if not llm.tie_embeddings:
         flags += ["--untie-embeddings-and-output-weights"]
+    return flags + moe_flags(model)
+
+
+def moe_flags(model: ModelSpec) -> list[str]:
+    """A mixture-of-experts LLM's experts as megatron.training spells them: count, width, top-k
+    (softmax over the top-k, which is the renormalised top-k of `moe_norm_topk_prob`; without
+    it, the softmax over all experts first), the alltoall dispatcher and the auxiliary loss."""
+    llm = model.llm
+    if not llm.is_moe:
+        return []
+    flags = [
+        "--num-experts", str(llm.num_experts),
+        "--moe-ffn-hidden-size", str(llm.moe_ffn_hidden_size),
+        "--moe-router-topk", str(llm.moe_top_k),
+        "--moe-token-dispatcher-type", "alltoall",
+    ]  # fmt: skip
+    if not llm.moe_norm_topk_prob:
+        flags.append("--moe-router-pre-softmax")
+    if llm.moe_aux_loss_coeff:
+        flags += ["--moe-router-load-balancing-type", "aux_loss",
+                  "--moe-aux-loss-coeff", f"{llm.moe_aux_loss_coeff:g}"]  # fmt: skip
     return flags
 
 
+def expert_flags(model: ModelSpec, ep: int) -> list[str]:
+    """--expert-model-parallel-size of a mixture-of-experts LLM (none for a dense one)."""
+    return ["--expert-model-parallel-size", str(ep)] if model.llm.is_moe else []
+
+
 def run_flags(
-    model: ModelSpec, tp: int, pp: int, dp: int, m: int, token_budget: int
+    model: ModelSpec, tp: int, pp: int, dp: int, m: int, token_budget: int, ep: int = 1
 ) -> list[str]:
     """What a plan decides for a run, and the model's shape: parallel sizes, one packed
     micro-batch of up to `token_budget` tokens at a time, `m` per step and DP rank, bf16, and
@@ -58,6 +84,7 @@ def run_flags(
     flags = [
         "--tensor-model-parallel-size", str(tp),
         "--pipeline-model-parallel-size", str(pp),
+        *expert_flags(model, ep),
         *model_flags(model),
         "--seq-length", str(token_budget),
         "--max-position-embeddings", str(token_budget),
@@ -73,11 +100,12 @@ def run_flags(
 
 
 def plan_flags(
-    model: ModelSpec, tp: int, pp: int, dp: int, m: int, token_budget: int, plan_path: str
+    model: ModelSpec, tp: int, pp: int, dp: int, m: int, token_budget: int, plan_path: str,
+    ep: int = 1,
 ) -> list[str]:
     """Flags of a plan: its run flags, the optimizer it assumes, and the plan itself."""
     return [
-        *run_flags(model, tp, pp, dp, m, token_budget),
+        *run_flags(model, tp, pp, dp, m, token_budget, ep),
         "--use-distributed-optimizer",
         "--omnibal-plan", plan_path,
     ]  # fmt: skip
@@ -93,6 +121,7 @@ def baseline_flags(
     recompute_vision: bool,
     recompute_num_layers: int,
     vpp: int = 1,
+    ep: int = 1,
 ) -> list[str]:
     """Megatron-LM flags of a hand-chosen baseline (LLaVA layout: the vision encoder on the
     first stage). Uneven LLM splits use --decoder-first/last-pipeline-num-layers;
@@ -101,6 +130,7 @@ def baseline_flags(
     flags = [
         "--tensor-model-parallel-size", str(tp),
         "--pipeline-model-parallel-size", str(pp),
+        *expert_flags(model, ep),
         *model_flags(model),
         "--micro-batch-size", str(micro_batch_size),
         "--global-batch-size", str(global_batch),

@@ -68,7 +68,9 @@ def _non_negative(obj: object, *names: str) -> None:
 @dataclass(frozen=True, kw_only=True)
 class ParallelSizes:
     """tp x pp x dp = gpus; `micro_batches` per replica and step; `vpp` model chunks per rank
-    (1: 1F1B; more: Megatron's interleaved 1F1B, micro-batches divisible by pp)."""
+    (1: 1F1B; more: Megatron's interleaved 1F1B, micro-batches divisible by pp); `ep` expert
+    parallel ranks of a mixture-of-experts LLM, carved out of the dp ranks (a plan written
+    before expert parallelism reads as 1)."""
 
     tp: int
     pp: int
@@ -76,9 +78,12 @@ class ParallelSizes:
     vpp: int = 1
     micro_batches: int
     gpus: int
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        _positive(self, "tp", "pp", "dp", "vpp", "micro_batches", "gpus")
+        _positive(self, "tp", "pp", "dp", "vpp", "micro_batches", "gpus", "ep")
+        need(self.dp % self.ep == 0, f"ep {self.ep} does not divide dp {self.dp}: expert-parallel "
+             "groups are carved out of the data-parallel ranks")  # fmt: skip
         need(
             self.vpp == 1 or (self.pp >= 2 and self.micro_batches % self.pp == 0),
             f"vpp {self.vpp} (interleaved 1F1B) needs pp >= 2 and micro_batches divisible by "
@@ -177,9 +182,11 @@ class BaselinePlan:
     configurations_fitting: int
     megatron_flags: tuple[str, ...]
     vpp: int = 1
+    ep: int = 1  # --expert-model-parallel-size (a mixture-of-experts LLM)
 
     def __post_init__(self) -> None:
-        _positive(self, "tp", "pp", "dp", "micro_batch_size", "micro_batches", "vpp")
+        _positive(self, "tp", "pp", "dp", "micro_batch_size", "micro_batches", "vpp", "ep")
+        need(self.dp % self.ep == 0, f"ep {self.ep} does not divide dp {self.dp}")
         need(
             self.vpp == 1
             or (
@@ -310,6 +317,12 @@ class Plan:
             "stage)",
         )
         nv, nl = self.model_spec.vit.num_layers, self.model_spec.llm.num_layers
+        experts = self.model_spec.llm.num_experts
+        for key, ep in (("parallel.ep", par.ep),
+                        ("predicted.baseline.ep", getattr(self.predicted.baseline, "ep", 1))):
+            need(ep == 1 or (experts and experts % ep == 0),
+                 f"{key} {ep}: expert parallelism needs a mixture-of-experts LLM whose "
+                 f"experts ({experts}) it divides")  # fmt: skip
         vit_at = llm_at = 0
         for s, st in enumerate(stages):
             at = f"stages[{s}]"

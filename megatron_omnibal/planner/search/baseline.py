@@ -32,7 +32,12 @@ import numpy as np
 from megatron_omnibal.planner.cost_model.costs import GROUP_LLM, GROUP_VIT, MIB
 from megatron_omnibal.planner.cost_model.memory import inflight_states, static_bytes_per_param
 from megatron_omnibal.planner.search.interleaved import evaluate_interleaved
-from megatron_omnibal.planner.search.parallel_sizes import VPP_SIZES, divisors, parallel_candidates
+from megatron_omnibal.planner.search.parallel_sizes import (
+    VPP_SIZES,
+    divisors,
+    ep_candidates,
+    parallel_candidates,
+)
 from megatron_omnibal.planner.search.partition import Partition, Problem
 from megatron_omnibal.planner.search.request import PlanRequest
 from megatron_omnibal.planner.search.setting import (
@@ -59,6 +64,7 @@ class BaselineConfig:
     recompute_vision: bool
     recompute_num_layers: int  # block method, every stage (0: none)
     vpp: int = 1  # model chunks per rank (interleaved 1F1B when > 1)
+    ep: int = 1  # expert parallel size (--expert-model-parallel-size; a MoE LLM)
 
     def chunk_layers(self) -> list[int]:
         """LLM layers per virtual stage (chunk c of rank r is virtual stage c x pp + r): each
@@ -146,7 +152,8 @@ def evaluate_config(problem: Problem, config: BaselineConfig, vit_layers: int) -
 def baseline_from_config(request: PlanRequest, config: BaselineConfig) -> Baseline:
     """Predict one given configuration (its fixed-size micro-batches drawn as the plan's)."""
     setting = make_setting(
-        request, config.tp, config.pp, config.dp, config.micro_batches, balanced=False
+        request, config.tp, config.pp, config.dp, config.micro_batches, balanced=False,
+        ep=config.ep,
     )
     problem = setting.problem(budget_mib(request.hardware), setting.fixed)
     part = evaluate_config(problem, config, request.model.vit.num_layers)
@@ -195,6 +202,9 @@ class _Layouts:
         self.synced = prefix(synced)  # what DP reduces: every parameter, or LoRA's adapters
         self.pinned_sync = (first_sync, last_sync)
         self.act = prefix(act)
+        inbound = peak.inbound_mib  # received beside the hidden state at each stage's start
+        self.inbound = np.zeros(len(act) + 1) if inbound is None else np.append(inbound, 0.0)
+        self.inbound[0] = 0.0
         self.vit_saved = prefix(np.where(vit, act - ckpt, 0.0))
         self.llm_saved = prefix(np.where(llm, act - ckpt, 0.0))
         self.pinned = (  # static, stored activations of the first / last stage's pinned work
@@ -235,7 +245,7 @@ class _Layouts:
         lo, hi = b[:, :-1], b[:, 1:]
         pp = lo.shape[1] // vpp
         static = self.static[hi] - self.static[lo]
-        stored = self.act[hi] - self.act[lo]
+        stored = self.act[hi] - self.act[lo] + self.inbound[lo]
         static[:, 0] += self.pinned[0][0]
         stored[:, 0] += self.pinned[0][1] - (
             self.vit_saved[np.minimum(hi[:, 0], self.nv)] if vision else 0.0
@@ -329,38 +339,44 @@ def best_megatron_baseline(
     queue: list[tuple[float, tuple, tuple[BaselineConfig, int], _Layouts, np.ndarray]] = []
     searched = fitting = listed = 0
     visions = (False, True) if recompute else (False,)
-    for t, p, d in parallel_candidates(model, hw, request.gpus, tp, None, max_pp=nl):
-        if gb % d:
-            continue  # Megatron needs global batch = micro-batch size x micro-batches x dp
-        for mbs in divisors(gb // d) if micro_batch_sizes else [1]:
-            m = gb // d // mbs
-            listed += 1
-            layouts = _Layouts(make_setting(request, t, p, d, m, balanced=False), budget, nv)
-            splits = llm_splits(nl, p) if uneven else even_split(nl, p)
-            chunks = [interleaved_splits(s, m) if interleave else [1] for s in splits]
-            for v in VPP_SIZES:  # the layouts of one chunk count, screened at once
-                which = [i for i, vs in enumerate(chunks) if v in vs]
-                if not which:
+    sizes = [
+        (t, p, d, e, mbs)
+        for t, p, d in parallel_candidates(model, hw, request.gpus, tp, None, max_pp=nl)
+        if gb % d == 0  # Megatron needs global batch = micro-batch size x micro-batches x dp
+        for e in ep_candidates(model, d, request.search_ep)
+        for mbs in (divisors(gb // d) if micro_batch_sizes else [1])
+    ]
+    for t, p, d, e, mbs in sizes:
+        m = gb // d // mbs
+        listed += 1
+        layouts = _Layouts(make_setting(request, t, p, d, m, balanced=False, ep=e), budget,
+                           nv)  # fmt: skip
+        splits = llm_splits(nl, p) if uneven else even_split(nl, p)
+        chunks = [interleaved_splits(s, m) if interleave else [1] for s in splits]
+        for v in VPP_SIZES:  # the layouts of one chunk count, screened at once
+            which = [i for i, vs in enumerate(chunks) if v in vs]
+            if not which:
+                continue
+            configs = [BaselineConfig(t, p, d, mbs, m, splits[i], False, 0, v, e)
+                       for i in which]  # fmt: skip
+            bounds = np.array([c.bounds(nv) for c in configs])
+            tops = np.array([max(c.chunk_layers()) for c in configs])
+            for vision in visions:
+                searched += int(tops.sum()) + len(tops)
+                fits = layouts.fitting_recompute(
+                    bounds, vision, int(tops.max()) if recompute else 0, v
+                )
+                fits &= np.arange(fits.shape[1]) <= tops[:, None]
+                fitting += int(fits.sum())
+                any_fit = np.flatnonzero(fits.any(axis=1))
+                if not len(any_fit):
                     continue
-                configs = [BaselineConfig(t, p, d, mbs, m, splits[i], False, 0, v) for i in which]
-                bounds = np.array([c.bounds(nv) for c in configs])
-                tops = np.array([max(c.chunk_layers()) for c in configs])
-                for vision in visions:
-                    searched += int(tops.sum()) + len(tops)
-                    fits = layouts.fitting_recompute(
-                        bounds, vision, int(tops.max()) if recompute else 0, v
-                    )
-                    fits &= np.arange(fits.shape[1]) <= tops[:, None]
-                    fitting += int(fits.sum())
-                    any_fit = np.flatnonzero(fits.any(axis=1))
-                    if not len(any_fit):
-                        continue
-                    # recompute only adds time: the least fitting k is fastest
-                    ks = fits[any_fit].argmax(axis=1)
-                    lows, replicas = layouts.lower_bound(bounds[any_fit], vision, ks, v)
-                    for j, k, low, reps in zip(any_fit, ks, lows, replicas, strict=True):
-                        order = (listed, which[j], v, vision)
-                        queue.append((float(low), order, (configs[j], int(k)), layouts, reps))
+                # recompute only adds time: the least fitting k is fastest
+                ks = fits[any_fit].argmax(axis=1)
+                lows, replicas = layouts.lower_bound(bounds[any_fit], vision, ks, v)
+                for j, k, low, reps in zip(any_fit, ks, lows, replicas, strict=True):
+                    order = (listed, which[j], v, vision)
+                    queue.append((float(low), order, (configs[j], int(k)), layouts, reps))
     heapq.heapify(queue)
     best: tuple[float, BaselineConfig, _Layouts, Partition] | None = None
     while queue and (best is None or queue[0][0] < best[0]):

@@ -1,5 +1,5 @@
-"""The planner's search over parallel sizes: (TP, PP, DP, micro-batches, model chunks per rank),
-each partitioned.
+"""The planner's search over parallel sizes: (TP, PP, DP, micro-batches, model chunks per rank,
+expert parallel size of a mixture-of-experts LLM), each partitioned.
 
 Each configuration gets its balanced micro-batches and a partition with per-stage recompute;
 with many configurations each is screened with a quick search and the best few are searched
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_omnibal.planner.search.parallel_sizes import (
+    ep_candidates,
     micro_batch_candidates,
     parallel_candidates,
     vpp_candidates,
@@ -34,9 +35,9 @@ class Evaluated:
 
 
 def plan_candidates(
-    request: PlanRequest, progress: bool = False, also: tuple[int, int, int, int] | None = None
+    request: PlanRequest, progress: bool = False, also: tuple[int, ...] | None = None
 ) -> list[Evaluated]:
-    """Feasible (tp, pp, dp, m, vpp) with their partition and predicted step, fastest first.
+    """Feasible (tp, pp, dp, m, vpp, ep) with their partition and predicted step, fastest first.
 
     `also`: a (tp, pp, dp, micro-batches) searched as well where the request leaves those sizes
     open (the hand-set baseline's: the plan can then always take the baseline's parallel sizes
@@ -55,11 +56,12 @@ def plan_candidates(
         return found
 
     configs = [
-        (t, p, d, m, v)
+        (t, p, d, m, v, e)
         for t, p, d in parallel_candidates(model, hw, request.gpus, request.search_tp, request.pp)
         if gb // d >= 1
         for m in counts(t, p, d)
         for v in vpp_candidates(model, p, m, request.vpp)
+        for e in ep_candidates(model, d, request.search_ep)
     ]
     fixed = request.tp is not None and request.pp is not None
     if progress and len(configs) > 4:
@@ -68,13 +70,14 @@ def plan_candidates(
         configs = tqdm(configs, desc="plan: parallel sizes", unit="config")
     out, errors = [], []
     best = np.inf
-    settings: dict[tuple[int, int, int, int], Setting] = {}
-    for t, p, d, m, v in configs:
-        at = f"tp={t} pp={p} dp={d} m={m}" + (f" vpp={v}" if v > 1 else "")
+    settings: dict[tuple[int, int, int, int, int], Setting] = {}
+    for t, p, d, m, v, e in configs:
+        at = f"tp={t} pp={p} dp={d} m={m}" + (f" vpp={v}" if v > 1 else "") + (
+            f" ep={e}" if e > 1 else "")
         try:
-            if (t, p, d, m) not in settings:
-                settings[(t, p, d, m)] = make_setting(request, t, p, d, m)
-            setting = settings[(t, p, d, m)]
+            if (t, p, d, m, e) not in settings:
+                settings[(t, p, d, m, e)] = make_setting(request, t, p, d, m, ep=e)
+            setting = settings[(t, p, d, m, e)]
             if setting.ideal_ms() >= best:  # even a bubble-free perfect split would lose
                 continue
             part, _ = choose_partition(setting, mode, quick=len(configs) > 1, vpp=v)

@@ -53,6 +53,17 @@ def parallel_candidates(
     return out
 
 
+def ep_candidates(model: ModelSpec, dp: int, ep: int | None = None) -> list[int]:
+    """Expert parallel sizes: 1 for a dense LLM; a given `ep` where it divides DP; else every
+    size dividing both the experts and DP (megatron-core: EP groups within DP, expert-data-
+    parallel size DP x TP / (EP x expert-TP) = DP / EP with expert-TP = TP)."""
+    if not model.llm.is_moe:
+        return [1]
+    if ep is not None:
+        return [ep] if dp % ep == 0 else []
+    return [e for e in divisors(dp) if model.llm.num_experts % e == 0]
+
+
 SAMPLES_PER_MICRO = (1, 2, 4)
 
 

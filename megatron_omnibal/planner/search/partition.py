@@ -68,7 +68,10 @@ class Problem:
         micro_batches: int,
         budget_mib: float = np.inf,
         boundary_p2p_ms: np.ndarray | float = 0.0,
+        first_stage_min_end: int = 0,
     ):
+        """`first_stage_min_end`: units stage 0 must hold at least (the whole vision side when
+        the ViT is pinned to the first stage, as Megatron-Bridge and ms-swift run it)."""
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.costs = costs
@@ -78,6 +81,7 @@ class Problem:
         p2p = np.broadcast_to(np.asarray(boundary_p2p_ms, np.float64), (self.units + 1,)).copy()
         p2p[0] = p2p[-1] = 0.0
         self.p2p = p2p  # p2p[b]: one transfer across the boundary before unit b
+        self.first_stage_min_end = first_stage_min_end
 
     @functools.cached_property
     def frontier(self) -> SegmentFrontier:
@@ -88,9 +92,13 @@ class Problem:
         return SegmentFrontier(self.costs)
 
     def tables(self, pp: int) -> list[np.ndarray]:
-        return [
+        out = [
             self.frontier.stage_times(inflight_1f1b(s, pp, self.m), self.budget) for s in range(pp)
         ]
+        if self.first_stage_min_end:  # stage 0 may not end before that unit
+            out[0] = out[0].copy()
+            out[0][:, : self.first_stage_min_end] = np.inf
+        return out
 
     def objective(self, stage_ms: np.ndarray, bounds: tuple[int, ...]) -> float:
         return float(

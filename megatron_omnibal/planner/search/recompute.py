@@ -90,6 +90,8 @@ class SegmentFrontier:
         ca, cs = np.concatenate([[0.0], np.cumsum(act)]), np.concatenate([[0.0], np.cumsum(static)])
         self.act_full = ca[None, :] - ca[:, None]  # [lo, hi]
         self.static = cs[None, :] - cs[:, None]
+        if costs.inbound_mib is not None:  # a stage starting at lo receives and holds these
+            self.act_full[1:u, :] += np.asarray(costs.inbound_mib, np.float64)[1:, None]
         self.act_full[0, :] += float(costs.first.activation_mib)
         self.static[0, :] += costs.first.static_mib
         self.act_full[:, u] += float(costs.last.activation_mib)

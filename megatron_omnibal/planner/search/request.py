@@ -46,6 +46,11 @@ class PlanRequest:
     plan_path: str = "plan.json"
     levels: str | None = None
     lora: LoraSpec | None = None  # LoRA: frozen base weights, adapters trained (lora_costs.py)
+    # expert parallel size of a mixture-of-experts LLM (None: searched; a dense LLM has 1)
+    ep: int | None = None
+    # the whole ViT and projector (DeepStack mergers included) on the first stage, as
+    # Megatron-Bridge, ms-swift and MindSpeed-MM run a VLM: what the peers can do
+    vit_on_first_stage: bool = False
 
     def __post_init__(self) -> None:
         for flag, value in (("--gpus", self.gpus), ("--global-batch", self.global_batch)):
@@ -111,6 +116,44 @@ class PlanRequest:
         both = (tp or 1) * (pp or 1)
         if both > self.gpus or self.gpus % both:
             raise ValueError(f"--gpus {self.gpus} is not a multiple of tp x pp = {both}")
+        if self.vit_on_first_stage and vpp != 1:
+            raise ValueError(f"--vit-on-first-stage with --vpp {shown}: planned for 1F1B only")
+        self._check_ep(both)
+
+    def _check_ep(self, tp_pp: int) -> None:
+        """--ep: a mixture-of-experts LLM's experts and the data-parallel ranks (megatron-core
+        carves the EP groups out of DP) must both be divisible by it."""
+        ep, llm = self.ep, self.model.llm
+        if ep is None:
+            return
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ValueError(f"--ep must be a positive integer, got {ep!r}")
+        if ep == 1:
+            return
+        if not llm.is_moe:
+            raise ValueError(
+                f"--ep {ep}: {self.model.name} has a dense LLM (no experts to spread); expert "
+                "parallelism needs a mixture-of-experts model"
+            )
+        if llm.num_experts % ep:
+            raise ValueError(f"--ep {ep} does not divide the {llm.num_experts} experts of "
+                             f"{self.model.name}")  # fmt: skip
+        if self.profile is not None:
+            raise ValueError(f"--ep {ep} with --profile: a measured profile prices one GPU's "
+                             "layers; plan expert parallelism with the FLOPs model")  # fmt: skip
+        fixed = self.tp is not None and self.pp is not None
+        world = self.gpus // tp_pp if fixed else self.gpus
+        if world % ep:
+            what = f"data-parallel size {world} (gpus / (tp x pp))" if fixed else (
+                f"--gpus {self.gpus}")
+            raise ValueError(f"--ep {ep} does not divide the {what}: megatron-core carves the "
+                             "expert-parallel groups out of the data-parallel ranks")  # fmt: skip
+
+    @property
+    def search_ep(self) -> int | None:
+        """The EP to plan at (None: searched): a measured profile prices one GPU's layers, so
+        1 with one."""
+        return 1 if self.profile is not None else self.ep
 
     @property
     def search_tp(self) -> int | None:

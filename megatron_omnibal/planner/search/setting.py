@@ -62,6 +62,8 @@ class Setting:
     fixed: np.ndarray  # (dp, m, 4) the same samples, fixed-size micro-batches, padded
     model: CostModel
     hw: Hardware
+    ep: int = 1  # expert parallel size (a mixture-of-experts LLM)
+    first_stage_min_end: int = 0  # units stage 0 must hold (the ViT pinned there: its + 1)
 
     def problem(self, budget_mib: float, features: np.ndarray | None = None) -> Problem:
         """Search problem: time at the mean micro-batch, memory at the largest.
@@ -87,8 +89,10 @@ class Setting:
             checkpoint_mib=peak.checkpoint_mib,
             first=replace(mean.first, activation_mib=peak.first.activation_mib),
             last=replace(mean.last, activation_mib=peak.last.activation_mib),
+            inbound_mib=peak.inbound_mib,
         )
-        return Problem(costs, self.m, budget_mib, self.p2p_ms(mean.output_mib))
+        return Problem(costs, self.m, budget_mib, self.p2p_ms(mean.output_mib),
+                       self.first_stage_min_end)  # fmt: skip
 
     def link_gbs(self) -> float:
         """Pipeline peers are tp x dp ranks apart: another node once that fills a node."""
@@ -206,6 +210,7 @@ def make_setting(
     m: int,
     budgets: tuple[int, int] | None = None,
     balanced: bool = True,
+    ep: int = 1,
 ) -> Setting:
     """Split the request's global batch into dp x m micro-batches: fixed-size (padded), and,
     with `balanced`, by the (vit, token) `budgets` (default: balance/budgets.py's rule for
@@ -225,16 +230,23 @@ def make_setting(
         split = deal_to_replicas(
             balanced_features(stats, index, dp * m, vit_b, tok_b), dp, vit_b, tok_b
         )
-    return Setting(tp, pp, dp, m, vit_b, tok_b, split, fixed, cost_model(request, tp, dp),
-                   request.hardware)  # fmt: skip
+    pinned = model_units_before_llm(request.model) if request.vit_on_first_stage else 0
+    return Setting(tp, pp, dp, m, vit_b, tok_b, split, fixed, cost_model(request, tp, dp, ep),
+                   request.hardware, ep, pinned)  # fmt: skip
 
 
-def cost_model(request: PlanRequest, tp: int, dp: int) -> CostModel:
-    """The FLOPs model at (tp, dp), or the request's measured profile (TP 1) re-sharded for dp."""
+def model_units_before_llm(model) -> int:
+    """The ViT layers and the projector (with any DeepStack mergers): the vision side."""
+    return model.vit.num_layers + 1
+
+
+def cost_model(request: PlanRequest, tp: int, dp: int, ep: int = 1) -> CostModel:
+    """The FLOPs model at (tp, dp, ep), or the request's measured profile (TP 1) re-sharded for
+    dp."""
     model = request.model
     if request.profile is None:
         costs = analytic_costs(model, request.hardware, tp, dp,
-                               image_tiles=request.lengths.image_flags)  # fmt: skip
+                               image_tiles=request.lengths.image_flags, ep=ep)  # fmt: skip
         return costs if request.lora is None else lora_costs(costs, model, request.lora, tp, dp)
     units = partition_units(model)
     cm = profile_cost_model(request.profile, request.profile_path or "profile", dp)
@@ -268,7 +280,8 @@ def choose_partition(
     problem = setting.problem(budget_mib(setting.hw), features)
     if not recompute and mode != "megatron":
         problem = Problem(
-            full_recompute_costs(problem.costs), problem.m, problem.budget, problem.p2p
+            full_recompute_costs(problem.costs), problem.m, problem.budget, problem.p2p,
+            problem.first_stage_min_end,
         )
     if vpp > 1 and mode != "exact":
         raise ValueError(f"virtual stages (vpp {vpp}) are searched in exact mode only")

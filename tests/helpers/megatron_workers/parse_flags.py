@@ -37,7 +37,9 @@ def parse(flags: list[str]) -> dict:
 
 PARSED = ("kv_channels", "qk_layernorm", "add_qkv_bias", "add_bias_linear", "rotary_base",
           "position_embedding_type", "use_rope_scaling", "rope_scaling_factor", "mrope_section",
-          "num_virtual_stages_per_pipeline_rank")
+          "num_virtual_stages_per_pipeline_rank", "num_experts", "moe_ffn_hidden_size",
+          "moe_router_topk", "expert_model_parallel_size", "moe_token_dispatcher_type",
+          "moe_aux_loss_coeff", "moe_router_pre_softmax")
 
 
 if __name__ == "__main__":

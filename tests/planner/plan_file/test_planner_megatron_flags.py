@@ -70,6 +70,10 @@ def test_planner_flags_are_accepted_by_megatron_parser(tmp_path):
                                  1, vpp=2)  # fmt: skip
     interleaved_at = len(flag_lists)
     flag_lists.append(interleaved)
+    # Qwen3-VL-30B-A3B: 128 experts of 768, top 8, over 4 expert-parallel ranks.
+    moe_at = len(flag_lists)
+    flag_lists.append(baseline_flags(get_preset("qwen3-vl-30b-a3b"), 1, 4, 1, 64, (12,) * 4,
+                                     False, 0, ep=4))  # fmt: skip
     emitted = {f for flags in flag_lists for f in flags if f.startswith("--")}
     assert {"--sequence-parallel", "--swiglu", "--group-query-attention", "--kv-channels",
             "--qk-layernorm", "--add-qkv-bias", "--use-rope-scaling"} <= emitted
@@ -90,4 +94,9 @@ def test_planner_flags_are_accepted_by_megatron_parser(tmp_path):
     assert (results[12]["args"]["kv_channels"], results[12]["args"]["qk_layernorm"]) == (128, True)
     qwen_vl = results[13]["args"]
     assert (qwen_vl["position_embedding_type"], qwen_vl["mrope_section"]) == ("mrope", [16, 24, 24])
+    moe = results[moe_at]["args"]
+    assert (moe["num_experts"], moe["moe_ffn_hidden_size"], moe["moe_router_topk"],
+            moe["expert_model_parallel_size"], moe["moe_token_dispatcher_type"],
+            moe["moe_aux_loss_coeff"], moe["moe_router_pre_softmax"]) == (
+        128, 768, 8, 4, "alltoall", [0.001], False)  # fmt: skip
     assert not results[-1]["ok"] and "--variable-seq-lengths" in results[-1]["error"]
