@@ -30,12 +30,16 @@ def test_each_family_is_found_by_its_model_type() -> None:
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_a_preset_belongs_to_the_family_of_its_tower_and_projector(name: str) -> None:
+    """Tiled towers: InternVL's pixel shuffle or LLaVA's MLP; a native tower: a native family
+    (the first that claims it, which the registry's order decides)."""
     spec = PRESETS[name]
-    if spec.vit.native_resolution:
-        want = "qwen2_5_vl"
-    else:
+    family = family_of_spec(spec)
+    assert family.claims(spec)
+    assert (family.tower == "native") == spec.vit.native_resolution
+    if not spec.vit.native_resolution:
         want = "internvl" if spec.projector.type == "pixel_shuffle_mlp" else "llava"
-    assert family_of_spec(spec).name == want
+        assert family.name == want
+    assert family_of_spec(PRESETS["qwen2.5-vl-7b"]).name == "qwen2_5_vl"
 
 
 def test_the_registry_imports_no_torch() -> None:
