@@ -12,7 +12,7 @@ the released [24, 20, 20]).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -68,6 +68,20 @@ def hf_config():  # noqa: ANN201 - transformers' Qwen3VLConfig
         image_token_id=IMAGE_TOKEN, video_token_id=254, vision_start_token_id=253,
         vision_end_token_id=252, tie_word_embeddings=False,
     )  # fmt: skip
+
+
+def canonical_from_hf(spec: object, state: Mapping[str, torch.Tensor]) -> dict:
+    """Canonical tensors from transformers' state dict through the family's weight rules (a
+    tied head's stored copy aside, every tensor used: KeyError naming the others)."""
+    from megatron_omnibal.models.families.qwen3_vl.weights import FILE_STYLE, rules
+    from megatron_omnibal.models.hf_weights import to_rule_name
+
+    named = {to_rule_name(n, FILE_STYLE): t for n, t in state.items()}
+    all_rules = rules(spec)
+    extra = set(named) - {h for r in all_rules for h in r.hf} - {"language_model.lm_head.weight"}
+    if extra:
+        raise KeyError(f"tensors Qwen3-VL does not use: {sorted(extra)[:3]}")
+    return {r.canonical: r.to_canonical([named[h] for h in r.hf]) for r in all_rules}
 
 
 def hf_model(seed: int = 0) -> torch.nn.Module:

@@ -66,15 +66,11 @@ from megatron_omnibal.megatron.stages.deepstack import (
     unpack,
     with_deepstack_layers,
 )
+from megatron_omnibal.megatron.stages.families import tower_hooks
 from megatron_omnibal.megatron.stages.interleaved_mrope import InterleavedMRoPE
 from megatron_omnibal.megatron.stages.layer_specs import HAVE_TE, block_spec
-from megatron_omnibal.megatron.stages.native_vision import (
-    NativeInputs,
-    NativePatchEmbedding,
-    vision_attention_inputs,
-)
+from megatron_omnibal.megatron.stages.native_vision import NativeInputs, vision_attention_inputs
 from megatron_omnibal.megatron.stages.projector import Projector
-from megatron_omnibal.megatron.stages.vision import PatchEmbedding
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
@@ -181,9 +177,7 @@ class VLMStage(MegatronModule):
         """The ViT's patch embedding, on the stage holding it."""
         if not self.layout.patch_embed:
             return None
-        v = self.spec.vit
-        embed = NativePatchEmbedding if v.native_resolution else PatchEmbedding
-        return embed(self.configs.vit, v)
+        return tower_hooks(self.spec).patch_embedding(self.configs.vit, self.spec.vit)
 
     def _vit_block(self) -> TransformerBlock | None:
         """This stage's ViT layers. Every patch of a tile sees every other one; a
@@ -191,21 +185,20 @@ class VLMStage(MegatronModule):
         lay, v, configs = self.layout, self.spec.vit, self.configs
         if not lay.num_vit_layers:
             return None
-        native = {"full_attention_layers": v.fullatt_block_indexes} if (
-            v.native_resolution) else {}  # fmt: skip
+        tower = tower_hooks(self.spec).block(v, self.use_te)
         return TransformerBlock(
             configs.vit,
             block_spec(
                 configs.vit,
                 lay.num_vit_layers,
-                self.use_te and not v.native_resolution,
-                AttnMaskType.arbitrary if v.native_resolution else AttnMaskType.no_mask,
+                tower.use_te,
+                tower.mask_type,
                 qkv_bias=v.qkv_bias,
                 layer_scale=v.layer_scale,
                 qk_norm=v.qk_norm,
                 real_heads=configs.vit_real_heads,
                 qk_norm_eps=v.qk_norm_eps,
-                **native,
+                **tower.extra,
             ),
             post_layer_norm=False,
             pre_process=True,

@@ -86,3 +86,21 @@ def test_tiny_model_depends_on_deepstack_and_the_position_table() -> None:
 
     assert _logits_change(no_deepstack) > 1e-2
     assert _logits_change(lambda visual: visual.pos_embed.weight.zero_()) > 1e-2
+
+
+def test_weight_rules_round_trip_bit_for_bit() -> None:
+    """transformers' tensors -> canonical -> transformers' again, every tensor unchanged."""
+    from megatron_omnibal.models.families.qwen3_vl.weights import rules
+
+    spec = ModelSpec.from_dict(qwen3_vl.SPEC)
+    state = qwen3_vl.hf_model(5).state_dict()
+    canonical = qwen3_vl.canonical_from_hf(spec, state)
+    back = {}
+    for rule in rules(spec):
+        back.update(zip(rule.hf, rule.to_hf(canonical[rule.canonical]), strict=True))
+    assert len(back) == len(state)
+    for name, t in state.items():
+        rule_name = name.replace("model.language_model.", "language_model.model.", 1)
+        rule_name = rule_name.replace("model.visual.", "visual.", 1)
+        rule_name = rule_name.replace("lm_head.", "language_model.lm_head.", 1)
+        assert torch.equal(back[rule_name], t), name

@@ -1,9 +1,9 @@
 """Qwen3-VL's stages (tests/helpers/qwen3_vl.py's tiny model) on real megatron-core schedules.
 
 Oracles: transformers' `Qwen3VLForConditionalGeneration` with the same weights (mapped by
-models/qwen3_vl_weights.py), each sample with its own 3-D positions (a video too: two temporal
-patches with timestamp text between their tokens, one grid per temporal patch in the micro-batch,
-transformers' video inputs on its side): logits within 1e-4 at PP=1,
+models/families/qwen3_vl/weights.py), each sample with its own 3-D positions (a video too: two
+temporal patches with timestamp text between their tokens, one grid per temporal patch in the
+micro-batch, transformers' video inputs on its side): logits within 1e-4 at PP=1,
 at PP=3 with DeepStack crossing stages and at TP=2 with sequence parallelism; the PP=1 loss and
 every gradient within 1e-4. Then every other layout against PP=1 (losses and every gradient,
 1e-5): the tapped ViT layers on two stages and LLM layer 0 a stage later (recompute on), LLM
@@ -30,10 +30,8 @@ from launch import run_ranks  # noqa: E402
 
 from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
 from megatron_omnibal.megatron.stream.batch import synthetic_sample  # noqa: E402
-from megatron_omnibal.models.qwen3_vl_weights import (  # noqa: E402
-    canonical_from_hf,
-    qwen3_vl_shapes,
-)
+from megatron_omnibal.models.families.qwen3_vl.weights import patch_shapes  # noqa: E402
+from megatron_omnibal.models.hf_weights import spec_shapes  # noqa: E402
 from megatron_omnibal.models.spec import ModelSpec  # noqa: E402
 from tests.helpers import qwen3_vl  # noqa: E402
 
@@ -77,7 +75,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("qwen3_vl")
     spec = ModelSpec.from_dict(qwen3_vl.SPEC)
     model = qwen3_vl.hf_model(SEED)
-    torch.save(canonical_from_hf(spec, model.state_dict()), root / "weights.pt")
+    torch.save(qwen3_vl.canonical_from_hf(spec, model.state_dict()), root / "weights.pt")
     batches = samples(spec)
     video = qwen3_vl.video_sample(spec, SEED)
     torch.save([dataclasses.asdict(video)], root / "video.pt")
@@ -92,7 +90,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         if code:
             pytest.fail(f"worker failed ({code}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
     return {"root": root, "logits": logits, "losses": losses,
-            "grads": canonical_from_hf(spec, grads), "model": model}  # fmt: skip
+            "grads": qwen3_vl.canonical_from_hf(spec, grads), "model": model}  # fmt: skip
 
 
 def load(root: Path, name: str) -> dict:
@@ -126,7 +124,8 @@ def test_pp1_loss_and_every_gradient_equal_transformers(runs: dict) -> None:
     assert [x[0] for x in got["losses"]] == pytest.approx(runs["losses"], rel=1e-5)
     assert set(got["grads"]) == set(runs["grads"])
     # the weight rules' shapes are the stages' parameters' (the converter checks with them)
-    shapes = qwen3_vl_shapes(ModelSpec.from_dict(qwen3_vl.SPEC))
+    spec = ModelSpec.from_dict(qwen3_vl.SPEC)
+    shapes = spec_shapes(spec, patch_shapes(spec.vit))
     assert {k: tuple(g.shape) for k, g in got["grads"].items()} == shapes
     for k, g in runs["grads"].items():
         assert relative(got["grads"][k], g) <= 1e-4, k
