@@ -158,7 +158,7 @@ def draw(videos: list[Path], per_video: int, settings, seed: int) -> list[tuple[
 
 
 def model_tiling(name: str):
-    from megatron_omnibal.data.stats.model_data import model_data_side
+    from megatron_omnibal.models.data_side import model_data_side
     from megatron_omnibal.models.presets import get_preset
 
     return model_data_side(get_preset(name)).tiling

@@ -167,7 +167,7 @@ def build_config(args: argparse.Namespace):
 
     from megatron_omnibal.data.frames import FrameSettings
     from megatron_omnibal.data.sample.config import ModelLayout, StatsConfig
-    from megatron_omnibal.data.stats.model_data import model_data_side
+    from megatron_omnibal.models.data_side import model_data_side
     from megatron_omnibal.models.resolve import resolve_model
 
     spec = resolve_model(args.model)

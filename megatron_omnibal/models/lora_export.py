@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_omnibal.models.families.registry import family_of
 from megatron_omnibal.models.hf_config import HFModel
-from megatron_omnibal.models.hf_reference import NATIVE
 from megatron_omnibal.models.hf_weights import WeightsError, rules_for, to_file_name
 from megatron_omnibal.models.lora import LoraSpec, is_adapter, lora_layers, peft_refusal
 from megatron_omnibal.models.spec import ModelSpec
@@ -99,7 +99,7 @@ def hf_param_names(like: HFModel) -> dict[str, str]:
 
     style = SafetensorsReader(like).style
     file_names = {n: to_file_name(n, style) for rule in rules_for(like) for n in rule.hf}
-    if like.family not in NATIVE:
+    if not family_of(like).transformers_class:
         return file_names
     from transformers import AutoConfig, AutoModelForImageTextToText
 

@@ -128,7 +128,7 @@ class VisionSpec:
     num_position_embeddings: int = 0
     # DeepStack (Qwen3-VL): the hidden states after these ViT layers each pass their own merger
     # and are added to the LLM hidden states at the visual positions after LLM layers 0, 1, ...
-    # (the i-th index feeds LLM layer i).
+    # (the i-th lowest index feeds LLM layer i, through the merger of its place in this list).
     deepstack_indexes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:

@@ -156,7 +156,7 @@ def test_stats_reads_each_new_family_from_its_checkpoint(tmp_path: Path, capsys)
     checkpoint: InternVL3/3.5 (both layouts) count with internvl2_5; a LLaVA on Llama-3.x that
     ships its own chat template counts with it ("hf"), not Vicuna's; Qwen2.5-VL is refused."""
     from megatron_omnibal.cli import main as cli_main
-    from megatron_omnibal.data.stats.model_data import model_data_side
+    from megatron_omnibal.models.data_side import model_data_side
 
     dirs = {
         "internvl3_5": hf_models.internvl(tmp_path / "a", six_b=False, text="qwen3").path,

@@ -4,7 +4,8 @@ Why a table by name instead of reading the modules: the checkpoint converter wri
 Megatron checkpoints without building the model, and tests check the result against the
 modules megatron-core really builds. Layouts:
 
-- column-parallel weights (qkv, fc1, projector fc1) split along rows; a gated fc1 (the LLM's,
+- column-parallel weights (qkv, fc1, projector fc1; Qwen3-VL's DeepStack mergers are laid out
+  as the projector) split along rows; a gated fc1 (the LLM's,
   a native-resolution ViT's, weight and bias) is [gate; up] and each rank holds [gate_r; up_r];
 - row-parallel weights (attention output, fc2) split along columns, their biases replicated;
 - the word embedding and output head split along the (padded) vocabulary;
@@ -31,6 +32,7 @@ from megatron_omnibal.models.spec import ModelSpec
 
 _LAYER = re.compile(r"^(vit|llm)\.layers\.\d+\.")
 _EXPERT = "mlp.experts.local_experts."
+_DEEPSTACK = re.compile(r"^deepstack_mergers\.\d+\.")
 
 
 class ShardError(ValueError):
@@ -46,6 +48,9 @@ def _kind(name: str) -> tuple[str, str]:
             if (suffix == ".lora_b") == split_by_rows:
                 return tower, role
             return tower, "replicated"
+    merger = _DEEPSTACK.match(name)
+    if merger:  # a DeepStack merger is laid out as the projector
+        return _kind("projector." + name[merger.end() :])
     m = _LAYER.match(name)
     tower = m.group(1) if m else ("projector" if name.startswith("projector.") else "other")
     rest = name[m.end() :] if m else name

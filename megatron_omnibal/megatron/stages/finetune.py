@@ -17,10 +17,11 @@ if TYPE_CHECKING:  # annotations only: megatron/flags/args.py imports this modul
     import torch
 
 PARTS = ("vit", "projector", "llm")
-# Which stage submodules make up each part (models.spec order: ViT, projector, LLM).
+# Which stage submodules make up each part (models.spec order: ViT, projector, LLM); Qwen3-VL's
+# DeepStack mergers bridge the towers as the projector does and go with it.
 PART_MODULES = {
     "vit": ("patch_embed", "vit", "vit_final_norm"),
-    "projector": ("projector",),
+    "projector": ("projector", "deepstack_mergers"),
     "llm": ("embedding", "llm", "output_layer"),
 }
 VIT_PARAM = "omnibal_vit"  # attribute marking ViT parameters for the learning-rate override

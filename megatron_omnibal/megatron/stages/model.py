@@ -6,13 +6,22 @@ Pipeline rank r builds only what its StageLayout names, with megatron-core Trans
 layers carry GLOBAL layer numbers (checkpoints and the RNG depend on them) and the stage's own
 recompute counts. The architecture is the spec's (models.spec): InternViT or CLIP, pixel-shuffle
 or MLP projector, a Llama(-3)/Qwen2/Qwen3/InternLM2-style LLM, tied or separate output head; or
-Qwen2.5-VL's native-resolution tower (megatron.native_vision: whole images in window order,
-windowed and full attention, 2-D RoPE), its patch merger and an LLM with M-RoPE, whose positions
-every stage derives from the micro-batch (`native`, restarting in every packed sample).
+a native-resolution tower (megatron.native_vision: whole images in window order, windowed and
+full attention, 2-D RoPE; Qwen2.5-VL, or Qwen3-VL with its patch-embedding bias and learned
+position table, position_table.py), its patch merger and an LLM with M-RoPE (contiguous, or
+Qwen3-VL's interleaved one, interleaved_mrope.py), whose positions every stage derives from the
+micro-batch (`native`, restarting in every packed sample).
 
-Exactly one tensor flows between stages: the ViT hidden states [patches, tiles, Cv] before the
+One tensor flows between stages: the ViT hidden states [patches, tiles, Cv] before the
 projector's stage, the LLM hidden states [S, 1, H] (S / TP under sequence parallelism) after
-it. Shapes vary per micro-batch (variable_seq_lengths). The projector stage embeds the token ids
+it. With DeepStack (Qwen3-VL, deepstack.py) the taps travel in it too, concatenated along dim 0:
+[hidden; tap; ...] of [patches, 1, Cv] each on ViT stages (the taps made so far, in ViT layer
+order), [hidden [S (/ TP), 1, H]; block; ...] after the projector (a block holds one tap's
+merged features of the image tokens in this rank's part of the sequence, [image tokens, 1, H];
+one block per LLM layer not yet passed among 0, 1, ...). Each receiving stage splits it with
+the micro-batch's patch count, padded sequence length and image positions and the layout's tap
+counts. Shapes vary per micro-batch
+(variable_seq_lengths). The projector stage embeds the token ids
 itself (every PP rank reads the same micro-batch). Packed samples: with the local (torch) layer
 specs, attention gets a block-diagonal causal mask built from cu_seqlens (DotProductAttention
 does not take PackedSeqParams); with Transformer Engine specs, PackedSeqParams (THD) do the same
@@ -45,14 +54,23 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from megatron_omnibal.megatron.stages.configs import StageConfigs, _recompute
-from megatron_omnibal.megatron.stages.layer_specs import HAVE_TE, block_spec, global_expert_name
-from megatron_omnibal.megatron.stages.native_vision import (
-    NativeInputs,
-    NativePatchEmbedding,
-    vision_attention_inputs,
+from megatron_omnibal.megatron.stages.deepstack import (
+    DeepStackCounts,
+    DeepStackMergers,
+    LocalImageRows,
+    lay_out,
+    local_features,
+    local_image_rows,
+    pack,
+    set_slots,
+    unpack,
+    with_deepstack_layers,
 )
+from megatron_omnibal.megatron.stages.families import tower_hooks
+from megatron_omnibal.megatron.stages.interleaved_mrope import InterleavedMRoPE
+from megatron_omnibal.megatron.stages.layer_specs import HAVE_TE, block_spec, global_expert_name
+from megatron_omnibal.megatron.stages.native_vision import NativeInputs, vision_attention_inputs
 from megatron_omnibal.megatron.stages.projector import Projector
-from megatron_omnibal.megatron.stages.vision import PatchEmbedding
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
@@ -145,6 +163,10 @@ class VLMStage(MegatronModule):
             if v.post_norm:
                 self.vit_final_norm = torch.nn.LayerNorm(v.hidden_size, eps=v.norm_eps)
             self.projector = Projector(configs.projector, spec)
+        self.deepstack = DeepStackCounts.of(spec, self.layout)
+        self.deepstack_mergers = None
+        if self.layout.projector and spec.vit.deepstack_indexes:
+            self.deepstack_mergers = DeepStackMergers(configs.projector, spec)
         self.embedding = self._llm_embedding()
         self.llm = self._llm_block()
         self.rotary = self._rotary_embedding() if self.llm is not None else None
@@ -155,9 +177,7 @@ class VLMStage(MegatronModule):
         """The ViT's patch embedding, on the stage holding it."""
         if not self.layout.patch_embed:
             return None
-        v = self.spec.vit
-        embed = NativePatchEmbedding if v.native_resolution else PatchEmbedding
-        return embed(self.configs.vit, v)
+        return tower_hooks(self.spec).patch_embedding(self.configs.vit, self.spec.vit)
 
     def _vit_block(self) -> TransformerBlock | None:
         """This stage's ViT layers. Every patch of a tile sees every other one; a
@@ -165,21 +185,20 @@ class VLMStage(MegatronModule):
         lay, v, configs = self.layout, self.spec.vit, self.configs
         if not lay.num_vit_layers:
             return None
-        native = {"full_attention_layers": v.fullatt_block_indexes} if (
-            v.native_resolution) else {}  # fmt: skip
+        tower = tower_hooks(self.spec).block(v, self.use_te)
         return TransformerBlock(
             configs.vit,
             block_spec(
                 configs.vit,
                 lay.num_vit_layers,
-                self.use_te and not v.native_resolution,
-                AttnMaskType.arbitrary if v.native_resolution else AttnMaskType.no_mask,
+                tower.use_te,
+                tower.mask_type,
                 qkv_bias=v.qkv_bias,
                 layer_scale=v.layer_scale,
                 qk_norm=v.qk_norm,
                 real_heads=configs.vit_real_heads,
                 qk_norm_eps=v.qk_norm_eps,
-                **native,
+                **tower.extra,
             ),
             post_layer_norm=False,
             pre_process=True,
@@ -210,27 +229,36 @@ class VLMStage(MegatronModule):
         lay, configs = self.layout, self.configs
         if not (lay.num_llm_layers or lay.head):
             return None
-        return TransformerBlock(
+        spec = block_spec(
             configs.llm,
-            block_spec(
-                configs.llm,
-                lay.num_llm_layers,
-                self.use_te,
-                AttnMaskType.causal if self.use_te else AttnMaskType.arbitrary,
-                head_qk_norm=self.spec.llm.qk_norm,
-            ),
+            lay.num_llm_layers,
+            self.use_te,
+            AttnMaskType.causal if self.use_te else AttnMaskType.arbitrary,
+            head_qk_norm=self.spec.llm.qk_norm,
+        )
+        deepstack = bool(self.spec.vit.deepstack_indexes)
+        block = TransformerBlock(
+            configs.llm,
+            with_deepstack_layers(spec) if deepstack else spec,
             post_layer_norm=True,
             pre_process=True,
             post_process=lay.head,
             pg_collection=self.pg_collection,
             vp_stage=self.vp_stage,
         )
+        if deepstack:
+            set_slots(block.layers, self.deepstack)
+        return block
 
-    def _rotary_embedding(self) -> RotaryEmbedding | MultimodalRotaryEmbedding:
+    def _rotary_embedding(
+        self,
+    ) -> RotaryEmbedding | MultimodalRotaryEmbedding | InterleavedMRoPE:
         """The LLM's RoPE: M-RoPE for a spec with sections, else RoPE with Llama-3 scaling,
         passed here (megatron-core 0.19's own VLM scripts drop it), and a factor only with
         scaling on."""
         llm, kv_channels = self.spec.llm, self.configs.llm.kv_channels
+        if llm.mrope_interleaved:
+            return InterleavedMRoPE(kv_channels, llm.rotary_base, llm.mrope_section)
         if llm.mrope_section:
             return MultimodalRotaryEmbedding(
                 kv_channels, rotary_percent=1.0, rotary_base=llm.rotary_base
@@ -350,29 +378,48 @@ class VLMStage(MegatronModule):
         position_ids, cu_seqlens = self._pad_for_sequence_parallel(position_ids, cu_seqlens)
         seq_pad = position_ids.shape[1] - seq  # the pad segment's length
         x = None if self.stage == 0 else self.input_tensor
+        blocks: list[torch.Tensor] = []  # DeepStack features still to add (deepstack.py)
+        image_rows: LocalImageRows | None = None
         if self.vision_stage:
+            taps: list[torch.Tensor] = []
+            if x is not None and self.deepstack.vit_in:
+                patches = native.rows_cols.shape[0]
+                x, taps = unpack(x, patches, self.deepstack.vit_in, patches,
+                                 f"stage {self.stage}")  # fmt: skip
             if self.patch_embed is not None:
-                x = self.patch_embed(images, native.unit_order) if native else (
-                    self.patch_embed(images))  # fmt: skip
+                x = self.patch_embed(images, native) if native else self.patch_embed(images)
             if self.vit is not None and x.numel() > 0:
-                x = self._vit(x, native)
-            elif x is self.input_tensor:
-                # A micro-batch without tiles: [P, 0, C] passes through (attention cannot
-                # reshape 0 elements); cloned (no data) so the schedule's backward reaches the
-                # input and deallocate_pipeline_outputs may free it (it refuses views).
-                x = x.clone()
+                x, made = self._vit(x, native)
+                taps += made
+            else:
+                taps += [x] * len(self.deepstack.vit_taps)  # no patches: empty taps
+                if x is self.input_tensor:
+                    # A micro-batch without tiles: [P, 0, C] passes through (attention cannot
+                    # reshape 0 elements); cloned (no data) so the schedule's backward reaches
+                    # the input and deallocate_pipeline_outputs may free it (it refuses views).
+                    x = x.clone()
             if self.projector is None:
-                return x
+                return pack(x, taps)
             if self.vit_final_norm is not None:
                 x = self.vit_final_norm(x)
             if self.capture is not None:  # [tiles, tokens, C]; native: [patches, C]
                 self.capture["vit"] = x.detach()[:, 0] if native else x.detach().transpose(0, 1)
             embeds = self.projector(x, native.unit_restore if native else real_tiles)
             x = self._merge(tokens, position_ids[:, :seq], embeds)
+            if self.deepstack_mergers is not None:
+                image_rows = self._image_rows(native, position_ids.shape[1])
+                blocks = self._deepstack_blocks(taps, native, image_rows, x.dtype)
+        elif self.deepstack.llm_in:
+            image_rows = self._image_rows(native, position_ids.shape[1])
+            rows = position_ids.shape[1] // self._sequence_parallel_size
+            x, blocks = unpack(x, rows, self.deepstack.llm_in, image_rows.count,
+                               f"stage {self.stage}")  # fmt: skip
         if self.llm is not None:
-            x = self._llm(x, position_ids, cu_seqlens, max(max_seqlen, seq_pad), native)
+            context = lay_out(blocks, image_rows, x.shape[0]) if blocks else None
+            x = self._llm(x, position_ids, cu_seqlens, max(max_seqlen, seq_pad), native, context)
+            blocks = blocks[len(blocks) - self.deepstack.llm_out :]
         if self.output_layer is None:
-            return x
+            return pack(x, blocks)
         if self.capture is not None:
             hidden = x
             if self.configs.llm.sequence_parallel:
@@ -390,11 +437,40 @@ class VLMStage(MegatronModule):
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target)
         return loss.transpose(0, 1).contiguous()  # [1, S]
 
-    def _vit(self, x: torch.Tensor, native: NativeInputs | None) -> torch.Tensor:
+    def _vit(
+        self, x: torch.Tensor, native: NativeInputs | None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(the hidden states after this stage's ViT layers, the DeepStack taps made here)."""
         if native is None:
-            return self.vit(hidden_states=x, attention_mask=None)
+            return self.vit(hidden_states=x, attention_mask=None), []
         masks, rope = vision_attention_inputs(native, self.spec.vit)
-        return self.vit(hidden_states=x, attention_mask=masks, rotary_pos_emb=rope)
+        taps = set(self.deepstack.vit_taps)
+        if not taps:
+            return self.vit(hidden_states=x, attention_mask=masks, rotary_pos_emb=rope), []
+        x, made = self.vit(
+            hidden_states=x, attention_mask=masks, rotary_pos_emb=rope, extract_layer_indices=taps
+        )
+        return x, list(made)
+
+    def _deepstack_blocks(
+        self, taps: list[torch.Tensor], native: NativeInputs, rows: LocalImageRows, dtype: Any
+    ) -> list[torch.Tensor]:
+        """Each tap merged, this rank's image rows of it ([rows, 1, H])."""
+        merged = self.deepstack_mergers(taps, native.unit_restore)
+        group = self.pg_collection.tp if self._sequence_parallel_size > 1 else None
+        return [local_features(m.to(dtype), rows, group) for m in merged]
+
+    def _image_rows(self, native: NativeInputs, padded_len: int) -> LocalImageRows:
+        """Where this rank's part of the LLM sequence has its image tokens."""
+        parts = self._sequence_parallel_size
+        rank = torch.distributed.get_rank(self.pg_collection.tp) if parts > 1 else 0
+        return local_image_rows(native.image_positions, padded_len, parts, rank)
+
+    @property
+    def _sequence_parallel_size(self) -> int:
+        """The parts the LLM sequence is split into between TP ranks (1: not split)."""
+        llm = self.configs.llm
+        return llm.tensor_model_parallel_size if llm.sequence_parallel else 1
 
     def _recompute(self, vit_layers: int, llm_layers: int) -> None:
         """Recompute the first layers of each block in this micro-batch. megatron-core's
@@ -429,7 +505,11 @@ class VLMStage(MegatronModule):
     ) -> torch.Tensor:
         text = self.embedding(input_ids=tokens, position_ids=position_ids)  # [S, 1, H]
         is_image = (tokens == self.spec.image_token_id).transpose(0, 1)[..., None]  # [S, 1, 1]
-        x = text.masked_scatter(is_image, image_embeds.to(text.dtype))
+        return self._scatter_sequence(text.masked_scatter(is_image, image_embeds.to(text.dtype)))
+
+    def _scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """[S, 1, H] -> this TP rank's part under sequence parallelism (padded to a multiple
+        of TP first), else unchanged."""
         if self.configs.llm.sequence_parallel:
             tp = self.configs.llm.tensor_model_parallel_size
             pad = (-x.shape[0]) % tp
@@ -453,7 +533,10 @@ class VLMStage(MegatronModule):
         cu_seqlens: torch.Tensor,
         max_len: int,
         native: NativeInputs | None = None,
+        context: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """This stage's LLM layers; `context`: the DeepStack blocks of its first layers laid
+        out [blocks, S, 1, H] (deepstack.py)."""
         seq = position_ids.shape[1]
         if self.use_te:
             # With THD packing megatron-core applies RoPE per sample from cu_seqlens (M-RoPE:
@@ -468,14 +551,15 @@ class VLMStage(MegatronModule):
                 max_seqlen_kv=max_len,
             )
             return self.llm(
-                hidden_states=x, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=packed
-            )
+                hidden_states=x, attention_mask=None, rotary_pos_emb=rope,
+                packed_seq_params=packed, context=context,
+            )  # fmt: skip
         if native is not None:
             rope = self._mrope(position_ids, native)
         else:
             rope = self.rotary(max_len)[position_ids[0]]  # [S, 1, 1, d]: restarts per sample
         mask = packed_causal_mask(cu_seqlens, seq).to(x.device)
-        return self.llm(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
+        return self.llm(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope, context=context)
 
 
 # TE's fused modules hold the layer norms inside the next linear layer; model-wide names use the

@@ -22,6 +22,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_omnibal.megatron.stages.position_table import PositionTable, position_taps
 from megatron_omnibal.models.native_grid import (
     frame_seqlens,
     mrope_position_ids,
@@ -33,21 +34,33 @@ from megatron_omnibal.models.spec import ModelSpec, VisionSpec
 
 class NativePatchEmbedding(MegatronModule):
     """Patches [N, 3 x frames x pixels] -> [N, 1, C] in window order: a Conv3d whose kernel is
-    one patch (no bias), replicated across tensor-parallel ranks."""
+    one patch (with a bias where the spec says, Qwen3-VL), plus Qwen3-VL's learned position
+    table resampled to each image (position_table.py) where the spec has one; replicated across
+    tensor-parallel ranks."""
 
     def __init__(self, config: TransformerConfig, vit: VisionSpec) -> None:
         super().__init__(config=config)
         kernel = (vit.temporal_patch_size, vit.patch_size, vit.patch_size)
-        self.conv = torch.nn.Conv3d(3, vit.hidden_size, kernel, stride=kernel, bias=False)
+        self.conv = torch.nn.Conv3d(3, vit.hidden_size, kernel, stride=kernel, bias=vit.patch_bias)
         self.kernel = kernel
         self.unit = vit.spatial_merge_size**2
         with torch.no_grad():
             config.init_method(self.conv.weight)
+            if self.conv.bias is not None:
+                self.conv.bias.zero_()
+        self.position_table = (
+            PositionTable(config, vit.num_position_embeddings, vit.hidden_size)
+            if vit.num_position_embeddings
+            else None
+        )
 
-    def forward(self, patches: torch.Tensor, unit_order: torch.Tensor) -> torch.Tensor:
+    def forward(self, patches: torch.Tensor, native: NativeInputs) -> torch.Tensor:
         x = self.conv(patches.to(self.conv.weight.dtype).view(-1, 3, *self.kernel))
         c = x.shape[1]
-        x = x.view(-1, self.unit, c).index_select(0, unit_order)  # merged units, window order
+        x = x.view(-1, c)
+        if self.position_table is not None:
+            x = x + self.position_table(native.table_rows, native.table_weights).to(x.dtype)
+        x = x.view(-1, self.unit, c).index_select(0, native.unit_order)  # window order
         return x.reshape(-1, 1, c).contiguous()
 
 
@@ -75,9 +88,20 @@ class NativeInputs:
     full_bounds: torch.Tensor  # int64 [k + 1]: one segment per image frame
     window_bounds: torch.Tensor  # int64 [w + 1]: one segment per window
     mrope_ids: torch.Tensor  # int64 [3, S]: the LLM's M-RoPE positions, restarting per sample
+    # Qwen3-VL's position table: the rows each patch mixes and their weights (block-major
+    # order; [patches, 0] without a table)
+    table_rows: torch.Tensor  # int64 [patches, 4]
+    table_weights: torch.Tensor  # float32 [patches, 4]
+    # Host-side (never moved): the image placeholders' positions in the sequence, int64; what
+    # each stage's part of the DeepStack features is (deepstack.local_image_rows)
+    image_positions: np.ndarray
 
     def to(self, device: torch.device | str | int) -> NativeInputs:
-        return NativeInputs(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
+        """The tensors on `device` (non-blocking), the host-side arrays as they are."""
+        return NativeInputs(**{
+            k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in vars(self).items()
+        })  # fmt: skip
 
 
 def native_inputs(
@@ -102,13 +126,21 @@ def native_inputs(
         tokens.numpy()[0], cu_seqlens.numpy(), grids, spec.image_token_id, merge, seconds,
         v.tokens_per_second,
     )  # fmt: skip
+    if v.num_position_embeddings:
+        rows, weights = position_taps(grids, v.position_table_side, merge)
+    else:
+        rows = np.zeros((len(rows_cols), 0), np.int64)
+        weights = np.zeros((len(rows_cols), 0), np.float32)
     return NativeInputs(
+        table_rows=torch.from_numpy(rows),
+        table_weights=torch.from_numpy(weights),
         unit_order=torch.from_numpy(order),
         unit_restore=torch.from_numpy(np.argsort(order)),
         rows_cols=torch.from_numpy(rows_cols),
         full_bounds=torch.from_numpy(frame_seqlens(grids)),
         window_bounds=torch.from_numpy(windows),
         mrope_ids=torch.from_numpy(ids),
+        image_positions=np.flatnonzero(tokens.numpy()[0] == spec.image_token_id),
     )
 
 

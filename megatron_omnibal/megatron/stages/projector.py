@@ -1,9 +1,9 @@
 """The projector: ViT patch tokens -> LLM embeddings for the real image tiles.
 
 Why: InternVL (pixel shuffle: each 2x2 patch neighbourhood becomes one token with 4x the
-channels, then LayerNorm + MLP), LLaVA (plain MLP) and Qwen2.5-VL (patch merger: RMSNorm of each
-patch, each 2x2 group of a window-ordered image concatenated, MLP, then back in image order)
-differ only here. The MLP is megatron-core's
+channels, then LayerNorm + MLP), LLaVA (plain MLP) and Qwen2.5-VL / Qwen3-VL (patch merger:
+RMSNorm or LayerNorm of each patch, each 2x2 group of a window-ordered image concatenated, MLP,
+then back in image order) differ only here. The MLP is megatron-core's
 (column/row parallel), so it works under tensor parallelism.
 """
 
@@ -54,7 +54,8 @@ class Projector(MegatronModule):
         if p.type == "pixel_shuffle_mlp":
             self.norm = torch.nn.LayerNorm(spec.projector_in, eps=p.norm_eps)
         elif p.type == "patch_merger":
-            self.norm = torch.nn.RMSNorm(v.hidden_size, eps=p.norm_eps)
+            norm = torch.nn.LayerNorm if p.merger_norm == "layernorm" else torch.nn.RMSNorm
+            self.norm = norm(v.hidden_size, eps=p.norm_eps)
         self.mlp = MLP(
             config=config,
             submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),

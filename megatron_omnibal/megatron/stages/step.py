@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron_omnibal.megatron.stages.families import tower_hooks
 from megatron_omnibal.megatron.stream.batch import MicroBatch, validate_batch
 
 if TYPE_CHECKING:
@@ -54,12 +55,8 @@ def stage_inputs(
                    batch.cu_seqlens, batch.image_grid, batch.grid_seconds)  # fmt: skip
     real_tiles = torch.nonzero(batch.image_flags).flatten()
     max_seqlen = int((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).max())
-    native = None
-    if spec.vit.native_resolution:
-        from megatron_omnibal.megatron.stages.native_vision import native_inputs
-
-        native = native_inputs(spec, batch.tokens, batch.cu_seqlens, batch.image_grid,
-                               batch.grid_seconds)
+    native = tower_hooks(spec).attention_inputs(spec, batch.tokens, batch.cu_seqlens,
+                                                batch.image_grid, batch.grid_seconds)
     if torch.cuda.is_available():
         device = torch.cuda.current_device()
         batch, real_tiles = batch.to(device), real_tiles.to(device, non_blocking=True)

@@ -161,8 +161,8 @@ def analytic_costs(
     their optimizer state per GPU, the dispatcher's all-to-all, the routed tokens' activations).
 
     `image_tiles`, the tiles of each image of the data, prices a native-resolution ViT's
-    attention (planner.flops.native_spans); its full-attention layers cost more than its
-    windowed ones, so they are units of their own price.
+    attention (its family's vit_attention, models/families); its full-attention layers cost
+    more than its windowed ones, so they are units of their own price.
 
     Time = FLOPs / (peak x efficiency x tp) + TP collectives + a per-layer launch overhead;
     backward is twice the forward FLOPs, recompute one more forward. Memory is BF16 weights,

@@ -12,8 +12,9 @@ attend within their window (8 x 8 patches; smaller at an image's right and botto
 windowed layers and to every patch of their image in the `fullatt_block_indexes` layers, so a
 layer's attention depends on the sizes of the images. `vit_layer_flops` counts one layer
 exactly from the images' patch grids; the per-tile rates below use the data's images through
-`native_spans` (how many patches a patch attends to, averaged over patches); a tower without
-windows (Qwen3-VL) attends over each whole image in every layer.
+the model family's `vit_attention` (models/families: how many patches a patch attends to,
+averaged over patches); a tower without windows (Qwen3-VL) attends over each whole image in
+every layer.
 
 A mixture-of-experts LLM layer counts the experts a token is routed to (top-k) and its router,
 not every expert; DeepStack mergers (Qwen3-VL) cost what the merger costs, each, per tile.
@@ -25,12 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_omnibal.models.families.registry import family_of_spec
 from megatron_omnibal.models.spec import ModelSpec, VisionSpec
 
 TRAINING_PASSES = 3  # forward + backward (gradients of inputs and of weights)
-# Merge groups of an image when the data's images are unknown: transformers' Qwen2-VL image
-# processor's own default max_pixels (28 x 28 x 1280), the size most fine-tuning recipes use.
-DEFAULT_IMAGE_TILES = 1280
 
 
 def vit_layer_linear_per_patch(v: VisionSpec) -> float:
@@ -54,28 +53,6 @@ def vit_layer_flops(v: VisionSpec, grids: np.ndarray, full: bool) -> float:
         pairs = t * ((h // k) * k * k + (h % k) ** 2) * ((w // k) * k * k + (w % k) ** 2)
     patches = int((t * h * w).sum())
     return patches * vit_layer_linear_per_patch(v) + 4.0 * v.hidden_size * float(pairs.sum())
-
-
-def native_spans(v: VisionSpec, image_tiles: np.ndarray | None) -> tuple[float, float]:
-    """(windowed, full) patches a patch attends to, averaged over the patches of images of
-    `image_tiles` merge groups each (None or no image: DEFAULT_IMAGE_TILES).
-
-    Full attention: an image of N patches gives each of them N, so the mean is sum N^2 / sum N.
-    Windowed: the image's grid is not known from its tile count, so each patch is priced at
-    min(N, a full window): exact for images within one window or cut into whole windows, an
-    upper bound for edge windows (the windowed attention is about 1% of a layer's FLOPs).
-    """
-    group = v.spatial_merge_size**2
-    tiles = np.asarray([] if image_tiles is None else image_tiles, np.float64).ravel()
-    tiles = tiles[tiles > 0]
-    if not len(tiles):
-        tiles = np.array([float(DEFAULT_IMAGE_TILES)])
-    patches = group * tiles
-    full = float((patches * patches).sum() / patches.sum())
-    if not v.windowed:
-        return full, full
-    window = np.minimum(patches, v.window_patches**2)
-    return float((patches * window).sum() / patches.sum()), full
 
 
 def llm_mlp_params_per_token(spec: ModelSpec) -> int:
@@ -127,12 +104,13 @@ class ModelFlops:
         h, q = llm.hidden_size, llm.q_size  # q: heads x head size (Qwen3-32B: 8192 on 5120)
         mlp = llm_mlp_params_per_token(spec)
         mergers = 1 + len(v.deepstack_indexes)  # the merger and each DeepStack merger
-        window, full = native_spans(v, image_tiles) if v.native_resolution else (s, s)
+        attention = family_of_spec(spec).vit_attention(v, image_tiles)
+        window, full = attention.window_span, attention.full_span
         return cls(
             patch_per_tile=2.0 * v.num_patches * v.patch_dim * hv,
             vit_layer_per_tile=s * vit_layer_linear_per_patch(v) + 4.0 * s * window * hv,
             vit_full_layer_per_tile=s * vit_layer_linear_per_patch(v) + 4.0 * s * full * hv,
-            vit_full_layers=len(v.fullatt_block_indexes) if v.native_resolution else 0,
+            vit_full_layers=attention.full_layers,
             projector_per_tile=2.0 * mergers * spec.tokens_per_tile
             * (spec.projector_in * spec.projector_hidden + spec.projector_hidden * h),
             llm_layer_per_token=2.0 * (2 * h * q + 2 * h * llm.kv_size + mlp),

@@ -39,8 +39,8 @@ from megatron_omnibal.data.lengths import (
     read_stats_config,
 )
 from megatron_omnibal.data.native.video import NativeVideoSettings
-from megatron_omnibal.data.stats.model_data import model_data_side
 from megatron_omnibal.data.video_lengths import load_video_plan
+from megatron_omnibal.models.data_side import model_data_side
 from megatron_omnibal.models.presets import get_preset
 from tests.data.native.test_qwen25vl_video import transformers_video_rules
 from tests.helpers.video_files import write_video

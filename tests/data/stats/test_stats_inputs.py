@@ -19,9 +19,9 @@ from megatron_omnibal.data.images.tiles import ImageDecodeError, decode_image
 from megatron_omnibal.data.lengths import load_image_tiles, load_lengths, read_stats_config
 from megatron_omnibal.data.sample.config import StatsConfig, config_from_dict
 from megatron_omnibal.data.stats.compute import StatsError, compute_stats
-from megatron_omnibal.data.stats.model_data import model_data_side
 from megatron_omnibal.data.text.conversations import INTERNVL_IMAGE, SampleError
 from megatron_omnibal.data.text.tokenization import TokenCounter
+from megatron_omnibal.models.data_side import model_data_side
 from megatron_omnibal.models.presets import get_preset
 
 WORDS = ["the", "a", "cat", "dog", "chart", "shows", "value", "of", "red", "blue", "what", "is",

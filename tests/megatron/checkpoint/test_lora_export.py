@@ -92,7 +92,7 @@ def test_contiguous_qkv_split_fails_the_check(run: dict, tmp_path: Path) -> None
     per KV group: [q heads of group 0, k0, v0, q heads of group 1, ...])."""
     from safetensors.torch import load_file, save_file
 
-    from megatron_omnibal.models.hf_weights import _qkv_fuse
+    from megatron_omnibal.models.families.shared.weights import qkv_fuse as _qkv_fuse
 
     src = run["adapter_full"]
     adapter = load_file(src / "adapter_model.safetensors")

@@ -11,14 +11,10 @@ import pytest
 
 from megatron_omnibal.cli import main as cli_main
 from megatron_omnibal.data.lengths import from_arrays, save_lengths
+from megatron_omnibal.models.families.shared.qwen_native import DEFAULT_IMAGE_TILES, native_spans
 from megatron_omnibal.models.presets import QWEN25_VIT, get_preset
 from megatron_omnibal.planner.cost_model.costs import analytic_costs, workload_features
-from megatron_omnibal.planner.cost_model.flops import (
-    DEFAULT_IMAGE_TILES,
-    ModelFlops,
-    native_spans,
-    vit_layer_flops,
-)
+from megatron_omnibal.planner.cost_model.flops import ModelFlops, vit_layer_flops
 from megatron_omnibal.planner.cost_model.hardware import get_hardware
 
 # Patch grids (t, h, w): 8 x 12 patches (windows of 8 x 8 and 8 x 4), 4 x 6 (one window
