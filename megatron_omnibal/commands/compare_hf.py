@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iteration", type=non_negative_int,
                         help="checkpoint iteration (default: latest)")  # fmt: skip
     parser.add_argument("--tp", type=positive_int, help="TP to run at (default: the checkpoint's)")
+    parser.add_argument("--ep", type=positive_int,
+                        help="expert parallel size to run a mixture-of-experts LLM at "
+                        "(default: the checkpoint's; another only for torch_dist)")  # fmt: skip
     parser.add_argument("--omnibal-vit-pp-layers", type=counts, metavar="N,N,..",
                         help="ViT layers per stage to run at (torch_dist checkpoints)")  # fmt: skip
     parser.add_argument("--omnibal-llm-pp-layers", type=counts, metavar="N,N,..",
@@ -48,8 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "HF_DIR)")  # fmt: skip
 
 
-def _layout(args: argparse.Namespace, ckpt) -> tuple[list, int]:
-    from megatron_omnibal.megatron.stages.configs import check_tensor_parallel, padded_heads
+def _layout(args: argparse.Namespace, ckpt) -> tuple[list, int, int]:
+    from megatron_omnibal.megatron.stages.configs import (
+        check_expert_parallel,
+        check_tensor_parallel,
+        padded_heads,
+    )
     from megatron_omnibal.megatron.stages.layout import layout_from_counts
 
     spec = ckpt.spec
@@ -62,8 +69,12 @@ def _layout(args: argparse.Namespace, ckpt) -> tuple[list, int]:
         )
     else:
         layouts = list(ckpt.layouts)
-    tp = args.tp or ckpt.tp
+    tp, ep = args.tp or ckpt.tp, args.ep or ckpt.ep
     check_tensor_parallel(spec, tp)
+    try:
+        check_expert_parallel(spec, ep)
+    except ValueError as exc:
+        raise ValueError(f"--ep: {exc}") from None
     heads = spec.vit.num_attention_heads
     if padded_heads(heads, tp) != padded_heads(heads, ckpt.tp):
         raise ValueError(
@@ -71,16 +82,16 @@ def _layout(args: argparse.Namespace, ckpt) -> tuple[list, int]:
             f"the checkpoint (TP {ckpt.tp}) holds {padded_heads(heads, ckpt.tp)}; use a TP that "
             "pads them alike"
         )
-    same = tp == ckpt.tp and [(s.vit_layers, s.llm_layers) for s in layouts] == [
+    same = tp == ckpt.tp and ep == ckpt.ep and [(s.vit_layers, s.llm_layers) for s in layouts] == [
         (s.vit_layers, s.llm_layers) for s in ckpt.layouts
     ]
     if ckpt.format == "torch" and not same:
         raise ValueError(
             f"{ckpt.path} is a torch-format checkpoint: it loads only at its own layout "
-            f"(TP {ckpt.tp}, PP {len(ckpt.layouts)} as written); a torch_dist checkpoint loads "
-            "at any layout"
+            f"(TP {ckpt.tp}, PP {len(ckpt.layouts)}, EP {ckpt.ep} as written); a torch_dist "
+            "checkpoint loads at any layout"
         )
-    return layouts, tp
+    return layouts, tp, ep
 
 
 def _difference(got, want) -> dict[str, float]:
@@ -102,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     ckpt = open_checkpoint(args.ckpt_dir, args.iteration)
     if ckpt.spec != hf.spec:
         raise ValueError(f"{args.ckpt_dir} holds another model than {args.hf_dir}")
-    layouts, tp = _layout(args, ckpt)
+    layouts, tp, ep = _layout(args, ckpt)
     samples = probe_samples(hf.spec, args.seed)
     if args.adapter is not None and ckpt.lora is None:
         raise ValueError(f"--adapter: {args.ckpt_dir} holds no LoRA adapters")
@@ -129,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         program = [
             "-m", "megatron_omnibal.megatron.compare.compare_worker", "--ckpt", str(ckpt.path),
             "--format", ckpt.format, "--spec", json.dumps(hf.spec.to_dict()), "--tp", str(tp),
+            "--ep", str(ep),
             "--ckpt-pp", str(ckpt.pp), "--stages", json.dumps([st.to_dict() for st in layouts]),
             "--samples", str(work / "samples.pt"), "--out", str(work),
         ]  # fmt: skip
@@ -138,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             program += ["--lora", json.dumps(ckpt.lora.to_dict())]
             if ckpt.adapters_only:
                 program += ["--base-hf", str(base)]
-        proc = local_ranks.run(tp * len(layouts), program)
+        proc = local_ranks.run(tp * len(layouts) * ep, program)
         if proc.returncode:
             sys.stderr.write(proc.stderr[-4000:])
             raise ValueError("the Megatron stages failed (their output is above)")
@@ -165,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         ok=worst <= args.tolerance,
         tp=tp,
         pp=len(layouts),
+        ep=ep,
         vit_pp_layers=[st.num_vit_layers for st in layouts],
         llm_pp_layers=[st.num_llm_layers for st in layouts],
         sequence_parallel=args.sequence_parallel,

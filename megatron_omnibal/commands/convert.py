@@ -10,7 +10,7 @@ from pathlib import Path
 
 from megatron_omnibal.cli_args import counts, non_negative_int, output_dir, positive_int
 
-HELP = "convert HF InternVL/LLaVA checkpoints to Megatron checkpoints (any TP/PP) and back"
+HELP = "convert HF VLM checkpoints to Megatron checkpoints (any TP/PP/EP) and back"
 
 DTYPES = ("bf16", "fp16", "fp32")
 
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     to_meg = sub.add_parser(
         "hf-to-megatron",
-        help="HF checkpoint -> Megatron checkpoint for a TP/PP layout",
+        help="HF checkpoint -> Megatron checkpoint for a TP/PP/EP layout",
         description="Write a Megatron checkpoint of the VLM stages that pretrain_vlm starts "
         "from with --pretrained-checkpoint (or --load DIR --finetune --no-load-optim "
         "--no-load-rng). The layout comes from a plan or from the flags.",
@@ -48,13 +48,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_meg.add_argument("--plan", type=Path, help="plan.json from `omnibal plan` (layout, TP)")
     to_meg.add_argument("--tp", type=positive_int, help="tensor parallel size (without --plan)")
     to_meg.add_argument("--pp", type=positive_int, help="pipeline stages (without --plan)")
+    to_meg.add_argument("--ep", type=positive_int,
+                        help="expert parallel size of a mixture-of-experts LLM (without --plan; "
+                        "default 1): torch-format files per expert-parallel rank; torch_dist "
+                        "loads at any EP")  # fmt: skip
     to_meg.add_argument("--omnibal-vit-pp-layers", type=counts, metavar="N,N,..",
                         help="ViT layers per stage (without --plan)")  # fmt: skip
     to_meg.add_argument("--omnibal-llm-pp-layers", type=counts, metavar="N,N,..",
                         help="LLM layers per stage (without --plan)")  # fmt: skip
     to_meg.add_argument("--ckpt-format", choices=("torch", "torch_dist"), default="torch",
                         help="Megatron checkpoint format (torch_dist: written by Megatron itself "
-                             "in TP x PP local processes)")  # fmt: skip
+                             "in TP x PP x EP local processes)")  # fmt: skip
     to_meg.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
     to_meg.add_argument("--force", action="store_true", help="write into an existing --out")
     to_meg.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -101,30 +105,35 @@ def _dtype(name: str | None):
     ]
 
 
-def _layouts(args: argparse.Namespace, spec) -> tuple[list, int, int]:
-    """(the stages, or a plan's virtual stages; TP; PP)."""
-    from megatron_omnibal.megatron.stages.configs import check_tensor_parallel
+def _layouts(args: argparse.Namespace, spec) -> tuple[list, int, int, int]:
+    """(the stages, or a plan's virtual stages; TP; PP; EP)."""
+    from megatron_omnibal.megatron.stages.configs import (
+        check_expert_parallel,
+        check_tensor_parallel,
+    )
     from megatron_omnibal.megatron.stages.layout import layout_from_counts, layout_from_plan
     from megatron_omnibal.planner.plan_file.plan import load_plan
 
-    flags = (args.tp, args.pp, args.omnibal_vit_pp_layers, args.omnibal_llm_pp_layers)
+    flags = (args.tp, args.pp, args.ep, args.omnibal_vit_pp_layers, args.omnibal_llm_pp_layers)
     if args.plan is not None:
         if any(f is not None for f in flags):
-            raise ValueError("give --plan or the layout flags (--tp --pp --omnibal-*-pp-layers)")
+            raise ValueError(
+                "give --plan or the layout flags (--tp --pp --ep --omnibal-*-pp-layers)"
+            )
         plan = load_plan(args.plan)
         if plan.model_spec != spec:
             raise ValueError(
                 f"--plan {args.plan} was made for another model than {args.hf_dir} "
                 "(their model specs differ; plan with `omnibal plan --model HF_DIR`)"
             )
-        tp, pp = plan.parallel.tp, plan.parallel.pp
+        tp, pp, ep = plan.parallel.tp, plan.parallel.pp, plan.parallel.ep
         layouts = layout_from_plan(plan, pp)
     else:
         if args.omnibal_vit_pp_layers is None or args.omnibal_llm_pp_layers is None:
             raise ValueError(
                 "give --plan, or --omnibal-vit-pp-layers and --omnibal-llm-pp-layers (with --tp)"
             )
-        tp = args.tp or 1
+        tp, ep = args.tp or 1, args.ep or 1
         layouts = layout_from_counts(
             args.omnibal_vit_pp_layers,
             args.omnibal_llm_pp_layers,
@@ -137,7 +146,11 @@ def _layouts(args: argparse.Namespace, spec) -> tuple[list, int, int]:
             )
         pp = len(layouts)
     check_tensor_parallel(spec, tp)
-    return layouts, tp, pp
+    try:
+        check_expert_parallel(spec, ep)
+    except ValueError as exc:
+        raise ValueError(f"--ep: {exc}") from None
+    return layouts, tp, pp, ep
 
 
 def _bar(total: int, desc: str, off: bool):
@@ -151,7 +164,7 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
     from megatron_omnibal.models.hf_weights import canonical_shapes
 
     hf = read_hf(args.hf_dir)
-    layouts, tp, pp = _layouts(args, hf.spec)
+    layouts, tp, pp, ep = _layouts(args, hf.spec)
     _out_dir(args.out, args.force)
     total = len(canonical_shapes(hf)) + int(hf.spec.llm.tie_embeddings)
     with _bar(total, "convert", args.no_progress) as bar:
@@ -159,12 +172,12 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
             from megatron_omnibal.megatron.checkpoint.hf_checkpoint import write_torch_checkpoint
 
             written = write_torch_checkpoint(
-                hf, layouts, tp, args.out, _dtype(args.dtype), bar.update, pp
+                hf, layouts, tp, args.out, _dtype(args.dtype), bar.update, pp, ep
             )
         else:
             from megatron_omnibal.megatron.checkpoint.dist_convert import write_dist_checkpoint
 
-            written = write_dist_checkpoint(hf, layouts, tp, args.out, args.dtype)
+            written = write_dist_checkpoint(hf, layouts, tp, args.out, args.dtype, ep)
             bar.update(total)
     stages = " | ".join(
         f"vit {st.vit_layers[0]}-{st.vit_layers[1]} llm {st.llm_layers[0]}-{st.llm_layers[1]}"
@@ -172,7 +185,8 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
     )
     chunks = f" x {len(layouts) // pp} chunks" if len(layouts) > pp else ""
     print(
-        f"wrote {args.out} ({args.ckpt_format}, TP {tp} x PP {pp}{chunks}: {stages}; "
+        f"wrote {args.out} ({args.ckpt_format}, TP {tp} x PP {pp}{chunks}"
+        f"{f' x EP {ep}' if ep > 1 else ''}: {stages}; "
         f"{len(written)} files)"
     )
     return 0

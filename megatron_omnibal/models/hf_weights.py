@@ -261,6 +261,14 @@ def spec_shapes(
         if llm.qk_norm:
             layer["self_attention.q_layernorm.weight"] = (llm.kv_channels,)
             layer["self_attention.k_layernorm.weight"] = (llm.kv_channels,)
+        if llm.is_moe:  # the router and each expert in place of the dense MLP
+            del layer["mlp.linear_fc1.weight"], layer["mlp.linear_fc2.weight"]
+            layer["mlp.router.weight"] = (llm.num_experts, H)
+            f = llm.moe_ffn_hidden_size
+            for e in range(llm.num_experts):
+                expert = f"mlp.experts.local_experts.{e}."
+                layer[expert + "linear_fc1.weight"] = ((2 if llm.gated_mlp else 1) * f, H)
+                layer[expert + "linear_fc2.weight"] = (H, f)
         out.update({pre + k: shape for k, shape in layer.items()})
     out["llm.final_layernorm.weight"] = (H,)
     if not llm.tie_embeddings:

@@ -12,7 +12,8 @@ Families (each shaped like the real one, a few layers wide):
 - llava: LLaVA-1.5-like (CLIP with pre-LayerNorm and quick_gelu, feature layer -2, MLP
   projector, Llama).
 Newer LLMs in the same towers (`text=`): qwen3 (InternVL3.5: per-head QK-norm, a head size of
-16 on a width of 32 with 4 heads, no biases) and llama3 (Llama-3.x RoPE: rope_type llama3,
+16 on a width of 32 with 4 heads, no biases), qwen3_moe (InternVL3.5-30B-A3B: the same with
+MOE_TEXT's experts, stored one tensor per expert) and llama3 (Llama-3.x RoPE: rope_type llama3,
 factor 32, theta 500000, so the 8-wide heads have a frequency in each of its three bands).
 """
 
@@ -26,6 +27,10 @@ import torch
 
 IMG_CONTEXT, IMG_START, IMG_END = 150, 151, 152  # InternVL's special tokens in the tiny vocab
 LLAVA_IMAGE = 120
+# A tiny Qwen3-MoE LLM (InternVL3.5-30B-A3B's shape, scaled down): 4 experts of width 24, top 2,
+# the picked probabilities renormalised, a non-zero load-balancing coefficient.
+MOE_TEXT = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+            "norm_topk_prob": True, "router_aux_loss_coef": 0.01}  # fmt: skip
 
 
 @dataclass
@@ -47,13 +52,15 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
 
 
 def _text_config(kind: str, vocab: int, tie: bool, layers: int = 4) -> dict:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig,
-           "llama3": LlamaConfig}[kind]  # fmt: skip
+           "llama3": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}[kind]  # fmt: skip
     extra: dict = {"rope_theta": 5000.0, "max_position_embeddings": 256}
-    if kind == "qwen3":
+    if kind in ("qwen3", "qwen3_moe"):
         extra["head_dim"] = 16
+    if kind == "qwen3_moe":
+        extra.update(MOE_TEXT)
     if kind == "llama3":
         extra = {
             "max_position_embeddings": 131072,
@@ -194,11 +201,18 @@ def internvl_chat(
             "bias": False,
             "tie_word_embeddings": False,
         }
+    elif text == "qwen3_moe":  # one tensor per expert, as transformers saves (not holds) them
+        from safetensors.torch import load_file
+
+        saved = load_file(native.path / "model.safetensors")
+        out.update({k: t for k, t in saved.items() if k.startswith("language_model.")})
     else:  # transformers' own LLM names under `language_model.`
         out.update({"language_model.model." + k[len(T):]: t for k, t in sd.items()
                     if k.startswith(T)})  # fmt: skip
         out["language_model.lm_head.weight"] = sd["lm_head.weight"]
-        arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[text]
+    if text != "internlm2":
+        arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}[text]  # fmt: skip
         llm_config = {**tc.to_dict(), "architectures": [arch]}
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in out.items()}, str(path / "model.safetensors"))

@@ -102,8 +102,6 @@ def _edited(src: Path, dst: Path, edit) -> Path:
         (lambda d: d["text_config"].update(rope_parameters={
             "rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}),
          "RoPE scaling 'linear' is not supported"),
-        (lambda d: d["text_config"].update(model_type="qwen3_moe"),
-         "'qwen3_moe': Qwen3-MoE is a mixture-of-experts LLM, not supported"),
         (lambda d: d["text_config"].update(model_type="gpt_oss"),
          "'gpt_oss': GPT-OSS is a mixture-of-experts LLM, not supported"),
         (lambda d: d["text_config"].update(model_type="qwen2", use_sliding_window=True),
@@ -122,8 +120,6 @@ def test_what_cannot_be_built_exactly_is_refused(tmp_path: Path, edit, message: 
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda d: d["llm_config"].update(architectures=["Qwen3MoeForCausalLM"]),
-         r"\['Qwen3MoeForCausalLM'\]: Qwen3-MoE is a mixture-of-experts LLM"),
         (lambda d: d["llm_config"].update(architectures=["GptOssForCausalLM"]),
          r"\['GptOssForCausalLM'\]: GPT-OSS is a mixture-of-experts LLM"),
         (lambda d: d["llm_config"].update(architectures=["Phi3ForCausalLM"]),

@@ -4,10 +4,12 @@ one group at a time, in one process.
 Why not through Megatron's loader: exporting a trained 26B model must not need the training job's
 GPUs or the whole model in memory. Both formats megatron.training writes are read directly:
 
-- `torch`: one file per (TP, PP) rank (`mp_rank_TT[_PPP]/model_optim_rng.pt`): a stage's TP files
-  are loaded, their local layer indices made global and their pieces joined (tp_shard.unshard);
-- `torch_dist`: global tensors by key (a tower's layers stacked along a leading layer axis, the
-  layer norms under Transformer Engine's names); each layer is loaded on its own.
+- `torch`: one file per (TP, PP, EP) rank (`mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`): a
+  stage's TP files are loaded, their local layer indices made global and their pieces joined
+  (tp_shard.unshard); under EP each EP rank's file adds its experts (local indices made global);
+- `torch_dist`: global tensors by key (a tower's layers stacked along a leading layer axis, a
+  MoE layer's experts along a second one, the layer norms under Transformer Engine's names);
+  each layer is loaded on its own.
 
 The model spec and the stage layout come from the checkpoint itself: `omnibal_model.json`
 (written by `omnibal convert`) or the `omnibal_model_spec` / `omnibal_stages` entries the
@@ -27,7 +29,12 @@ from typing import Any
 import torch
 
 from megatron_omnibal.megatron.checkpoint.hf_checkpoint import MODEL_FILE, TRACKER, rank_dir
-from megatron_omnibal.megatron.checkpoint.stage_weights import TIED_HEAD, to_global
+from megatron_omnibal.megatron.checkpoint.stage_weights import (
+    TIED_HEAD,
+    expert_index,
+    renumber_expert,
+    to_global,
+)
 from megatron_omnibal.megatron.checkpoint.tp_shard import unshard
 from megatron_omnibal.megatron.stages.layout import layout_from_dicts
 from megatron_omnibal.models.lora import LoraSpec
@@ -57,6 +64,7 @@ class Checkpoint:
     pp: int  # pipeline ranks (fewer than the layouts with virtual stages)
     lora: LoraSpec | None = None  # a LoRA run's adapters (pretrain_vlm's --omnibal-lora-*)
     adapters_only: bool = False  # its checkpoints hold the adapters, not the base weights
+    ep: int = 1  # expert-parallel ranks (torch format: EP files per TP x PP rank)
 
 
 def _lora_from_args(saved: Any) -> tuple[LoraSpec | None, bool]:
@@ -94,8 +102,8 @@ def _record(info: dict, where: str) -> tuple[ModelSpec, list[StageLayout]]:
     return spec, layouts
 
 
-def _from_args(saved: Any, where: str) -> tuple[ModelSpec, list[StageLayout], int, int]:
-    """Model, layout, TP and PP size from the argument namespace a checkpoint saved."""
+def _from_args(saved: Any, where: str) -> tuple[ModelSpec, list[StageLayout], int, int, int]:
+    """Model, layout, TP, PP and EP size from the argument namespace a checkpoint saved."""
     spec_text = getattr(saved, "omnibal_model_spec", None)
     stages_text = getattr(saved, "omnibal_stages", None)
     if spec_text is None or stages_text is None:
@@ -107,7 +115,8 @@ def _from_args(saved: Any, where: str) -> tuple[ModelSpec, list[StageLayout], in
         {"model_spec": json.loads(spec_text), "stages": json.loads(stages_text)}, where
     )
     pp = int(getattr(saved, "pipeline_model_parallel_size", len(layouts)))
-    return spec, layouts, int(saved.tensor_model_parallel_size), pp
+    ep = int(getattr(saved, "expert_model_parallel_size", 1) or 1)
+    return spec, layouts, int(saved.tensor_model_parallel_size), pp, ep
 
 
 def open_checkpoint(root: str | Path, iteration: int | None = None) -> Checkpoint:
@@ -128,32 +137,37 @@ def open_checkpoint(root: str | Path, iteration: int | None = None) -> Checkpoin
         info = json.loads(record.read_text())
         spec, layouts = _record(info, str(record))
         tp, pp = int(info["tensor_parallel"]), int(info.get("pipeline_parallel", len(layouts)))
+        ep = int(info.get("expert_parallel", 1))
     elif fmt == "torch_dist":
         from megatron.core import dist_checkpointing
 
         common = dist_checkpointing.load_common_state_dict(str(path))
-        spec, layouts, tp, pp = _from_args(common.get("args"), str(path))
+        spec, layouts, tp, pp, ep = _from_args(common.get("args"), str(path))
         lora, adapters_only = _lora_from_args(common.get("args"))
     else:
         first = next(iter(sorted(path.glob("mp_rank_*"))))
         state = torch.load(first / "model_optim_rng.pt", map_location="cpu", weights_only=False)
-        spec, layouts, tp, pp = _from_args(state.get("args"), str(first))
+        spec, layouts, tp, pp, ep = _from_args(state.get("args"), str(first))
         lora, adapters_only = _lora_from_args(state.get("args"))
     if pp < 1 or len(layouts) % pp:
         raise CheckpointError(f"{path}: {len(layouts)} stages do not divide over PP {pp}")
-    return Checkpoint(path, fmt, spec, tuple(layouts), tp, it, pp, lora, adapters_only)
+    return Checkpoint(path, fmt, spec, tuple(layouts), tp, it, pp, lora, adapters_only, ep)
 
 
 def _torch_stage(ckpt: Checkpoint, stage: int) -> dict[str, torch.Tensor]:
     """Virtual stage `stage`: model chunk stage // pp of rank stage % pp (with virtual stages
-    a rank's file holds `model0`, `model1`, ...)."""
+    a rank's file holds `model0`, `model1`, ...); under EP the dense tensors of EP rank 0's
+    files, the experts of every EP rank's."""
     layout = ckpt.layouts[stage]
     key = "model" if len(ckpt.layouts) == ckpt.pp else f"model{stage // ckpt.pp}"
+    per_rank = ckpt.spec.llm.num_experts // ckpt.ep
     parts: dict[str, list[torch.Tensor]] = {}
-    for r in range(ckpt.tp):
-        f = rank_dir(ckpt.path, r, stage % ckpt.pp, ckpt.pp) / "model_optim_rng.pt"
+    for e, r in ((e, r) for e in range(ckpt.ep) for r in range(ckpt.tp)):
+        f = rank_dir(ckpt.path, r, stage % ckpt.pp, ckpt.pp, e, ckpt.ep) / "model_optim_rng.pt"
         if not f.is_file():
-            raise CheckpointError(f"{f}: missing (TP {ckpt.tp} x PP {ckpt.pp} files)")
+            raise CheckpointError(
+                f"{f}: missing (TP {ckpt.tp} x PP {ckpt.pp} x EP {ckpt.ep} files)"
+            )
         state = torch.load(f, map_location="cpu", weights_only=False)
         model = state.get(key)
         if model is None:
@@ -164,7 +178,10 @@ def _torch_stage(ckpt: Checkpoint, stage: int) -> dict[str, torch.Tensor]:
         for local, tensor in model.items():
             if local.endswith("._extra_state") or tensor is None:
                 continue
-            parts.setdefault(to_global(local, layout), []).append(tensor)
+            if e > 0 and expert_index(local) is None:
+                continue  # EP rank 0's copy of what every EP rank holds
+            name = renumber_expert(to_global(local, layout), e * per_rank)
+            parts.setdefault(name, []).append(tensor)
     out = {}
     for name, pieces in parts.items():
         if name == TIED_HEAD and ckpt.spec.llm.tie_embeddings:
@@ -176,6 +193,8 @@ def _torch_stage(ckpt: Checkpoint, stage: int) -> dict[str, torch.Tensor]:
 
 
 _STACKED = re.compile(r"^(vit|llm)\.layers\.(.+)$")
+# megatron-core's SequentialMLP stacks a layer's experts under one key, along axis 1.
+_EXPERTS = "mlp.experts.experts."
 
 
 class _DistChunks:
@@ -247,7 +266,14 @@ def _dist_tensors(ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         for i in range(meta.size[0]):
             name = f"{m.group(1)}.layers.{i}.{_canonical_suffix(m.group(2))}"
-            yield name, unshard(name, [chunks.read(key, meta, i)], ckpt.spec)
+            layer = chunks.read(key, meta, i)
+            if not m.group(2).startswith(_EXPERTS):
+                yield name, unshard(name, [layer], ckpt.spec)
+                continue
+            rest = m.group(2)[len(_EXPERTS) :]
+            for e, tensor in enumerate(layer):
+                name = f"{m.group(1)}.layers.{i}.mlp.experts.local_experts.{e}.{rest}"
+                yield name, unshard(name, [tensor], ckpt.spec)
 
 
 def canonical_groups(ckpt: Checkpoint) -> Iterator[dict[str, torch.Tensor]]:

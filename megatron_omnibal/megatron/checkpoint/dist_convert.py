@@ -2,15 +2,16 @@
 
 Why processes: a torch_dist checkpoint holds global tensors under the keys of the modules'
 sharded state dicts (a tower's layers stacked, tied heads, padded vocabularies), which only the
-built modules know. So TP x PP local CPU processes (forked by megatron/runtime/local_ranks.py;
-gloo; GPUs hidden) each build their stage, fill it from the HF tensors of that stage alone and
-save with megatron-core's dist_checkpointing, as megatron.training does. Each process holds one
-TP x PP shard.
+built modules know. So TP x PP x EP local CPU processes (forked by
+megatron/runtime/local_ranks.py; gloo; GPUs hidden) each build their stage, fill it from the HF
+tensors of that stage alone and save with megatron-core's dist_checkpointing, as
+megatron.training does. Each process holds one TP x PP shard and its EP rank's experts
+(megatron-core stores every expert at its global index: the checkpoint loads at any EP).
 
 Run by `omnibal convert hf-to-megatron --ckpt-format torch_dist`; the module's main() is the
 worker (under torchrun, or as run here): python -m megatron_omnibal.megatron.runtime.local_ranks
 --nproc-per-node N -m megatron_omnibal.megatron.checkpoint.dist_convert
---hf DIR --out DIR --tp T --stages JSON [--dtype bf16|fp16|fp32]
+--hf DIR --out DIR --tp T [--ep E] --stages JSON [--dtype bf16|fp16|fp32]
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ CHECKPOINT_VERSION = 3.0
 
 
 def write_dist_checkpoint(
-    hf: HFModel, layouts: Sequence[StageLayout], tp: int, out: Path, dtype: str | None
+    hf: HFModel, layouts: Sequence[StageLayout], tp: int, out: Path, dtype: str | None,
+    ep: int = 1,
 ) -> list[Path]:
-    """Run the TP x PP worker processes; returns the files written."""
+    """Run the TP x PP x EP worker processes; returns the files written."""
     stages = json.dumps([st.to_dict() for st in layouts])
-    program = ["-m", "megatron_omnibal.megatron.checkpoint.dist_convert",
-               "--hf", str(hf.path), "--out", str(out), "--tp", str(tp), "--stages", stages]
+    program = ["-m", "megatron_omnibal.megatron.checkpoint.dist_convert", "--hf", str(hf.path),
+               "--out", str(out), "--tp", str(tp), "--ep", str(ep), "--stages", stages]
     if dtype:
         program += ["--dtype", dtype]
-    proc = local_ranks.run(tp * len(layouts), program)
+    proc = local_ranks.run(tp * len(layouts) * ep, program)
     if proc.returncode:
         lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln]
         raise RuntimeError(
@@ -52,6 +54,7 @@ def _worker(argv: Sequence[str]) -> None:
     parser.add_argument("--hf", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--stages", required=True)
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"))
     args = parser.parse_args(argv)
@@ -77,7 +80,7 @@ def _worker(argv: Sequence[str]) -> None:
     layouts = layout_from_dicts(
         json.loads(args.stages), spec.vit.num_layers, spec.llm.num_layers, "--stages"
     )
-    init_parallel(layouts, args.tp)
+    init_parallel(layouts, args.tp, args.ep)
     model = build_stage(spec, layouts)
     layout = layouts[ps.get_pipeline_model_parallel_rank()]
     names = stage_names(spec, layout, [r.canonical for r in rules_for(hf)])
@@ -90,6 +93,7 @@ def _worker(argv: Sequence[str]) -> None:
     saved_args = argparse.Namespace(
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=len(layouts),
+        expert_model_parallel_size=args.ep,
         omnibal_model_spec=json.dumps(spec.to_dict()),
         omnibal_stages=args.stages,
     )
@@ -117,6 +121,7 @@ def _worker(argv: Sequence[str]) -> None:
         record = {
             "model_spec": spec.to_dict(),
             "tensor_parallel": args.tp,
+            "expert_parallel": args.ep,
             "stages": json.loads(args.stages),
             "hf_source": str(hf.path),
             "family": hf.family,

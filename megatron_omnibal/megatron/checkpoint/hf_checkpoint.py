@@ -2,8 +2,9 @@
 
 Why streaming: a 26B checkpoint does not fit the converting machine's memory twice over. The
 HF tensors of one stage are read (models.hf_weights, tensor by tensor), turned into canonical
-tensors, cut into each TP rank's piece (megatron.tp_shard) and written as that rank's file of
-Megatron's `torch` format (`release/mp_rank_TT[_PPP]/model_optim_rng.pt`, the layout
+tensors, cut into each TP rank's piece (megatron.tp_shard; a mixture-of-experts layer's experts also
+over the expert-parallel ranks) and written as that rank's file of Megatron's `torch` format
+(`release/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`, the layout
 megatron.training's load_checkpoint reads, `_extra_state` entries included); then the next
 stage. Peak memory is one stage's tensors.
 
@@ -30,10 +31,13 @@ MODEL_FILE = "omnibal_model.json"
 CHECKPOINT_VERSION = 3.0  # megatron.training's current torch-format version
 
 
-def rank_dir(root: Path, tp_rank: int, pp_rank: int, pp_size: int) -> Path:
-    """megatron.training's directory of one model-parallel rank's file."""
+def rank_dir(
+    root: Path, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1
+) -> Path:
+    """megatron.training's directory of one model-parallel rank's file (`_EEE`: the
+    expert-parallel rank, under EP > 1)."""
     name = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-    return root / name
+    return root / (name if ep_size == 1 else f"{name}_{ep_rank:03d}")
 
 
 def write_torch_checkpoint(
@@ -44,13 +48,15 @@ def write_torch_checkpoint(
     dtype: torch.dtype | None = None,
     progress: Callable[[int], None] | None = None,
     pp: int | None = None,
+    ep: int = 1,
 ) -> list[Path]:
     """Write `hf` as a `torch`-format Megatron checkpoint for `layouts` at TP `tp` (iteration
     'release', as Megatron-LM's converters do). Returns the files written. `progress` is called
     with the number of canonical tensors done after each pipeline rank. With `pp` ranks fewer
     than the layouts (virtual stages: interleaved 1F1B) each rank's file holds its chunks
     under `model0`, `model1`, ... as megatron.training saves them; peak memory is one rank's
-    tensors."""
+    tensors. With `ep` expert-parallel ranks each (TP, PP) rank has `ep` files, each with the
+    dense tensors and its own experts (megatron.training's `mp_rank_TT[_PPP]_EEE`)."""
     spec = hf.spec
     reader = SafetensorsReader(hf)
     order = [r.canonical for r in rules_for(hf)]
@@ -63,16 +69,16 @@ def write_torch_checkpoint(
         names = [stage_names(spec, layouts[v], order) for v in virtual]
         wanted = {source(n, spec) for chunk in names for n in chunk}
         tensors = dict(canonical_tensors(hf, reader, wanted.__contains__))
-        for r in range(tp):
+        for r, e in ((r, e) for r in range(tp) for e in range(ep)):
             state = {}
             for c, (v, chunk) in enumerate(zip(virtual, names, strict=True)):
                 model = stage_state_dict(
-                    spec, layouts[v], {n: tensors[source(n, spec)] for n in chunk}, tp, r
+                    spec, layouts[v], {n: tensors[source(n, spec)] for n in chunk}, tp, r, ep, e
                 )
                 if dtype is not None:
                     model = {k: t if t is None else t.to(dtype) for k, t in model.items()}
                 state[f"model{c}" if chunked else "model"] = model
-            path = rank_dir(release, r, rank, pp) / "model_optim_rng.pt"
+            path = rank_dir(release, r, rank, pp, e, ep) / "model_optim_rng.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save({**state, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}, path)
             written.append(path)
@@ -85,6 +91,7 @@ def write_torch_checkpoint(
         "model_spec": spec.to_dict(),
         "tensor_parallel": tp,
         "pipeline_parallel": pp,
+        "expert_parallel": ep,
         "stages": [st.to_dict() for st in layouts],
         "hf_source": str(hf.path),
         "family": hf.family,

@@ -19,15 +19,17 @@ from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
 
-def init_parallel(layouts: Sequence[StageLayout], tp: int) -> None:
-    """Model-parallel groups for TP `tp` and the layout's PP size, with the embedding group
-    between the embedding's stage and the head's (tied heads)."""
+def init_parallel(layouts: Sequence[StageLayout], tp: int, ep: int = 1) -> None:
+    """Model-parallel groups for TP `tp`, the layout's PP size and EP `ep` (a mixture of
+    experts' ranks: the world is TP x PP x EP, data-parallel over EP for the dense parts), with
+    the embedding group between the embedding's stage and the head's (tied heads)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(
-        tp, len(layouts), get_embedding_ranks=embedding_ranks(layouts, len(layouts))
+        tp, len(layouts), get_embedding_ranks=embedding_ranks(layouts, len(layouts)),
+        expert_model_parallel_size=ep,
     )
     model_parallel_cuda_manual_seed(0)
 
@@ -76,7 +78,8 @@ def load_megatron_checkpoint(
 ) -> None:
     """Fill `model` from an iteration directory of a Megatron checkpoint: a torch-format
     checkpoint at this very layout (its `pp` ranks' files; with model chunks, fewer ranks than
-    stages, this rank's stage is virtual stage v, chunk v // pp of rank v % pp's file), or a
+    stages, this rank's stage is virtual stage v, chunk v // pp of rank v % pp's file; under EP
+    the file of this rank's EP rank, with its experts), or a
     torch_dist checkpoint at any layout. `adapters_only`: the checkpoint holds what a LoRA run
     trained (the base weights are in the model already)."""
     from megatron.core import parallel_state as ps
@@ -85,7 +88,9 @@ def load_megatron_checkpoint(
 
     if fmt == "torch":
         stage = ps.get_pipeline_model_parallel_rank()
-        f = rank_dir(path, ps.get_tensor_model_parallel_rank(), stage % pp, pp)
+        f = rank_dir(path, ps.get_tensor_model_parallel_rank(), stage % pp, pp,
+                     ps.get_expert_model_parallel_rank(),
+                     ps.get_expert_model_parallel_world_size())  # fmt: skip
         state = torch.load(f / "model_optim_rng.pt", map_location="cpu", weights_only=False)
         chunked = ps.get_pipeline_model_parallel_world_size() > pp
         model.load_state_dict(state[f"model{stage // pp}" if chunked else "model"],

@@ -1,6 +1,7 @@
 """Which canonical (model-wide, whole) tensors a pipeline stage holds, under which local names.
 
-Why: a Megatron checkpoint stores each (TP, PP) rank's own state dict with LOCAL layer indices,
+Why: a Megatron checkpoint stores each (TP, PP, EP) rank's own state dict with LOCAL layer
+indices (and a mixture-of-experts layer's experts by their index on their expert-parallel rank),
 while conversion and comparison work on canonical tensors with GLOBAL layer indices. This module
 is the one place that maps between the two for a layout, with pure arithmetic (no model built),
 so the converter can stream a stage at a time and tests can check it against real modules.
@@ -18,6 +19,7 @@ from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
 _LAYER = re.compile(r"^(vit|llm)\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 TIED_HEAD = "output_layer.weight"
 EMBEDDING = "embedding.word_embeddings.weight"
 # megatron-core linear layers that put an `_extra_state` entry into their state dict.
@@ -74,19 +76,45 @@ def source(name: str, spec: ModelSpec) -> str:
     return EMBEDDING if name == TIED_HEAD and spec.llm.tie_embeddings else name
 
 
+def expert_index(name: str) -> int | None:
+    """The expert index in a MoE layer's expert tensor's name (None: not an expert's)."""
+    m = _EXPERT.match(name)
+    return int(m.group(2)) if m else None
+
+
+def renumber_expert(name: str, shift: int) -> str:
+    """An expert tensor's name with its expert index moved by `shift` (global <-> the local
+    index of an expert-parallel rank, whose experts are rank x E/EP ... (rank + 1) x E/EP - 1)."""
+    m = _EXPERT.match(name)
+    return f"{m.group(1)}{int(m.group(2)) + shift}{m.group(3)}" if m else name
+
+
+def ep_owns(name: str, spec: ModelSpec, ep: int, ep_rank: int) -> bool:
+    """Whether expert-parallel rank `ep_rank` (of `ep`) holds canonical tensor `name` (every
+    rank holds what is not an expert's)."""
+    e = expert_index(name)
+    return e is None or e // (spec.llm.num_experts // ep) == ep_rank
+
+
 def stage_state_dict(
     spec: ModelSpec,
     layout: StageLayout,
     tensors: Mapping[str, torch.Tensor],
     tp: int,
     rank: int,
+    ep: int = 1,
+    ep_rank: int = 0,
 ) -> dict[str, torch.Tensor | None]:
-    """TP rank `rank`'s state dict of the stage (local names), as megatron-core's modules save
-    it: parameters, and an empty `_extra_state` for each linear layer. `tensors` maps every
-    canonical name of the stage (stage_names) to its tensor."""
+    """TP rank `rank`'s and expert-parallel rank `ep_rank`'s state dict of the stage (local
+    names: layers from the stage's first, experts from the EP rank's first), as megatron-core's
+    modules save it: parameters, and an empty `_extra_state` for each linear layer. `tensors`
+    maps every canonical name of the stage (stage_names) to its tensor."""
     out: dict[str, torch.Tensor | None] = {}
+    first_expert = ep_rank * (spec.llm.num_experts // ep)
     for name in tensors:
-        local = to_local(name, layout)
+        if not ep_owns(name, spec, ep, ep_rank):
+            continue
+        local = renumber_expert(to_local(name, layout), -first_expert)
         out[local] = shard(name, tensors[name], spec, tp, rank)
         m = _LINEARS.search(local)
         if m:

@@ -3,7 +3,8 @@ layout, one forward pass of the probe samples, its outputs saved for the compari
 
 python -m megatron_omnibal.megatron.runtime.local_ranks --nproc-per-node N
 -m megatron_omnibal.megatron.compare.compare_worker
---ckpt ITERATION_DIR --format torch|torch_dist --spec JSON --tp T --ckpt-pp P --stages JSON
+--ckpt ITERATION_DIR --format torch|torch_dist --spec JSON --tp T [--ep E] --ckpt-pp P
+--stages JSON
 [--sequence-parallel] [--lora JSON [--base-hf DIR]] --samples FILE --out DIR
 (--lora: the stages get the checkpoint's LoRA adapters; --base-hf: an adapter-only checkpoint's
 base weights, from that HF checkpoint)
@@ -24,6 +25,7 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--format", choices=("torch", "torch_dist"), required=True)
     parser.add_argument("--spec", required=True)
     parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--ckpt-pp", type=int, required=True)
     parser.add_argument("--stages", required=True)
     parser.add_argument("--sequence-parallel", action="store_true")
@@ -57,7 +59,7 @@ def main(argv: Sequence[str]) -> None:
     layouts = layout_from_dicts(
         json.loads(args.stages), spec.vit.num_layers, spec.llm.num_layers, "--stages"
     )
-    init_parallel(layouts, args.tp)
+    init_parallel(layouts, args.tp, args.ep)
     lora = None if args.lora is None else LoraSpec.from_dict(json.loads(args.lora))
     model = build_stage(spec, layouts, args.sequence_parallel, lora)
     if args.base_hf is not None:

@@ -5,7 +5,8 @@ RoPE frequencies the head's stage built.
 Usage: torchrun --nproc-per-node N hf_worker.py CASES.json OUT_DIR
 CASES.json: {"models": {name: {"hf_dir": path, "batch": path to a torch-saved list of samples
              (tokens, images, image_flags), "cases"?: the case names this model runs (default
-             all)}}, "cases": [{"name", "tp", "pp", "vit", "llm", "sequence_parallel"?}]}
+             all)}}, "cases": [{"name", "tp", "pp", "ep"?, "vit", "llm", "sequence_parallel"?}]}
+(`ep`: expert-parallel ranks of a mixture-of-experts LLM; the world is TP x PP x EP)
 Weights go through the package's own path: models.hf_weights (HF -> canonical tensors) and
 megatron.stage_weights / tp_shard (canonical -> this rank's piece). The test compares the saved
 outputs with transformers' forward on the same inputs.
@@ -45,7 +46,7 @@ def run(name: str, spec, tensors: dict, batch, case: dict, out: Path) -> None:
         case["vit"], case["llm"], vit_layers=spec.vit.num_layers, llm_layers=spec.llm.num_layers
     )
     reset_model_parallel()
-    init_parallel(layouts, case["tp"])
+    init_parallel(layouts, case["tp"], case.get("ep", 1))
     model = build_stage(spec, layouts, bool(case.get("sequence_parallel")))
     tp_rank = ps.get_tensor_model_parallel_rank()
     load_into(model, spec, tensors, case["tp"], tp_rank)

@@ -31,7 +31,7 @@ def read_config(path: Path, doc: dict) -> HFModel:
         not moe,
         path,
         f"llm_config.architectures {archs}: {', '.join(moe)} is a mixture-of-experts LLM, "
-        f"not supported (dense LLMs are: {', '.join(LLM_ARCHS)})",
+        f"not supported (supported: {', '.join(LLM_ARCHS)})",
     )
     arch = next((LLM_ARCHS[a] for a in archs if a in LLM_ARCHS), None)
     need(

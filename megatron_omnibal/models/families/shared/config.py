@@ -1,6 +1,6 @@
 """What every family's config reading shares: the checkpoint model type, its error, JSON and
-tokenizer files, and the LLM part (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, InternLM2) of a
-transformers text config or an InternLM2 config dict.
+tokenizer files, and the LLM part (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE,
+InternLM2) of a transformers text config or an InternLM2 config dict.
 
 Why shared: the four families put their LLMs in different places of config.json, but an LLM is
 read the same way wherever it sits, and its limits (RoPE scaling, windowed attention, biases,
@@ -21,14 +21,15 @@ LLM_ARCHS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "InternLM2ForCausalLM": "internlm2",
 }
-TEXT_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
-# LLMs of released checkpoints (InternVL3.5's MoE variants) the stage module does not build.
+TEXT_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                    "qwen3_moe": "qwen3_moe"}  # fmt: skip
+# Mixture-of-experts LLMs of released checkpoints (InternVL3.5-20B-A4B's) the stage module does
+# not build.
 MOE_LLMS = {
-    "Qwen3MoeForCausalLM": "Qwen3-MoE",
     "GptOssForCausalLM": "GPT-OSS",
-    "qwen3_moe": "Qwen3-MoE",
     "gpt_oss": "GPT-OSS",
 }
 # megatron-core 0.19's Llama-3 RoPE scaling fixes everything but the factor.
@@ -47,7 +48,7 @@ class HFModel:
     path: Path
     spec: ModelSpec
     family: str  # the name of its family (models.families.registry)
-    llm_arch: str  # llama | mistral | qwen2 | qwen3 | internlm2
+    llm_arch: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | internlm2
     vit_checkpoint_layers: int  # ViT layers stored (LLaVA's last one is never used)
 
 
@@ -148,8 +149,52 @@ def rope(text: Any, path: Path) -> tuple[float, float]:
     return theta, float(factor)
 
 
+def experts(text: Any, path: Path) -> dict[str, Any]:
+    """The LanguageSpec fields of a Qwen3-MoE text config's experts: every layer's MLP a
+    mixture of `num_experts` (transformers 5 saves `num_local_experts`) experts of width
+    `moe_intermediate_size`, `num_experts_per_tok` of them per token. Layer patterns megatron-core
+    is not given (dense layers among the MoE ones) and shared experts are refused by key.
+
+    `router_aux_loss_coef` becomes `moe_aux_loss_coeff` as it is: megatron-core adds its switch
+    loss per MoE layer (their sum, about num_layers times transformers' one loss over all
+    layers' router logits, which transformers adds only with `output_router_logits`); the
+    checkpoint's coefficient is kept so fine-tuning balances the experts as its authors set."""
+    count = config_value(text, "num_experts")
+    count = config_value(text, "num_local_experts") if count is None else count
+    need(isinstance(count, int) and count > 0, path,
+         f"num_experts / num_local_experts {count!r}: expected a positive integer")  # fmt: skip
+    dense = config_value(text, "mlp_only_layers") or []
+    need(not dense, path, f"mlp_only_layers={list(dense)}: dense layers among the MoE layers "
+         "are not built (every layer must be a MoE layer)")  # fmt: skip
+    step = config_value(text, "decoder_sparse_step", 1)
+    need(step == 1, path, f"decoder_sparse_step={step}: only 1 (a MoE layer in every layer) "
+         "is built")  # fmt: skip
+    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        value = config_value(text, key)
+        need(not value, path, f"{key}={value}: shared experts are not built")
+    top_k = config_value(text, "num_experts_per_tok")
+    need(isinstance(top_k, int) and 1 <= top_k <= count, path,
+         f"num_experts_per_tok {top_k!r}: expected 1..{count} (num_experts)")  # fmt: skip
+    width = config_value(text, "moe_intermediate_size")
+    need(isinstance(width, int) and width > 0, path,
+         f"moe_intermediate_size {width!r}: expected a positive integer")  # fmt: skip
+    coeff = config_value(text, "router_aux_loss_coef", 0.0) or 0.0
+    need(isinstance(coeff, (int, float)) and coeff >= 0, path,
+         f"router_aux_loss_coef {coeff!r}: expected a number >= 0")  # fmt: skip
+    return {
+        "num_experts": count,
+        "moe_top_k": top_k,
+        "moe_ffn_hidden_size": width,
+        "moe_norm_topk_prob": bool(config_value(text, "norm_topk_prob", False)),
+        "moe_aux_loss_coeff": float(coeff),
+    }
+
+
 def language(text: Any, arch: str, path: Path) -> LanguageSpec:
-    """The LLM part from a transformers text config (or an InternLM2 config dict)."""
+    """The LLM part from a transformers text config (or an InternLM2 config dict); a Qwen3-MoE
+    (`arch` qwen3_moe) is a Qwen3 with experts."""
+    moe = experts(text, path) if arch == "qwen3_moe" else {}
+    arch = "qwen3" if arch == "qwen3_moe" else arch
     heads = int(config_value(text, "num_attention_heads"))
     hidden = int(config_value(text, "hidden_size"))
     act = config_value(text, "hidden_act", "silu")
@@ -195,6 +240,7 @@ def language(text: Any, arch: str, path: Path) -> LanguageSpec:
         rotary_base=theta,
         rope_scaling_factor=scaling,
         max_position_embeddings=int(config_value(text, "max_position_embeddings", 32768)),
+        **moe,
     )
 
 
@@ -218,12 +264,13 @@ def mrope_section(text: Any, path: Path) -> tuple[int, ...]:
 
 
 def text_arch(model_type: str, path: Path) -> str:
-    """The LLM kind of a transformers text config; mixture-of-experts LLMs named as such."""
+    """The LLM kind of a transformers text config; unbuilt mixture-of-experts LLMs named as
+    such."""
     need(
         model_type not in MOE_LLMS,
         path,
         f"text_config.model_type {model_type!r}: {MOE_LLMS.get(model_type)} is a "
-        f"mixture-of-experts LLM, not supported (dense LLMs are: {', '.join(TEXT_MODEL_TYPES)})",
+        f"mixture-of-experts LLM, not supported (supported: {', '.join(TEXT_MODEL_TYPES)})",
     )
     arch = TEXT_MODEL_TYPES.get(model_type)
     need(

@@ -5,7 +5,8 @@ Conversions (both ways):
 - attention: HF keeps q, k, v apart (transformers), or fused as [Q_all; K_all; V_all]
   (OpenGVLab's InternViT, Qwen's vision towers); megatron-core fuses them per KV group as
   [q heads of the group, k, v] (InternLM2's `wqkv` already is that layout);
-- gated MLPs: HF's gate and up projections are one [gate; up] matrix in megatron-core;
+- gated MLPs: HF's gate and up projections are one [gate; up] matrix in megatron-core (each
+  expert's of a mixture-of-experts layer too, its router `mlp.gate` megatron-core's `mlp.router`);
 - class token and position embeddings lose their leading batch dimensions.
 
 torch is imported only where a tensor is converted, so the registry (read by the planner, which
@@ -163,15 +164,37 @@ def language_rules(model: HFModel) -> list[Rule]:
         qkv = (llm.num_attention_heads, llm.num_query_groups, llm.kv_channels)
         attn = (qkv_fuse(*qkv), qkv_split(*qkv))
         embed, head = f"{base}.embed_tokens.weight", "language_model.lm_head.weight"
+    if llm.is_moe:
+        names = {k: v for k, v in names.items() if not k.startswith("mlp.")}
     rules = [Rule("embedding.word_embeddings.weight", (embed,))]
     for i in range(llm.num_layers):
         rules += layer_rules("llm", i, names, attn)
+        if llm.is_moe:
+            rules += expert_rules(i, llm.num_experts)
     rules.append(Rule("llm.final_layernorm.weight", (f"{base}.norm.weight",)))
     if not llm.tie_embeddings:
         rules.append(Rule("output_layer.weight", (head,)))
     return rules
 
 
+
+
+EXPERT = "llm.layers.{i}.mlp.experts.local_experts.{e}"
+
+
+def expert_rules(i: int, num_experts: int) -> list[Rule]:
+    """Layer `i`'s router and experts, Qwen3-MoE's one tensor per expert: the router
+    `mlp.gate` is megatron-core's `mlp.router`; expert e's gate and up projections are its
+    [gate; up] fc1 and its down projection its fc2 (global expert indices: the EP split is the
+    checkpoint's business)."""
+    hf = f"language_model.model.layers.{i}.mlp"
+    rules = [Rule(f"llm.layers.{i}.mlp.router.weight", (f"{hf}.gate.weight",))]
+    for e in range(num_experts):
+        ours, theirs = EXPERT.format(i=i, e=e), f"{hf}.experts.{e}"
+        rules.append(Rule(f"{ours}.linear_fc1.weight",
+                          (f"{theirs}.gate_proj.weight", f"{theirs}.up_proj.weight"), cat, halves))
+        rules.append(Rule(f"{ours}.linear_fc2.weight", (f"{theirs}.down_proj.weight",)))
+    return rules
 
 
 def projector_rules(model: HFModel, norm_name: str, fc1: str, fc2: str) -> list[Rule]:
