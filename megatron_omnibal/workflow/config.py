@@ -42,6 +42,7 @@ class FinetuneConfig:
     master_port: int = 29500
     tp: int | None = None  # default: the plan searches it
     pp: int | None = None
+    ep: int | None = None  # expert parallel size of a mixture-of-experts LLM (default: searched)
     iters: int | None = None  # training steps, or
     epochs: int | None = None  # passes over the data (default 1 when iters is not given)
     lr: float = 2e-5
@@ -89,7 +90,7 @@ class FinetuneConfig:
             "master_port",
         ):
             _expect(_is_int(getattr(self, key), 1), key, "a positive integer", getattr(self, key))
-        for key in ("tp", "pp", "iters", "epochs"):
+        for key in ("tp", "pp", "ep", "iters", "epochs"):
             value = getattr(self, key)
             _expect(value is None or _is_int(value, 1), key, "a positive integer", value)
         _expect(_is_int(self.seed, 0), "seed", "a non-negative integer", self.seed)
@@ -282,7 +283,25 @@ def load_config(path: str | Path) -> FinetuneConfig:
         raise ValueError(f"{path}: {exc}") from exc
     _check_paths(config, path)
     _check_lora(config, path)
+    _check_expert_parallel(config, path)
     return config
+
+
+def _check_expert_parallel(config: FinetuneConfig, path: Path) -> None:
+    """`ep` against the model: it must divide the LLM's experts (a dense LLM has none)."""
+    if config.ep is None:
+        return
+    from megatron_omnibal.megatron.stages.configs import check_expert_parallel
+    from megatron_omnibal.models.hf_config import read_hf
+
+    try:
+        spec = read_hf(config.model).spec
+    except ValueError:  # not a model `omnibal stats` can read: its step says why
+        return
+    try:
+        check_expert_parallel(spec, config.ep)
+    except ValueError as exc:
+        raise ValueError(f"{path}: ep: {exc}") from exc
 
 
 def _check_lora(config: FinetuneConfig, path: Path) -> None:

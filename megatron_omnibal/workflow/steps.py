@@ -77,7 +77,7 @@ def _plan(config: FinetuneConfig, paths: OutputPaths, _node: int | None) -> Step
            str(config.gpus), "--lengths", str(paths.lengths), "--global-batch",
            str(config.global_batch), "--seed", str(config.seed), "--out",
            str(paths.plan)]  # fmt: skip
-    for flag, value in (("--tp", config.tp), ("--pp", config.pp)):
+    for flag, value in (("--tp", config.tp), ("--pp", config.pp), ("--ep", config.ep)):
         if value is not None:
             cmd += [flag, str(value)]
     lora = config.lora_spec
