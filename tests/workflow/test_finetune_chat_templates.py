@@ -1,9 +1,10 @@
 """`omnibal finetune` on checkpoints that carry their own chat template, as released Qwen2.5-VL,
-Qwen3-VL (its DeepStack tower, 8 px merge groups in the tiny model) and llava-hf checkpoints do: stats picks the template (`hf`), training builds every sample with
-it (each checked against the length file) and trains (export and compare-hf of these families:
-tests/megatron/checkpoint). Tiny random models (tests/helpers/hf_models.py) with the generated
-dataset's tokenizer and a template of the released form (tests/helpers/chat_templates.py); one
-process, PP=1, a few steps, up to training.
+Qwen3-VL (its DeepStack tower, 8 px merge groups in the tiny model) and llava-hf checkpoints
+do: stats picks the template (`hf`), training builds every sample with it (each checked against
+the length file) and trains (export and compare-hf of these families: tests/megatron/checkpoint).
+Tiny random models (tests/helpers/hf_models.py) with the generated dataset's tokenizer and a
+template of the released form (tests/helpers/chat_templates.py); one process, PP=1, a few steps,
+up to training.
 """
 
 import json
