@@ -9,6 +9,9 @@ modules megatron-core really builds. Layouts:
   a native-resolution ViT's, weight and bias) is [gate; up] and each rank holds [gate_r; up_r];
 - row-parallel weights (attention output, fc2) split along columns, their biases replicated;
 - the word embedding and output head split along the (padded) vocabulary;
+- a mixture-of-experts layer's experts (`mlp.experts.local_experts.{e}.linear_fc1/2`) split
+  like the dense MLP over the expert-tensor-parallel ranks (as many as TP), its router
+  replicated;
 - the ViT's heads are padded to a multiple of TP with zero dummy heads (qkv rows, attention
   output columns, QK-norm weights), which must still be zero when a checkpoint is exported.
 Everything else is replicated, the LLM's per-head QK-norm weights (Qwen3) included.
@@ -28,6 +31,7 @@ from megatron_omnibal.megatron.stages.configs import padded_heads, padded_vocab
 from megatron_omnibal.models.spec import ModelSpec
 
 _LAYER = re.compile(r"^(vit|llm)\.layers\.\d+\.")
+_EXPERT = "mlp.experts.local_experts."
 _DEEPSTACK = re.compile(r"^deepstack_mergers\.\d+\.")
 
 
@@ -59,6 +63,8 @@ def _kind(name: str) -> tuple[str, str]:
     if rest in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
         # The ViT's norm spans all heads (split with them); the LLM's is per head (replicated).
         return tower, "qknorm" if tower == "vit" else "replicated"
+    if rest.startswith(_EXPERT):  # a MoE layer's expert: an MLP split like the dense one
+        rest = "mlp." + rest[len(_EXPERT) :].split(".", 1)[1]
     if rest.startswith("mlp.linear_fc1.") or rest.startswith("projector.mlp.linear_fc1."):
         return tower, "column"
     if rest == "mlp.linear_fc2.weight" or name == "projector.mlp.linear_fc2.weight":

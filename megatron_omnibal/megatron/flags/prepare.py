@@ -20,6 +20,7 @@ from megatron_omnibal.megatron.flags.args import (
     load_plan,
     validate_omnibal_args,
 )
+from megatron_omnibal.megatron.flags.moe_args import check_moe_args
 from megatron_omnibal.megatron.flags.optimizer_args import check_optimizer_args
 from megatron_omnibal.megatron.flags.run_args import complete_argv
 from megatron_omnibal.megatron.runtime.stderr import write_line
@@ -67,6 +68,7 @@ def prepare_run(argv: list[str]) -> tuple[list[str], OmnibalSettings, Any, Any]:
             "(Adam state sharded over DP), an optimizer setting this run does not give"
         )
     check_model_args(args, spec)
+    check_moe_args(args, spec, world)
     check_optimizer_args(args)
     settings = validate_omnibal_args(
         args, plan, vit_layers=spec.vit.num_layers, tokens_per_tile=spec.tokens_per_tile

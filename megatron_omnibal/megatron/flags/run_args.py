@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_omnibal.megatron.flags.args import OmnibalArgsError
+from megatron_omnibal.megatron.flags.moe_args import MOE_SPLIT
 from megatron_omnibal.models.spec import ModelSpec
 from megatron_omnibal.planner.plan_file.flags import model_flags, run_flags
 from megatron_omnibal.planner.plan_file.plan import Plan
@@ -31,7 +32,7 @@ SPLIT = frozenset({
     "num_query_groups", "normalization", "layernorm_epsilon", "swiglu", "position_embedding_type",
     "rotary_base", "vocab_size", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
     "use_rope_scaling", "rope_scaling_factor", "untie_embeddings_and_output_weights",
-})  # fmt: skip
+}) | MOE_SPLIT  # fmt: skip
 PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}
 
 

@@ -169,6 +169,13 @@ def _patch_torch() -> None:
 
     torch.Tensor.to = tensor_to  # type: ignore[method-assign]
 
+    # Tensor.new_empty(..., device=current_device()): the MoE all-to-all's receive buffer
+    # (tensor_parallel/mappings.py) and the token dispatcher's.
+    for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"):
+        method = getattr(torch.Tensor, name)
+        if not getattr(method, "__omnibal_cpu__", False):
+            setattr(torch.Tensor, name, _wrap_factory(method))
+
     # Tensor.pin_memory(): dist_checkpointing and offloading copy through pinned buffers.
     torch.Tensor.pin_memory = lambda self, *a, **k: self  # type: ignore[method-assign]
 
@@ -311,10 +318,73 @@ def _patch_megatron() -> None:
             WrappedTorchNorm if d is torch.nn.LayerNorm else d for d in defaults
         )
 
+    _patch_moe_splits()
+    _patch_uneven_first_dim_collectives()
     _patch_clip_grads()
     _patch_optimizer_param_types()
     _patch_write_results_queue()
     _patch_megatron_training()
+
+
+def _patch_moe_splits() -> None:
+    # transformer/moe/token_dispatcher.py: the all-to-all dispatcher moves its split sizes to
+    # the host with maybe_move_tensor_to_cpu(..., as_numpy=True), which converts only CUDA
+    # tensors; on the CPU they stayed tensors and all_to_all_single refused them as split sizes.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+    if getattr(original, "__omnibal_cpu__", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, **kwargs: Any) -> Any:
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.detach().numpy()
+        return original(tensor, as_numpy=as_numpy, **kwargs)
+
+    maybe_move_tensor_to_cpu.__omnibal_cpu__ = True  # type: ignore[attr-defined]
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _patch_uneven_first_dim_collectives() -> None:
+    # tensor_parallel/mappings.py: with split sizes (the MoE token dispatcher gathers its
+    # tokens over the tensor-parallel ranks under sequence parallelism, each rank with its own
+    # count) _gather_along_first_dim calls all_gather on a list of unequal tensors and
+    # _reduce_scatter_along_first_dim reduce_scatter on one; gloo supports neither (it needs
+    # equal sizes). On the CPU the gather pads every piece to the largest and trims, and the
+    # reduce-scatter all-reduces the whole tensor and keeps this rank's rows: the same sums.
+    from megatron.core.tensor_parallel import mappings
+
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    if getattr(gather, "__omnibal_cpu__", False):
+        return
+
+    def gather_along_first_dim(
+        input_: torch.Tensor, group: Any, output_split_sizes: Any = None, *args: Any, **kw: Any
+    ) -> torch.Tensor:
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, *args, **kw)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros(max(sizes), *input_.shape[1:])
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(pieces, padded, group=group)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, sizes, strict=True)])
+
+    def reduce_scatter_along_first_dim(
+        input_: torch.Tensor, group: Any, input_split_sizes: Any = None, *args: Any, **kw: Any
+    ) -> torch.Tensor:
+        if input_split_sizes is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, *args, **kw)
+        sizes = [int(n) for n in input_split_sizes]
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(sizes[: group.rank()])
+        return total[start : start + sizes[group.rank()]].clone()
+
+    for fn in (gather_along_first_dim, reduce_scatter_along_first_dim):
+        fn.__omnibal_cpu__ = True  # type: ignore[attr-defined]
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
 
 
 def _patch_clip_grads() -> None:

@@ -106,6 +106,51 @@ def _tower_fields(tower: VisionSpec | LanguageSpec) -> dict[str, Any]:
     }
 
 
+def moe_fields(llm: LanguageSpec) -> dict[str, Any]:
+    """The TransformerConfig fields of a mixture-of-experts LLM (none for a dense one).
+
+    Qwen3-MoE's router: a softmax over all experts, the top k, renormalised when
+    `moe_norm_topk_prob`. megatron-core's softmax over the top k logits alone is exactly the
+    renormalised form; its pre-softmax mode (softmax over all, then top k) the other. The
+    router runs in fp32 (its top-k choice must not flip with the precision), the experts are
+    megatron-core's SequentialMLP (grouped GEMM needs kernels a CPU build lacks), and tokens
+    travel by all-to-all between expert-parallel ranks. The load-balancing loss is
+    megatron-core's per-layer switch loss, scaled by `moe_aux_loss_coeff` (0: none)."""
+    if not llm.is_moe:
+        return {}
+    return {
+        "num_moe_experts": llm.num_experts,
+        "moe_router_topk": llm.moe_top_k,
+        "moe_ffn_hidden_size": llm.moe_ffn_hidden_size,
+        "moe_router_pre_softmax": not llm.moe_norm_topk_prob,
+        "moe_router_score_function": "softmax",
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": float(llm.moe_aux_loss_coeff),
+        "moe_router_dtype": "fp32",
+        "moe_grouped_gemm": False,
+        "moe_token_dispatcher_type": "alltoall",
+    }
+
+
+def check_expert_parallel(spec: ModelSpec, ep: int) -> None:
+    """Raise ValueError naming the sizes that work unless `ep` splits the LLM's experts (EP
+    > 1 needs a mixture-of-experts LLM)."""
+    llm = spec.llm
+    if ep == 1:
+        return
+    if not llm.is_moe:
+        raise ValueError(
+            f"expert parallel size {ep}: the LLM has no experts (llm.num_experts is 0); "
+            "expert parallelism needs a mixture-of-experts LLM"
+        )
+    if ep < 1 or llm.num_experts % ep:
+        sizes = [e for e in range(1, llm.num_experts + 1) if llm.num_experts % e == 0]
+        raise ValueError(
+            f"expert parallel size {ep} does not divide the LLM's {llm.num_experts} experts "
+            f"(llm.num_experts); sizes that work: {', '.join(map(str, sizes))}"
+        )
+
+
 def stage_configs(
     spec: ModelSpec,
     layouts: list[StageLayout],
@@ -113,15 +158,18 @@ def stage_configs(
     tp_size: int = 1,
     overrides: dict[str, Any] | None = None,
     vpp: int = 1,
+    ep_size: int = 1,
 ) -> StageConfigs:
     """The TransformerConfigs (virtual) stage `stage` builds with. `layouts` come validated
     (every way of making them checks them: layout.layout_from_plan / _counts / _dicts); with
     `vpp` model chunks per rank they are the pp x vpp virtual stages.
 
     `overrides` are TransformerConfig fields from the training flags applied to every tower
-    (dtype, dropout, init, sequence_parallel: the LLM's only).
+    (dtype, dropout, init, sequence_parallel: the LLM's only). `ep_size` splits the LLM's
+    experts over expert-parallel ranks (a mixture-of-experts LLM only).
     """
     check_tensor_parallel(spec, tp_size)
+    check_expert_parallel(spec, ep_size)
     pp = len(layouts) // vpp
     st = layouts[stage]
     base: dict[str, Any] = {
@@ -197,6 +245,8 @@ def stage_configs(
             "gated_linear_unit": llm.gated_mlp,
             **_recompute(st.llm_recompute),
             **layout("llm"),
+            **moe_fields(llm),
+            "expert_model_parallel_size": ep_size,
         }
     )
     return StageConfigs(

@@ -1,5 +1,6 @@
 """The transformer blocks of both towers as megatron-core builds them: its GPT layer spec, with
-the parts InternViT needs swapped in, and norms that work under sequence parallelism.
+the parts InternViT needs swapped in, and norms that work under sequence parallelism; a
+mixture-of-experts LLM gets megatron-core's MoE layer in every layer's MLP.
 
 Why not megatron-core's own options: InternViT scales each residual branch by a learned vector
 (layer scale), normalises q and k over ALL heads at once (megatron-core's qk_layernorm is per
@@ -186,9 +187,12 @@ class TorchNorm:
 
 
 def _base_spec(config: TransformerConfig, use_te: bool) -> ModuleSpec:
+    """megatron-core's GPT layer; with experts in the config its MoE layer (router, alltoall
+    dispatcher, SequentialMLP experts: configs.moe_fields) in place of the MLP."""
+    moe = {"num_experts": config.num_moe_experts, "moe_grouped_gemm": config.moe_grouped_gemm}
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(normalization=config.normalization)
-    return get_gpt_layer_local_spec(normalization=config.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(normalization=config.normalization, **moe)
+    return get_gpt_layer_local_spec(normalization=config.normalization, **moe)
 
 
 def layer_spec(
@@ -249,3 +253,20 @@ def block_spec(
     if use_te:
         return spec
     return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=TorchNorm)
+
+
+_LOCAL_EXPERT = ".mlp.experts.local_experts."
+
+
+def global_expert_name(name: str, config: TransformerConfig) -> str:
+    """`name` with a local expert's index (SequentialMLP's `local_experts.{j}`) made global:
+    expert-parallel rank r holds experts r x E/EP ... (r + 1) x E/EP - 1, as megatron-core
+    numbers them in its checkpoints."""
+    if _LOCAL_EXPERT not in name:
+        return name
+    head, tail = name.split(_LOCAL_EXPERT, 1)
+    local, rest = tail.split(".", 1)
+    per_rank = config.num_moe_experts // config.expert_model_parallel_size
+    first = parallel_state.get_expert_model_parallel_rank() * per_rank if (
+        config.expert_model_parallel_size > 1) else 0  # fmt: skip
+    return f"{head}{_LOCAL_EXPERT}{first + int(local)}.{rest}"

@@ -68,7 +68,7 @@ from megatron_omnibal.megatron.stages.deepstack import (
 )
 from megatron_omnibal.megatron.stages.families import tower_hooks
 from megatron_omnibal.megatron.stages.interleaved_mrope import InterleavedMRoPE
-from megatron_omnibal.megatron.stages.layer_specs import HAVE_TE, block_spec
+from megatron_omnibal.megatron.stages.layer_specs import HAVE_TE, block_spec, global_expert_name
 from megatron_omnibal.megatron.stages.native_vision import NativeInputs, vision_attention_inputs
 from megatron_omnibal.megatron.stages.projector import Projector
 from megatron_omnibal.models.spec import ModelSpec
@@ -572,12 +572,13 @@ _TE_NAMES = (
 
 def global_name(stage: VLMStage, local_name: str) -> str:
     """A parameter's model-wide name: `vit.layers.{i}` / `llm.layers.{i}` with i the 0-based
-    GLOBAL layer index, so the same parameter has the same name whatever the pipeline split."""
+    GLOBAL layer index and experts by their global index (layer_specs.global_expert_name), so
+    the same parameter has the same name whatever the pipeline and expert split."""
     parts = local_name.split(".")
     if parts[0] in ("vit", "llm") and len(parts) > 2 and parts[1] == "layers":
         block = getattr(stage, parts[0])
         parts[2] = str(block.layers[int(parts[2])].layer_number - 1)
-    name = ".".join(parts)
+    name = global_expert_name(".".join(parts), stage.configs.llm)
     for te, local in _TE_NAMES:
         name = name.replace(te, local)
     return name

@@ -59,7 +59,8 @@ def vlm_model_provider(
             f"post_process={post_process} disagree with its position in the pipeline"
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    configs = stage_configs(spec, layouts, virtual, tp, config_overrides, vpp)
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    configs = stage_configs(spec, layouts, virtual, tp, config_overrides, vpp, ep)
     stage = VLMStage(
         spec,
         layouts,
@@ -69,6 +70,8 @@ def vlm_model_provider(
         level_recompute=level_recompute[virtual] if level_recompute else (),
         vp_stage=vp_stage,
     )
+    if spec.llm.is_moe:
+        mark_experts(stage)
     if lora is not None:
         from megatron_omnibal.megatron.stages.lora import apply_lora
 
@@ -76,3 +79,13 @@ def vlm_model_provider(
     if finetune is not None:
         apply_to_stage(stage, finetune)
     return stage
+
+
+def mark_experts(stage: VLMStage) -> None:
+    """Expert parameters as megatron-core marks them under EP > 1 (`allreduce=False`), at EP=1
+    too: Megatron's DDP then reduces them over the expert-data-parallel group (at EP=1 the
+    data-parallel one: the same sum) and its optimizer keeps them in an optimizer of their own
+    at every EP, so a checkpoint's optimizer state loads at another EP."""
+    for name, param in stage.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False

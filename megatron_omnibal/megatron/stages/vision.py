@@ -45,6 +45,13 @@ class PatchEmbedding(MegatronModule):
             config.init_method(self.position_embeddings)
             if self.class_token is not None:
                 config.init_method(self.class_token)
+        # With one tile the class token's and the position embedding's gradients are views of
+        # one tensor, and torch's accumulation may keep such a view as the .grad: a later
+        # micro-batch summed into one would change the other (without Megatron's DDP, which
+        # moves each .grad into its buffer at once). Each gets a copy of its own.
+        for param in (self.class_token, self.position_embeddings):
+            if param is not None:
+                param.register_hook(torch.clone)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.conv(images.to(self.conv.weight.dtype))  # [n, C, g, g]

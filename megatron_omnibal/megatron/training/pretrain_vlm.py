@@ -125,10 +125,12 @@ def model_provider(
     post_process: bool = True,
     vp_stage: int | None = None,
     pg_collection: Any = None,
+    expert_load: Any = None,
     **_: Any,
 ) -> Any:
     """This rank's stage, or its model chunk `vp_stage` (appended to `built`: with a tied
-    output head the rank's chunks are tied once the last is built, tied_head.py)."""
+    output head the rank's chunks are tied once the last is built, tied_head.py); its routers
+    counted by `expert_load` (a mixture-of-experts LLM's stages/expert_load.ExpertLoad)."""
     from megatron_omnibal.megatron.stages.provider import vlm_model_provider
     from megatron_omnibal.megatron.stages.tied_head import tie_chunks
 
@@ -137,6 +139,8 @@ def model_provider(
         config_overrides=overrides, pg_collection=pg_collection, finetune=settings.finetune,
         level_recompute=settings.level_recompute, lora=settings.lora, seed=settings.seed,
     )  # fmt: skip
+    if expert_load is not None:
+        expert_load.add(chunk)
     if vp_stage is not None:
         built.append(chunk)
         if vp_stage == settings.vpp - 1 and spec.llm.tie_embeddings:
@@ -174,9 +178,12 @@ def train(
     # Megatron saves its argument namespace in every checkpoint: the next resume checks this.
     setattr(args, RUN_INFO, run_info(settings, resume.identity, resume.origin))
     cfg = pretrain_cfg_container_from_args(args)
+    expert_load = _expert_load(spec)
     if build_iterators is None:
         plans = node_plans(settings, resume)
-        install_run_log(settings, resume, spec, plans, _set_consumed)
+        install_run_log(settings, resume, spec, plans, _set_consumed,
+                        expert_load and partial(expert_load.step_tokens, spec.llm.num_layers,
+                                                spec.llm.num_experts))  # fmt: skip
         datasets_provider = partial(build_data_iterators, settings, spec, iteration=_iteration,
                                     origin=resume.origin, plans=plans, source=source,
                                     chunks=chunk_streams(settings))  # fmt: skip
@@ -189,11 +196,21 @@ def train(
         datasets_provider,
         ModelType.encoder_or_decoder,
         forward_step_func or forward_step,
-        model_provider=partial(model_provider, settings, spec, config_overrides(args), []),
+        model_provider=partial(model_provider, settings, spec, config_overrides(args), [],
+                               expert_load=expert_load),
         # A tied output head's gradient is summed with the embedding's between their stages.
         get_embedding_ranks=embedding_ranks(settings.layouts, settings.pp_size),
         get_position_embedding_ranks=_first_rank,
     )
+
+
+def _expert_load(spec: Any) -> Any:
+    """The counter of a mixture-of-experts LLM's tokens per expert (None: dense)."""
+    if not spec.llm.is_moe:
+        return None
+    from megatron_omnibal.megatron.stages.expert_load import ExpertLoad
+
+    return ExpertLoad()
 
 
 def _iteration() -> int:  # Megatron's, once it loaded its checkpoint

@@ -20,11 +20,13 @@ def install_run_log(
     spec: Any,
     plans: Any,
     set_consumed: Callable[[int], None],
+    expert_tokens: Callable[[], Any] | None = None,
 ) -> None:
     """The start-up summary and notes (rank 0) and the per-iteration log (installed into
     Megatron's training_log on every rank: every rank counts consumed samples). `plans`: the
     node's epoch plans (stream/iterators.node_plans; None: balanced in this process);
-    `set_consumed` writes Megatron's count of consumed samples."""
+    `set_consumed` writes Megatron's count of consumed samples; `expert_tokens` the step's
+    token load of a mixture-of-experts LLM (training_log.IterationLog; None: dense)."""
     from megatron_omnibal.megatron.stream.iterators import balanced_sampler
     from megatron_omnibal.megatron.stream.stream_steps import StreamSteps
     from megatron_omnibal.megatron.training import training_log
@@ -70,5 +72,6 @@ def install_run_log(
         is_logger=settings.rank == settings.world_size - 1,
         throughput=throughput,
         predicted_step_ms=predicted_step_ms,
+        expert_tokens=expert_tokens,
     )
     training_log.install(log, set_consumed)

@@ -4,7 +4,9 @@ carried and how balanced it was, in the text log, TensorBoard and W&B.
 Why: Megatron logs loss and time per iteration but nothing about the pipeline layout, the
 budgets or the balance a run is paying for, and its "consumed samples" counts micro-batches
 (packs of several samples here). Every figure below comes from the balancer's plan
-(stream_steps.StreamSteps), which every rank computes alike, so nothing is communicated.
+(stream_steps.StreamSteps), which every rank computes alike, so nothing is communicated; a
+mixture-of-experts LLM adds the experts' token load of each step, summed over the ranks by one
+small all-reduce per step (stages/expert_load.py).
 
 How: Megatron's train loop calls `megatron.training.training.training_log` after every
 iteration on every rank and offers no hook for extra figures; `install` wraps that function (the
@@ -135,6 +137,20 @@ def step_scalars(
     return {f"{PREFIX}/{name}": value for name, value in out.items()}
 
 
+def expert_figures(tokens: np.ndarray) -> dict[str, float]:
+    """A step's expert load from its [MoE layers, experts] token counts: the busiest expert's
+    tokens (over all layers), the mean per expert, and max/mean of the most unbalanced layer
+    (the straggler of its all-to-all) and averaged over the layers."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    ratios = [max_over_mean(row) for row in tokens]
+    return {
+        "expert-tokens-max": float(tokens.max()),
+        "expert-tokens-mean": float(tokens.mean()),
+        "expert-tokens-max-over-mean": float(max(ratios)),
+        "expert-tokens-max-over-mean-layers-mean": float(np.mean(ratios)),
+    }
+
+
 def first_step_line(
     throughput: Throughput, figures: StepFigures, seconds: float, predicted_ms: float | None
 ) -> str:
@@ -156,7 +172,11 @@ class IterationLog:
     is_logger: bool  # the rank that prints Megatron's line and holds its writers
     throughput: Throughput | None = None  # model TFLOP/s per GPU and MFU on every line
     predicted_step_ms: float | None = None  # the plan's, shown beside the first step
+    # A mixture-of-experts LLM: the step's [layers, experts] tokens, a collective every rank
+    # calls once per step (stages/expert_load.ExpertLoad.step_tokens); None: a dense LLM.
+    expert_tokens: Callable[[], np.ndarray] | None = None
     _pending: list[tuple[StepFigures, float]] = field(default_factory=list)
+    _experts: list[dict[str, float]] = field(default_factory=list)
     _first_shown: bool = False
 
     def consumed_samples(self, iteration: int) -> int:
@@ -169,18 +189,24 @@ class IterationLog:
         writer: Any = None,
         wandb: Any = None,
         printer: Callable[..., None] = print,
+        expert_tokens: np.ndarray | None = None,
     ) -> None:
-        """Iteration `iteration` (Megatron's counter after the step) took `seconds`."""
+        """Iteration `iteration` (Megatron's counter after the step) took `seconds`;
+        `expert_tokens`: its [MoE layers, experts] token counts (None: a dense LLM)."""
         if not self.is_logger:
             return
         figures = self.steps.step(iteration - 1)
         self._pending.append((figures, seconds))
+        experts = expert_figures(expert_tokens) if expert_tokens is not None else None
+        if experts is not None:
+            self._experts.append(experts)
         if self.throughput is not None and not self._first_shown and seconds > 0:
             self._first_shown = True
             printer(first_step_line(self.throughput, figures, seconds, self.predicted_step_ms),
                     flush=True)  # fmt: skip
         if (writer is not None or wandb is not None) and iteration % self.tensorboard_interval == 0:
             scalars = step_scalars(figures, seconds, self.throughput)
+            scalars.update({f"{PREFIX}/{k}": v for k, v in (experts or {}).items()})
             if writer is not None:
                 for name, value in scalars.items():
                     writer.add_scalar(name, value, iteration)
@@ -189,6 +215,7 @@ class IterationLog:
         if iteration % self.log_interval == 0:
             printer(self._line(iteration), flush=True)
             self._pending.clear()
+            self._experts.clear()
 
     def _line(self, iteration: int) -> str:
         """The figures averaged over the steps since the last line, rates over their time, and
@@ -212,6 +239,14 @@ class IterationLog:
                 f" | per-rank {kind} max {mean([p.max() for p in per_rank]):.1f} mean "
                 f"{mean([p.mean() for p in per_rank]):.1f} (max/mean "
                 f"{mean([max_over_mean(p) for p in per_rank]):.4f})"
+            )
+        if self._experts:
+            ex = {k: mean([e[k] for e in self._experts]) for k in self._experts[0]}
+            text += (
+                f" | expert tokens max {ex['expert-tokens-max']:.1f} mean "
+                f"{ex['expert-tokens-mean']:.1f} (max/mean "
+                f"{ex['expert-tokens-max-over-mean']:.4f} worst layer, "
+                f"{ex['expert-tokens-max-over-mean-layers-mean']:.4f} over layers)"
             )
         if seconds > 0:
             text += (
@@ -250,6 +285,7 @@ def install(log: IterationLog, set_consumed: Callable[[int], None]) -> None:
             seconds,
             writer=global_vars.get_tensorboard_writer(),
             wandb=global_vars.get_wandb_writer(),
+            expert_tokens=log.expert_tokens() if log.expert_tokens is not None else None,
         )
         return result
 

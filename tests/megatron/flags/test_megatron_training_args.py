@@ -90,13 +90,39 @@ def cases(tmp_path_factory):
         replace(first, vit_recompute=(4, 0)), top)))
     plan_levels = tmp / "plan_levels.json"
     save_plan(with_levels, plan_levels)
+    moe_spec = get_preset("tiny").to_dict()
+    moe_spec["llm"].update(num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16)
+    moe = tmp / "tiny_moe.json"
+    moe.write_text(json.dumps(moe_spec))
+    moe_spec["llm"]["moe_top_k"] = 5
+    top5 = tmp / "tiny_moe_top5.json"
+    top5.write_text(json.dumps(moe_spec))
     base = ["--omnibal", "--omnibal-lengths", str(good), "--omnibal-text-scale", "8",
             "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2",
             "--lr", "1e-3", "--transformer-impl", "local", "--pipeline-model-parallel-size",
             "2"]  # fmt: skip
     counts = ["--omnibal-model", "tiny", "--omnibal-vit-budget", "16", "--omnibal-token-budget",
               "160", "--omnibal-vit-pp-layers", "4,0"]  # fmt: skip
+    moe_counts = ["--omnibal-model", str(moe), *counts[2:], "--omnibal-llm-pp-layers", "1,3"]
     return [
+        ([*base, *counts, "--omnibal-llm-pp-layers", "1,3", "--expert-model-parallel-size", "2"],
+         "--expert-model-parallel-size 2: expert parallel size 2: the LLM has no experts "
+         "(llm.num_experts is 0)"),
+        ([*base, *moe_counts, "--expert-model-parallel-size", "3"],
+         "expert parallel size 3 does not divide the LLM's 4 experts (llm.num_experts); sizes "
+         "that work: 1, 2, 4"),
+        ([*base, *moe_counts, "--expert-model-parallel-size", "2"],
+         "--expert-model-parallel-size 2: the 1 ranks of each pipeline stage do not split"),
+        ([*base, *moe_counts, "--moe-layer-freq", "2"],
+         "--moe-layer-freq 2: not built with --omnibal"),
+        ([*base, *moe_counts, "--moe-shared-expert-intermediate-size", "8"],
+         "--moe-shared-expert-intermediate-size 8: not built with --omnibal"),
+        ([*base, *moe_counts, "--omnibal-lora-rank", "4"],
+         "--omnibal-lora-rank 4: LoRA adapters on a mixture-of-experts LLM are not built"),
+        ([*base, *moe_counts, "--num-experts", "8"],
+         f"--num-experts 8 disagrees with --omnibal-model {moe}, which sets --num-experts 4"),
+        ([*base, *moe_counts, "--omnibal-model", str(top5)],
+         "model_spec.llm.moe_top_k: 5 must be between 1 and num_experts 4"),
         ([*base, *counts, "--omnibal-llm-pp-layers", "1,2"],
          "llm layers add up to 3 over 2 stages, the model has 4"),
         ([*base, "--omnibal-plan", plan4],

@@ -19,6 +19,7 @@ ENTRY_MODULES = {
     "megatron_omnibal.megatron.flags.args",  # the --omnibal* flags -> OmnibalSettings
     "megatron_omnibal.megatron.flags.prepare",  # pretrain_vlm's start-up checks
     "megatron_omnibal.megatron.flags.optimizer_args",  # Megatron's optimizer flags checked
+    "megatron_omnibal.megatron.flags.moe_args",  # Megatron's MoE flags checked
     "megatron_omnibal.megatron.training.lora_checkpoints",  # wraps Megatron's load and save
     "megatron_omnibal.preflight.run",  # the preflight's entry on pretrain_vlm
 }

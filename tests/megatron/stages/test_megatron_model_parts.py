@@ -141,3 +141,32 @@ def test_validate_batch_names_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="images have shape \\(3, 3, 8, 8\\)"):
         validate_batch(TINY, mb.tokens, mb.labels, torch.zeros(3, 3, 8, 8), mb.image_flags,
                        mb.cu_seqlens)  # fmt: skip
+
+
+def test_patch_embedding_gradients_accumulate_after_a_one_tile_micro_batch() -> None:
+    """A micro-batch of one tile first, then another: the class token's and the position
+    embedding's gradients are the sums of each micro-batch's alone. (With one tile the two
+    gradients were views of one tensor, which torch's gradient accumulation kept as the
+    parameters' .grad: the second micro-batch's sum into one changed the other.)"""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_omnibal.megatron.stages.vision import PatchEmbedding
+
+    vit = PRESETS["tiny"].vit
+    config = TransformerConfig(num_layers=1, hidden_size=vit.hidden_size, num_attention_heads=4)
+    embed = PatchEmbedding(config, vit)
+    assert embed.class_token is not None
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(n, 3, vit.image_size, vit.image_size, generator=g) for n in (1, 2)]
+    weights = [torch.randn(vit.seq_per_tile, n, vit.hidden_size, generator=g) for n in (1, 2)]
+
+    def grads(which: list[int]) -> dict[str, torch.Tensor]:
+        embed.zero_grad(set_to_none=True)
+        for i in which:
+            (embed(batches[i]) * weights[i]).sum().backward()
+        return {n: p.grad.clone() for n, p in embed.named_parameters()}
+
+    alone = [grads([0]), grads([1])]
+    both = grads([0, 1])
+    for name, value in both.items():
+        torch.testing.assert_close(value, alone[0][name] + alone[1][name], msg=name)

@@ -138,3 +138,32 @@ def test_startup_summary_names_layout_budgets_epoch_and_resume_position():
     consumed = steps.consumed_samples(per_epoch + 2)
     assert (f"omnibal: resuming at iteration {per_epoch + 2}: epoch 1, step 2 of the balanced "
             f"plan, {consumed} samples consumed") in text  # fmt: skip
+
+
+def test_expert_load_in_the_line_and_tensorboard_scalars():
+    """Two MoE layers of 4 experts per step: the busiest expert, the mean per expert and
+    max/mean of the worst layer and over the layers, by hand; averaged over the log interval."""
+    steps = StreamSteps(sampler(0).plan, sampler(0).lengths_of)
+    lines, scalars = [], {}
+
+    class Writer:
+        def add_scalar(self, name, value, it):
+            scalars[(name, it)] = value
+
+    log = IterationLog(steps=steps, log_interval=2, tensorboard_interval=1, is_logger=True)
+    first = np.array([[10, 10, 10, 10], [25, 5, 5, 5]])  # mean 10; max/mean 1.0 and 2.5
+    second = np.array([[12, 4, 4, 4], [6, 6, 6, 6]])  # mean 6; max/mean 2.0 and 1.0
+    for it, tokens in ((1, first), (2, second)):
+        log.record(it, 0.5, writer=Writer(), printer=lambda text, **_: lines.append(text),
+                   expert_tokens=tokens)  # fmt: skip
+    assert scalars[("omnibal/expert-tokens-max", 1)] == 25
+    assert scalars[("omnibal/expert-tokens-mean", 1)] == 10
+    assert scalars[("omnibal/expert-tokens-max-over-mean", 1)] == 2.5
+    assert scalars[("omnibal/expert-tokens-max-over-mean-layers-mean", 1)] == 1.75
+    assert scalars[("omnibal/expert-tokens-max-over-mean", 2)] == 2.0
+    assert len(lines) == 1
+    assert ("| expert tokens max 18.5 mean 8.0 (max/mean 2.2500 worst layer, 1.6250 over "
+            "layers) |") in lines[0]  # fmt: skip
+    dense = IterationLog(steps=steps, log_interval=1, tensorboard_interval=1, is_logger=True)
+    dense.record(1, 0.5, printer=lambda text, **_: lines.append(text))
+    assert "expert" not in lines[-1]
