@@ -120,6 +120,11 @@ class RealSampleSource:
         v = spec.vit
         self.patch = (v.patch_size, v.temporal_patch_size, v.patch_dim) if self.native else None
         self.by_epoch = by_epoch or EpochLengths(lengths, VideoTable.empty(), None, 0)
+        if self.native and config.native_video.rule == "qwen3_vl" and len(self.by_epoch.table):
+            raise DatasetError(f"{data}: {len(self.by_epoch.table)} video(s) in a Qwen3-VL "
+                               "length file: omnibal stats counts Qwen3-VL videos, training "
+                               "does not build them yet (their timestamp text between the "
+                               "temporal patches); train on images, or on another family")
         self.frames_decoded = self.frames_trained = 0  # video frames, by this process
         self.counter = TokenCounter(config.tokenizer, config.image_style,
                                     config.trust_remote_code)

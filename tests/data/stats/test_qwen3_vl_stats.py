@@ -132,3 +132,104 @@ def test_stats_of_a_checkpoint_match_processor_and_chat_template(tmp_path: Path)
     assert stored["tiling"]["tile"] == 32 and stored["tiling"]["max_pixels"] == SMALL[
         "longest_edge"]  # fmt: skip
     assert stored["template"] == "hf" and not stored["dummy_tile"]
+
+
+VIDEO_PRE = {"size": {"shortest_edge": 32 * 32 * 2, "longest_edge": 32 * 32 * 40}, "fps": 3,
+             "min_frames": 4, "max_frames": 10, "patch_size": 16, "merge_size": 2,
+             "temporal_patch_size": 2}  # fmt: skip
+
+
+def _transformers_video(frames: int, fps: float, width: int, height: int, pre: dict
+                        ) -> tuple[int, list[float], int]:
+    """(merge groups, timestamps, merge groups per temporal patch) of a video by transformers'
+    Qwen3VLVideoProcessor (its frames, its sizes) and Qwen3VLProcessor (its timestamps)."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    proc = Qwen3VLVideoProcessor(**pre)
+    indices = proc.sample_frames(SimpleNamespace(total_num_frames=frames, fps=fps))
+    patches = proc.get_num_of_video_patches(len(indices), height, width)
+    stamps = Qwen3VLProcessor._calculate_timestamps(None, indices, fps, 2)
+    return patches // 4, stamps, patches // 4 // len(stamps)
+
+
+@pytest.mark.parametrize("cap", [False, True])
+def test_the_video_rule_matches_transformers(cap: bool) -> None:
+    """Frames, sizes (the limits over the whole video, or capped per frame), merge groups and
+    timestamps of videos of odd lengths, rates and sizes."""
+    from megatron_omnibal.data.native.qwen3_video import qwen3_video
+    from megatron_omnibal.models.families.qwen3_vl.data import video_settings
+
+    pre = {**VIDEO_PRE, "cap_pixels_per_frame": cap, "max_video_tokens": 6}
+    settings = video_settings(pre, 32, 2, "ckpt")
+    for frames, fps, width, height in [(23, 10.0, 70, 46), (9, 4.0, 36, 100), (40, 25.0, 200, 30),
+                                       (3, 30.0, 640, 480), (301, 29.97, 1280, 720),
+                                       (7, 2.0, 31, 17), (120, 24.0, 20, 600)]:
+        taken = qwen3_video(frames, fps, width, height, settings, 32, "v")
+        units, stamps, per_frame = _transformers_video(frames, fps, width, height, pre)
+        assert taken.units == units, (frames, fps, width, height)
+        assert taken.timestamps == pytest.approx(stamps)
+        assert (taken.height // 32) * (taken.width // 32) == per_frame
+
+
+def test_video_stats_match_transformers_and_the_chat_template(tmp_path: Path) -> None:
+    """Whole samples: the chat template with each video as Qwen3VLProcessor renders it (per
+    temporal patch `<t seconds>` and its own `<|vision_start|>`, pads, `<|vision_end|>`); a
+    one-frame video is a bad sample, named."""
+    import av
+    from transformers import AutoTokenizer
+
+    from tests.helpers.video_files import write_video
+
+    ckpt = _checkpoint(tmp_path / "ckpt", {"size": SMALL, "patch_size": 16, "merge_size": 2})
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PRE))
+    media = tmp_path / "media"
+    media.mkdir()
+    write_video(media / "a.mp4", 23, fps=10, size=(70, 46), gop=5)
+    write_video(media / "b.webm", 9, fps=4, size=(36, 100))
+    write_video(media / "one.mp4", 1, fps=10)
+    ask = [{"from": "human", "value": "<video>\nwhat is in this picture ?"},
+           {"from": "gpt", "value": "a cat , 3 ."}]
+    recs = [{"id": "a", "video": "media/a.mp4", "conversations": ask},
+            {"id": "one", "video": "media/one.mp4", "conversations": ask},
+            {"id": "two", "videos": ["media/b.webm", "media/a.mp4"], "conversations": [
+                {"from": "human", "value": "<video> and <video> : the value ?"},
+                {"from": "gpt", "value": "2"}]}]  # fmt: skip
+    (tmp_path / "v.json").write_text(json.dumps(recs))
+    out = tmp_path / "v.npz"
+    assert cli_main(["stats", str(tmp_path / "v.json"), "--model", str(ckpt), "--image-root",
+                     str(tmp_path), "--out", str(out), "--on-error", "skip", "--workers", "1",
+                     "--no-progress"]) == 0  # fmt: skip
+    skipped = json.loads((tmp_path / "v.skipped.json").read_text())["datasets"]["v"]["skipped"]
+    assert [s["id"] for s in skipped] == ["one"]
+    assert "one.mp4: 1 frame(s); Qwen3-VL takes at least 2" in skipped[0]["reason"]
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    want_units, want_tokens = [], []
+    for rec in (recs[0], recs[2]):
+        text_of, units = [], 0
+        for name in rec.get("videos") or [rec["video"]]:
+            with av.open(str(tmp_path / name)) as container:
+                stream = container.streams.video[0]
+                fps = float(stream.average_rate)
+                size = (stream.codec_context.width, stream.codec_context.height)
+                frames = sum(1 for _ in container.decode(video=0))
+            n, stamps, per_frame = _transformers_video(frames, fps, *size, VIDEO_PRE)
+            units += n
+            text_of.append("<|vision_start|>" + "".join(
+                f"<{t:.1f} seconds><|vision_start|>" + "<|video_pad|>" * per_frame
+                + "<|vision_end|>" for t in stamps) + "<|vision_end|>")  # fmt: skip
+        messages = []
+        for turn in rec["conversations"]:
+            text = turn["value"]
+            for video in text_of:
+                text = text.replace("<video>", video, 1)
+            messages.append({"role": {"human": "user", "gpt": "assistant"}[turn["from"]],
+                             "content": text})
+        ids = tok.apply_chat_template(messages, tokenize=True)
+        want_units.append(units)
+        want_tokens.append(len(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    stats = load_lengths(out)
+    assert stats.vit.tolist() == want_units and stats.tokens.tolist() == want_tokens
+    assert read_stats_config(out)["native_video"]["rule"] == "qwen3_vl"
