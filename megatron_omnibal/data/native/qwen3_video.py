@@ -20,7 +20,12 @@ import math
 import numpy as np
 
 from megatron_omnibal.data.images.tiling import TilingError
-from megatron_omnibal.data.native.video import NativeVideo, NativeVideoError, NativeVideoSettings
+from megatron_omnibal.data.native.video import (
+    NativeVideo,
+    NativeVideoError,
+    NativeVideoSettings,
+    native_video,
+)
 
 
 def frame_indices(frames: int, fps: float, settings: NativeVideoSettings, where: str
@@ -85,3 +90,11 @@ def qwen3_video(frames: int, fps: float, width: int, height: int,
     temporal = -(-count // step)
     return NativeVideo(indices, h, w, temporal, temporal * (h // factor) * (w // factor),
                        step / fps, timestamps(indices, fps, step))
+
+
+def take_video(frames: int, fps: float, width: int, height: int,
+               settings: NativeVideoSettings, factor: int, where: str) -> NativeVideo:
+    """A video as the model whose rule `settings.rule` names takes it (Qwen3-VL's here,
+    Qwen2.5-VL's in video.py)."""
+    rule = qwen3_video if settings.rule == "qwen3_vl" else native_video
+    return rule(frames, fps, width, height, settings, factor, where)

@@ -103,12 +103,7 @@ def frame_count(frames: int, fps: float, settings: NativeVideoSettings, where: s
 def native_video(frames: int, fps: float, width: int, height: int,
                  settings: NativeVideoSettings, factor: int, where: str) -> NativeVideo:
     """The frames, size and tokens of a video (of `frames` frames at `fps`, `width` x `height`
-    pixels) as Qwen2.5-VL takes it (Qwen3-VL's rule where `settings.rule` says so); `factor`:
-    the merge group's side in pixels (28)."""
-    if settings.rule == "qwen3_vl":
-        from megatron_omnibal.data.native.qwen3_video import qwen3_video
-
-        return qwen3_video(frames, fps, width, height, settings, factor, where)
+    pixels) as Qwen2.5-VL takes it; `factor`: the merge group's side in pixels (28)."""
     count = frame_count(frames, fps, settings, where)
     indices = np.rint(np.linspace(0, frames - 1, count)).astype(np.int64)
     step = settings.temporal_patch_size

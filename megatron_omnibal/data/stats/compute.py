@@ -55,8 +55,8 @@ from megatron_omnibal.data.lengths import (
     from_arrays,
     save_lengths,
 )
-from megatron_omnibal.data.native.qwen3_video import timestamp_text
-from megatron_omnibal.data.native.video import NativeVideo, native_video
+from megatron_omnibal.data.native.qwen3_video import take_video, timestamp_text
+from megatron_omnibal.data.native.video import NativeVideo
 from megatron_omnibal.data.sample.config import StatsConfig, config_to_dict
 from megatron_omnibal.data.sample.media import SampleMedia, dataset_tiling, sample_media
 from megatron_omnibal.data.sample.text import SampleText
@@ -423,7 +423,7 @@ def native_video_of(path: str, video: Video, config: StatsConfig
     first, frames = clip_frames(available_frames(path, header, config), header.fps,
                                 video.clip, path)
     try:
-        taken = native_video(frames, header.fps, header.width, header.height,
+        taken = take_video(frames, header.fps, header.width, header.height,
                              config.native_video, config.tiling.tile, path)
     except TilingError as exc:
         raise conv.SampleError(f"video {path}: {exc}") from None

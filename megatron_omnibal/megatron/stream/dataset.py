@@ -72,8 +72,7 @@ from megatron_omnibal.data.native.patches import (
     video_to_patches,
 )
 from megatron_omnibal.data.native.qwen3_video import frame_indices as qwen3_frames
-from megatron_omnibal.data.native.qwen3_video import timestamp_text, timestamps
-from megatron_omnibal.data.native.video import native_video
+from megatron_omnibal.data.native.qwen3_video import take_video, timestamp_text, timestamps
 from megatron_omnibal.data.sample.config import (
     StatsConfig,
     StatsConfigError,
@@ -421,7 +420,7 @@ class RealSampleSource:
                 path = sample.video_path(video.path)
                 frames, fps = int(table.frames[row]), float(table.fps[row])
                 header = read_header(path)
-                taken = native_video(frames, fps, header.width, header.height, settings,
+                taken = take_video(frames, fps, header.width, header.height, settings,
                                      tiling.tile, path)
                 if self.pixels:
                     patches, _, decoded = video_to_patches(
