@@ -256,7 +256,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"tiles: total {int(stats.vit.sum())}, max {int(stats.vit.max())}; tokens: mean "
               f"{stats.tokens.mean():.0f}, max {int(stats.tokens.max())}", file=sys.stderr)
     videos = sum(len(v) for v in result.videos)
-    if videos and config.tiling.mode == "native":
+    if videos and config.native_video.rule == "qwen3_vl" and config.tiling.mode == "native":
+        v = config.native_video
+        cap = f", at most {v.max_video_tokens} tokens a frame" if v.cap_pixels_per_frame else ""
+        print(f"videos: {videos}; Qwen3-VL's rule: {v.fps:g} frames/s, {v.min_frames}-"
+              f"{v.max_frames} frames, {v.min_pixels}-{v.max_pixels} pixels per video{cap}, "
+              "timestamps between temporal patches, the same every epoch", file=sys.stderr)
+    elif videos and config.tiling.mode == "native":
         v = config.native_video
         print(f"videos: {videos}; Qwen2.5-VL's rule: {v.fps:g} frames/s, {v.min_frames}-"
               f"{v.max_frames} frames, {v.min_pixels}-{v.max_pixels} pixels per frame within "

@@ -5,6 +5,8 @@ Written here (nothing downloaded), each in the form of its release:
   assistant." when the first message is not a system one, string or typed-part contents, images
   and videos as `<|vision_start|><|image_pad|><|vision_end|>` (`<|video_pad|>`), no
   {% generation %} markers;
+- QWEN3_VL: Qwen3-VL-Instruct's ChatML for plain conversations: the same parts, no default
+  system prompt (a system message only where the conversation has one);
 - LLAVA_HF: llava-hf's `USER: ` / `ASSISTANT: ` over typed parts only (images first, `<image>\\n`
   each; a string content renders nothing), answers inside {% generation %} markers, `ASSISTANT:`
   as the generation prompt;
@@ -25,7 +27,7 @@ from pathlib import Path
 from megatron_omnibal.data.formats.generate import train_tokenizer
 
 
-def _qwen(marked: bool) -> str:
+def _qwen(marked: bool, default_system: bool = True) -> str:
     body = ("{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
             "{% else %}{% for content in message['content'] %}"
             "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
@@ -41,9 +43,10 @@ def _qwen(marked: bool) -> str:
     if marked:
         body = ("{% if message['role'] == 'assistant' %}{% generation %}" + body
                 + "{% endgeneration %}{% else %}" + body + "{% endif %}")
+    system = ("{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are "
+              "a helpful assistant.<|im_end|>\n{% endif %}") if default_system else ""
     return ("{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-            "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+            "{% for message in messages %}" + system +
             "<|im_start|>{{ message['role'] }}\n" + body + "{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -84,6 +87,7 @@ def _llama3(marked: bool) -> str:
 
 
 QWEN2_5_VL, QWEN2_5_VL_MARKED = _qwen(False), _qwen(True)
+QWEN3_VL = _qwen(False, default_system=False)
 LLAMA3, LLAMA3_MARKED = _llama3(False), _llama3(True)
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                  "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]

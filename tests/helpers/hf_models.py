@@ -347,3 +347,34 @@ def qwen2_5_vl(path: Path, seed: int = 0, flat: bool = False, llm_layers: int = 
             f.unlink()
         save_file(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
     return Built(path, model, "qwen2_5_vl", QWEN_IMAGE, 1, 28)
+
+
+def qwen3_vl(path: Path, seed: int = 0, hub: bool = False, llm_layers: int = 4,
+             tie: bool = False) -> Built:
+    """Qwen3-VL: tests/helpers/qwen3_vl.py's tiny model (4 ViT layers of width 32 with a 4 x 4
+    position table, DeepStack taps [2, 0, 3], a Qwen3 LLM with interleaved M-RoPE [4, 2, 2])
+    with `llm_layers` LLM layers. `hub`: config.json as the hub's checkpoints lay it out
+    (`text_config.rope_scaling` with mrope_interleaved beside rope_theta, the vision config's
+    model_type "qwen3_vl"); otherwise transformers 5's own save (`rope_parameters`). Its
+    tensors are saved as transformers saves them (`model.visual.*`, `model.language_model.*`,
+    `lm_head.*`), the hub's names too."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from tests.helpers import qwen3_vl as tiny
+
+    cfg = tiny.hf_config()
+    cfg.text_config.num_hidden_layers = llm_layers
+    cfg.tie_word_embeddings = tie
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(cfg).float().eval()
+    _perturb(model, seed + 1)
+    model.save_pretrained(path)
+    if hub:
+        doc = json.loads((path / "config.json").read_text())
+        text, vision = doc["text_config"], doc["vision_config"]
+        rope = text.pop("rope_parameters")
+        text["rope_theta"] = rope.pop("rope_theta")
+        text["rope_scaling"] = rope
+        vision["model_type"] = "qwen3_vl"
+        (path / "config.json").write_text(json.dumps(doc, indent=2))
+    return Built(path, model, "qwen3_vl", tiny.IMAGE_TOKEN, 1, 8)

@@ -89,8 +89,6 @@ def _edited(src: Path, dst: Path, edit) -> Path:
         (lambda d: d.update(vision_feature_layer=[-2, -1]), "features from several layers"),
         (lambda d: d.update(model_type="qwen2_vl"),
          "model_type 'qwen2_vl' is not supported yet: Qwen2-VL's vision tower"),
-        (lambda d: d.update(model_type="qwen3_vl"),
-         "model_type 'qwen3_vl' is not supported yet: Qwen3-VL's vision tower"),
         (lambda d: d["text_config"].update(rope_parameters={
             "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 128}),

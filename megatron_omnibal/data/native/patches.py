@@ -95,6 +95,8 @@ def video_to_patches(path: str | os.PathLike, first: int, video: NativeVideo,
     size = (video.width, video.height)
     frames = np.stack([np.asarray(Image.fromarray(f).resize(size, Image.Resampling.BICUBIC))
                        for f in decoded.pixels])
+    if len(frames) % temporal:  # Qwen3-VL: the last frame fills the last temporal patch
+        frames = np.concatenate([frames, frames[-1:].repeat(-len(frames) % temporal, 0)])
     colours = replace(tiling, image_mean=settings.image_mean or tiling.image_mean,
                       image_std=settings.image_std or tiling.image_std)
     patches, grid = frame_patches(normalize(frames, colours), patch, temporal,

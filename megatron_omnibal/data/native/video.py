@@ -29,6 +29,7 @@ from megatron_omnibal.data.video.reader import VideoError
 VIDEO_MIN_PIXELS = 128 * 28 * 28
 VIDEO_MAX_PIXELS = 768 * 28 * 28
 MAX_VIDEO_TOKENS = 128000
+RULES = ("qwen2_5_vl", "qwen3_vl")
 
 
 class NativeVideoError(VideoError):
@@ -48,8 +49,14 @@ class NativeVideoSettings:
     temporal_patch_size: int = 2  # frames per temporal patch (the frame count's factor)
     image_mean: tuple[float, float, float] | None = None  # None: the image processor's
     image_std: tuple[float, float, float] | None = None
+    # "qwen2_5_vl" (this module's rule) or "qwen3_vl" (qwen3_video.py: min/max_pixels hold for
+    # the whole video, timestamps between temporal patches)
+    rule: str = "qwen2_5_vl"
+    cap_pixels_per_frame: bool = False  # qwen3_vl: each frame's pixels capped (max_video_tokens)
 
     def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"video rule {self.rule!r} is not one of {RULES}")
         if not (self.fps > 0 and 1 <= self.min_frames <= self.max_frames
                 and 0 < self.min_pixels <= self.max_pixels and self.max_video_tokens > 0
                 and self.temporal_patch_size > 0):
@@ -72,6 +79,7 @@ class NativeVideo:
     temporal: int  # temporal patches: frames / temporal_patch_size
     units: int
     seconds_per_grid: float
+    timestamps: tuple[float, ...] = ()  # Qwen3-VL: seconds of each temporal patch (its text)
 
     def grid(self, patch: int) -> tuple[int, int, int]:
         """(t, h, w) in patches of `patch` px."""

@@ -55,7 +55,8 @@ from megatron_omnibal.data.lengths import (
     from_arrays,
     save_lengths,
 )
-from megatron_omnibal.data.native.video import native_video
+from megatron_omnibal.data.native.qwen3_video import take_video, timestamp_text
+from megatron_omnibal.data.native.video import NativeVideo
 from megatron_omnibal.data.sample.config import StatsConfig, config_to_dict
 from megatron_omnibal.data.sample.media import SampleMedia, dataset_tiling, sample_media
 from megatron_omnibal.data.sample.text import SampleText
@@ -381,8 +382,10 @@ def _measure(sample: LoadedSample, tiling: TilingConfig, config: StatsConfig,
     native = tiling.mode == "native"
     extra = 0
     if videos and native:
-        found = [native_video_of(sample.video_path(v.path), v, config) for v in videos]
+        taken = [native_video_of(sample.video_path(v.path), v, config) for v in videos]
+        found = [row for row, _ in taken]
         extra += sum(units - 1 for *_, units in found)
+        extra += sum(timestamp_tokens(video, counter) for _, video in taken)
     elif videos:
         found = [(*video_frames(sample.video_path(v.path), v, config), 1) for v in videos]
         extra += len(videos) * (config.tiling.tokens_per_tile - 1)
@@ -410,21 +413,32 @@ def _measure(sample: LoadedSample, tiling: TilingConfig, config: StatsConfig,
     return chat.pieces, extra, media, found
 
 
-def native_video_of(path: str, video: Video, config: StatsConfig) -> tuple[int, float, int]:
-    """(frames available, frame rate, merge groups) of a video as Qwen2.5-VL takes it, from
-    its header; with `verify_images` the frames it takes are decoded too (and the frames a
-    container without a stored count has are counted by decoding)."""
+def native_video_of(path: str, video: Video, config: StatsConfig
+                    ) -> tuple[tuple[int, float, int], NativeVideo]:
+    """((frames available, frame rate, merge groups), what the model takes) of a video as
+    Qwen2.5-VL (or Qwen3-VL) takes it, from its header; with `verify_images` the frames it
+    takes are decoded too (and the frames a container without a stored count has are counted
+    by decoding)."""
     header = read_header(path)
     first, frames = clip_frames(available_frames(path, header, config), header.fps,
                                 video.clip, path)
     try:
-        taken = native_video(frames, header.fps, header.width, header.height,
+        taken = take_video(frames, header.fps, header.width, header.height,
                              config.native_video, config.tiling.tile, path)
     except TilingError as exc:
         raise conv.SampleError(f"video {path}: {exc}") from None
     if config.verify_images:
         decode_frames(path, first + taken.indices)
-    return frames, header.fps, taken.units
+    return (frames, header.fps, taken.units), taken
+
+
+def timestamp_tokens(video: NativeVideo, counter: TokenCounter) -> int:
+    """Tokens a Qwen3-VL video adds around its merge groups: each temporal patch's timestamp
+    text and its own `<|vision_start|>` and `<|vision_end|>` (none for Qwen2.5-VL's)."""
+    if not video.timestamps:
+        return 0
+    texts = counter.count([timestamp_text(t) for t in video.timestamps])
+    return sum(texts) + 2 * len(video.timestamps)
 
 
 def video_frames(path: str, video: Video, config: StatsConfig) -> tuple[int, float]:

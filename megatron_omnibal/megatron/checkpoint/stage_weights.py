@@ -34,7 +34,7 @@ def owns(name: str, layout: StageLayout) -> bool:
         return first <= int(m.group(2)) < end
     if name.startswith("patch_embed."):
         return layout.patch_embed
-    if name.startswith(("vit_final_norm.", "projector.")):
+    if name.startswith(("vit_final_norm.", "projector.", "deepstack_mergers.")):
         return layout.projector
     if name.startswith("embedding."):
         return layout.llm_embed

@@ -70,7 +70,9 @@ def _native_samples(spec: ModelSpec, g: torch.Generator) -> list[Sample]:
     """Image grids (t, h, w in patches) of 6x10 (one sample), 4x4 and 2x6 (one sample), 8x12,
     a text-only sample, and two videos in one sample: 3 temporal patches of 4x6 and one of 2x2,
     1.25 s per temporal patch (fractional M-RoPE time steps); each image or video is
-    `<vision_start>` + placeholders + `<vision_end>`."""
+    `<vision_start>` + placeholders + `<vision_end>`. A Qwen3-VL tower (a position table) takes
+    a video as one (1, h, w) grid per temporal patch with text between them (its timestamps),
+    as its processor splits it."""
     v = spec.vit
     special = {spec.image_token_id, spec.image_start_id, spec.image_end_id, 0}
     allowed = torch.tensor([i for i in range(min(spec.llm.vocab_size, 1000)) if i not in special])
@@ -82,6 +84,8 @@ def _native_samples(spec: ModelSpec, g: torch.Generator) -> list[Sample]:
     out = []
     for grids, seconds in (([(1, 6, 10)], 0.0), ([(1, 4, 4), (1, 2, 6)], 0.0), ([], 0.0),
                            ([(1, 8, 12)], 0.0), ([(3, 4, 6), (1, 2, 2)], 1.25)):
+        if v.num_position_embeddings:  # Qwen3-VL: a video is one grid per temporal patch
+            grids = [(1, h, w) for t, h, w in grids for _ in range(t)]
         ids = [0, *text(3)]
         for t, h, w in grids:
             ids += [spec.image_start_id, *[spec.image_token_id] * (t * h * w // merge),

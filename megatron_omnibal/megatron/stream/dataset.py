@@ -71,7 +71,8 @@ from megatron_omnibal.data.native.patches import (
     native_grid,
     video_to_patches,
 )
-from megatron_omnibal.data.native.video import native_video
+from megatron_omnibal.data.native.qwen3_video import frame_indices as qwen3_frames
+from megatron_omnibal.data.native.qwen3_video import take_video, timestamp_text, timestamps
 from megatron_omnibal.data.sample.config import (
     StatsConfig,
     StatsConfigError,
@@ -131,6 +132,10 @@ class RealSampleSource:
         video = conv.video_style(config.image_style) if self.native else None
         self.video_context_id = (self.counter.backend.token_to_id(video.context) if video
                                  else self.context_id)  # fmt: skip
+        # Qwen3-VL: each temporal patch of a video between its own vision start and end ids
+        self.timestamped = self.native and config.native_video.rule == "qwen3_vl"
+        self.frame_marks = tuple(self.counter.backend.token_to_id(t) for t in
+                                 (config.image_style.start, config.image_style.end))
         options = EnergonOptions(split=energon["split"], task_encoder=energon["task_encoder"]
                                  ) if energon else None
         self.specs, _ = read_inputs(data, image_root, options)
@@ -242,7 +247,37 @@ class RealSampleSource:
         except conv.SampleError as exc:
             raise DatasetError(f"{self.describe(index)}: {exc}") from exc
         ids, target = self.counter.encode_chat(chat)
-        return (*self._expand(index, ids, target, media.units), images, media, videos, sample)
+        ids, target = self._expand(index, ids, target, media.units)
+        if videos and self.timestamped:
+            ids, target = self._timestamps(index, ids, target, media.units)
+        return ids, target, images, media, videos, sample
+
+    def _timestamps(self, index: int, ids: np.ndarray, target: np.ndarray,
+                    units: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """A Qwen3-VL sample's videos as Qwen3VLProcessor writes them: each video's merge
+        groups (in place, after `_expand`) cut into its temporal patches, each after the text
+        `<t seconds>` and between its own vision start and end (data/native/qwen3_video.py);
+        the frames and their times follow from the length file's frames and rate."""
+        table, settings = self.by_epoch.table, self.config.native_video
+        start, end = self.frame_marks
+        pieces_ids, pieces_target, at = [], [], 0
+        runs = np.flatnonzero(np.diff(np.r_[0, ids == self.image_token_id, 0]) == 1)
+        for run, row, n in zip(runs, table.of_sample(index), units, strict=True):
+            frames, fps = int(table.frames[row]), float(table.fps[row])
+            stamps = timestamps(qwen3_frames(frames, fps, settings, self.describe(index)), fps,
+                                settings.temporal_patch_size)
+            per_patch = int(n) * self.tokens_per_tile // len(stamps)
+            segment = []
+            for seconds in stamps:
+                text = self.counter.backend.encode(timestamp_text(seconds),
+                                                   add_special_tokens=False).ids
+                segment += [*text, start, *[self.image_token_id] * per_patch, end]
+            pieces_ids += [ids[at:run], np.asarray(segment, np.int64)]
+            pieces_target += [target[at:run], np.zeros(len(segment), bool)]
+            at = run + int(n) * self.tokens_per_tile
+        pieces_ids.append(ids[at:])
+        pieces_target.append(target[at:])
+        return np.concatenate(pieces_ids), np.concatenate(pieces_target)
 
     def frame_counts(self, index: int, epoch: int, n_videos: int) -> np.ndarray:
         """Frames each video of sample `index` trains on in `epoch` (from the epoch plan; a
@@ -385,7 +420,7 @@ class RealSampleSource:
                 path = sample.video_path(video.path)
                 frames, fps = int(table.frames[row]), float(table.fps[row])
                 header = read_header(path)
-                taken = native_video(frames, fps, header.width, header.height, settings,
+                taken = take_video(frames, fps, header.width, header.height, settings,
                                      tiling.tile, path)
                 if self.pixels:
                     patches, _, decoded = video_to_patches(
@@ -398,8 +433,10 @@ class RealSampleSource:
                     raise VideoError(f"{path}: {taken.units} merge groups from the video, the "
                                      f"length file counts {expected} (the video changed since "
                                      "`omnibal stats`)")
-                grids.append(taken.grid(patch))
-                seconds.append(taken.seconds_per_grid)
+                t, h, w = taken.grid(patch)
+                split = self.timestamped  # Qwen3-VL: one (1, h, w) grid per temporal patch
+                grids += [(1, h, w)] * t if split else [(t, h, w)]
+                seconds += [taken.seconds_per_grid] * (t if split else 1)
         except (VideoError, TilingError, MemberError) as exc:
             raise SampleLoadError(f"{self.describe(index)}: {exc}") from exc
         if parts:

@@ -25,14 +25,16 @@ def deepstack_inbound(model: ModelSpec, tp: int) -> np.ndarray | None:
 
     A tap's hidden states (every patch of a tile, the ViT's width) cross the boundaries after
     its layer up to the projector; merged feature i (the tile's LLM tokens, the LLM's width)
-    crosses those after the projector up to LLM layer i. Both are split over TP by sequence
-    parallelism, as the hidden state is."""
+    crosses those after the projector up to LLM layer i. A tap is replicated over the TP ranks,
+    as the ViT's hidden state is (the tower runs no sequence parallelism); a merged feature is
+    split over them, as the LLM's hidden state is under sequence parallelism (each rank's share
+    of the image tokens)."""
     v = model.vit
     if not v.deepstack_indexes:
         return None
     nv = v.num_layers
     units = nv + 1 + model.llm.num_layers
-    tap = v.seq_per_tile * v.hidden_size * BF16 / tp / MIB
+    tap = v.seq_per_tile * v.hidden_size * BF16 / MIB
     merged = model.tokens_per_tile * model.llm.hidden_size * BF16 / tp / MIB
     tiles = np.zeros(units)
     for i, layer in enumerate(v.deepstack_indexes):

@@ -3,7 +3,8 @@
 - Round trip: HF -> Megatron (torch format at TP=2 x PP=2, and torch_dist) -> HF gives the
   original tensors bit for bit, under the original names, and transformers loads the result
   with no missing or unexpected keys; for every family, InternVL3/3.5 (Qwen2.5, Qwen3) in both
-  layouts, LLaVA on Llama-3.x and Qwen2.5-VL (hub and transformers layouts) included.
+  layouts, LLaVA on Llama-3.x, Qwen2.5-VL (hub and transformers layouts) and Qwen3-VL (the
+  hub's layout: DeepStack mergers, a position table) included.
 - One SGD step of InternVL3.5 (Qwen3) at TP=2 and at PP=3 equals TP=1's; so does one of
   Qwen2.5-VL (its vision tower over two stages at PP=3), whose exports transformers' forward
   equals (compare-hf).
@@ -84,12 +85,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, hf_models.Buil
         "llava_llama3": hf_models.llava(root / "llava_llama3", text="llama3"),
         "qwen2_5_vl": hf_models.qwen2_5_vl(root / "qwen2_5_vl"),
         "qwen2_5_vl_flat": hf_models.qwen2_5_vl(root / "qwen2_5_vl_flat", flat=True),
+        "qwen3_vl": hf_models.qwen3_vl(root / "qwen3_vl", hub=True),
     }
 
 
 @pytest.mark.parametrize("family", ["internvl_6b", "internvl_300m", "internvl_chat", "llava",
                                     "internvl3_5", "internvl3_5_chat", "internvl3_chat",
-                                    "llava_llama3", "qwen2_5_vl", "qwen2_5_vl_flat"])  # fmt: skip
+                                    "llava_llama3", "qwen2_5_vl", "qwen2_5_vl_flat",
+                                    "qwen3_vl"])  # fmt: skip
 def test_round_trip_is_bit_identical(models, family: str, tmp_path: Path) -> None:
     built = models[family]
     ckpt, back = tmp_path / "megatron", tmp_path / "hf"

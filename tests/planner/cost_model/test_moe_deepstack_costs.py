@@ -125,6 +125,14 @@ def test_deepstack_features_in_flight_cross_boundaries_and_fill_receiving_stages
     assert stage_memory_mib(costs, 0, 3, {}, 2) == stage_memory_mib(plain, 0, 3, {}, 2)
 
 
+def test_deepstack_taps_are_replicated_over_tp_and_merged_features_split() -> None:
+    """At TP=2 a tap still carries every patch at the ViT's width on each rank (the tower runs
+    replicated); a merged feature carries half the image tokens (sequence parallelism)."""
+    tap, merged = 4 * 32 * 2 / MIB, 48 * 2 / MIB
+    want = np.array([0, 0, tap, 2 * tap, 2 * tap, merged, merged / 2, 0])
+    np.testing.assert_allclose(analytic_costs(deepstack_model(), HW, tp=2).inbound[:, 0], want)
+
+
 def test_qwen3_vl_attends_over_each_whole_image_in_every_layer() -> None:
     """No windows: each ViT layer's FLOPs over one 24 x 40 patch image (240 tiles) are the exact
     full-attention count of that image, in all 27 layers."""
