@@ -40,8 +40,6 @@ __all__ = ["HFConfigError", "HFModel", "read_hf", "spec_from_hf"]
 NOT_YET = {
     "qwen2_vl": "Qwen2-VL's vision tower (full attention in every block, LayerNorm, a plain "
     "MLP) is not the Qwen2.5-VL tower the stage module builds",
-    "qwen3_vl_moe": "Qwen3-VL-MoE is a mixture-of-experts LLM with Qwen3-VL's vision tower, "
-    "neither built by the stage module",
 }
 
 

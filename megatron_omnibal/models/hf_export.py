@@ -25,7 +25,9 @@ from megatron_omnibal.models.hf_weights import (
     TIED_HEAD_COPIES,
     SafetensorsReader,
     WeightsError,
+    canonical_shapes,
     rules_for,
+    split_slice,
     to_file_name,
     unused_hf_names,
 )
@@ -86,6 +88,7 @@ class ShardWriter:
                 f.truncate(8 + len(text) + at)
             self.headers[file] = 8 + len(text)
         self.written: set[str] = set()
+        self.parts: dict[str, set[int]] = {}  # slices written of fused tensors
         if len(groups) > 1:
             index = {
                 "metadata": {"total_size": sum(s.end - s.begin for s in self.slots.values())},
@@ -94,21 +97,31 @@ class ShardWriter:
             (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Write tensor `name`, or with `x[i]` slice i of tensor x (its first axis): a fused
+        tensor is complete once every slice is written."""
+        name, index = split_slice(name)
         slot = self.slots.get(name)
         if slot is None:
             raise WeightsError(f"tensor '{name}' is not in the checkpoint being mirrored")
-        if name in self.written:
-            raise WeightsError(f"tensor '{name}' written twice")
-        if DTYPE_NAMES[tensor.dtype] != slot.dtype or tuple(tensor.shape) != slot.shape:
+        shape = slot.shape if index is None else slot.shape[1:]
+        where = name if index is None else f"{name}[{index}]"
+        if name in self.written or (index is not None and index in self.parts.get(name, ())):
+            raise WeightsError(f"tensor '{where}' written twice")
+        if DTYPE_NAMES[tensor.dtype] != slot.dtype or tuple(tensor.shape) != shape:
             raise WeightsError(
-                f"tensor '{name}' is {DTYPE_NAMES.get(tensor.dtype, tensor.dtype)} "
-                f"{tuple(tensor.shape)}, the checkpoint has {slot.dtype} {slot.shape}"
+                f"tensor '{where}' is {DTYPE_NAMES.get(tensor.dtype, tensor.dtype)} "
+                f"{tuple(tensor.shape)}, the checkpoint has {slot.dtype} {shape}"
             )
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         with open(self.out / slot.file, "r+b") as f:
-            f.seek(self.headers[slot.file] + slot.begin)
+            f.seek(self.headers[slot.file] + slot.begin + (index or 0) * data.nbytes)
             f.write(data.tobytes())
-        self.written.add(name)
+        if index is None:
+            self.written.add(name)
+            return
+        self.parts.setdefault(name, set()).add(index)
+        if len(self.parts[name]) == slot.shape[0]:
+            self.written.add(name)
 
     def close(self) -> list[Path]:
         missing = sorted(set(self.slots) - self.written)
@@ -153,6 +166,27 @@ def _layout(reader: SafetensorsReader) -> tuple[dict[str, tuple[str, tuple[int, 
     return tensors, groups if sharded else None
 
 
+def _fused_shapes(
+    like: HFModel, rules: Iterable, reader: SafetensorsReader,
+    layout: dict[str, tuple[str, tuple[int, ...]]],
+) -> dict[str, tuple[str, tuple[int, ...]]]:  # fmt: skip
+    """The shape each fused tensor (one several rules write slices of) is written in: its
+    slices as the rules write them (Qwen3-VL-MoE's experts in the hub's orientation, whatever
+    orientation `like` holds), found by running the rules on empty (meta) tensors."""
+    shapes = canonical_shapes(like)
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for rule in rules:
+        names = [split_slice(n) for n in rule.hf]
+        if all(index is None for _, index in names):
+            continue
+        pieces = rule.to_hf(torch.empty(shapes[rule.canonical], device="meta"))
+        for (name, _), piece in zip(names, pieces, strict=True):
+            file_name = to_file_name(name, reader.style)
+            dtype, stored = layout[file_name]
+            out[file_name] = (dtype, (stored[0], *piece.shape))
+    return out
+
+
 def export_hf(
     groups: Iterable[dict[str, torch.Tensor]],
     like: HFModel,
@@ -166,6 +200,7 @@ def export_hf(
     reader = SafetensorsReader(like)
     rules = {r.canonical: r for r in rules_for(like)}
     layout, shard_groups = _layout(reader)
+    layout.update(_fused_shapes(like, rules.values(), reader, layout))
     if dtype is not None:
         layout = {n: (DTYPE_NAMES[dtype], shape) for n, (_, shape) in layout.items()}
     writer = ShardWriter(out, layout, shard_groups, max_shard_bytes)
@@ -182,7 +217,7 @@ def export_hf(
             done.add(name)
             for hf_name, piece in zip(rule.hf, rule.to_hf(tensor), strict=True):
                 file_name = to_file_name(hf_name, reader.style)
-                writer.add(file_name, piece.to(originals[file_name]))
+                writer.add(file_name, piece.to(originals[split_slice(file_name)[0]]))
             if name == "embedding.word_embeddings.weight":
                 embedding = tensor
         if progress is not None:

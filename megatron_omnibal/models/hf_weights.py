@@ -38,7 +38,8 @@ def rules_for(model: HFModel) -> list[Rule]:
     `language_model.model.*` / `vision_tower.*` style): the family's vision and projector
     rules, then the LLM's."""
     family = family_of(model)
-    return family.vision_rules(model) + family.projector_rules(model) + language_rules(model)
+    return (family.vision_rules(model) + family.projector_rules(model)
+            + language_rules(model, family.expert_rules))  # fmt: skip
 
 
 # Where a checkpoint may store its tied output head (transformers ties it again on load).
@@ -71,6 +72,15 @@ def detect_style(names: set[str], family: str) -> KeyStyle:
         ]
     style += family_named(family).key_style(names, transformers_4)
     return tuple(style)
+
+
+def split_slice(name: str) -> tuple[str, int | None]:
+    """`x[3]` -> (`x`, 3): a rule's slice of a tensor several rules share (weights.sliced);
+    a plain name -> (name, None)."""
+    if name.endswith("]") and "[" in name:
+        base, index = name[:-1].rsplit("[", 1)
+        return base, int(index)
+    return name, None
 
 
 def to_rule_name(name: str, style: KeyStyle) -> str:
@@ -124,9 +134,11 @@ class SafetensorsReader:
         return {to_rule_name(n, self.style) for n in self.files}
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor `name` (rule style), read from its shard."""
+        """The tensor `name` (rule style), read from its shard; `x[i]` reads slice i of x
+        alone."""
         from safetensors import safe_open
 
+        name, index = split_slice(name)
         file_name = to_file_name(name, self.style)
         if file_name not in self.files:
             raise WeightsError(f"{self.path}: no tensor '{file_name}' in the checkpoint")
@@ -134,15 +146,17 @@ class SafetensorsReader:
         if shard not in self._open:
             self._open.clear()  # one shard open at a time
             self._open[shard] = safe_open(shard, "pt")
+        if index is not None:
+            return self._open[shard].get_slice(file_name)[index]  # type: ignore[attr-defined]
         return self._open[shard].get_tensor(file_name)  # type: ignore[attr-defined]
 
     def shard_of(self, name: str) -> Path:
-        return self.files[to_file_name(name, self.style)]
+        return self.files[to_file_name(split_slice(name)[0], self.style)]
 
 
 def check_coverage(model: HFModel, rules: list[Rule], names: set[str], where: Path) -> None:
     """Every tensor the rules need is there and every tensor there is used or known unused."""
-    needed = {n for r in rules for n in r.hf}
+    needed = {split_slice(n)[0] for r in rules for n in r.hf}
     missing = sorted(needed - names)
     if missing:
         raise WeightsError(

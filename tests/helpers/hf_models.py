@@ -378,3 +378,37 @@ def qwen3_vl(path: Path, seed: int = 0, hub: bool = False, llm_layers: int = 4,
         vision["model_type"] = "qwen3_vl"
         (path / "config.json").write_text(json.dumps(doc, indent=2))
     return Built(path, model, "qwen3_vl", tiny.IMAGE_TOKEN, 1, 8)
+
+
+def qwen3_vl_moe(path: Path, seed: int = 0, hub: bool = True, llm_layers: int = 3) -> Built:
+    """Qwen3-VL-MoE: the tiny Qwen3-VL above with MOE_TEXT's experts (4 of width 24, top 2) in
+    every one of its `llm_layers` LLM layers, fused as transformers holds them. `hub`: the
+    expert tensors as the hub stores them (`gate_up_proj` [E, H, 2I], `down_proj` [E, I, H]);
+    otherwise as transformers 5 saves them ([E, 2I, H], [E, H, I]: it transposes the hub's on
+    load and writes them back untransposed)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    from tests.helpers import qwen3_vl as tiny
+
+    dense = tiny.hf_config()
+    text = {**dense.text_config.to_dict(), "num_hidden_layers": llm_layers,
+            **{k: v for k, v in MOE_TEXT.items() if k != "norm_topk_prob"}}  # fmt: skip
+    text.pop("model_type", None)
+    cfg = Qwen3VLMoeConfig(vision_config=dense.vision_config.to_dict(), text_config=text,
+                           image_token_id=dense.image_token_id,
+                           video_token_id=dense.video_token_id,
+                           vision_start_token_id=dense.vision_start_token_id,
+                           vision_end_token_id=dense.vision_end_token_id,
+                           tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen3VLMoeForConditionalGeneration(cfg).float().eval()
+    _perturb(model, seed + 1)
+    model.save_pretrained(path)
+    if hub:
+        saved = load_file(path / "model.safetensors")
+        fused = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+        saved = {k: t.transpose(1, 2).contiguous() if k.endswith(fused) else t
+                 for k, t in saved.items()}  # fmt: skip
+        save_file(saved, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return Built(path, model, "qwen3_vl_moe", tiny.IMAGE_TOKEN, 1, 8)

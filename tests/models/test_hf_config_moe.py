@@ -1,8 +1,8 @@
 """Mixture-of-experts LLMs read from Hugging Face checkpoints (InternVL3.5-30B-A3B's Qwen3-MoE in
-transformers' `internvl` layout and OpenGVLab's `internvl_chat` one): the spec's expert fields
-come from the checkpoint's config (checked against the config objects the tiny models were
-built from), the expert tensors map one per expert both ways, and what is not built is refused
-naming the key."""
+transformers' `internvl` layout and OpenGVLab's `internvl_chat` one; Qwen3-VL-30B-A3B's
+`qwen3_vl_moe`): the spec's expert fields come from the checkpoint's config (checked against the
+config objects the tiny models were built from), the expert tensors map both ways (one per
+expert; fused, in either orientation), and what is not built is refused naming the key."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                        llm_layers=2).path,
         "chat": hf_models.internvl_chat(root / "chat", text="qwen3_moe", six_b=False,
                                         llm_layers=2).path,
+        "qwen3_vl_moe": hf_models.qwen3_vl_moe(root / "qwen3_vl_moe").path,
     }  # fmt: skip
 
 
@@ -40,7 +41,7 @@ def _edited(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("layout", ["internvl", "chat"])
+@pytest.mark.parametrize("layout", ["internvl", "chat", "qwen3_vl_moe"])
 def test_experts_come_from_the_config(built, layout: str) -> None:
     hf = read_hf(built[layout])
     llm, want = hf.spec.llm, hf_models.MOE_TEXT
@@ -102,8 +103,9 @@ def test_one_tensor_per_expert_maps_both_ways(built) -> None:
     ],
 )
 def test_what_is_not_built_is_refused_by_key(built, tmp_path: Path, edit, message: str) -> None:
-    for layout, key in (("internvl", "text_config"), ("chat", "llm_config")):
-        if layout == "chat" and "gpt_oss" in message:
+    for layout, key in (("internvl", "text_config"), ("chat", "llm_config"),
+                        ("qwen3_vl_moe", "text_config")):  # fmt: skip
+        if layout != "internvl" and "gpt_oss" in message:
             continue
         dst = _edited(built[layout], tmp_path / layout, lambda d, k=key: edit(d[k]))
         with pytest.raises(HFConfigError, match=message):
@@ -116,3 +118,42 @@ def test_remote_layout_refuses_gpt_oss(built, tmp_path: Path) -> None:
 
     with pytest.raises(HFConfigError, match=r"\['GptOssForCausalLM'\]: GPT-OSS is a mixture"):
         read_hf(_edited(built["chat"], tmp_path / "g", gpt_oss))
+
+
+def test_qwen3_vl_moe_always_renormalises_and_claims_its_specs(built, tmp_path: Path) -> None:
+    """Its router renormalises the top k whatever `norm_topk_prob` says (transformers'
+    Qwen3VLMoeTextTopKRouter has no such switch); a spec with its tower and experts is its
+    family's, without experts the dense qwen3_vl's; a dense text config is refused."""
+    from dataclasses import replace
+
+    from megatron_omnibal.models.families.registry import family_of_spec
+
+    def off(d: dict) -> None:
+        d["text_config"]["norm_topk_prob"] = False
+
+    hf = read_hf(_edited(built["qwen3_vl_moe"], tmp_path / "off", off))
+    assert hf.spec.llm.moe_norm_topk_prob and hf.llm_arch == "qwen3_moe"
+    assert family_of_spec(hf.spec).name == "qwen3_vl_moe"
+    dense = replace(hf.spec, llm=replace(hf.spec.llm, num_experts=0, moe_top_k=0,
+                                         moe_ffn_hidden_size=0))  # fmt: skip
+    assert family_of_spec(dense).name == "qwen3_vl"
+
+    def text(d: dict) -> None:
+        d["text_config"]["model_type"] = "qwen3_vl_text"
+
+    with pytest.raises(HFConfigError, match="'qwen3_vl_text': expected qwen3_vl_moe_text"):
+        read_hf(_edited(built["qwen3_vl_moe"], tmp_path / "dense", text))
+
+
+def test_fused_experts_read_in_both_orientations(built, tmp_path: Path) -> None:
+    """The hub's [E, H, 2I] / [E, I, H] and transformers 5's saved [E, 2I, H] / [E, H, I] give
+    the same canonical experts: expert e's fc1 is slice e of the saved gate_up_proj."""
+    from megatron_omnibal.models.hf_weights import canonical_tensors
+
+    saved = hf_models.qwen3_vl_moe(tmp_path / "saved", hub=False)
+    hub, tf = (read_hf(p) for p in (built["qwen3_vl_moe"], saved.path))
+    a = dict(canonical_tensors(hub, SafetensorsReader(hub)))
+    b = dict(canonical_tensors(tf, SafetensorsReader(tf)))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    fused = saved.model.state_dict()["model.language_model.layers.1.mlp.experts.gate_up_proj"]
+    assert torch.equal(a["llm.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"], fused[2])

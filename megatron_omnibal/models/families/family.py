@@ -21,7 +21,11 @@ from megatron_omnibal.data.native.video import NativeVideoSettings
 from megatron_omnibal.data.text.conversations import ImageStyle
 from megatron_omnibal.models.families.shared.config import HFModel
 from megatron_omnibal.models.families.shared.hf_files import HFFiles
-from megatron_omnibal.models.families.shared.weights import Rule, tiled_patch_shapes
+from megatron_omnibal.models.families.shared.weights import (
+    Rule,
+    per_expert_rules,
+    tiled_patch_shapes,
+)
 from megatron_omnibal.models.spec import ModelSpec, VisionSpec
 
 if TYPE_CHECKING:
@@ -72,7 +76,9 @@ class Family:
       an HFModel; `claims(spec)` says a spec with no checkpoint (a preset, a spec file) is this
       family's (the registry takes the first family in its order that claims it);
     - weights: `vision_rules` and `projector_rules` (HF <-> canonical tensors; the LLM's rules
-      are shared), `patch_shapes` (canonical shapes of the patch embedding), `unused` (HF
+      are shared but for a mixture-of-experts layer's `expert_rules(i, model)`: one tensor per
+      expert by default, fused tensors for Qwen3-VL-MoE), `patch_shapes` (canonical shapes of
+      the patch embedding), `unused` (HF
       tensors the model never uses), `key_style` (prefixes this family's files add to or take
       from the rules' names: transformers_4 says the file uses transformers 4.5x's
       `model.language_model.*`);
@@ -105,6 +111,7 @@ class Family:
     vit_attention: Callable[[VisionSpec, np.ndarray | None], VitAttention] = tiled_attention
     unused: Callable[[HFModel, str], bool] = _no_unused
     key_style: Callable[[set[str], bool], KeyStyle] = _no_key_style
+    expert_rules: Callable[[int, HFModel], list[Rule]] = per_expert_rules
     dummy_tile: bool = True  # a text-only sample runs one blank tile
     data_model_types: tuple[str, ...] = field(default=())
 

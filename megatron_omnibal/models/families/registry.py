@@ -9,7 +9,14 @@ another's spec (a native tower with a position table before the plain native one
 
 from __future__ import annotations
 
-from megatron_omnibal.models.families import internvl, internvl_chat, llava, qwen2_5_vl, qwen3_vl
+from megatron_omnibal.models.families import (
+    internvl,
+    internvl_chat,
+    llava,
+    qwen2_5_vl,
+    qwen3_vl,
+    qwen3_vl_moe,
+)
 from megatron_omnibal.models.families.family import Family
 from megatron_omnibal.models.families.shared.config import HFModel
 from megatron_omnibal.models.spec import ModelSpec
@@ -18,6 +25,7 @@ FAMILIES: tuple[Family, ...] = (
     internvl.FAMILY,
     llava.FAMILY,
     internvl_chat.FAMILY,
+    qwen3_vl_moe.FAMILY,  # before qwen3_vl: it claims Qwen3-VL's towers with experts
     qwen3_vl.FAMILY,  # before qwen2_5_vl: it claims native towers with a position table
     qwen2_5_vl.FAMILY,
 )

@@ -122,7 +122,12 @@ def linear(prefix: str, hf: tuple[str, ...], bias: bool) -> dict[str, tuple[str,
     return out
 
 
-def language_rules(model: HFModel) -> list[Rule]:
+def language_rules(
+    model: HFModel, experts: Callable[[int, HFModel], list[Rule]] | None = None
+) -> list[Rule]:
+    """The LLM's rules; a mixture-of-experts layer's router and experts by `experts(i, model)`
+    (default: one tensor per expert, Qwen3-MoE's)."""
+    experts = experts or per_expert_rules
     llm = model.spec.llm
     internlm2 = model.llm_arch == "internlm2"
     base = "language_model.model"
@@ -170,7 +175,7 @@ def language_rules(model: HFModel) -> list[Rule]:
     for i in range(llm.num_layers):
         rules += layer_rules("llm", i, names, attn)
         if llm.is_moe:
-            rules += expert_rules(i, llm.num_experts)
+            rules += experts(i, model)
     rules.append(Rule("llm.final_layernorm.weight", (f"{base}.norm.weight",)))
     if not llm.tie_embeddings:
         rules.append(Rule("output_layer.weight", (head,)))
@@ -182,18 +187,60 @@ def language_rules(model: HFModel) -> list[Rule]:
 EXPERT = "llm.layers.{i}.mlp.experts.local_experts.{e}"
 
 
-def expert_rules(i: int, num_experts: int) -> list[Rule]:
+def per_expert_rules(i: int, model: HFModel) -> list[Rule]:
     """Layer `i`'s router and experts, Qwen3-MoE's one tensor per expert: the router
     `mlp.gate` is megatron-core's `mlp.router`; expert e's gate and up projections are its
     [gate; up] fc1 and its down projection its fc2 (global expert indices: the EP split is the
     checkpoint's business)."""
     hf = f"language_model.model.layers.{i}.mlp"
     rules = [Rule(f"llm.layers.{i}.mlp.router.weight", (f"{hf}.gate.weight",))]
-    for e in range(num_experts):
+    for e in range(model.spec.llm.num_experts):
         ours, theirs = EXPERT.format(i=i, e=e), f"{hf}.experts.{e}"
         rules.append(Rule(f"{ours}.linear_fc1.weight",
                           (f"{theirs}.gate_proj.weight", f"{theirs}.up_proj.weight"), cat, halves))
         rules.append(Rule(f"{ours}.linear_fc2.weight", (f"{theirs}.down_proj.weight",)))
+    return rules
+
+
+def sliced(name: str, index: int) -> str:
+    """The HF name of slice `index` (along the first axis) of tensor `name`: a rule's part of
+    a tensor several rules share (fused experts). models.hf_weights reads and writes it."""
+    return f"{name}[{index}]"
+
+
+def oriented(shape: tuple[int, int]) -> Convert:
+    """A fused expert's slice as the canonical [out, in] `shape`: the hub stores it [in, out]
+    (transposed), a checkpoint transformers 5 wrote [out, in]; told apart by shape (a square
+    slice is taken as the hub's)."""
+
+    def convert(ts: list[torch.Tensor]) -> torch.Tensor:
+        t = ts[0]
+        return t.T.contiguous() if tuple(t.shape) == shape[::-1] else t
+
+    return convert
+
+
+def transposed(t: torch.Tensor) -> list[torch.Tensor]:
+    """A canonical [out, in] expert weight as the hub's [in, out] slice."""
+    return [t.T.contiguous()]
+
+
+def fused_expert_rules(i: int, model: HFModel) -> list[Rule]:
+    """Layer `i`'s router and experts, Qwen3-VL-MoE's fused tensors: expert e is slice e of
+    `mlp.experts.gate_up_proj` (the hub's [E, H, 2I]: its [gate | up] fc1 transposed) and of
+    `mlp.experts.down_proj` ([E, I, H]: its fc2 transposed). Both orientations are read (see
+    `oriented`); the hub's is written."""
+    llm = model.spec.llm
+    H, f = llm.hidden_size, llm.moe_ffn_hidden_size
+    hf = f"language_model.model.layers.{i}.mlp"
+    rules = [Rule(f"llm.layers.{i}.mlp.router.weight", (f"{hf}.gate.weight",))]
+    for e in range(llm.num_experts):
+        ours = EXPERT.format(i=i, e=e)
+        rules.append(Rule(f"{ours}.linear_fc1.weight",
+                          (sliced(f"{hf}.experts.gate_up_proj", e),), oriented((2 * f, H)),
+                          transposed))  # fmt: skip
+        rules.append(Rule(f"{ours}.linear_fc2.weight", (sliced(f"{hf}.experts.down_proj", e),),
+                          oriented((H, f)), transposed))  # fmt: skip
     return rules
 
 
