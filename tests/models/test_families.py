@@ -20,7 +20,8 @@ from megatron_omnibal.models.presets import PRESETS
 
 def test_each_family_is_found_by_its_model_type() -> None:
     names = [family.name for family in FAMILIES]
-    assert names == ["internvl", "llava", "internvl_chat", "qwen3_vl", "qwen2_5_vl"]
+    assert names == ["internvl", "llava", "internvl_chat", "qwen3_vl_moe", "qwen3_vl",
+                     "qwen2_5_vl"]
     assert all(family_named(name).name == name for name in names)
     assert family_for_data("llava_next") is family_named("llava")
     assert family_for_data("qwen2_vl") is None and family_for_data(None) is None
@@ -41,6 +42,7 @@ def test_a_preset_belongs_to_the_family_of_its_tower_and_projector(name: str) ->
         assert family.name == want
     assert family_of_spec(PRESETS["qwen2.5-vl-7b"]).name == "qwen2_5_vl"
     assert family_of_spec(PRESETS["qwen3-vl-8b"]).name == "qwen3_vl"
+    assert family_of_spec(PRESETS["qwen3-vl-30b-a3b"]).name == "qwen3_vl_moe"
 
 
 def test_the_registry_imports_no_torch() -> None:
