@@ -4,7 +4,9 @@ Canonical names are the Megatron stage module's parameter names with GLOBAL laye
 TP = 1 (megatron.model.global_name), e.g. `vit.layers.3.self_attention.linear_qkv.weight`; their
 tensors are whole (no TP split, no vocabulary or head padding). Each `Rule` ties one canonical
 tensor to the HF tensors it is made of and converts both ways (q, k, v fused per KV group,
-gated MLPs' [gate; up], tables without their batch dimensions).
+gated MLPs' [gate; up], tables without their batch dimensions). Where several canonical tensors
+share one HF tensor (Qwen3-VL-MoE's fused experts) a rule names its slice, `name[i]` (slice i
+along the first axis): read alone from the file, written in place by the exporter.
 
 Key styles: transformers 5 saves `language_model.model.*` / `vision_tower.*`, checkpoints made by
 transformers 4.5x say `model.language_model.*` / `lm_head.*`, Qwen2.5-VL's hub checkpoints
