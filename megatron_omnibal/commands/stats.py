@@ -110,14 +110,18 @@ def _add_video_arguments(parser: argparse.ArgumentParser) -> None:
             ("--video-fps", positive_float, "frames taken per second of video (default 2)"),
             ("--video-min-frames", positive_int, "fewest frames (default 4)"),
             ("--video-max-frames", positive_int, "most frames (default 768)"),
-            ("--video-min-pixels", positive_int, "fewest pixels per frame (default 100352)"),
-            ("--video-max-pixels", positive_int, "most pixels per frame (default 602112)"),
+            ("--video-min-pixels", positive_int, "fewest pixels per frame (default 100352; "
+             "Qwen3-VL: of the whole video, default 4096)"),
+            ("--video-max-pixels", positive_int, "most pixels per frame (default 602112; "
+             "Qwen3-VL: of the whole video, default 25165824)"),
             ("--video-max-tokens", positive_int,
-             "the whole video's pixel budget in tokens, 0.9 x this x 28 x 28 (default 128000)"),
+             "the whole video's pixel budget in tokens, 0.9 x this x 28 x 28 (default 128000; "
+             "Qwen3-VL: merge groups a frame where its cap_pixels_per_frame is on, default 768)"),
     ):  # fmt: skip
         parser.add_argument(flag, type=kind, default=None,
-                            help=f"Qwen2.5-VL videos: {what}; default: the checkpoint's "
-                                 "video_preprocessor_config.json, else qwen-vl-utils'")
+                            help=f"Qwen2.5-VL and Qwen3-VL videos: {what}; default: the "
+                                 "checkpoint's video_preprocessor_config.json, else the "
+                                 "released one (Qwen2.5-VL: qwen-vl-utils')")
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:

@@ -424,7 +424,7 @@ def native_video_of(path: str, video: Video, config: StatsConfig
                                 video.clip, path)
     try:
         taken = take_video(frames, header.fps, header.width, header.height,
-                             config.native_video, config.tiling.tile, path)
+                           config.native_video, config.tiling.tile, path)
     except TilingError as exc:
         raise conv.SampleError(f"video {path}: {exc}") from None
     if config.verify_images:

@@ -421,7 +421,7 @@ class RealSampleSource:
                 frames, fps = int(table.frames[row]), float(table.fps[row])
                 header = read_header(path)
                 taken = take_video(frames, fps, header.width, header.height, settings,
-                                     tiling.tile, path)
+                                   tiling.tile, path)
                 if self.pixels:
                     patches, _, decoded = video_to_patches(
                         path, clip_start(video.clip, fps), taken, tiling, settings, patch,

@@ -82,6 +82,8 @@ def test_without_a_preprocessor_file_the_released_settings_apply(tmp_path: Path)
         assert t.image_mean == t.image_std == (0.5, 0.5, 0.5)
     assert (side.family, side.template, side.dummy_tile) == ("qwen3_vl", "qwen2_vl", False)
     assert bare.template == "hf"
+    assert (side.native_video.rule, side.native_video.min_pixels,
+            side.native_video.max_pixels) == ("qwen3_vl", 4096, 25165824)  # fmt: skip
 
 
 def test_stats_of_a_checkpoint_match_processor_and_chat_template(tmp_path: Path) -> None:
@@ -163,7 +165,7 @@ def test_the_video_rule_matches_transformers(cap: bool) -> None:
     from megatron_omnibal.models.families.qwen3_vl.data import video_settings
 
     pre = {**VIDEO_PRE, "cap_pixels_per_frame": cap, "max_video_tokens": 6}
-    settings = video_settings(pre, 32, 2, "ckpt")
+    settings = video_settings(pre, get_preset("qwen3-vl-8b").vit, "ckpt")
     for frames, fps, width, height in [(23, 10.0, 70, 46), (9, 4.0, 36, 100), (40, 25.0, 200, 30),
                                        (3, 30.0, 640, 480), (301, 29.97, 1280, 720),
                                        (7, 2.0, 31, 17), (120, 24.0, 20, 600)]:

@@ -1,7 +1,7 @@
 """Qwen3-VL on a real image and video dataset: the loader's samples against transformers.
 
-A tiny random Qwen3-VL (tests/helpers/hf_models.py: 4 px patches merged 2 x 2, so 8 px merge
-groups) with its processor settings, generated images and videos of odd sizes, rates and
+A tiny Qwen3-VL's config.json (tests/helpers/qwen3_vl.py: 4 px patches merged 2 x 2, so 8 px
+merge groups) with its processor settings, generated images and videos of odd sizes, rates and
 lengths (an odd frame count among them), a tokenizer whose vision tokens are the model's ids
 and a ChatML chat template. Each sample's tokens equal the chat template's over the text
 Qwen3VLProcessor writes (a video: per temporal patch `<t seconds>` and its own vision start,
@@ -29,7 +29,7 @@ from megatron_omnibal.megatron.stream.dataset import open_source
 from megatron_omnibal.megatron.stream.source import SourceSettings
 from megatron_omnibal.models.resolve import resolve_model
 from tests.data.stats.test_qwen25vl_stats import CHATML, WORDS
-from tests.helpers import hf_models
+from tests.helpers import qwen3_vl
 from tests.helpers.video_files import write_video
 
 PRE = {"size": {"shortest_edge": 8 * 8 * 4, "longest_edge": 8 * 8 * 16}, "patch_size": 4,
@@ -65,7 +65,10 @@ def _tokenizer(ckpt: Path) -> None:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3_data")
-    ckpt = hf_models.qwen3_vl(root / "ckpt", llm_layers=3).path
+    ckpt = root / "ckpt"
+    config = qwen3_vl.hf_config()  # the loader reads config.json, never the weights
+    config.text_config.num_hidden_layers = 3
+    config.save_pretrained(ckpt)
     (ckpt / "preprocessor_config.json").write_text(json.dumps(PRE))
     (ckpt / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PRE))
     _tokenizer(ckpt)

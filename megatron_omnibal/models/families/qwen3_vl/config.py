@@ -7,9 +7,10 @@ mrope_section} beside `rope_theta`, `vision_config.model_type` "qwen3_vl"); tran
 standardises the second into the first. What the stage module does not build is refused naming
 the key, before any process starts.
 
-Split in two readers so that a variant with the same tower and another LLM (Qwen3-VL-MoE) calls
-them: `read_vision` (the tower, its merger and DeepStack taps) and `read_text` (Qwen3 with
-interleaved M-RoPE: the RoPE part any Qwen3-VL text config shares).
+Split so that a variant with the same tower and another LLM (Qwen3-VL-MoE) calls the parts:
+`read_vision` (the tower, its merger and DeepStack taps), `interleaved_mrope` (the RoPE checks
+and sections any Qwen3-VL text config shares), `tokens` (the vision token ids); `read_text` is
+the dense LLM.
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ def read_vision(path: Path, vc: Any, llm_hidden: int, llm_layers: int
     return vit, merger
 
 
-def read_text(path: Path, tc: Any, arch: str = "qwen3") -> LanguageSpec:
-    """The LLM of `text_config` (`arch`'s dense or MoE reader) with Qwen3-VL's RoPE: plain
-    (rope_type default) with interleaved M-RoPE sections."""
+def interleaved_mrope(path: Path, tc: Any, head_dim: int) -> tuple[int, ...]:
+    """The M-RoPE sections of a Qwen3-VL `text_config` (any of its LLMs, dense or MoE), once
+    its RoPE is what the stages build: plain (rope_type default), interleaved, sections that
+    fit heads of `head_dim`."""
     params = config_value(tc, "rope_parameters")
     params = params if isinstance(params, dict) else {}
     kind = params.get("rope_type", params.get("type", "default"))
@@ -102,13 +104,22 @@ def read_text(path: Path, tc: Any, arch: str = "qwen3") -> LanguageSpec:
     need(isinstance(section, list | tuple) and len(section) == 3
          and all(_int(x) and x > 0 for x in section), path,
          f"text_config.rope_parameters.mrope_section {section!r}: expected 3 positive integers")
-    llm = language(tc, arch, path)
-    pairs = llm.kv_channels // 2
+    pairs = head_dim // 2
     need(sum(section) == pairs and 3 * max(section[1], section[2]) <= pairs, path,
          f"text_config.rope_parameters.mrope_section {list(section)}: the sections must sum to "
          f"the head's {pairs} frequency pairs and the height and width ones fit every third "
          "of them")
-    return replace(llm, mrope_section=tuple(int(x) for x in section), mrope_interleaved=True)
+    return tuple(int(x) for x in section)
+
+
+def read_text(path: Path, tc: Any) -> LanguageSpec:
+    """The dense Qwen3 LLM of `text_config` with Qwen3-VL's interleaved M-RoPE (the RoPE
+    checked before the LLM, so a RoPE type the LLM reader would take is refused as Qwen3-VL's)."""
+    head_dim = int(config_value(tc, "head_dim") or 0) or (
+        int(config_value(tc, "hidden_size")) // int(config_value(tc, "num_attention_heads")))
+    section = interleaved_mrope(path, tc, head_dim)
+    llm = language(tc, "qwen3", path)
+    return replace(llm, mrope_section=section, mrope_interleaved=True)
 
 
 def tokens(cfg: Any) -> dict[str, int]:

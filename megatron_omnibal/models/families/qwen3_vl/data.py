@@ -22,12 +22,12 @@ from megatron_omnibal.data.native.video import NativeVideoSettings
 from megatron_omnibal.models.families.family import DataDefaults
 from megatron_omnibal.models.families.shared.hf_files import HFFiles, colour
 from megatron_omnibal.models.families.shared.qwen_native_data import native_tiling
-from megatron_omnibal.models.spec import ModelSpec
+from megatron_omnibal.models.spec import ModelSpec, VisionSpec
 
 # Qwen/Qwen3-VL-*-Instruct's preprocessor_config.json (the image processor's entries).
+# Its patch and merge sizes are the model's own unless the checkpoint's file says otherwise.
 RELEASED_PREPROCESSOR: dict[str, Any] = {
     "size": {"shortest_edge": 65536, "longest_edge": 16777216},
-    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
 }  # fmt: skip
 
@@ -35,18 +35,19 @@ RELEASED_PREPROCESSOR: dict[str, Any] = {
 # Qwen/Qwen3-VL-*-Instruct's video_preprocessor_config.json over Qwen3VLVideoProcessor's own
 # defaults (fps 2, 4 to 768 frames, 768 merge groups a frame when capped).
 RELEASED_VIDEO: dict[str, Any] = {
-    "size": {"shortest_edge": 4096, "longest_edge": 25165824},
-    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "fps": 2, "min_frames": 4,
+    "size": {"shortest_edge": 4096, "longest_edge": 25165824}, "fps": 2, "min_frames": 4,
     "max_frames": 768, "max_video_tokens": 768, "cap_pixels_per_frame": False,
 }  # fmt: skip
 
 
-def video_settings(pre: dict[str, Any], tile: int, temporal: int,
-                   where: object) -> NativeVideoSettings:
+def video_settings(pre: dict[str, Any], v: VisionSpec, where: object) -> NativeVideoSettings:
     """Qwen3-VL's video rule from its video_preprocessor_config.json entries (over the
-    released ones): its `size` limits hold for the whole video (data/native/qwen3_video.py)."""
+    released ones; its patch, merge and temporal sizes, where it has none, the tower `v`'s):
+    its `size` limits hold for the whole video (data/native/qwen3_video.py)."""
     path = f"{where}/video_preprocessor_config.json"
-    pre = {**RELEASED_VIDEO, **pre}
+    tile, temporal = v.image_size, v.temporal_patch_size
+    pre = {**RELEASED_VIDEO, "patch_size": v.patch_size, "merge_size": v.spatial_merge_size,
+           "temporal_patch_size": temporal, **pre}  # fmt: skip
     factor = int(pre["patch_size"]) * int(pre["merge_size"])
     if factor != tile or int(pre["temporal_patch_size"]) != temporal:
         raise ValueError(f"{path}: patch_size x merge_size = {factor} px and temporal_patch_"
@@ -66,15 +67,18 @@ def video_settings(pre: dict[str, Any], tile: int, temporal: int,
         raise ValueError(f"{path}: {exc}") from None
 
 
-def preprocessor(files: HFFiles | None) -> dict[str, Any]:
-    """The checkpoint's image processor entries over the released ones."""
-    return {**RELEASED_PREPROCESSOR, **(files.preprocessor if files else {})}
+def preprocessor(spec: ModelSpec, files: HFFiles | None) -> dict[str, Any]:
+    """The checkpoint's image processor entries over the released ones (its patch and merge
+    sizes, where it has none, the model's)."""
+    v = spec.vit
+    model = {"patch_size": v.patch_size, "merge_size": v.spatial_merge_size}
+    return {**RELEASED_PREPROCESSOR, **model, **(files.preprocessor if files else {})}
 
 
 def data_defaults(spec: ModelSpec, files: HFFiles | None) -> DataDefaults:
     where = files.path if files else None
-    tiling = native_tiling(preprocessor(files), spec.vit.image_size, spec.tokens_per_tile, where)
-    video = video_settings(files.video if files else {}, spec.vit.image_size,
-                           spec.vit.temporal_patch_size, where)
+    tiling = native_tiling(preprocessor(spec, files), spec.vit.image_size, spec.tokens_per_tile,
+                           where)
+    video = video_settings(files.video if files else {}, spec.vit, where)
     template = "hf" if files and files.chat_template else "qwen2_vl"
     return DataDefaults(tiling=tiling, template=template, native_video=video)
