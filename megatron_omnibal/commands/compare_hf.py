@@ -52,12 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _layout(args: argparse.Namespace, ckpt) -> tuple[list, int, int]:
-    from megatron_omnibal.megatron.stages.configs import (
-        check_expert_parallel,
-        check_tensor_parallel,
-        padded_heads,
-    )
+    from megatron_omnibal.megatron.stages.configs import check_tensor_parallel, padded_heads
     from megatron_omnibal.megatron.stages.layout import layout_from_counts
+    from megatron_omnibal.models.spec import check_expert_parallel
 
     spec = ckpt.spec
     counts = (args.omnibal_vit_pp_layers, args.omnibal_llm_pp_layers)

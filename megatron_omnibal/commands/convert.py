@@ -107,11 +107,9 @@ def _dtype(name: str | None):
 
 def _layouts(args: argparse.Namespace, spec) -> tuple[list, int, int, int]:
     """(the stages, or a plan's virtual stages; TP; PP; EP)."""
-    from megatron_omnibal.megatron.stages.configs import (
-        check_expert_parallel,
-        check_tensor_parallel,
-    )
+    from megatron_omnibal.megatron.stages.configs import check_tensor_parallel
     from megatron_omnibal.megatron.stages.layout import layout_from_counts, layout_from_plan
+    from megatron_omnibal.models.spec import check_expert_parallel
     from megatron_omnibal.planner.plan_file.plan import load_plan
 
     flags = (args.tp, args.pp, args.ep, args.omnibal_vit_pp_layers, args.omnibal_llm_pp_layers)

@@ -558,6 +558,25 @@ class ModelSpec:
         return cls(**kwargs)
 
 
+def check_expert_parallel(spec: ModelSpec, ep: int) -> None:
+    """Raise ValueError naming the sizes that work unless `ep` splits the LLM's experts (EP
+    > 1 needs a mixture-of-experts LLM)."""
+    llm = spec.llm
+    if ep == 1:
+        return
+    if not llm.is_moe:
+        raise ValueError(
+            f"expert parallel size {ep}: the LLM has no experts (llm.num_experts is 0); "
+            "expert parallelism needs a mixture-of-experts LLM"
+        )
+    if ep < 1 or llm.num_experts % ep:
+        sizes = [e for e in range(1, llm.num_experts + 1) if llm.num_experts % e == 0]
+        raise ValueError(
+            f"expert parallel size {ep} does not divide the LLM's {llm.num_experts} experts "
+            f"(llm.num_experts); sizes that work: {', '.join(map(str, sizes))}"
+        )
+
+
 def _fields(cls: type, doc: Any, where: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """Check `doc` against the fields of dataclass `cls`: names and basic types."""
     if not isinstance(doc, dict):

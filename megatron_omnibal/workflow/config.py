@@ -17,6 +17,7 @@ from megatron_omnibal.data.text.conversations import TEMPLATES
 from megatron_omnibal.megatron.flags.declarations import config_key, config_settings, setting
 from megatron_omnibal.megatron.stages.finetune import PARTS
 from megatron_omnibal.models.lora import LoraError, LoraSpec
+from megatron_omnibal.models.spec import ModelSpec, check_expert_parallel
 
 DEVICES = ("cuda", "cpu")
 PATH_KEYS = ("model", "data", "output", "image_root", "tokenizer")
@@ -287,16 +288,20 @@ def load_config(path: str | Path) -> FinetuneConfig:
     return config
 
 
-def _check_expert_parallel(config: FinetuneConfig, path: Path) -> None:
-    """`ep` against the model: it must divide the LLM's experts (a dense LLM has none)."""
-    if config.ep is None:
-        return
-    from megatron_omnibal.megatron.stages.configs import check_expert_parallel
+def _model_spec(config: FinetuneConfig) -> ModelSpec | None:
+    """The checkpoint's spec; None for a model `omnibal stats` cannot read (its step says why)."""
     from megatron_omnibal.models.hf_config import read_hf
 
     try:
-        spec = read_hf(config.model).spec
-    except ValueError:  # not a model `omnibal stats` can read: its step says why
+        return read_hf(config.model).spec
+    except ValueError:
+        return None
+
+
+def _check_expert_parallel(config: FinetuneConfig, path: Path) -> None:
+    """`ep` against the model: it must divide the LLM's experts (a dense LLM has none)."""
+    spec = None if config.ep is None else _model_spec(config)
+    if spec is None:
         return
     try:
         check_expert_parallel(spec, config.ep)
@@ -306,15 +311,11 @@ def _check_expert_parallel(config: FinetuneConfig, path: Path) -> None:
 
 def _check_lora(config: FinetuneConfig, path: Path) -> None:
     """LoRA's targets and rank against the model, its parts against `freeze`."""
-    if config.lora_spec is None:
+    spec = None if config.lora_spec is None else _model_spec(config)
+    if spec is None:
         return
-    from megatron_omnibal.models.hf_config import read_hf
     from megatron_omnibal.models.lora import check_frozen, lora_layers
 
-    try:
-        spec = read_hf(config.model).spec
-    except ValueError:  # not a model `omnibal stats` can read: its step says why
-        return
     try:
         lora_layers(spec, config.lora_spec, "lora.targets", "lora.rank")
         check_frozen(spec, config.lora_spec, set(config.freeze), "lora.targets", "lora.train")

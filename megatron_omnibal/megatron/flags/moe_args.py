@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_omnibal.megatron.flags.args import OmnibalArgsError
-from megatron_omnibal.models.spec import ModelSpec
+from megatron_omnibal.models.spec import ModelSpec, check_expert_parallel
 
 # Flags whose value the spec (or the plan: EP) decides: a given one must agree (run_args.SPLIT).
 MOE_SPLIT = frozenset({
@@ -43,8 +43,6 @@ NOT_BUILT = (
 def check_moe_args(args: argparse.Namespace, spec: ModelSpec, world: int) -> None:
     """Expert parallelism and Megatron's MoE options against the model, before any process
     group: raises OmnibalArgsError naming the flag."""
-    from megatron_omnibal.megatron.stages.configs import check_expert_parallel
-
     ep = args.expert_model_parallel_size
     try:
         check_expert_parallel(spec, ep)

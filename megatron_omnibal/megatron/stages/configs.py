@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_omnibal.megatron.stages.layout import megatron_layout
-from megatron_omnibal.models.spec import LanguageSpec, ModelSpec, VisionSpec
+from megatron_omnibal.models.spec import LanguageSpec, ModelSpec, VisionSpec, check_expert_parallel
 from megatron_omnibal.planner.plan_file.stage_layout import StageLayout
 
 
@@ -130,25 +130,6 @@ def moe_fields(llm: LanguageSpec) -> dict[str, Any]:
         "moe_grouped_gemm": False,
         "moe_token_dispatcher_type": "alltoall",
     }
-
-
-def check_expert_parallel(spec: ModelSpec, ep: int) -> None:
-    """Raise ValueError naming the sizes that work unless `ep` splits the LLM's experts (EP
-    > 1 needs a mixture-of-experts LLM)."""
-    llm = spec.llm
-    if ep == 1:
-        return
-    if not llm.is_moe:
-        raise ValueError(
-            f"expert parallel size {ep}: the LLM has no experts (llm.num_experts is 0); "
-            "expert parallelism needs a mixture-of-experts LLM"
-        )
-    if ep < 1 or llm.num_experts % ep:
-        sizes = [e for e in range(1, llm.num_experts + 1) if llm.num_experts % e == 0]
-        raise ValueError(
-            f"expert parallel size {ep} does not divide the LLM's {llm.num_experts} experts "
-            f"(llm.num_experts); sizes that work: {', '.join(map(str, sizes))}"
-        )
 
 
 def stage_configs(

@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from model_worker import gather  # noqa: E402
-from parallel_groups import reset_model_parallel  # noqa: E402
+from parallel_groups import reset_model_parallel, run_cases  # noqa: E402
 from schedule import run_schedule  # noqa: E402
 
 from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
@@ -147,13 +147,7 @@ def main() -> None:
         i += len(mb)
     weights = reference_weights(spec, lora, seed)
     assert all(unshard(n, [w], spec).shape == w.shape for n, w in weights.items())
-    for case in cfg["cases"]:
-        run_case(spec, case, weights, batches, seed, lora, out)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            print(f"case {case['name']} done", flush=True)
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    run_cases(cfg["cases"], lambda case: run_case(spec, case, weights, batches, seed, lora, out))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ enable_cpu_megatron()
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
-from parallel_groups import reset_model_parallel  # noqa: E402
+from parallel_groups import reset_model_parallel, run_cases  # noqa: E402
 from schedule import run_schedule  # noqa: E402
 
 from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
@@ -164,7 +164,8 @@ def main() -> None:
     # The same samples, one per micro-batch: packing must not change any loss or gradient.
     split = [collate([s]) for mb in samples for s in mb]
     weights: dict[int, dict] = {}
-    for case in cfg["cases"]:
+
+    def run(case: dict) -> None:
         case_spec = spec
         if "llm_layers" in case:
             case_spec = replace(spec, llm=replace(spec.llm, num_layers=case["llm_layers"]))
@@ -175,11 +176,8 @@ def main() -> None:
             raise ValueError(f"case {case['name']}: needs {case['tp'] * case['pp']} ranks")
         batches = split if case.get("split_samples") else packed
         run_case(case_spec, case, weights[depth], batches, seed, out)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            print(f"case {case['name']} done", flush=True)
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+
+    run_cases(cfg["cases"], run)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker  # noqa: E402
 from model_worker import checkpoint_shards, reference_weights  # noqa: E402
-from parallel_groups import reset_model_parallel  # noqa: E402
+from parallel_groups import reset_model_parallel, run_cases  # noqa: E402
 from schedule import run_schedule  # noqa: E402
 
 from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
@@ -175,17 +175,15 @@ def main() -> None:
             i += len(mb)
         shards.append(batches)
     weights = reference_weights(spec, seed)
-    for case in cfg["cases"]:
+
+    def run(case: dict) -> None:
         case_spec = spec
         if "aux_coeff" in case:  # the same weights, another load-balancing coefficient
             llm = replace(spec.llm, moe_aux_loss_coeff=case["aux_coeff"])
             case_spec = replace(spec, llm=llm)
         run_case(case_spec, case, weights, shards, seed, out)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            print(f"case {case['name']} done", flush=True)
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+
+    run_cases(cfg["cases"], run)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ tests/helpers/megatron_workers/hf_worker.py took 650 s of CPU (mostly system tim
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch.distributed as dist
 
 
@@ -21,3 +23,17 @@ def reset_model_parallel() -> None:
     for group in list(dist.distributed_c10d._world.pg_map):
         if group is not dist.GroupMember.WORLD:
             dist.destroy_process_group(group)
+
+
+def run_cases(cases: Iterable[dict], run: Callable[[dict], None]) -> None:
+    """Run every case on every rank in step, say "case NAME done" from rank 0 after each (the
+    launching test reads those lines), then leave the process group."""
+    from megatron.core import parallel_state as ps
+
+    for case in cases:
+        run(case)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            print(f"case {case['name']} done", flush=True)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()

@@ -32,7 +32,7 @@ from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from model_worker import checkpoint_shards  # noqa: E402
-from parallel_groups import reset_model_parallel  # noqa: E402
+from parallel_groups import reset_model_parallel, run_cases  # noqa: E402
 
 from megatron_omnibal.data.lengths import from_arrays  # noqa: E402
 from megatron_omnibal.megatron.checkpoint.stage_runtime import forward_outputs  # noqa: E402
@@ -132,13 +132,7 @@ def main() -> None:
         batches.append(collate(samples[first:]))
     extra = [Sample(**s) for s in torch.load(cfg["extra_probe"])] if "extra_probe" in cfg else []
     probe = collate(samples + extra)
-    for case in cfg["cases"]:
-        run_case(spec, case, weights, batches, probe, seed, out)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            print(f"case {case['name']} done", flush=True)
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    run_cases(cfg["cases"], lambda case: run_case(spec, case, weights, batches, probe, seed, out))
 
 
 if __name__ == "__main__":

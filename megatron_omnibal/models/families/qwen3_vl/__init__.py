@@ -3,11 +3,13 @@ interpolated position table and full attention, DeepStack (the hidden states aft
 ViT layers, each through its own merger, added to the LLM's image positions after its first
 layers) and a Qwen3 LLM with interleaved M-RoPE."""
 
+from functools import partial
+
 from megatron_omnibal.data.text.conversations import QWEN_VL_IMAGE
 from megatron_omnibal.models.families.family import Family
 from megatron_omnibal.models.families.qwen3_vl import config, data, weights
-from megatron_omnibal.models.families.qwen3_vl.reference import reference
 from megatron_omnibal.models.families.shared.qwen_native import native_attention
+from megatron_omnibal.models.families.shared.qwen_native_reference import native_reference
 from megatron_omnibal.models.spec import ModelSpec
 
 
@@ -37,5 +39,5 @@ FAMILY = Family(
     image_style=QWEN_VL_IMAGE,
     dummy_tile=False,
     vit_attention=native_attention,
-    reference=reference,
+    reference=partial(native_reference, frames_as_videos=True),
 )
