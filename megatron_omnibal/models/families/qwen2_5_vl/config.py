@@ -15,6 +15,7 @@ from megatron_omnibal.models.families.shared.config import (
     mrope_section,
     need,
 )
+from megatron_omnibal.models.families.shared.qwen_native import native_tower
 from megatron_omnibal.models.presets import QWEN25_MERGER, QWEN25_VIT
 from megatron_omnibal.models.spec import ModelSpec
 
@@ -34,18 +35,11 @@ def read_config(path: Path, doc: dict) -> HFModel:
         f"size {tc.hidden_size}",
     )
     need(vc.hidden_act == "silu", path, f"vision hidden_act {vc.hidden_act!r}: only silu")
-    merge, patch = int(vc.spatial_merge_size), int(vc.patch_size)
+    merge = int(vc.spatial_merge_size)
     # The architecture's fixed facts (norms, biases, SwiGLU, 2D RoPE) are the presets' tower.
-    vit = replace(
+    vit = native_tower(
         QWEN25_VIT,
-        num_layers=int(vc.depth),
-        hidden_size=int(vc.hidden_size),
-        ffn_hidden_size=int(vc.intermediate_size),
-        num_attention_heads=int(vc.num_heads),
-        image_size=patch * merge,
-        patch_size=patch,
-        temporal_patch_size=int(vc.temporal_patch_size),
-        spatial_merge_size=merge,
+        vc,
         window_size=int(vc.window_size),
         fullatt_block_indexes=tuple(int(i) for i in vc.fullatt_block_indexes),
         rope_theta=float((getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 1e4)),

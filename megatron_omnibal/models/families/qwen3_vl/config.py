@@ -26,6 +26,7 @@ from megatron_omnibal.models.families.shared.config import (
     language,
     need,
 )
+from megatron_omnibal.models.families.shared.qwen_native import native_tower
 from megatron_omnibal.models.presets import QWEN3_VL_VIT_L
 from megatron_omnibal.models.spec import LanguageSpec, ModelSpec, ProjectorSpec, VisionSpec
 
@@ -64,17 +65,10 @@ def read_vision(path: Path, vc: Any, llm_hidden: int, llm_layers: int
          f"{where}.deepstack_visual_indexes {taps}: {len(taps)} DeepStack features but the LLM "
          f"has {llm_layers} layers to add them after")
     params = getattr(vc, "rope_parameters", None) or {}
-    merge, patch = int(vc.spatial_merge_size), int(vc.patch_size)
-    vit = replace(
+    merge = int(vc.spatial_merge_size)
+    vit = native_tower(
         QWEN3_VL_VIT_L,
-        num_layers=depth,
-        hidden_size=int(vc.hidden_size),
-        ffn_hidden_size=int(vc.intermediate_size),
-        num_attention_heads=int(vc.num_heads),
-        image_size=patch * merge,
-        patch_size=patch,
-        temporal_patch_size=int(vc.temporal_patch_size),
-        spatial_merge_size=merge,
+        vc,
         num_position_embeddings=int(vc.num_position_embeddings),
         deepstack_indexes=tuple(int(i) for i in taps),
         rope_theta=float(params.get("rope_theta", 1e4)),

@@ -10,6 +10,9 @@ on the sizes of the images; `native_spans` prices it from the data's images.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import numpy as np
 
 from megatron_omnibal.models.families.family import KeyStyle, VitAttention
@@ -18,6 +21,25 @@ from megatron_omnibal.models.spec import VisionSpec
 # Merge groups of an image when the data's images are unknown: transformers' Qwen2-VL image
 # processor's own default max_pixels (28 x 28 x 1280), the size most fine-tuning recipes use.
 DEFAULT_IMAGE_TILES = 1280
+
+
+def native_tower(base: VisionSpec, vc: Any, **extra: Any) -> VisionSpec:
+    """`base` (the family's fixed facts: norms, biases, MLP, positions) with the shape a Qwen
+    `vision_config` gives: depth, widths, heads, patch, frames per patch and merge size (a tile
+    is one merge group), and `extra`'s family-specific fields."""
+    merge, patch = int(vc.spatial_merge_size), int(vc.patch_size)
+    return replace(
+        base,
+        num_layers=int(vc.depth),
+        hidden_size=int(vc.hidden_size),
+        ffn_hidden_size=int(vc.intermediate_size),
+        num_attention_heads=int(vc.num_heads),
+        image_size=patch * merge,
+        patch_size=patch,
+        temporal_patch_size=int(vc.temporal_patch_size),
+        spatial_merge_size=merge,
+        **extra,
+    )
 
 
 def key_style(names: set[str], transformers_4: bool) -> KeyStyle:
