@@ -412,3 +412,15 @@ def qwen3_vl_moe(path: Path, seed: int = 0, hub: bool = True, llm_layers: int = 
                  for k, t in saved.items()}  # fmt: skip
         save_file(saved, str(path / "model.safetensors"), metadata={"format": "pt"})
     return Built(path, model, "qwen3_vl_moe", tiny.IMAGE_TOKEN, 1, 8)
+
+
+def edited_copy(src: Path, dst: Path, edit) -> Path:
+    """A copy of checkpoint directory `src` at `dst` whose config.json `edit(doc)` changed."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    doc = json.loads((dst / "config.json").read_text())
+    edit(doc)
+    (dst / "config.json").write_text(json.dumps(doc))
+    return dst

@@ -30,17 +30,6 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }  # fmt: skip
 
 
-def _edited(src: Path, dst: Path, edit) -> Path:
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.is_file():
-            (dst / f.name).write_bytes(f.read_bytes())
-    doc = json.loads((dst / "config.json").read_text())
-    edit(doc)
-    (dst / "config.json").write_text(json.dumps(doc))
-    return dst
-
-
 @pytest.mark.parametrize("layout", ["internvl", "chat", "qwen3_vl_moe"])
 def test_experts_come_from_the_config(built, layout: str) -> None:
     hf = read_hf(built[layout])
@@ -62,7 +51,7 @@ def test_hub_and_transformers_5_expert_count_keys_both_read(built, tmp_path: Pat
         d["llm_config"]["num_experts"] = d["llm_config"].pop("num_local_experts")
 
     ref = read_hf(built["chat"]).spec.llm
-    assert read_hf(_edited(built["chat"], tmp_path / "hub", hub)).spec.llm == ref
+    assert read_hf(hf_models.edited_copy(built["chat"], tmp_path / "hub", hub)).spec.llm == ref
 
 
 def test_one_tensor_per_expert_maps_both_ways(built) -> None:
@@ -107,7 +96,7 @@ def test_what_is_not_built_is_refused_by_key(built, tmp_path: Path, edit, messag
                         ("qwen3_vl_moe", "text_config")):  # fmt: skip
         if layout != "internvl" and "gpt_oss" in message:
             continue
-        dst = _edited(built[layout], tmp_path / layout, lambda d, k=key: edit(d[k]))
+        dst = hf_models.edited_copy(built[layout], tmp_path / layout, lambda d, k=key: edit(d[k]))
         with pytest.raises(HFConfigError, match=message):
             read_hf(dst)
 
@@ -117,7 +106,7 @@ def test_remote_layout_refuses_gpt_oss(built, tmp_path: Path) -> None:
         d["llm_config"]["architectures"] = ["GptOssForCausalLM"]
 
     with pytest.raises(HFConfigError, match=r"\['GptOssForCausalLM'\]: GPT-OSS is a mixture"):
-        read_hf(_edited(built["chat"], tmp_path / "g", gpt_oss))
+        read_hf(hf_models.edited_copy(built["chat"], tmp_path / "g", gpt_oss))
 
 
 def test_qwen3_vl_moe_always_renormalises_and_claims_its_specs(built, tmp_path: Path) -> None:
@@ -131,7 +120,7 @@ def test_qwen3_vl_moe_always_renormalises_and_claims_its_specs(built, tmp_path: 
     def off(d: dict) -> None:
         d["text_config"]["norm_topk_prob"] = False
 
-    hf = read_hf(_edited(built["qwen3_vl_moe"], tmp_path / "off", off))
+    hf = read_hf(hf_models.edited_copy(built["qwen3_vl_moe"], tmp_path / "off", off))
     assert hf.spec.llm.moe_norm_topk_prob and hf.llm_arch == "qwen3_moe"
     assert family_of_spec(hf.spec).name == "qwen3_vl_moe"
     dense = replace(hf.spec, llm=replace(hf.spec.llm, num_experts=0, moe_top_k=0,
@@ -142,7 +131,7 @@ def test_qwen3_vl_moe_always_renormalises_and_claims_its_specs(built, tmp_path: 
         d["text_config"]["model_type"] = "qwen3_vl_text"
 
     with pytest.raises(HFConfigError, match="'qwen3_vl_text': expected qwen3_vl_moe_text"):
-        read_hf(_edited(built["qwen3_vl_moe"], tmp_path / "dense", text))
+        read_hf(hf_models.edited_copy(built["qwen3_vl_moe"], tmp_path / "dense", text))
 
 
 def test_fused_experts_read_in_both_orientations(built, tmp_path: Path) -> None:

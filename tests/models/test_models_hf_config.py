@@ -71,17 +71,6 @@ def test_llava_on_llama3(tmp_path: Path) -> None:
     assert plain.spec.llm.rope_scaling_factor == 0.0
 
 
-def _edited(src: Path, dst: Path, edit) -> Path:
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.is_file():
-            (dst / f.name).write_bytes(f.read_bytes())
-    doc = json.loads((dst / "config.json").read_text())
-    edit(doc)
-    (dst / "config.json").write_text(json.dumps(doc))
-    return dst
-
-
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -112,7 +101,7 @@ def _edited(src: Path, dst: Path, edit) -> Path:
 def test_what_cannot_be_built_exactly_is_refused(tmp_path: Path, edit, message: str) -> None:
     src = hf_models.llava(tmp_path / "m").path
     with pytest.raises(HFConfigError, match=message):
-        read_hf(_edited(src, tmp_path / "bad", edit))
+        read_hf(hf_models.edited_copy(src, tmp_path / "bad", edit))
 
 
 @pytest.mark.parametrize(
@@ -132,7 +121,7 @@ def test_what_cannot_be_built_exactly_is_refused(tmp_path: Path, edit, message: 
 def test_remote_layout_refusals(tmp_path: Path, edit, message: str) -> None:
     src = hf_models.internvl_chat(tmp_path / "c", text="qwen3", six_b=False).path
     with pytest.raises(HFConfigError, match=message):
-        read_hf(_edited(src, tmp_path / "bad", edit))
+        read_hf(hf_models.edited_copy(src, tmp_path / "bad", edit))
 
 
 def test_remote_layout_without_its_image_token_and_a_missing_config(tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ from megatron_omnibal.data.video_lengths import load_video_plan
 from megatron_omnibal.models.data_side import model_data_side
 from megatron_omnibal.models.presets import get_preset
 from tests.data.native.test_qwen25vl_video import transformers_video_rules
+from tests.helpers.image_records import ASK, image_records, write_records
 from tests.helpers.video_files import write_video
 
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>",
@@ -162,22 +163,10 @@ def _checkpoint(path: Path, preprocessor: dict) -> Path:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen")
-    (root / "img").mkdir()
-    names = []
-    for k, (w, h) in enumerate(SIZES):
-        names.append(f"img/{k}.{'png' if k % 2 else 'jpg'}")
-        save_image(root / names[-1], image_array(w, h, (k * 20, 90, 200)))
-    conv = [{"from": "human", "value": "<image>\nwhat is in this picture ?"},
-            {"from": "gpt", "value": "a cat , 3 ."}]
-    recs = [{"id": f"one{k}", "image": n, "conversations": conv} for k, n in enumerate(names)]
-    recs.append({"id": "two", "image": names[:2], "conversations": [
-        {"from": "human", "value": "<image> and <image> : the value ?"},
-        {"from": "gpt", "value": "2"}]})  # fmt: skip
-    recs.append({"id": "text", "conversations": [{"from": "human", "value": "what year ?"},
-                                                 {"from": "gpt", "value": "1 2 3"}]})
+    names, recs = image_records(root, SIZES, lambda k: "png" if k % 2 else "jpg")
     recs.append({"id": "sys", "image": names[5], "conversations": [
-        {"from": "system", "value": "answer"}, *conv]})  # fmt: skip
-    (root / "data.json").write_text(json.dumps(recs))
+        {"from": "system", "value": "answer"}, *ASK]})  # fmt: skip
+    write_records(root / "data.json", recs)
     ckpt = _checkpoint(root / "ckpt", {"min_pixels": QWEN_MIN_PIXELS, "max_pixels": SMALL_MAX,
                                        "patch_size": 14, "merge_size": 2})
     return SimpleNamespace(root=root, recs=recs, ckpt=ckpt)

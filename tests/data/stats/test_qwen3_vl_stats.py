@@ -14,12 +14,13 @@ import pytest
 from PIL import Image
 
 from megatron_omnibal.cli import main as cli_main
-from megatron_omnibal.data.formats.generate import image_array, save_image, train_tokenizer
+from megatron_omnibal.data.formats.generate import image_array, train_tokenizer
 from megatron_omnibal.data.images.tiling import image_tiles
 from megatron_omnibal.data.lengths import load_lengths, read_stats_config
 from megatron_omnibal.models.data_side import model_data_side
 from megatron_omnibal.models.presets import get_preset
 from tests.data.stats.test_qwen25vl_stats import CHATML, SIZES, SPECIALS, WORDS
+from tests.helpers.image_records import image_records, write_records
 from tests.models.test_qwen3_vl_config import hub_config
 
 SMALL = {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 48}  # 4 to 48 tokens
@@ -89,20 +90,8 @@ def test_without_a_preprocessor_file_the_released_settings_apply(tmp_path: Path)
 def test_stats_of_a_checkpoint_match_processor_and_chat_template(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    (tmp_path / "img").mkdir()
-    names = []
-    for k, (w, h) in enumerate(SIZES[:8]):
-        names.append(f"img/{k}.png")
-        save_image(tmp_path / names[-1], image_array(w, h, (k * 20, 90, 200)))
-    ask = [{"from": "human", "value": "<image>\nwhat is in this picture ?"},
-           {"from": "gpt", "value": "a cat , 3 ."}]
-    recs = [{"id": f"one{k}", "image": n, "conversations": ask} for k, n in enumerate(names)]
-    recs.append({"id": "two", "image": names[:2], "conversations": [
-        {"from": "human", "value": "<image> and <image> : the value ?"},
-        {"from": "gpt", "value": "2"}]})  # fmt: skip
-    recs.append({"id": "text", "conversations": [{"from": "human", "value": "what year ?"},
-                                                 {"from": "gpt", "value": "1 2 3"}]})
-    (tmp_path / "data.json").write_text(json.dumps(recs))
+    _, recs = image_records(tmp_path, SIZES[:8])
+    write_records(tmp_path / "data.json", recs)
     ckpt = _checkpoint(tmp_path / "ckpt", {"size": SMALL, "patch_size": 16, "merge_size": 2})
     out = tmp_path / "lengths.npz"
     assert cli_main(["stats", str(tmp_path / "data.json"), "--model", str(ckpt), "--out",
